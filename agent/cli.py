@@ -1,0 +1,391 @@
+"""`node-agent`: run the agent (foreground or detached), and doctor / status / stop.
+
+node-agent --foreground --controller-url URL --enrollment-token TOKEN --node-name NAME
+node-agent doctor [--bundle PATH]
+node-agent status
+node-agent stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agent import __version__
+from agent.config import (
+    AgentConfig,
+    ConfigError,
+    add_run_arguments,
+    config_from_args,
+    default_state_dir,
+)
+
+SUBCOMMANDS = ("run", "doctor", "status", "stop")
+
+
+def _error(message: str, code: int = 2) -> int:
+    print(f"node-agent: error: {message}", file=sys.stderr)
+    return code
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+
+
+# --- pid file ------------------------------------------------------------------------------------
+
+
+def read_pid(path: Path) -> int | None:
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
+
+
+def _claim_pid_file(config: AgentConfig) -> str | None:
+    other = read_pid(config.pid_path)
+    if other is not None and other != os.getpid():
+        return f"an agent is already running with state dir {config.state_dir} (pid {other})"
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    config.pid_path.write_text(f"{os.getpid()}\n")
+    return None
+
+
+# --- run -----------------------------------------------------------------------------------------
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="node-agent", description="Turn this machine into a RACoN node."
+    )
+    parser.add_argument("--version", action="version", version=f"node-agent {__version__}")
+    add_run_arguments(parser)
+    args = parser.parse_args(list(argv))
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        return _error(str(exc))
+    if not args.foreground:
+        return _detach(config, argv)
+    _setup_logging(config.log_level)
+    problem = _claim_pid_file(config)
+    if problem:
+        return _error(problem)
+    from agent.agent import Agent
+
+    try:
+        agent = Agent(config)
+        code = agent.run()
+    except ConfigError as exc:
+        code = _error(str(exc))
+    finally:
+        try:
+            if read_pid(config.pid_path) == os.getpid():
+                config.pid_path.unlink()
+        except OSError:
+            pass
+    return code
+
+
+def _detach(config: AgentConfig, argv: Sequence[str]) -> int:
+    """Start `node-agent --foreground ...` in its own session with output to the log file."""
+    other = read_pid(config.pid_path)
+    if other is not None:
+        return _error(
+            f"an agent is already running with state dir {config.state_dir} (pid {other})"
+        )
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "agent.cli", *argv, "--foreground"]
+    if "--state-dir" not in argv:
+        cmd += ["--state-dir", str(config.state_dir)]
+    with open(config.log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # survives the terminal closing; no controlling tty
+            close_fds=True,
+        )
+    # A bad credential or config fails fast; report that here instead of a silent dead daemon.
+    for _ in range(30):
+        time.sleep(0.1)
+        if proc.poll() is not None:
+            tail = config.log_path.read_text(errors="replace").splitlines()[-5:]
+            print("\n".join(tail), file=sys.stderr)
+            return _error(
+                f"agent exited at start (code {proc.returncode}); log: {config.log_path}", 1
+            )
+    print(f"node-agent started (pid {proc.pid}); log: {config.log_path}")
+    return 0
+
+
+# --- status / stop -------------------------------------------------------------------------------
+
+
+def _state_dir_arg(argv: Sequence[str], prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"node-agent {prog}")
+    p.add_argument("--state-dir", help="the agent's state dir (RACON_STATE_DIR)")
+    if prog == "stop":
+        p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the drain")
+    if prog == "doctor":
+        p.add_argument("--controller-url", help="controller to check (default: the stored one)")
+        p.add_argument("--models-dir", help="models dir (RACON_MODELS_DIR)")
+        p.add_argument("--hardware-profile", help="JSON profile instead of detection")
+        p.add_argument("--bundle", help="write a .tar.gz with the report and recent logs")
+        p.add_argument("--no-benchmark", action="store_true")
+    return p.parse_args(list(argv))
+
+
+def _resolve_state_dir(args: argparse.Namespace) -> Path:
+    raw = args.state_dir or os.environ.get("RACON_STATE_DIR")
+    return Path(raw).expanduser() if raw else default_state_dir(os.environ)
+
+
+def cmd_status(argv: Sequence[str]) -> int:
+    args = _state_dir_arg(argv, "status")
+    state_dir = _resolve_state_dir(args)
+    pid = read_pid(state_dir / "agent.pid")
+    from agent.identity import IdentityError, load_identity
+
+    try:
+        ident = load_identity(state_dir)
+    except IdentityError as exc:
+        ident = None
+        print(f"identity: unreadable ({exc})")
+    print(f"state dir: {state_dir}")
+    print(f"process: {f'running (pid {pid})' if pid else 'not running'}")
+    if ident:
+        print(f"node: {ident.node_id} ({ident.node_name}) enrolled with {ident.controller_url}")
+    else:
+        print("node: not enrolled")
+    try:
+        status = json.loads((state_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        status = None
+    if status:
+        age = time.time() - float(status.get("updated_at", 0))
+        print(
+            f"state: {status.get('state')} (controller: {status.get('controller_state')}, {age:.0f}s ago)"
+        )
+        rw = status.get("rpc_worker", {})
+        print(
+            f"rpc worker: {'running on ' + str(rw.get('endpoint')) if rw.get('running') else 'stopped'}"
+        )
+        print(f"primaries: {', '.join(status.get('primaries', [])) or 'none'}")
+        print(f"jobs: {', '.join(status.get('jobs', [])) or 'none'}")
+    return 0 if pid else 1
+
+
+def cmd_stop(argv: Sequence[str]) -> int:
+    args = _state_dir_arg(argv, "stop")
+    state_dir = _resolve_state_dir(args)
+    pid = read_pid(state_dir / "agent.pid")
+    if pid is None:
+        print("node-agent is not running")
+        return 0
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"node-agent (pid {pid}) stopped")
+            return 0
+        time.sleep(0.2)
+    return _error(f"node-agent (pid {pid}) still draining after {args.timeout:.0f}s", 1)
+
+
+# --- doctor --------------------------------------------------------------------------------------
+
+
+def run_doctor(
+    *,
+    state_dir: Path,
+    controller_url: str | None,
+    models_dir: Path,
+    hardware_profile: Path | None,
+    benchmark: bool,
+) -> dict[str, Any]:
+    """Detected hardware plus one check per piece. Never raises: a failed check is a result."""
+    from agent.hardware import hardware_source
+    from agent.identity import IdentityError, load_identity
+    from agent.models import ShaCache, scan_models
+    from agent.runtime.llama import llama_rpc_support
+
+    checks: list[dict[str, Any]] = []
+    report: dict[str, Any] = {
+        "agent_version": __version__,
+        "state_dir": str(state_dir),
+        "checks": checks,
+    }
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        checks.append({"name": name, "ok": ok, "detail": detail})
+
+    try:
+        src = hardware_source(models_dir, state_dir, hardware_profile)
+        report["hardware"] = src.inventory(benchmark=benchmark)
+        check("hardware", True, "detected")
+    except Exception as exc:
+        check("hardware", False, f"{type(exc).__name__}: {exc}")
+
+    ident = None
+    try:
+        ident = load_identity(state_dir)
+        check(
+            "identity",
+            ident is not None,
+            f"node {ident.node_id}" if ident else "not enrolled yet (needs --enrollment-token)",
+        )
+    except IdentityError as exc:
+        check("identity", False, str(exc))
+
+    url = controller_url or (ident.controller_url if ident else None)
+    if url:
+        from agent.client import ControllerClient
+
+        client = ControllerClient(url, timeout=5.0, max_retries=0)
+        try:
+            body = client.health()
+            check("controller", True, f"{url}/health answered {json.dumps(body)[:120]}")
+        except Exception as exc:
+            check("controller", False, f"{url}/health: {exc}")
+        finally:
+            client.close()
+    else:
+        check("controller", False, "no controller URL (pass --controller-url)")
+
+    if ident is not None:
+        import redis
+
+        try:
+            r = redis.Redis.from_url(ident.redis_url, socket_connect_timeout=3, socket_timeout=3)
+            r.ping()
+            r.close()
+            check("redis", True, "PING answered")
+        except Exception as exc:
+            check("redis", False, f"{type(exc).__name__}: {exc}")
+    else:
+        check("redis", False, "unknown until enrolled (the controller hands out the URL)")
+
+    ok, detail = llama_rpc_support()
+    check("llama.cpp rpc", ok, detail)
+
+    try:
+        models = scan_models(models_dir, ShaCache(state_dir))
+        report["models"] = models
+        check("models", bool(models), f"{len(models)} GGUF file(s) in {models_dir}")
+    except Exception as exc:
+        check("models", False, f"{type(exc).__name__}: {exc}")
+    report["ok"] = all(c["ok"] for c in checks if c["name"] not in ("models", "identity"))
+    return report
+
+
+def cmd_doctor(argv: Sequence[str]) -> int:
+    args = _state_dir_arg(argv, "doctor")
+    state_dir = _resolve_state_dir(args)
+    models_raw = args.models_dir or os.environ.get("RACON_MODELS_DIR")
+    models_dir = Path(models_raw).expanduser() if models_raw else state_dir / "models"
+    profile_raw = args.hardware_profile or os.environ.get("RACON_HARDWARE_PROFILE")
+    url = args.controller_url or os.environ.get("RACON_CONTROLLER_URL")
+    report = run_doctor(
+        state_dir=state_dir,
+        controller_url=url.rstrip("/") if url else None,
+        models_dir=models_dir,
+        hardware_profile=Path(profile_raw) if profile_raw else None,
+        benchmark=not args.no_benchmark,
+    )
+    hw = report.get("hardware")
+    if hw:
+        cpu = hw["cpu"]
+        print(
+            f"cpu: {cpu.get('model')} ({cpu.get('physical_cores')} cores / {cpu.get('logical_cores')} threads)"
+        )
+        print(
+            f"memory: {hw['memory']['total'] / 2**30:.1f} GiB total, "
+            f"{hw['memory']['available'] / 2**30:.1f} GiB available; swap {hw['swap']['total'] / 2**30:.1f} GiB"
+        )
+        print(f"disk ({hw['disk']['path']}): {hw['disk']['free'] / 2**30:.1f} GiB free")
+        for g in hw["gpus"]:
+            print(
+                f"gpu {g['index']}: {g['name']} {g['vram_total'] / 2**30:.1f} GiB "
+                f"({g['vram_free'] / 2**30:.1f} free), driver {g['driver']}"
+            )
+        if not hw["gpus"]:
+            print("gpu: none detected")
+        if "benchmark" in hw:
+            b = hw["benchmark"]
+            print(f"benchmark: {b['gflops']} GFLOPS, {b['mem_bandwidth_gbps']} GB/s memory")
+    for c in report["checks"]:
+        print(f"[{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['detail']}")
+    if args.bundle:
+        path = _write_bundle(Path(args.bundle), state_dir, report)
+        print(f"bundle written to {path}")
+    return 0 if report["ok"] else 1
+
+
+def _write_bundle(path: Path, state_dir: Path, report: dict[str, Any]) -> Path:
+    """Report + log tails, never the credential: bundles get attached to bug reports."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar, tempfile.TemporaryDirectory() as tmp:
+        rp = Path(tmp) / "doctor.json"
+        rp.write_text(json.dumps(report, indent=2, default=str))
+        tar.add(rp, arcname="doctor.json")
+        for name in ("agent.log", "status.json", "logs/rpc-worker.log"):
+            src = state_dir / name
+            if src.is_file():
+                tail = Path(tmp) / name.replace("/", "_")
+                data = src.read_bytes()[-1_000_000:]
+                tail.write_bytes(data)
+                tar.add(tail, arcname=name)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS:
+        sub, rest = args[0], args[1:]
+        handler = {"run": cmd_run, "doctor": cmd_doctor, "status": cmd_status, "stop": cmd_stop}[
+            sub
+        ]
+        return handler(rest)
+    return cmd_run(args)
+
+
+def entrypoint() -> None:
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit: a thread stuck in a C call (llama.cpp, a socket) must not hold the exit hostage
+    # after the drain has finished.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    entrypoint()

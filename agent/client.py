@@ -1,0 +1,239 @@
+"""Controller HTTP client: timeouts, bounded retries with capped backoff, one log line per change.
+
+Only the transport lives here; what to send and when is the Agent's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import httpx
+
+from agent import __version__
+from agent.protocol import (
+    EnrollRequest,
+    EnrollResponse,
+    Heartbeat,
+    HeartbeatResponse,
+    Report,
+)
+
+log = logging.getLogger("agent.client")
+
+
+class ControllerError(Exception):
+    """The controller answered, and the answer was a final refusal (4xx)."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class NodeRevoked(ControllerError):
+    """The controller revoked this node's credential. The agent must stop."""
+
+
+class Unauthorized(ControllerError):
+    """The credential or enrollment token was refused (not revoked: unknown, expired, wrong)."""
+
+
+class ControllerUnavailable(Exception):
+    """The controller could not be reached, or kept answering 5xx, through every retry."""
+
+
+def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0) -> float:
+    """Capped exponential backoff with jitter, so a fleet does not retry in lockstep."""
+    delay = min(cap, base * (2 ** max(0, attempt)))
+    return delay * (0.5 + random.random() / 2)
+
+
+class ControllerClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 10.0,
+        max_retries: int = 4,
+        backoff_base: float = 0.5,
+        backoff_cap: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.max_retries = max_retries
+        self.backoff_base = backoff_base
+        self.backoff_cap = backoff_cap
+        self._sleep = sleep
+        self._auth: str | None = None
+        # httpx.Client is thread-safe; the heartbeat thread and the report sender share it.
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+            transport=transport,
+            headers={"User-Agent": f"racon-node-agent/{__version__}"},
+        )
+        self._state_lock = threading.Lock()
+        self._reachable: bool | None = None  # None until the first answer or failure
+
+    def close(self) -> None:
+        self._http.close()
+
+    def set_credentials(self, node_id: str, credential: str) -> None:
+        self._auth = f"Node {node_id}:{credential}"
+
+    @property
+    def reachable(self) -> bool | None:
+        return self._reachable
+
+    # --- state-change logging ---------------------------------------------------------------
+
+    def _mark(self, ok: bool, detail: str = "") -> None:
+        with self._state_lock:
+            before = self._reachable
+            self._reachable = ok
+        if before is ok:
+            return
+        if ok:
+            if before is False:
+                log.info("controller %s is reachable again", self.base_url)
+        else:
+            log.warning(
+                "controller %s unreachable (%s); retrying with backoff up to %.0fs",
+                self.base_url,
+                detail,
+                self.backoff_cap,
+            )
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        auth: bool = True,
+        retries: int | None = None,
+        stop: threading.Event | None = None,
+    ) -> Any:
+        """Send one request; retry transport errors, 429 and 5xx. Returns the decoded JSON body.
+
+        Raises NodeRevoked / Unauthorized / ControllerError on final refusals and
+        ControllerUnavailable once the retries are spent (or `stop` is set while waiting).
+        """
+        retries = self.max_retries if retries is None else retries
+        headers = {}
+        if auth and self._auth:
+            headers["Authorization"] = self._auth
+        attempt = 0
+        while True:
+            detail: str
+            try:
+                resp = self._http.request(method, path, json=json, headers=headers)
+            except httpx.HTTPError as exc:
+                detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            else:
+                if resp.status_code < 500 and resp.status_code != 429:
+                    self._mark(True)
+                    return self._decode(resp, method, path)
+                detail = f"HTTP {resp.status_code}"
+            self._mark(False, detail)
+            if attempt >= retries:
+                raise ControllerUnavailable(f"{method} {path}: {detail}")
+            delay = backoff_delay(attempt, base=self.backoff_base, cap=self.backoff_cap)
+            attempt += 1
+            log.debug("retry %d of %s %s in %.2fs (%s)", attempt, method, path, delay, detail)
+            if stop is not None:
+                if stop.wait(delay):
+                    raise ControllerUnavailable(f"{method} {path}: {detail} (stopping)")
+            else:
+                self._sleep(delay)
+
+    @staticmethod
+    def _decode(resp: httpx.Response, method: str, path: str) -> Any:
+        body = resp.text
+        if resp.status_code in (401, 403):
+            message = _error_message(resp) or body[:200]
+            if "revoked" in body.lower():
+                raise NodeRevoked(
+                    f"node credential revoked by the controller: {message}",
+                    status=resp.status_code,
+                    body=body,
+                )
+            raise Unauthorized(
+                f"{method} {path} refused (HTTP {resp.status_code}): {message}",
+                status=resp.status_code,
+                body=body,
+            )
+        if resp.status_code >= 400:
+            message = _error_message(resp) or body[:200]
+            raise ControllerError(
+                f"{method} {path} failed (HTTP {resp.status_code}): {message}",
+                status=resp.status_code,
+                body=body,
+            )
+        if not body:
+            return {}
+        try:
+            return resp.json()
+        except ValueError:
+            raise ControllerError(
+                f"{method} {path}: controller answered non-JSON", status=resp.status_code
+            ) from None
+
+    # --- endpoints ----------------------------------------------------------------------------
+
+    def health(self, *, retries: int = 0) -> dict[str, Any]:
+        return cast(dict[str, Any], self.request("GET", "/health", auth=False, retries=retries))
+
+    def enroll(
+        self, req: EnrollRequest, *, retries: int | None = None, stop: threading.Event | None = None
+    ) -> EnrollResponse:
+        body = self.request(
+            "POST", "/api/agent/enroll", json=req, auth=False, retries=retries, stop=stop
+        )
+        for key in ("node_id", "credential", "redis_url"):
+            if key not in body:
+                raise ControllerError(f"enroll response lacks {key!r}")
+        return cast(EnrollResponse, body)
+
+    def heartbeat(self, hb: Heartbeat, *, retries: int = 0) -> HeartbeatResponse:
+        # No retries by default: the next beat is the retry, and a stale beat is worthless.
+        return cast(
+            HeartbeatResponse,
+            self.request("POST", "/api/agent/heartbeat", json=hb, retries=retries),
+        )
+
+    def report(
+        self, report: Report, *, retries: int | None = None, stop: threading.Event | None = None
+    ) -> dict[str, Any]:
+        return cast(
+            dict[str, Any],
+            self.request("POST", "/api/agent/reports", json=report, retries=retries, stop=stop),
+        )
+
+    def download(self) -> httpx.Client:
+        """The underlying client, for streamed downloads that carry the node's auth."""
+        return self._http
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": self._auth} if self._auth else {}
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        data = resp.json()
+    except ValueError:
+        return ""
+    if isinstance(data, dict):
+        err = data.get("error", data.get("detail", ""))
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(err)
+    return ""

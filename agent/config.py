@@ -1,0 +1,236 @@
+"""Agent configuration: CLI flags over environment variables over defaults, validated once."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+DEFAULT_RPC_PORT = 50052
+DEFAULT_DRAIN_SECONDS = 10.0
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. Its message is one line meant for the operator."""
+
+
+@dataclass
+class AgentConfig:
+    controller_url: str
+    node_name: str
+    state_dir: Path
+    models_dir: Path
+    advertise_address: str
+    enrollment_token: str | None = None
+    rpc_port: int = DEFAULT_RPC_PORT
+    hardware_profile: Path | None = None
+    metrics_port: int | None = None
+    rpc_worker: bool = True
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS
+    # Overrides the Redis URL the controller hands out at enrollment (useful behind NAT/tunnels).
+    redis_url: str | None = None
+    # Threads for the RPC worker; 0 means "all logical cores".
+    rpc_threads: int = 0
+    run_benchmarks: bool = True
+    log_level: str = "INFO"
+
+    @property
+    def rpc_endpoint(self) -> str:
+        host = self.advertise_address
+        if ":" in host:  # IPv6 literal
+            host = f"[{host}]"
+        return f"{host}:{self.rpc_port}"
+
+    @property
+    def identity_path(self) -> Path:
+        return self.state_dir / "identity.json"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.state_dir / "agent.pid"
+
+    @property
+    def log_path(self) -> Path:
+        return self.state_dir / "agent.log"
+
+    @property
+    def status_path(self) -> Path:
+        return self.state_dir / "status.json"
+
+
+def default_state_dir(env: Mapping[str, str]) -> Path:
+    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "racon-agent"
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the run command. Every default is None so the environment can fill the gap."""
+    parser.add_argument("--foreground", action="store_true", help="run attached to the terminal")
+    parser.add_argument("--controller-url", help="controller base URL (RACON_CONTROLLER_URL)")
+    parser.add_argument(
+        "--enrollment-token", help="administrator-issued token (RACON_ENROLLMENT_TOKEN)"
+    )
+    parser.add_argument("--node-name", help="name shown in the controller (RACON_NODE_NAME)")
+    parser.add_argument("--models-dir", help="where GGUF files live (RACON_MODELS_DIR)")
+    parser.add_argument(
+        "--advertise-address",
+        help="private address peers reach this node on (RACON_ADVERTISE_ADDRESS)",
+    )
+    parser.add_argument("--rpc-port", help="ggml-rpc port, default 50052 (RACON_RPC_PORT)")
+    parser.add_argument("--state-dir", help="credential, caches, logs (RACON_STATE_DIR)")
+    parser.add_argument(
+        "--hardware-profile", help="JSON file that replaces hardware detection (testing)"
+    )
+    parser.add_argument("--metrics-port", help="serve Prometheus metrics on this port")
+    parser.add_argument(
+        "--no-rpc-worker", action="store_true", help="do not lend memory as a ggml-rpc worker"
+    )
+    parser.add_argument(
+        "--drain-seconds", help="SIGTERM: bound on finishing current work (RACON_DRAIN_SECONDS)"
+    )
+    parser.add_argument("--redis-url", help="override the Redis URL given at enrollment")
+    parser.add_argument("--no-benchmark", action="store_true", help="skip compute benchmarks")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING (RACON_LOG_LEVEL)")
+
+
+def _pick(cli: object, env: Mapping[str, str], name: str) -> str | None:
+    value = getattr(cli, name, None)
+    if value is None or value == "":
+        value = env.get("RACON_" + name.upper())
+    return value if value not in (None, "") else None
+
+
+def _port(value: str, flag: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise ConfigError(f"{flag} must be a port number, got {value!r}") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"{flag} must be between 1 and 65535, got {port}")
+    return port
+
+
+def _validate_url(url: str, flag: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{flag} must be an http(s) URL like http://10.0.0.5:8000, got {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ConfigError(f"{flag} has an invalid port: {url!r}") from None
+    return url.rstrip("/")
+
+
+def _validate_address(value: str) -> str:
+    if value == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(value.strip("[]")))
+    except ValueError:
+        raise ConfigError(
+            f"--advertise-address must be an IP address of this machine, got {value!r}"
+        ) from None
+
+
+def guess_advertise_address(controller_url: str) -> str:
+    """The local address the OS would use to reach the controller (no packet is sent)."""
+    host = urlsplit(controller_url).hostname or "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(host, 80, type=socket.SOCK_DGRAM)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)  # UDP connect only picks a route
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> AgentConfig:
+    """Build and validate the config. Raises ConfigError with a one-line message."""
+    env = os.environ if env is None else env
+    controller_url = _pick(args, env, "controller_url")
+    if not controller_url:
+        raise ConfigError("--controller-url (or RACON_CONTROLLER_URL) is required")
+    controller_url = _validate_url(controller_url, "--controller-url")
+
+    node_name = _pick(args, env, "node_name") or socket.gethostname().split(".")[0]
+    if not _NAME_RE.match(node_name):
+        raise ConfigError(
+            f"--node-name must be 1-63 letters, digits, '.', '_' or '-', got {node_name!r}"
+        )
+
+    state_dir = Path(_pick(args, env, "state_dir") or default_state_dir(env)).expanduser()
+    models_dir = Path(_pick(args, env, "models_dir") or state_dir / "models").expanduser()
+    if models_dir.exists() and not models_dir.is_dir():
+        raise ConfigError(f"--models-dir {models_dir} exists and is not a directory")
+    if state_dir.exists() and not state_dir.is_dir():
+        raise ConfigError(f"--state-dir {state_dir} exists and is not a directory")
+
+    address = _pick(args, env, "advertise_address")
+    advertise = _validate_address(address) if address else guess_advertise_address(controller_url)
+
+    rpc_port_raw = _pick(args, env, "rpc_port")
+    rpc_port = _port(rpc_port_raw, "--rpc-port") if rpc_port_raw else DEFAULT_RPC_PORT
+
+    metrics_raw = _pick(args, env, "metrics_port")
+    metrics_port = _port(metrics_raw, "--metrics-port") if metrics_raw else None
+    if metrics_port is not None and metrics_port == rpc_port:
+        raise ConfigError("--metrics-port must differ from --rpc-port")
+
+    profile_raw = _pick(args, env, "hardware_profile")
+    profile = Path(profile_raw).expanduser() if profile_raw else None
+    if profile is not None and not profile.is_file():
+        raise ConfigError(f"--hardware-profile {profile} is not a readable file")
+
+    drain_raw = _pick(args, env, "drain_seconds")
+    drain = DEFAULT_DRAIN_SECONDS
+    if drain_raw:
+        try:
+            drain = float(drain_raw)
+        except ValueError:
+            raise ConfigError(f"--drain-seconds must be a number, got {drain_raw!r}") from None
+        if not 0 <= drain <= 3600:
+            raise ConfigError(f"--drain-seconds must be between 0 and 3600, got {drain}")
+
+    redis_url = _pick(args, env, "redis_url")
+    if redis_url and urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"--redis-url must be a redis:// URL, got {redis_url!r}")
+
+    level = (_pick(args, env, "log_level") or "INFO").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
+
+    rpc_worker = not getattr(args, "no_rpc_worker", False)
+    if env.get("RACON_NO_RPC_WORKER", "").lower() in ("1", "true", "yes"):
+        rpc_worker = False
+
+    return AgentConfig(
+        controller_url=controller_url,
+        node_name=node_name,
+        state_dir=state_dir,
+        models_dir=models_dir,
+        advertise_address=advertise,
+        enrollment_token=_pick(args, env, "enrollment_token"),
+        rpc_port=rpc_port,
+        hardware_profile=profile,
+        metrics_port=metrics_port,
+        rpc_worker=rpc_worker,
+        drain_seconds=drain,
+        redis_url=redis_url,
+        run_benchmarks=not getattr(args, "no_benchmark", False),
+        log_level=level,
+    )
+
+
+def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> AgentConfig:
+    """Parse run flags (used by tests and by programmatic callers)."""
+    parser = argparse.ArgumentParser(prog="node-agent")
+    add_run_arguments(parser)
+    return config_from_args(parser.parse_args(list(argv)), env)

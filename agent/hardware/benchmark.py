@@ -1,0 +1,113 @@
+"""Short compute and memory-bandwidth benchmarks, cached per hardware fingerprint.
+
+The scheduler weighs devices by these two figures, so they must be comparable across nodes
+(same code, same sizes) and cheap enough to run at every first start (about one second).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("agent.hardware.benchmark")
+CACHE_FILE = "benchmark.json"
+
+
+def measure_gflops(budget_s: float = 0.5) -> float:
+    """float32 matmul throughput of numpy's BLAS on this machine, in GFLOPS."""
+    try:
+        import numpy as np
+    except ImportError:
+        return _python_gflops(budget_s)
+    n = 512
+    rng = np.random.default_rng(0)
+    a = rng.random((n, n), dtype=np.float32)
+    b = rng.random((n, n), dtype=np.float32)
+    np.matmul(a, b)  # warm up BLAS threads and caches
+    flops_per = 2.0 * n * n * n
+    runs, start = 0, time.perf_counter()
+    while True:
+        np.matmul(a, b)
+        runs += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_s or runs >= 10_000:
+            break
+    return round(flops_per * runs / elapsed / 1e9, 2)
+
+
+def _python_gflops(budget_s: float) -> float:
+    # Without numpy the figure is only a rough relative rank, never a peak.
+    x, runs, start = 1.0001, 0, time.perf_counter()
+    while time.perf_counter() - start < budget_s:
+        for _ in range(10_000):
+            x = x * 1.0000001 + 0.0000001
+        runs += 1
+    return round(runs * 20_000 / (time.perf_counter() - start) / 1e9, 4)
+
+
+def measure_mem_bandwidth(budget_s: float = 0.5, size_mb: int = 64) -> float:
+    """Large array copy throughput (bytes read + written), in GB/s."""
+    try:
+        import numpy as np
+    except ImportError:
+        return _python_bandwidth(budget_s, size_mb)
+    n = size_mb * 1024 * 1024 // 8
+    src = np.ones(n, dtype=np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in before timing
+    runs, start = 0, time.perf_counter()
+    while True:
+        np.copyto(dst, src)
+        runs += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_s or runs >= 1000:
+            break
+    return round(2 * src.nbytes * runs / elapsed / 1e9, 2)
+
+
+def _python_bandwidth(budget_s: float, size_mb: int) -> float:
+    src = bytearray(size_mb * 1024 * 1024)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < budget_s:
+        _ = bytes(src)
+        runs += 1
+    return round(2 * len(src) * runs / (time.perf_counter() - start) / 1e9, 2)
+
+
+def run_benchmarks() -> dict[str, float]:
+    return {"gflops": measure_gflops(), "mem_bandwidth_gbps": measure_mem_bandwidth()}
+
+
+def cached_benchmarks(
+    state_dir: Path,
+    fingerprint: str,
+    *,
+    runner: Callable[[], dict[str, float]] = run_benchmarks,
+) -> dict[str, float]:
+    """Benchmarks for this fingerprint: from the cache, else measured once and stored."""
+    path = state_dir / CACHE_FILE
+    cache: dict[str, Any] = {}
+    try:
+        loaded = json.loads(path.read_text())
+        if isinstance(loaded, dict):
+            cache = loaded
+    except (OSError, ValueError):
+        pass
+    hit = cache.get(fingerprint)
+    if isinstance(hit, dict) and {"gflops", "mem_bandwidth_gbps"} <= hit.keys():
+        return {
+            "gflops": float(hit["gflops"]),
+            "mem_bandwidth_gbps": float(hit["mem_bandwidth_gbps"]),
+        }
+    log.info("running compute and memory benchmarks (about 1 s)")
+    result = runner()
+    # Only the current machine matters; a stale fingerprint is dropped rather than kept forever.
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({fingerprint: {**result, "measured_at": time.time()}}, indent=2))
+    tmp.replace(path)
+    return result

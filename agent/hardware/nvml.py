@@ -1,0 +1,69 @@
+"""NVIDIA GPUs through NVML (the `pynvml` module of nvidia-ml-py). No driver → no GPUs, no error."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from agent.protocol import GpuInfo
+
+log = logging.getLogger("agent.hardware.nvml")
+_lock = threading.Lock()
+_initialised: bool | None = None  # None: not tried; False: no driver, do not retry each beat
+
+
+def _nvml() -> Any | None:
+    global _initialised
+    with _lock:
+        if _initialised is False:
+            return None
+        try:
+            import pynvml
+        except ImportError:
+            _initialised = False
+            return None
+        if _initialised is None:
+            try:
+                pynvml.nvmlInit()
+            except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+                log.info("no NVIDIA GPU detected (%s)", exc)
+                _initialised = False
+                return None
+            _initialised = True
+        return pynvml
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def detect_gpus() -> list[GpuInfo]:
+    nv = _nvml()
+    if nv is None:
+        return []
+    gpus: list[GpuInfo] = []
+    try:
+        driver = _text(nv.nvmlSystemGetDriverVersion())
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            gpus.append(
+                GpuInfo(
+                    index=i,
+                    vendor="nvidia",
+                    name=_text(nv.nvmlDeviceGetName(h)),
+                    uuid=_text(nv.nvmlDeviceGetUUID(h)),
+                    vram_total=int(mem.total),
+                    vram_free=int(mem.free),
+                    driver=driver,
+                )
+            )
+    except Exception as exc:
+        log.warning("NVML query failed: %s", exc)
+        return []
+    return gpus
+
+
+def gpu_free() -> list[int]:
+    return [g["vram_free"] for g in detect_gpus()]

@@ -1,0 +1,88 @@
+"""Link probes to peer RPC workers: TCP connect RTT and a throughput estimate.
+
+ggml-rpc serves one client at a time and has no echo command, so we cannot push bulk data through
+a peer's port without risking the peer (it parses whatever arrives as RPC commands). RTT is
+measured for real (TCP handshake, median of several); throughput is estimated from the speed of
+the local interface that routes to the peer, reported with how it was obtained.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from typing import Any
+
+import psutil
+
+from agent.protocol import is_private_address
+
+LOOPBACK_MBPS = 100_000.0  # memory-to-memory; faster than any NIC, slower than a device bus
+ASSUMED_MBPS = 1_000.0  # gigabit Ethernet: the common home/office link when the NIC won't say
+
+
+def _local_address_for(host: str, port: int) -> str | None:
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))  # picks a route; sends nothing
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def interface_speed_mbps(local_addr: str | None) -> tuple[float, str]:
+    if local_addr is None:
+        return ASSUMED_MBPS, "assumed"
+    if local_addr.startswith("127.") or local_addr == "::1":
+        return LOOPBACK_MBPS, "loopback"
+    stats = psutil.net_if_stats()
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local_addr for a in addrs):
+            st = stats.get(name)
+            if st and st.speed > 0:
+                return float(st.speed), f"nic:{name}"
+            return ASSUMED_MBPS, f"assumed:{name}"
+    return ASSUMED_MBPS, "assumed"
+
+
+def tcp_rtt_ms(host: str, port: int, *, samples: int = 5, timeout: float = 2.0) -> float:
+    """Median TCP connect time. Raises OSError when the peer cannot be reached at all."""
+    times: list[float] = []
+    last_error: OSError | None = None
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                times.append((time.perf_counter() - t0) * 1000)
+        except OSError as exc:
+            last_error = exc
+    if not times:
+        raise last_error or OSError(f"{host}:{port} unreachable")
+    return round(statistics.median(times), 3)
+
+
+def probe_peer(peer: dict[str, Any], *, samples: int = 5) -> dict[str, Any]:
+    node_id = str(peer.get("node_id", ""))
+    host = str(peer.get("address", ""))
+    try:
+        port = int(peer.get("rpc_port", 0))
+    except (TypeError, ValueError):
+        port = 0
+    out: dict[str, Any] = {"node_id": node_id, "address": host, "rpc_port": port}
+    if not host or not 0 < port < 65536:
+        out["error"] = "malformed peer: needs address and rpc_port"
+        return out
+    if not is_private_address(host):
+        out["error"] = f"Public IP security violation: {host} is outside the private ranges"
+        out["public"] = True
+        return out
+    try:
+        out["rtt_ms"] = tcp_rtt_ms(host, port, samples=samples)
+    except OSError as exc:
+        out["error"] = f"unreachable: {exc}"
+        return out
+    mbps, method = interface_speed_mbps(_local_address_for(host, port))
+    out["bandwidth_mbps"] = mbps
+    out["bandwidth_method"] = method
+    return out

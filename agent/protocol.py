@@ -1,0 +1,318 @@
+"""Wire formats between the controller and node agents.
+
+This module is the single contract. It has no Django import: the controller's serializers are
+checked against it by a contract test (tests/api/test_protocol_contract.py).
+
+Transport:
+- Agent → controller: HTTPS JSON.
+    POST /api/agent/enroll      EnrollRequest → EnrollResponse  (no credential yet; enrollment token)
+    POST /api/agent/heartbeat   Heartbeat → HeartbeatResponse   (Authorization: Node <node_id>:<credential>)
+    POST /api/agent/reports     Report → ReportResponse         (same auth)
+- Controller → agent: the node's own Redis list ``node_queue_key(node_id)`` holding JSON Commands.
+  The agent moves each command atomically into ``node_processing_key(node_id)`` (BLMOVE) and removes
+  it once the controller has accepted the command's report, so a crash never loses a command.
+- Token streaming: the primary appends StreamEntry fields to the Redis stream ``job_stream_key``.
+  A cancel is the key ``job_cancel_key`` being set; the primary checks it between tokens.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, NotRequired, TypedDict
+
+PROTOCOL_VERSION = 1
+
+# --- Redis keys -------------------------------------------------------------------------------
+
+
+def node_queue_key(node_id: str) -> str:
+    return f"racon:node:{node_id}:commands"
+
+
+def node_processing_key(node_id: str) -> str:
+    return f"racon:node:{node_id}:processing"
+
+
+def node_seen_key(node_id: str) -> str:
+    """Set of command ids already handled (duplicate detection), with a TTL."""
+    return f"racon:node:{node_id}:seen"
+
+
+def job_stream_key(job_id: str) -> str:
+    return f"racon:job:{job_id}:stream"
+
+
+def job_cancel_key(job_id: str) -> str:
+    return f"racon:job:{job_id}:cancel"
+
+
+def heartbeat_key(node_id: str) -> str:
+    """Hash holding the last heartbeat time (controller clock) and telemetry of a node."""
+    return f"racon:hb:{node_id}"
+
+
+# Queue direction (added by the agent): the controller appends commands with RPUSH and the agent
+# takes the oldest with BLMOVE queue → processing LEFT RIGHT, so commands run in the order issued.
+QUEUE_PUSH_SIDE = "RIGHT"
+QUEUE_POP_SIDE = "LEFT"
+# How long the agent remembers a handled command id (duplicate detection). The agent keeps
+# node_seen_key as a sorted set (member = command id, score = agent time handled) so old ids can be
+# pruned one by one; the key itself also expires after this long without activity.
+SEEN_TTL_SECONDS = 24 * 3600
+
+HEARTBEATS_ZSET = "racon:hb:last"  # member node_id, score = controller time of last heartbeat
+STREAM_TTL_SECONDS = 3600
+
+# --- Commands (controller → agent) ------------------------------------------------------------
+
+CommandKind = Literal[
+    "rpc_start",  # {}
+    "rpc_stop",  # {}
+    "load_primary",  # LoadPrimaryPayload
+    "unload",  # {"deployment_id"}
+    "run_job",  # RunJobPayload
+    "cancel_job",  # {"job_id"}
+    "probe_links",  # {"peers": [{"node_id", "address", "rpc_port"}]}
+    "rescan_models",  # {}
+    "fetch_model",  # FetchModelPayload
+]
+COMMAND_KINDS: tuple[str, ...] = (
+    "rpc_start",
+    "rpc_stop",
+    "load_primary",
+    "unload",
+    "run_job",
+    "cancel_job",
+    "probe_links",
+    "rescan_models",
+    "fetch_model",
+)
+
+
+class Command(TypedDict):
+    id: str
+    kind: str
+    payload: dict[str, Any]
+    issued_at: float  # controller clock, informational only
+
+
+class LoadPrimaryPayload(TypedDict):
+    deployment_id: str
+    model_name: str
+    model_path: NotRequired[str]  # path on the primary; resolved from sha256 when absent
+    sha256: str
+    rpc_endpoints: list[str]  # "host:port", in plan order
+    tensor_split: list[float]  # one entry per device: RPC devices in order, then local last
+    n_gpu_layers: int
+    n_ctx: int
+    n_parallel: int
+    n_threads: int
+    memory_bytes: NotRequired[int]  # predicted memory on the primary; refused when it exceeds RAM
+
+
+class RunJobPayload(TypedDict):
+    job_id: str
+    deployment_id: str
+    kind: Literal["chat", "completion"]
+    messages: NotRequired[list[dict[str, str]]]
+    prompt: NotRequired[str]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: list[str]
+    seed: NotRequired[int | None]
+    presence_penalty: float
+    frequency_penalty: float
+
+
+class FetchModelPayload(TypedDict):
+    sha256: str
+    file_name: str
+    size: int
+    url: str  # controller URL serving the file, supports HTTP Range for resume
+
+
+# --- Reports (agent → controller) -------------------------------------------------------------
+
+ReportKind = Literal[
+    "command_result",  # {"ok": bool, "error": str, ...result}
+    "event",  # {"event": "RPC_WORKER_STARTED" | ..., "message", "data"}
+    "job_finished",  # JobFinishedPayload
+    "models",  # {"models": [ModelFileInfo]}
+    "links",  # {"links": [LinkProbe]}
+    "fault",  # {"fatal": bool, "message"}
+]
+REPORT_KINDS: tuple[str, ...] = (
+    "command_result",
+    "event",
+    "job_finished",
+    "models",
+    "links",
+    "fault",
+)
+
+
+class Report(TypedDict):
+    id: str  # unique per report, for idempotency
+    kind: str
+    command_id: NotRequired[str | None]
+    payload: dict[str, Any]
+
+
+class JobFinishedPayload(TypedDict):
+    job_id: str
+    status: Literal["completed", "failed", "cancelled"]
+    finish_reason: NotRequired[str | None]  # "stop" | "length" | None
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: NotRequired[float | None]
+    tokens_per_s: NotRequired[float | None]
+    error: NotRequired[str]
+    # measured compute seconds per plan member, when the runtime can tell
+    device_seconds: NotRequired[dict[str, float]]
+
+
+class ModelFileInfo(TypedDict):
+    path: str
+    file_name: str
+    size: int
+    mtime: float
+    sha256: str
+
+
+class LinkProbe(TypedDict):
+    node_id: str
+    rtt_ms: float
+    bandwidth_mbps: float
+
+
+class StreamEntry(TypedDict):
+    """Fields of one entry of ``job_stream_key(job_id)`` (added by the agent). Redis stores strings.
+
+    seq: "0", "1", ... in append order for the job. type: "chunk" (text is generated text),
+    "done" (finish_reason is "stop" | "length" | "cancelled"; usage is set) or "error" (text is the
+    error message, finish_reason is "error"). usage: JSON of StreamUsage on "done"/"error", else "".
+    Exactly one "done" or "error" entry ends every stream.
+    """
+
+    seq: str
+    type: Literal["chunk", "done", "error"]
+    text: str
+    finish_reason: str
+    usage: str
+
+
+class StreamUsage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    ttft_ms: float | None
+    tokens_per_s: float | None
+
+
+# --- Enrollment and heartbeats ----------------------------------------------------------------
+
+
+class GpuInfo(TypedDict):
+    index: int
+    vendor: str
+    name: str
+    uuid: str
+    vram_total: int
+    vram_free: int
+    driver: str
+
+
+class Hardware(TypedDict):
+    """The hardware inventory an agent sends on enrollment. Sizes are bytes."""
+
+    cpu: dict[str, Any]  # model, physical_cores, logical_cores, flags[]
+    memory: dict[str, int]  # total, available
+    swap: dict[str, int]  # total, free
+    disk: dict[str, Any]  # path, total, free (the models dir)
+    network: list[dict[str, Any]]  # name, addresses[]
+    gpus: list[GpuInfo]
+    benchmark: NotRequired[dict[str, float]]  # gflops, mem_bandwidth_gbps
+    fingerprint: NotRequired[str]
+
+
+class EnrollRequest(TypedDict):
+    token: str
+    node_name: str
+    machine_id: str
+    agent_version: str
+    advertise_address: str
+    rpc_port: int
+    hardware: Hardware
+    models: NotRequired[list[ModelFileInfo]]
+
+
+class EnrollResponse(TypedDict):
+    node_id: str
+    credential: str
+    redis_url: str
+    heartbeat_interval: float
+    state: str
+
+
+class Heartbeat(TypedDict):
+    state: NotRequired[str]  # what the agent wants: READY once its runtime checks pass
+    sent_at: NotRequired[float]  # agent clock; ignored for health decisions
+    telemetry: dict[
+        str, Any
+    ]  # cpu_percent, mem_available, gpu_free[], rpc_worker, primaries[], jobs[]
+
+
+class HeartbeatResponse(TypedDict):
+    state: str
+    heartbeat_interval: float
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+# --- Private-address rule ---------------------------------------------------------------------
+
+_CGNAT = ipaddress.ip_network("100.64.0.0/10")
+_ULA = ipaddress.ip_network("fc00::/7")
+
+
+def is_private_address(host: str) -> bool:
+    """True for RFC 1918, loopback, link-local, CGNAT 100.64/10 and IPv6 ULA addresses."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    if ip.version == 4:
+        return bool(
+            ip.is_loopback
+            or ip.is_link_local
+            or ip in _CGNAT
+            or any(
+                ip in ipaddress.ip_network(n)
+                for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+            )
+        )
+    return bool(ip.is_loopback or ip.is_link_local or ip in _ULA)
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' → (host, port). Raises ValueError on a malformed endpoint."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"malformed endpoint {endpoint!r}: expected host:port")
+    p = int(port)
+    if not 0 < p < 65536:
+        raise ValueError(f"malformed endpoint {endpoint!r}: port out of range")
+    return host.strip("[]"), p
+
+
+@dataclass(frozen=True)
+class PublicAddressError(Exception):
+    address: str
+
+    def __str__(self) -> str:
+        return f"Public IP security violation: {self.address} is outside the private ranges"

@@ -1,0 +1,97 @@
+"""Runtimes: what actually serves ggml-rpc and runs a model. The Agent talks to them through
+these small interfaces so unit tests can swap in the deterministic fake (agent.runtime.fake).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import redis
+
+from agent.protocol import JobFinishedPayload, LoadPrimaryPayload
+
+# (event name, human message, data) → reported to the controller as a kind="event" report.
+EventSink = Callable[[str, str, dict[str, Any]], None]
+JobFinishedSink = Callable[[JobFinishedPayload], None]
+
+
+class RuntimeErrorReport(Exception):
+    """A runtime refusal or failure with a message fit for the operator and an event name."""
+
+    event = "RUNTIME_FAILED"
+
+    def __init__(self, message: str, *, data: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.data = data or {}
+
+
+class PortInUse(RuntimeErrorReport):
+    event = "RPC_WORKER_FAILED"
+
+
+class LoadFailed(RuntimeErrorReport):
+    event = "RUNTIME_FAILED"
+
+
+class RpcWorkerHandle(Protocol):
+    endpoint: str
+
+    def start(self) -> dict[str, Any]: ...
+
+    def stop(self, timeout: float = 5.0) -> None: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class PrimaryHandle(Protocol):
+    deployment_id: str
+
+    def load(self) -> dict[str, Any]: ...
+
+    def submit(self, job: dict[str, Any]) -> None: ...
+
+    def cancel(self, job_id: str) -> bool: ...
+
+    def jobs(self) -> list[str]: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def stop(self, timeout: float = 5.0) -> None: ...
+
+
+class Runtime(Protocol):
+    """Factory for the two runtime parts, plus the capability check behind READY."""
+
+    name: str
+
+    def check(self) -> tuple[bool, str]: ...
+
+    def rpc_worker(
+        self,
+        *,
+        host: str,
+        port: int,
+        cache_dir: Path,
+        n_threads: int,
+        log_path: Path,
+        on_event: EventSink,
+    ) -> RpcWorkerHandle: ...
+
+    def primary(
+        self,
+        *,
+        plan: LoadPrimaryPayload,
+        model_path: Path,
+        redis_client: redis.Redis,
+        redis_url: str,
+        log_path: Path,
+        on_event: EventSink,
+        on_job_finished: JobFinishedSink,
+        on_exit: Callable[[str], None],
+    ) -> PrimaryHandle: ...

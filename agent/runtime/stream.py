@@ -1,0 +1,166 @@
+"""Writing a job's token stream to Redis (protocol.StreamEntry), off the generation thread.
+
+Generation must not wait on Redis: chunks go through an in-process queue to a writer thread that
+pipelines every chunk waiting at that moment together with one EXISTS on the cancel key, so a token
+costs the generator a queue put and the cancel check rides along with writes that happen anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from typing import Any
+
+import redis
+
+from agent.protocol import STREAM_TTL_SECONDS, StreamUsage, job_cancel_key, job_stream_key
+
+log = logging.getLogger("agent.runtime.stream")
+
+_STOP = object()
+
+
+def entry(
+    seq: int, type_: str, text: str = "", finish_reason: str = "", usage: Any = None
+) -> dict[str, str]:
+    return {
+        "seq": str(seq),
+        "type": type_,
+        "text": text,
+        "finish_reason": finish_reason,
+        "usage": json.dumps(usage) if usage is not None else "",
+    }
+
+
+class StreamWriter:
+    """One job's stream. `cancel` is set when the cancel key is seen (or by the caller)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        job_id: str,
+        cancel: threading.Event,
+        *,
+        ttl: int = STREAM_TTL_SECONDS,
+    ) -> None:
+        self.r = client
+        self.job_id = job_id
+        self.key = job_stream_key(job_id)
+        self.cancel_key = job_cancel_key(job_id)
+        self.cancel = cancel
+        self.ttl = ttl
+        self.seq = 0
+        self.error: str | None = None  # set when Redis failed; generation should stop
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._expire_set = False
+        self._thread = threading.Thread(target=self._run, name=f"stream-{job_id[:8]}", daemon=True)
+        self._thread.start()
+
+    # --- generator side -----------------------------------------------------------------------
+
+    def chunk(self, text: str) -> None:
+        if text:
+            self._q.put(entry(self._next(), "chunk", text))
+
+    def done(self, finish_reason: str, usage: StreamUsage) -> None:
+        self._q.put(entry(self._next(), "done", "", finish_reason, usage))
+        self.close()
+
+    def fail(self, message: str, usage: StreamUsage | None = None) -> None:
+        self._q.put(entry(self._next(), "error", message, "error", usage))
+        self.close()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush every queued entry (the final one included) before returning."""
+        self._q.put(_STOP)
+        self._thread.join(timeout)
+
+    def _next(self) -> int:
+        seq = self.seq
+        self.seq += 1
+        return seq
+
+    # --- writer thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            batch = [self._q.get()]
+            while True:
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            entries = [b for b in batch if b is not _STOP]
+            stopping = len(entries) != len(batch)
+            if not entries:
+                continue
+            final = entries[-1]["type"] != "chunk"
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                for e in entries:
+                    pipe.xadd(self.key, e)  # type: ignore[arg-type]
+                if not self._expire_set or final:
+                    # TTL from the first entry, renewed at the end so readers get the full window.
+                    pipe.expire(self.key, self.ttl)
+                    self._expire_set = True
+                pipe.exists(self.cancel_key)
+                results = pipe.execute()
+            except redis.RedisError as exc:
+                if self.error is None:
+                    log.error("job %s: cannot write its stream: %s", self.job_id, exc)
+                self.error = f"stream write failed: {exc}"
+                self.cancel.set()
+                continue
+            if results[-1]:
+                self.cancel.set()
+
+
+def last_seq(client: redis.Redis, job_id: str) -> int:
+    """The seq of the newest entry of a job's stream, or -1 when there is none."""
+    rows = client.xrevrange(job_stream_key(job_id), count=1)
+    if not rows:
+        return -1
+    fields = rows[0][1]
+    raw = fields.get("seq", fields.get(b"seq", "-1"))
+    try:
+        return int(raw.decode() if isinstance(raw, bytes) else raw)
+    except (TypeError, ValueError):
+        return -1
+
+
+def stream_has_end(client: redis.Redis, job_id: str) -> bool:
+    rows = client.xrevrange(job_stream_key(job_id), count=1)
+    if not rows:
+        return False
+    fields = rows[0][1]
+    t = fields.get("type", fields.get(b"type", ""))
+    t = t.decode() if isinstance(t, bytes) else t
+    return t in ("done", "error")
+
+
+def append_error(
+    client: redis.Redis, job_id: str, message: str, *, ttl: int = STREAM_TTL_SECONDS
+) -> None:
+    """End a job's stream with an error from outside the process that was writing it.
+
+    Used when the writer died (primary aborted) or never started (bad deployment); continues the
+    seq numbering so a reader that orders by seq sees one gap-free stream.
+    """
+    if stream_has_end(client, job_id):
+        return  # the job ended before its process died; never write a second end
+    seq = last_seq(client, job_id) + 1
+    pipe = client.pipeline(transaction=False)
+    pipe.xadd(job_stream_key(job_id), entry(seq, "error", message, "error"))  # type: ignore[arg-type]
+    pipe.expire(job_stream_key(job_id), ttl)
+    pipe.execute()
+
+
+def append_done(client: redis.Redis, job_id: str, finish_reason: str, usage: StreamUsage) -> None:
+    seq = last_seq(client, job_id) + 1
+    pipe = client.pipeline(transaction=False)
+    pipe.xadd(job_stream_key(job_id), entry(seq, "done", "", finish_reason, usage))  # type: ignore[arg-type]
+    pipe.expire(job_stream_key(job_id), STREAM_TTL_SECONDS)
+    pipe.execute()

@@ -1,0 +1,9 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class ApiConfig(AppConfig):
+    name = "apps.api"
+    label = "api"
+    default_auto_field = "django.db.models.BigAutoField"

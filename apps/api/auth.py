@@ -1,0 +1,145 @@
+"""Bearer API keys: AI_API_KEY (operator bootstrap key) plus per-account keys stored hashed."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AnonymousUser
+from django.utils import timezone
+from rest_framework import authentication, exceptions
+
+from .models import ApiKey
+
+OPERATOR_ACCOUNT_NAME = "system:operator"
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class KeyPrincipal:
+    """Who a bearer key speaks for. Stands in for request.user on API-key requests."""
+
+    key_id: Any
+    account_id: Any
+    scopes: frozenset[str]
+    user: Any = None
+    is_operator_key: bool = False
+    is_authenticated: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_staff(self) -> bool:
+        if self.user is not None and getattr(self.user, "is_staff", False):
+            return True
+        return ApiKey.SCOPE_ADMIN in self.scopes
+
+    @property
+    def pk(self) -> Any:
+        return getattr(self.user, "pk", None)
+
+
+def api_key_create(*, name: str, account_id: Any, scopes: list[str], user_id: Any = None) -> tuple[ApiKey, str]:
+    """Create a key; returns it with the plaintext, shown once."""
+    unknown = set(scopes) - {ApiKey.SCOPE_INFERENCE, ApiKey.SCOPE_ADMIN}
+    if unknown or not scopes:
+        raise ValueError(f"scopes must be a non-empty subset of ['inference', 'admin'], got {scopes!r}")
+    plaintext = "rk_" + secrets.token_urlsafe(32)
+    key = ApiKey.objects.create(
+        name=name, prefix=plaintext[:8], key_hash=key_hash(plaintext), account_id=account_id, scopes=sorted(set(scopes)), user_id=user_id
+    )
+    return key, plaintext
+
+
+def api_key_revoke(*, key_id: Any) -> ApiKey:
+    key = ApiKey.objects.get(pk=key_id)
+    if key.revoked_at is None:
+        ApiKey.objects.filter(pk=key_id).update(revoked_at=timezone.now())
+        key.refresh_from_db()
+    return key
+
+
+def operator_account_id() -> Any:
+    from apps.credits.services import account_system  # noqa: PLC0415
+
+    return account_system(name=OPERATOR_ACCOUNT_NAME).id
+
+
+def principal_for_key(raw: str) -> KeyPrincipal | None:
+    """Resolve a bearer key, or None when it is unknown or revoked."""
+    if not raw:
+        return None
+    if settings.AI_API_KEY and hmac.compare_digest(raw.encode(), settings.AI_API_KEY.encode()):
+        return KeyPrincipal(
+            key_id=None,
+            account_id=operator_account_id(),
+            scopes=frozenset({ApiKey.SCOPE_INFERENCE, ApiKey.SCOPE_ADMIN}),
+            is_operator_key=True,
+        )
+    key = ApiKey.objects.select_related("user").filter(key_hash=key_hash(raw), revoked_at__isnull=True).first()
+    if key is None:
+        return None
+    return KeyPrincipal(key_id=key.id, account_id=key.account_id, scopes=frozenset(key.scopes), user=key.user)
+
+
+def bearer_from_header(header: str) -> str:
+    parts = header.split(None, 1)
+    if len(parts) == 2 and parts[0].lower() == "bearer":
+        return parts[1].strip()
+    return ""
+
+
+class ApiKeyAuthentication(authentication.BaseAuthentication):
+    """DRF authentication for `Authorization: Bearer <key>` (admin API and credits API)."""
+
+    def authenticate(self, request: Any) -> tuple[Any, Any] | None:
+        header = request.META.get("HTTP_AUTHORIZATION", "")
+        if not header.lower().startswith("bearer "):
+            return None
+        principal = principal_for_key(bearer_from_header(header))
+        if principal is None:
+            raise exceptions.AuthenticationFailed("invalid API key")
+        user = principal.user or AnonymousUser()
+        request._racon_principal = principal
+        return (principal if principal.user is None else _UserWithPrincipal(principal.user, principal)), principal
+
+    def authenticate_header(self, request: Any) -> str:
+        return 'Bearer realm="racon"'
+
+
+class _UserWithPrincipal:
+    """A real user seen through an API key: staff only if the user is staff or the key is admin."""
+
+    def __init__(self, user: Any, principal: KeyPrincipal) -> None:
+        self._user = user
+        self.principal = principal
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._user, name)
+
+    @property
+    def is_staff(self) -> bool:
+        return self.principal.is_staff
+
+    @property
+    def is_authenticated(self) -> bool:
+        return True
+
+
+def request_account_id(request: Any) -> Any:
+    """The credit account a request acts for: the key's account, or the session user's."""
+    principal = getattr(request, "_racon_principal", None) or getattr(request, "auth", None)
+    if isinstance(principal, KeyPrincipal):
+        return principal.account_id
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated:
+        from apps.credits.services import account_for_user  # noqa: PLC0415
+
+        return account_for_user(user=user).id
+    return None

@@ -1,0 +1,98 @@
+"""Accept an agent's report and hand it to the one service that owns it."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from apps.nodes.events import event_record
+from apps.nodes.models import EventCategory
+from racon.redis import get_redis
+
+_EVENT_CATEGORIES = {
+    "RPC_WORKER_STARTED": EventCategory.RUNTIME,
+    "RPC_WORKER_FAILED": EventCategory.RUNTIME,
+    "RPC_WORKER_STOPPED": EventCategory.RUNTIME,
+    "RUNTIME_FAILED": EventCategory.RUNTIME,
+    "PRIMARY_LOADED": EventCategory.RUNTIME,
+    "PRIMARY_UNLOADED": EventCategory.RUNTIME,
+    "PUBLIC_IP_VIOLATION": EventCategory.SECURITY,
+    "MODEL_FETCH_PROGRESS": EventCategory.PLACEMENT,
+    "MODEL_FETCHED": EventCategory.PLACEMENT,
+    "MODEL_FETCH_FAILED": EventCategory.PLACEMENT,
+    "COMMAND_REJECTED": EventCategory.RUNTIME,
+    "AGENT_DRAINING": EventCategory.LIFECYCLE,
+}
+LINKS_KEY = "racon:links"
+
+
+def report_accept(*, node_id: Any, report: dict[str, Any], now: datetime) -> dict[str, Any] | None:
+    """Apply one report exactly once (duplicates by report id are acknowledged and ignored)."""
+    r = get_redis()
+    if not r.set(f"racon:report:{report['id']}", 1, nx=True, ex=86400):
+        return {"duplicate": True}
+    kind = report["kind"]
+    payload = report["payload"]
+    try:
+        return _dispatch(node_id=node_id, kind=kind, payload=payload, command_id=report.get("command_id"), now=now)
+    except Exception:
+        # Let the agent retry: forget that we saw this report id.
+        r.delete(f"racon:report:{report['id']}")
+        raise
+
+
+def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: str | None, now: datetime) -> dict[str, Any] | None:
+    from apps.jobs import services as jobs  # noqa: PLC0415
+
+    if kind == "event":
+        name = str(payload.get("event", "")).upper()[:40]
+        if not name:
+            raise ValueError("event report needs payload.event")
+        if name == "MODEL_FETCH_PROGRESS":
+            # Progress is frequent: keep the latest in Redis, not one row per step.
+            get_redis().hset(f"racon:fetch:{node_id}", mapping={"data": json.dumps(payload.get("data") or {}), "at": now.timestamp()})
+            return None
+        event_record(
+            kind=name,
+            category=_EVENT_CATEGORIES.get(name, EventCategory.RUNTIME),
+            now=now,
+            node_id=node_id,
+            deployment_id=(payload.get("data") or {}).get("deployment_id"),
+            message=str(payload.get("message", ""))[:500],
+            data=payload.get("data") or {},
+        )
+        return None
+    if kind == "fault":
+        from apps.nodes.services import node_report_fault  # noqa: PLC0415
+
+        node_report_fault(node_id=node_id, fatal=bool(payload.get("fatal")), message=str(payload.get("message", "")), now=now)
+        return None
+    if kind == "models":
+        from apps.models_repo.services import replicas_sync  # noqa: PLC0415
+
+        files = payload.get("models")
+        if not isinstance(files, list):
+            raise ValueError("models report needs payload.models as a list")
+        return {"matched": replicas_sync(node_id=node_id, files=files, now=now)}
+    if kind == "links":
+        links = payload.get("links")
+        if not isinstance(links, list):
+            raise ValueError("links report needs payload.links as a list")
+        mapping = {}
+        for link in links:
+            if not isinstance(link, dict) or "node_id" not in link:
+                raise ValueError("each link needs node_id, rtt_ms and bandwidth_mbps")
+            mapping[f"{node_id}|{link['node_id']}"] = json.dumps(
+                {"rtt_ms": float(link.get("rtt_ms", 0)), "bandwidth_mbps": float(link.get("bandwidth_mbps", 0)), "at": now.timestamp()}
+            )
+        if mapping:
+            get_redis().hset(LINKS_KEY, mapping=mapping)
+        return None
+    if kind == "job_finished":
+        jobs.job_finish_from_report(node_id=node_id, payload=payload, now=now)
+        return None
+    if kind == "command_result":
+        jobs.command_result_accept(node_id=node_id, command_id=command_id, payload=payload, now=now)
+        return None
+    raise ValueError(f"unknown report kind {kind!r}")

@@ -1,0 +1,1426 @@
+"""Heterogeneous placement: model profile + cluster snapshot + request → plan, or a clear refusal.
+
+Pure module (no Django, no ORM): the controller builds the snapshots from its rows and calls
+``plan_placement``. ``exhaustive_best`` and ``memory_proportional_plan`` exist for tests and
+``bench/scheduler.py``.
+
+The contract with the agent runtime (llama.cpp + ggml-rpc), checked against llama.cpp's source
+(src/llama.cpp device selection, src/llama-model.cpp layer assignment):
+
+- llama.cpp's offload device list is: every RPC device, in endpoint registration order (and,
+  within one endpoint, in the order its worker exposes them), **then** the primary's own GPUs.
+  RPC servers go to the *front* of the list. The primary's CPU is never in the list: it holds the
+  layers that are not offloaded.
+- ``n_gpu_layers = g`` offloads layers ``i >= n_layer + 1 - g`` and counts the output layer as
+  one of the ``g``; the output sits on the last offload device. So with ``k`` layers on the
+  primary's CPU, ``g = n_layer + 1 - k`` and ``tensor_split`` holds, per offload device, its layer
+  count, plus one on the last device for the output. All remote: ``g = n_layer + 1``. Nothing
+  offloaded: ``g = 0`` and ``tensor_split = []``. ``llama_layer_assignment`` replays llama.cpp's
+  rule so tests can prove a plan lands where it says.
+- Hence ``Plan.devices`` is ordered exactly as the layers run: the primary's CPU (always first,
+  possibly with no layers, because it always holds the token embeddings and host buffers), then
+  the remote nodes' devices grouped per node, then the primary's GPUs. ``tensor_split`` has one
+  entry per device after the first, in that order. The runtime must make llama.cpp see the same
+  list: each worker exposes exactly its plan devices in plan order, and the primary limits its
+  visible GPUs to the plan's (CUDA_VISIBLE_DEVICES in plan order).
+- ggml-rpc moves every activation through the primary (a tensor copy between two different
+  servers falls back to get + set on the primary), so each remote node costs one round trip to
+  the primary per forward pass, whatever the order of the remote nodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from apps.models_repo.profile import ModelProfile
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Node states (apps.nodes.states values). Only READY takes new work; DEGRADED is a fallback when
+# nothing else fits; every other state (DRAINING, OFFLINE, ERROR, BUSY, UNINITIALIZED,
+# REGISTERING...) is never placed on.
+ELIGIBLE_STATES = frozenset({"READY"})
+FALLBACK_STATES = frozenset({"DEGRADED"})
+
+# Infeasible candidates still get a cost so the greedy search is pulled towards capacity first.
+_UNPLACED_LAYER_PENALTY_S = 1e6
+
+
+# --- inputs -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceSnapshot:
+    """One memory pool a node can give to a model: its CPU (system RAM) or one GPU."""
+
+    node_id: str
+    device: str  # "CPU", "GPU0", "GPU1"...
+    kind: str  # "cpu" | "gpu"
+    free_bytes: int
+    gflops: float  # measured compute rate
+    mem_bandwidth_gbps: float  # measured memory bandwidth, GB/s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    """A node as the scheduler sees it at decision time."""
+
+    node_id: str
+    name: str
+    state: str
+    address: str
+    rpc_port: int
+    devices: tuple[DeviceSnapshot, ...]
+    threads: int = 1
+    has_model_file: bool = False
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.rpc_port}"
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(d.free_bytes for d in self.devices)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["devices"] = [dev.to_dict() for dev in self.devices]
+        return d
+
+
+@dataclass(frozen=True)
+class Link:
+    """Measured (or assumed) link between two nodes."""
+
+    rtt_ms: float
+    bandwidth_mbps: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Conservative until agents have probed the pair: a slow office LAN.
+DEFAULT_LINK = Link(rtt_ms=2.0, bandwidth_mbps=100.0)
+# Same node: no network. PCIe copies are small next to everything else we count.
+LOCAL_LINK = Link(rtt_ms=0.0, bandwidth_mbps=math.inf)
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """Nodes plus probed links; pairs never probed use default_link."""
+
+    nodes: tuple[NodeSnapshot, ...]
+    links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
+    default_link: Link = DEFAULT_LINK
+
+    def link(self, a: str, b: str) -> Link:
+        """The link between two nodes, either direction; same node is free."""
+        if a == b:
+            return LOCAL_LINK
+        found = self.links.get((a, b)) or self.links.get((b, a))
+        return found if found is not None else self.default_link
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nodes": [n.to_dict() for n in self.nodes],
+            "links": [{"a": a, "b": b, **lk.to_dict()} for (a, b), lk in self.links.items()],
+            "default_link": self.default_link.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What the deployment needs; pins, exclusions and spread constrain where it may go."""
+
+    n_ctx: int = 2048
+    n_parallel: int = 1
+    prompt_tokens: int = 128
+    pin_nodes: tuple[str, ...] | None = None
+    exclude_nodes: tuple[str, ...] = ()
+    spread: bool = False  # use every pinned (or eligible) node even when one would do
+    memory_margin: float = 0.10  # fraction added on top of each device's computed need
+    n_batch: int = 512  # llama.cpp's n_batch/n_ubatch: sizes the compute buffers
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Constants of the latency and memory model; defaults are llama.cpp's and a LAN's."""
+
+    # Fixed cost per remote node per forward pass on top of the RTT: serialising the graph
+    # call, socket wake-ups and the worker's thread hand-off (ggml-rpc is one request stream).
+    rpc_overhead_ms: float = 0.3
+    # A plan within this fraction of the fastest one is preferred when it uses fewer nodes,
+    # then when its primary already holds the model file.
+    prefer_fewer_tolerance: float = 0.03
+    # ggml's scheduler keeps this many copies of the compute buffers when it pipelines across
+    # devices (GGML_SCHED_MAX_COPIES, enabled when every layer is offloaded to >1 device).
+    pipeline_copies: int = 4
+    # Fixed part of every compute buffer (graph metadata, small inputs).
+    compute_buffer_fixed_bytes: int = 8 * MiB
+    # Per layer per token dispatch cost on a device (kernel launches, thread barriers).
+    layer_overhead_ms: float = 0.01
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEFAULT_COST = CostModel()
+
+
+# --- outputs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanDevice:
+    """One device of a plan, in llama.cpp's layer order; endpoint None means the primary itself."""
+
+    node_id: str
+    device: str
+    kind: str
+    layer_start: int
+    layer_end: int  # exclusive
+    memory_bytes: int  # weights + KV + compute buffer (+ embeddings/output) + safety margin
+    endpoint: str | None
+    holds_output: bool = False
+    free_bytes: int = 0
+
+    @property
+    def n_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["n_layers"] = self.n_layers
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a model runs, how llama.cpp is told so, and what we predict for it."""
+
+    primary_node_id: str
+    devices: tuple[PlanDevice, ...]
+    tensor_split: tuple[float, ...]
+    n_gpu_layers: int
+    n_threads: int
+    n_ctx: int
+    n_parallel: int
+    predicted_ttft_ms: float
+    predicted_tokens_per_s: float
+    explanation: tuple[str, ...]
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """Nodes that hold layers or the model's host side, in plan order, without repeats."""
+        seen: dict[str, None] = {}
+        for d in self.devices:
+            if d.n_layers > 0 or d.endpoint is None:
+                seen.setdefault(d.node_id, None)
+        return tuple(seen)
+
+    @property
+    def layer_devices(self) -> tuple[PlanDevice, ...]:
+        return tuple(d for d in self.devices if d.n_layers > 0)
+
+    @property
+    def rpc_endpoints(self) -> tuple[str, ...]:
+        """Endpoints the primary registers, in order (ggml_backend_rpc_add_server)."""
+        seen: dict[str, None] = {}
+        for d in self.devices:
+            if d.endpoint is not None:
+                seen.setdefault(d.endpoint, None)
+        return tuple(seen)
+
+    def rpc_workers(self) -> list[dict[str, Any]]:
+        """Per remote node: endpoint and the devices its worker must expose, in plan order."""
+        out: dict[str, dict[str, Any]] = {}
+        for d in self.devices:
+            if d.endpoint is None:
+                continue
+            w = out.setdefault(d.node_id, {"node_id": d.node_id, "endpoint": d.endpoint, "devices": []})
+            w["devices"].append(d.device)
+        return list(out.values())
+
+    def memory_by_node(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for d in self.devices:
+            out[d.node_id] = out.get(d.node_id, 0) + d.memory_bytes
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "primary_node_id": self.primary_node_id,
+            "devices": [d.to_dict() for d in self.devices],
+            "rpc_endpoints": list(self.rpc_endpoints),
+            "tensor_split": list(self.tensor_split),
+            "n_gpu_layers": self.n_gpu_layers,
+            "n_threads": self.n_threads,
+            "n_ctx": self.n_ctx,
+            "n_parallel": self.n_parallel,
+            "predicted_ttft_ms": self.predicted_ttft_ms,
+            "predicted_tokens_per_s": self.predicted_tokens_per_s,
+            "explanation": list(self.explanation),
+        }
+
+
+class PlacementRefused(Exception):
+    """No plan satisfies the request; reason is meant for the operator as is."""
+
+    def __init__(self, reason: str, missing_bytes: int = 0, best_set: Sequence[str] = ()) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.missing_bytes = int(missing_bytes)
+        self.best_set = tuple(best_set)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "missing_bytes": self.missing_bytes,
+            "best_set": list(self.best_set),
+        }
+
+
+# --- cost model -------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    """Human size in GiB (or MiB below one GiB), as refusals and explanations print it."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    return f"{n / MiB:.0f} MiB"
+
+
+def kv_bytes_per_layer(profile: ModelProfile, request: PlacementRequest) -> int:
+    """KV cache of one layer for n_ctx tokens in each of n_parallel slots."""
+    return profile.kv_bytes_per_token_per_layer * request.n_ctx * request.n_parallel
+
+
+def compute_buffer_bytes(
+    profile: ModelProfile,
+    request: PlacementRequest,
+    *,
+    holds_layers: bool,
+    holds_output: bool,
+    copies: int = 1,
+    cost: CostModel = DEFAULT_COST,
+) -> int:
+    """Estimate of llama.cpp's compute buffer on one device (worst-case n_batch graph)."""
+    if not holds_layers and not holds_output:
+        # A primary CPU with no layers still embeds the batch and stages inputs.
+        return cost.compute_buffer_fixed_bytes + request.n_batch * profile.n_embd * 4 * 2
+    n_ff = profile.n_ff or 4 * profile.n_embd
+    # The largest live tensors of one layer for a batch: FFN up/gate, the residual stream and,
+    # with flash attention off, the attention scores over the whole context.
+    per_token = 3 * profile.n_embd + 2 * n_ff + profile.n_head * min(request.n_ctx, 4096) // 4
+    size = request.n_batch * per_token * 4
+    if holds_output:
+        # The worst-case graph reserves logits for every token of the batch.
+        size += request.n_batch * profile.n_vocab * 4
+    return (cost.compute_buffer_fixed_bytes + size) * max(1, copies)
+
+
+def host_buffer_bytes(profile: ModelProfile, request: PlacementRequest) -> int:
+    """What the primary's CPU holds whatever the split: embeddings, other tensors, logits."""
+    return (
+        profile.embedding_bytes
+        + profile.other_bytes
+        + profile.n_vocab * 4 * max(1, request.n_parallel)  # the output (logits) buffer
+    )
+
+
+def _roofline_s(flops: float, nbytes: float, dev: DeviceSnapshot) -> float:
+    compute = flops / (max(dev.gflops, 1e-6) * 1e9)
+    memory = nbytes / (max(dev.mem_bandwidth_gbps, 1e-6) * 1e9)
+    return max(compute, memory)
+
+
+def layer_times(
+    profile: ModelProfile, request: PlacementRequest, dev: DeviceSnapshot
+) -> tuple[float, float]:
+    """Seconds for one mean layer on dev: (one decoded token, the whole prompt)."""
+    n = max(1, profile.n_layer)
+    w_bytes = sum(profile.layer_bytes) / n
+    w_flops = 2.0 * sum(profile.layer_params) / n
+    ctx = max(1, request.prompt_tokens)
+    kv = profile.kv_bytes_per_token_per_layer
+    # QK^T and softmax(QK^T)V: 2 matmuls of n_head x head_dim x ctx, 2 FLOPs per MAC.
+    attn_flops_per_ctx = 4.0 * profile.n_head * profile.head_dim
+    tg = _roofline_s(w_flops + attn_flops_per_ctx * ctx, w_bytes + kv * ctx, dev)
+    # Prompt: weights are read once per batch, every token computes; causal attention ~ ctx/2.
+    pp = 0.0
+    remaining = ctx
+    while remaining > 0:
+        chunk = min(remaining, request.n_batch)
+        done = ctx - remaining
+        flops = chunk * (w_flops + attn_flops_per_ctx * (done + chunk / 2))
+        pp += _roofline_s(flops, w_bytes + kv * (done + chunk), dev)
+        remaining -= chunk
+    return tg, pp
+
+
+def output_time_s(profile: ModelProfile, dev: DeviceSnapshot) -> float:
+    """Seconds for the output norm + LM head for one token on dev (prompts output one row)."""
+    return _roofline_s(2.0 * profile.output_params, profile.output_bytes, dev)
+
+
+def hop_s(
+    profile: ModelProfile,
+    request: PlacementRequest,
+    link: Link,
+    *,
+    holds_output: bool,
+    prompt: bool,
+    cost: CostModel = DEFAULT_COST,
+) -> float:
+    """Seconds one remote node adds per forward pass: RTT + overhead + bytes in and out."""
+    if link is LOCAL_LINK or link.rtt_ms == 0 and math.isinf(link.bandwidth_mbps):
+        return 0.0
+    tokens = max(1, request.prompt_tokens) if prompt else 1
+    passes = math.ceil(tokens / request.n_batch) if prompt else 1
+    bytes_in = tokens * profile.activation_bytes
+    # Only the last prompt token produces logits (n_outputs = 1).
+    bytes_out = profile.logits_bytes if holds_output else tokens * profile.activation_bytes
+    bw = max(link.bandwidth_mbps, 1e-6) * 1e6 / 8
+    return passes * (link.rtt_ms + cost.rpc_overhead_ms) / 1000 + (bytes_in + bytes_out) / bw
+
+
+# --- internal model of a cluster for one decision --------------------------------------------
+
+
+class _Dev:
+    __slots__ = ("snap", "node", "t_tg", "out_tg", "cap", "cap_out", "pcap", "pcap_out", "order")
+
+    def __init__(self, snap: DeviceSnapshot, node: _Node) -> None:
+        self.snap = snap
+        self.node = node
+        self.t_tg = 0.0  # seconds per layer per decoded token
+        self.out_tg = 0.0  # seconds for the output layer per token
+        self.cap = 0  # layers that fit, without the output
+        self.cap_out = 0  # layers that fit next to the output
+        self.pcap = 0  # the same two with ggml's pipeline copies of the compute buffer
+        self.pcap_out = 0
+        self.order = 0  # tie-break so equal devices sort deterministically
+
+
+class _Node:
+    __slots__ = (
+        "snap", "devs", "cpu", "gpus", "cap_primary", "primary_ok", "cap_alone", "best_t",
+        "total_cap", "best_out",
+    )
+
+    def __init__(self, snap: NodeSnapshot) -> None:
+        self.snap = snap
+        self.devs: list[_Dev] = []  # fastest first
+        self.cpu: _Dev | None = None
+        self.gpus: list[_Dev] = []
+        self.cap_primary = -1  # layers on this node's CPU when it is the primary (offloading)
+        self.primary_ok = False  # its CPU can host embeddings + host buffers
+        self.cap_alone = -1  # layers on its CPU when it runs the whole model there (output too)
+        self.best_t = math.inf
+        self.total_cap = 0
+        self.best_out: _Dev | None = None  # the device that would best hold the output
+
+
+def _fit_layers(free: float, fixed: float, per_layer: float, limit: int) -> int:
+    room = free - fixed
+    if room < 0:
+        return -1
+    return min(limit, int(room // per_layer)) if per_layer > 0 else limit
+
+
+class _Ctx:
+    """Everything precomputed for one decision; evaluation reuses it thousands of times."""
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        cluster: ClusterSnapshot,
+        request: PlacementRequest,
+        nodes: Sequence[NodeSnapshot],
+        cost: CostModel,
+    ) -> None:
+        self.profile = profile
+        self.cluster = cluster
+        self.request = request
+        self.cost = cost
+        n_layer = self.n_layer = profile.n_layer
+        margin = self.margin = 1.0 + max(0.0, request.memory_margin)
+        per_layer = self.per_layer = profile.max_layer_bytes + kv_bytes_per_layer(profile, request)
+
+        def cbuf(layers: bool, output: bool, copies: int = 1) -> int:
+            return compute_buffer_bytes(
+                profile, request, holds_layers=layers, holds_output=output, copies=copies, cost=cost
+            )
+
+        pc = max(1, cost.pipeline_copies)
+        cb, cb_out, pcb, pcb_out = cbuf(True, False), cbuf(True, True), cbuf(True, False, pc), cbuf(True, True, pc)
+        host = host_buffer_bytes(profile, request)
+        self.host_fixed_idle = host + cbuf(False, False)
+        self.host_fixed_layers = host + cb
+        # A plain local run: the output on the CPU too, one device so no pipeline copies.
+        self.alone_fixed = host + profile.output_bytes + cb_out
+        self.out_fixed = profile.output_bytes + cb_out
+        # Per-token figures for the roofline, inlined below because this loop runs for every
+        # device of a 1,000-node cluster on each decision.
+        ctx_len = max(1, request.prompt_tokens)
+        w_bytes = sum(profile.layer_bytes) / max(1, n_layer)
+        w_flops = 2.0 * sum(profile.layer_params) / max(1, n_layer)
+        tg_flops = w_flops + 4.0 * profile.n_head * profile.head_dim * ctx_len
+        tg_bytes = w_bytes + profile.kv_bytes_per_token_per_layer * ctx_len
+        out_flops = 2.0 * profile.output_params
+        out_bytes = float(profile.output_bytes)
+        overhead = cost.layer_overhead_ms / 1000
+        per_layer = max(per_layer, 1)
+        out_fixed = self.out_fixed
+        pout_fixed = profile.output_bytes + pcb_out
+        self.nodes: list[_Node] = []
+        self.by_id: dict[str, _Node] = {}
+        order = 0
+        host_idle, host_layers, alone_fixed = self.host_fixed_idle, self.host_fixed_layers, self.alone_fixed
+        for ns in nodes:
+            node = _Node(ns)
+            devs = node.devs
+            for ds in ns.devices:
+                d = _Dev(ds, node)
+                d.order = order
+                order += 1
+                gf = (ds.gflops if ds.gflops > 1e-6 else 1e-6) * 1e9
+                bw = (ds.mem_bandwidth_gbps if ds.mem_bandwidth_gbps > 1e-6 else 1e-6) * 1e9
+                a, b = tg_flops / gf, tg_bytes / bw
+                d.t_tg = (a if a > b else b) + overhead
+                a, b = out_flops / gf, out_bytes / bw
+                d.out_tg = (a if a > b else b) + overhead
+                free = ds.free_bytes / margin
+                # Inlined _fit_layers: four caps per device, every device, every decision.
+                c = int((free - cb) // per_layer) if free >= cb else -1
+                d.cap = c if c < n_layer else n_layer
+                c = int((free - out_fixed) // per_layer) if free >= out_fixed else -1
+                d.cap_out = c if c < n_layer else n_layer
+                c = int((free - pcb) // per_layer) if free >= pcb else -1
+                d.pcap = c if c < n_layer else n_layer
+                c = int((free - pout_fixed) // per_layer) if free >= pout_fixed else -1
+                d.pcap_out = c if c < n_layer else n_layer
+                devs.append(d)
+                if node.cpu is None and ds.kind == "cpu":
+                    node.cpu = d
+                else:
+                    node.gpus.append(d)
+                if d.cap > 0:
+                    node.total_cap += d.cap
+                    if d.t_tg < node.best_t:
+                        node.best_t = d.t_tg
+                if d.cap_out > 0 and (
+                    node.best_out is None or d.out_tg + d.t_tg < node.best_out.out_tg + node.best_out.t_tg
+                ):
+                    node.best_out = d
+            if len(devs) > 1:
+                devs.sort(key=lambda d: (d.t_tg, d.order))
+            cpu = node.cpu
+            if cpu is not None:
+                free = cpu.snap.free_bytes / margin
+                node.primary_ok = free >= host_idle
+                node.cap_primary = _fit_layers(free, host_layers, per_layer, n_layer)
+                node.cap_alone = _fit_layers(free, alone_fixed, per_layer, n_layer)
+            self.nodes.append(node)
+            self.by_id[ns.node_id] = node
+        self._hop_cache: dict[tuple[int, int, bool], float] = {}
+        self._ranking: list[_Node] | None = None
+        self._default_hops = (
+            hop_s(profile, request, cluster.default_link, holds_output=False, prompt=False, cost=cost),
+            hop_s(profile, request, cluster.default_link, holds_output=True, prompt=False, cost=cost),
+        )
+
+    def remote_ranking(self) -> list[_Node]:
+        """Nodes with room, best per-layer cost first assuming the default link."""
+        if self._ranking is None:
+            hop = self._default_hops[0]
+            n_layer = self.n_layer
+            usable = [n for n in self.nodes if n.total_cap > 0]
+            usable.sort(key=lambda n: (n.best_t + hop / min(n.total_cap, n_layer), n.snap.node_id))
+            self._ranking = usable
+        return self._ranking
+
+    def hop(self, primary: _Node, node: _Node, holds_output: bool) -> float:
+        key = (id(primary), id(node), holds_output)
+        h = self._hop_cache.get(key)
+        if h is None:
+            a, b = primary.snap.node_id, node.snap.node_id
+            links = self.cluster.links
+            link = links.get((a, b)) or links.get((b, a)) if links else None
+            if a == b:
+                h = 0.0
+            elif link is None:
+                h = self._default_hops[holds_output]
+            else:
+                h = hop_s(self.profile, self.request, link, holds_output=holds_output, prompt=False, cost=self.cost)
+            self._hop_cache[key] = h
+        return h
+
+
+@dataclass
+class _Eval:
+    cost_s: float
+    unplaced: int
+    primary: _Node
+    assign: dict[int, int]  # id(_Dev) → layers
+    devs: dict[int, _Dev]
+    out: _Dev | None  # None: nothing offloaded, the output stays on the primary's CPU
+    remote: list[_Node]  # remote nodes holding layers
+    pipeline: bool = False  # ggml pipelines (and copies compute buffers) across devices
+
+    @property
+    def feasible(self) -> bool:
+        return self.unplaced == 0
+
+    @property
+    def n_nodes(self) -> int:
+        return 1 + len(self.remote)
+
+    @property
+    def key(self) -> tuple[int, float]:
+        return (self.unplaced, self.cost_s)
+
+
+def _infeasible(ctx: _Ctx, primary: _Node, out: _Dev | None = None) -> _Eval:
+    return _Eval(math.inf, ctx.n_layer, primary, {}, {}, out, [])
+
+
+def _fill(
+    ctx: _Ctx,
+    primary: _Node,
+    remote: Sequence[_Node],
+    out: _Dev | None,
+    spread: bool,
+    pipeline: bool = False,
+) -> _Eval:
+    """Fastest-first fill under memory caps for a fixed primary, remote set and output device.
+
+    A plan's decode latency is linear in the layer counts (Σ layers × per-layer time), so for a
+    given set of devices filling the fastest device to its cap first is optimal; the hop costs
+    depend only on which remote nodes end up holding layers.
+    """
+    n_layer = ctx.n_layer
+    cpu = primary.cpu
+    if cpu is None:
+        return _infeasible(ctx, primary, out)
+    caps: dict[int, int] = {}
+    pool: list[_Dev] = []
+    if out is None:
+        # Everything on the primary's CPU, output included: a plain local llama.cpp run.
+        if primary.cap_alone > 0:
+            caps[id(cpu)] = primary.cap_alone
+            pool.append(cpu)
+    else:
+        if primary.cap_primary > 0:
+            caps[id(cpu)] = primary.cap_primary
+            pool.append(cpu)
+        # llama.cpp puts local GPUs after every RPC device, so with the output on a remote
+        # device the primary's GPUs cannot hold layers.
+        nodes = remote if out.node is not primary else (primary, *remote)
+        for node in nodes:
+            for d in node.devs:
+                if d is cpu:
+                    continue
+                if pipeline:
+                    c = d.pcap_out if d is out else d.pcap
+                else:
+                    c = d.cap_out if d is out else d.cap
+                if c > 0:
+                    caps[id(d)] = c
+                    pool.append(d)
+        pool.sort(key=lambda d: (d.t_tg, d.order))
+    assign: dict[int, int] = {}
+    need = n_layer
+    if out is not None:
+        if caps.get(id(out), 0) < 1:
+            return _infeasible(ctx, primary, out)
+        assign[id(out)] = 1
+        need -= 1
+    if spread:
+        for node in (primary, *remote):
+            if any(assign.get(id(d), 0) for d in node.devs):
+                continue
+            first = next((d for d in pool if d.node is node), None)
+            if first is None or need == 0:
+                return _infeasible(ctx, primary, out)
+            assign[id(first)] = 1
+            need -= 1
+    for d in pool:
+        if need == 0:
+            break
+        k = id(d)
+        have = assign.get(k, 0)
+        take = caps[k] - have
+        if take > need:
+            take = need
+        if take > 0:
+            assign[k] = have + take
+            need -= take
+    devs = {id(d): d for d in pool}
+    total = 0.0
+    used_remote: list[_Node] = []
+    for k, c in assign.items():
+        d = devs[k]
+        total += c * d.t_tg
+        node = d.node
+        if node is not primary and node not in used_remote:
+            used_remote.append(node)
+    total += (out or cpu).out_tg
+    for node in used_remote:
+        total += ctx.hop(primary, node, out is not None and out.node is node)
+    if spread and len(used_remote) != len(remote):
+        return _infeasible(ctx, primary, out)
+    ev = _Eval(total + need * _UNPLACED_LAYER_PENALTY_S, need, primary, assign, devs, out, used_remote)
+    if (
+        not pipeline
+        and out is not None
+        and need == 0
+        and not assign.get(id(cpu))
+        and len(assign) > 1
+        and ctx.cost.pipeline_copies > 1
+    ):
+        # Every layer offloaded to two or more devices: llama.cpp turns on pipeline parallelism,
+        # which keeps several copies of the compute buffers. Check the fill against those.
+        if any(c > (devs[k].pcap_out if devs[k] is out else devs[k].pcap) for k, c in assign.items()):
+            ev = _fill(ctx, primary, remote, out, spread, pipeline=True)
+        ev.pipeline = True
+    return ev
+
+
+def _output_candidates(primary: _Node, remote: Sequence[_Node], every: bool) -> list[_Dev | None]:
+    """Where the output layer may go: nowhere else (no offload), a local GPU or a remote device.
+
+    With every=False only each node's best output device is tried (the search's fast path);
+    the final plan and exhaustive_best try them all.
+    """
+    cands: list[_Dev | None] = []
+    if not remote:
+        cands.append(None)
+    if every:
+        cands.extend(g for g in primary.gpus if g.cap_out > 0)
+        for node in remote:
+            cands.extend(d for d in node.devs if d.cap_out > 0)
+        return cands
+    gpus = [g for g in primary.gpus if g.cap_out > 0]
+    if gpus:
+        cands.append(min(gpus, key=lambda g: (g.out_tg + g.t_tg, g.order)))
+    for node in remote:
+        if node.best_out is not None:
+            cands.append(node.best_out)
+    return cands
+
+
+def _evaluate(
+    ctx: _Ctx, primary: _Node, remote: Sequence[_Node], spread: bool = False, every: bool = True
+) -> _Eval:
+    """Best plan for a fixed primary and remote node set, over the output placements."""
+    if not primary.primary_ok:
+        return _infeasible(ctx, primary)
+    best: _Eval | None = None
+    for out in _output_candidates(primary, remote, every):
+        ev = _fill(ctx, primary, remote, out, spread)
+        if best is None or ev.key < best.key:
+            best = ev
+    return best if best is not None else _infeasible(ctx, primary)
+
+
+# --- eligibility ------------------------------------------------------------------------------
+
+
+def _select_nodes(
+    cluster: ClusterSnapshot, request: PlacementRequest
+) -> tuple[list[NodeSnapshot], list[NodeSnapshot], list[str]]:
+    """(ready nodes, degraded fallbacks, explanation lines) after pins, exclusions and states."""
+    by_id = {n.node_id: n for n in cluster.nodes}
+    notes: list[str] = []
+    excluded = set(request.exclude_nodes)
+    if request.pin_nodes is not None:
+        unknown = [p for p in request.pin_nodes if p not in by_id]
+        if unknown:
+            raise PlacementRefused(f"unknown pinned nodes: {', '.join(unknown)}", 0, ())
+        both = [p for p in request.pin_nodes if p in excluded]
+        if both:
+            raise PlacementRefused(f"pinned nodes are also excluded: {', '.join(both)}", 0, ())
+        candidates = [by_id[p] for p in dict.fromkeys(request.pin_nodes)]
+        bad = [n for n in candidates if n.state not in ELIGIBLE_STATES | FALLBACK_STATES]
+        if bad:
+            raise PlacementRefused(
+                "pinned nodes cannot take new work: "
+                + ", ".join(f"{n.name or n.node_id} ({n.state})" for n in bad),
+                0,
+                (),
+            )
+    else:
+        candidates = [n for n in cluster.nodes if n.node_id not in excluded]
+        if excluded:
+            gone = [e for e in request.exclude_nodes if e in by_id]
+            if gone:
+                notes.append(f"excluded by request: {', '.join(gone)}")
+    ready = [n for n in candidates if n.state in ELIGIBLE_STATES]
+    degraded = [n for n in candidates if n.state in FALLBACK_STATES]
+    skipped = [n for n in candidates if n.state not in ELIGIBLE_STATES | FALLBACK_STATES]
+    if skipped:
+        by_state: dict[str, list[str]] = {}
+        for n in skipped:
+            by_state.setdefault(n.state, []).append(n.name or n.node_id)
+        parts = []
+        for state, names in sorted(by_state.items()):
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{state}: {shown}")
+        notes.append("never placed on: " + "; ".join(parts))
+    return ready, degraded, notes
+
+
+# --- the scheduler ----------------------------------------------------------------------------
+
+_PRIMARY_CANDIDATES = 6
+_REMOTE_POOL = 14
+_SWAP_ROUNDS = 3
+
+
+def _prefer(ctx: _Ctx, evals: Iterable[_Eval]) -> _Eval | None:
+    """Fastest feasible plan, except that fewer nodes, then a primary holding the file, win a
+    near tie (cost.prefer_fewer_tolerance)."""
+    feasible = [e for e in evals if e.feasible]
+    if not feasible:
+        return None
+    best = min(e.cost_s for e in feasible)
+    near = [e for e in feasible if e.cost_s <= best * (1 + ctx.cost.prefer_fewer_tolerance)]
+    near.sort(
+        key=lambda e: (
+            e.n_nodes,
+            not e.primary.snap.has_model_file,
+            e.cost_s,
+            e.primary.snap.node_id,
+        )
+    )
+    return near[0]
+
+
+def _remote_pool(ctx: _Ctx, primary: _Node, nodes: Sequence[_Node], size: int) -> list[_Node]:
+    """Remote nodes worth trying with this primary: cheapest per layer once the hop is shared.
+
+    Ranked first with the default link (one ranking per decision), then the head of that
+    ranking is re-scored with this primary's probed links: O(size) per primary, not O(nodes).
+    """
+    n_layer = ctx.n_layer
+    ranking = ctx.remote_ranking()
+    head: list[_Node] = []
+    for node in ranking:
+        if node is not primary:
+            head.append(node)
+            if len(head) >= 4 * size:
+                break
+    hop = ctx.hop
+    scored = sorted(
+        head,
+        key=lambda n: (
+            n.best_t + hop(primary, n, False) / min(n.total_cap, n_layer),
+            n.snap.node_id,
+        ),
+    )
+    pool = scored[:size]
+    # Big models need many nodes: widen the pool until it could hold the model twice over.
+    cap_total = sum(n.total_cap for n in pool)
+    if cap_total < 2 * n_layer:
+        chosen = set(map(id, pool))
+        for node in ranking:
+            if cap_total >= 2 * n_layer:
+                break
+            if node is primary or id(node) in chosen:
+                continue
+            pool.append(node)
+            cap_total += node.total_cap
+    return pool
+
+
+def _better(a: _Eval, b: _Eval) -> bool:
+    """a predicts strictly faster than b (capacity first while either is infeasible)."""
+    return a.unplaced < b.unplaced or (a.unplaced == b.unplaced and a.cost_s < b.cost_s * (1 - 1e-9))
+
+
+def _local_search(ctx: _Ctx, primary: _Node, pool: Sequence[_Node], notes: list[str]) -> _Eval:
+    """Greedy add of remote nodes, then drop and swap passes; each step must predict faster."""
+    current: list[_Node] = []
+    cur = _evaluate(ctx, primary, current, every=False)
+    # Add: the node that improves the prediction most (capacity first while infeasible).
+    while True:
+        best_ev, best_node = None, None
+        for node in pool:
+            if node in current:
+                continue
+            ev = _evaluate(ctx, primary, [*current, node], every=False)
+            if best_ev is None or ev.key < best_ev.key:
+                best_ev, best_node = ev, node
+        if best_ev is None or best_node is None or not _better(best_ev, cur):
+            break
+        current.append(best_node)
+        cur = best_ev
+        if cur.feasible:
+            # Nodes that ended up with no layers are not part of the plan.
+            current = [n for n in current if n in cur.remote]
+    dropped: list[tuple[_Node, float, float]] = []
+    for _ in range(_SWAP_ROUNDS):
+        changed = False
+        # Drop: any node whose removal predicts faster (or equal: fewer nodes is simpler).
+        for node in list(current):
+            rest = [n for n in current if n is not node]
+            ev = _evaluate(ctx, primary, rest, every=False)
+            if ev.key <= cur.key:
+                if cur.feasible:
+                    dropped.append((node, cur.cost_s, ev.cost_s))
+                current, cur, changed = rest, ev, True
+        # Swap: replace one node by an unused one when that predicts faster.
+        best_swap: tuple[_Eval, list[_Node]] | None = None
+        for node in current:
+            rest = [n for n in current if n is not node]
+            for other in pool:
+                if other in current:
+                    continue
+                ev = _evaluate(ctx, primary, [*rest, other], every=False)
+                if _better(ev, best_swap[0] if best_swap else cur):
+                    best_swap = (ev, [*rest, other])
+        if best_swap is not None:
+            cur, current, changed = best_swap[0], best_swap[1], True
+            # A swap may have freed room for another helpful node.
+            for node in pool:
+                if node in current:
+                    continue
+                ev = _evaluate(ctx, primary, [*current, node], every=False)
+                if _better(ev, cur):
+                    current, cur = [*current, node], ev
+        if not changed:
+            break
+    # The final set gets the full output search (every device as a candidate).
+    cur = _evaluate(ctx, primary, current)
+    # Fewer nodes win a near tie: remove nodes while within tolerance of the best found.
+    limit = cur.cost_s * (1 + ctx.cost.prefer_fewer_tolerance)
+    improved = True
+    while improved and cur.feasible and current:
+        improved = False
+        for node in list(current):
+            rest = [n for n in current if n is not node]
+            ev = _evaluate(ctx, primary, rest)
+            if ev.feasible and ev.cost_s <= limit:
+                dropped.append((node, cur.cost_s, ev.cost_s))
+                current, cur, improved = rest, ev, True
+                break
+    for node, before, after in dropped:
+        if node in current or not math.isfinite(before) or not math.isfinite(after):
+            continue
+        notes.append(
+            f"dropped {node.snap.name or node.snap.node_id} with primary "
+            f"{primary.snap.name or primary.snap.node_id}: predicted {1 / before:.1f} → "
+            f"{1 / after:.1f} tok/s without it"
+        )
+    return cur
+
+
+def _alone_estimate(ctx: _Ctx, node: _Node) -> float:
+    """Cheap decode latency of a node running the model by itself (inf when it cannot)."""
+    if not node.primary_ok or node.cpu is None:
+        return math.inf
+    n_layer = ctx.n_layer
+    if node.cap_alone >= n_layer and not node.gpus:
+        return n_layer * node.cpu.t_tg + node.cpu.out_tg
+    need, total = n_layer, 0.0
+    for d in node.devs:
+        c = node.cap_primary if d is node.cpu else d.cap
+        if c <= 0:
+            continue
+        take = min(c, need)
+        total += take * d.t_tg
+        need -= take
+        if need == 0:
+            break
+    if need > 0:
+        if node.cap_alone >= n_layer:
+            return n_layer * node.cpu.t_tg + node.cpu.out_tg
+        return math.inf
+    return total
+
+
+def _primary_candidates(ctx: _Ctx, nodes: Sequence[_Node], k: int) -> list[_Node]:
+    ok = [n for n in nodes if n.primary_ok]
+    if len(ok) <= k:
+        return ok
+    picked: dict[str, _Node] = {}
+    # Nodes that can run the model alone, fastest first.
+    alone = sorted(
+        ((_alone_estimate(ctx, n), n.snap.node_id, n) for n in ok), key=lambda t: (t[0], t[1])
+    )
+    for est, nid, n in alone[: k // 2]:
+        if math.isfinite(est):
+            picked[nid] = n
+    # Then the nodes with the fastest devices and room: good hubs for a split.
+    by_speed = sorted(ok, key=lambda n: (n.best_t, -n.total_cap, n.snap.node_id))
+    for n in by_speed:
+        if len(picked) >= k:
+            break
+        picked.setdefault(n.snap.node_id, n)
+    # And the best of those already holding the file: no copy needed if they tie.
+    for n in [n for n in by_speed if n.snap.has_model_file][:2]:
+        picked.setdefault(n.snap.node_id, n)
+    return list(picked.values())
+
+
+def _search(ctx: _Ctx, spread: bool, notes: list[str]) -> tuple[_Eval | None, _Eval | None]:
+    """(best feasible evaluation or None, best infeasible attempt for a refusal)."""
+    nodes = ctx.nodes
+    evals: list[_Eval] = []
+    if spread:
+        for p in nodes:
+            evals.append(_evaluate(ctx, p, [n for n in nodes if n is not p], spread=True))
+    else:
+        per_primary: dict[int, list[str]] = {}
+        for p in _primary_candidates(ctx, nodes, _PRIMARY_CANDIDATES):
+            pool = _remote_pool(ctx, p, nodes, _REMOTE_POOL)
+            lines: list[str] = []
+            ev = _local_search(ctx, p, pool, lines)
+            per_primary[id(ev)] = lines
+            evals.append(ev)
+    chosen = _prefer(ctx, evals)
+    if chosen is not None and not spread:
+        notes.extend(per_primary.get(id(chosen), []))
+    attempt = min(evals, key=lambda e: e.key, default=None)
+    return chosen, attempt
+
+
+def plan_placement(
+    profile: ModelProfile,
+    cluster: ClusterSnapshot,
+    request: PlacementRequest | None = None,
+    *,
+    cost: CostModel = DEFAULT_COST,
+) -> Plan:
+    """Place the model on the cluster or raise PlacementRefused saying what is missing."""
+    request = request or PlacementRequest()
+    _check_request(profile, request)
+    ready, degraded, notes = _select_nodes(cluster, request)
+    tiers: list[tuple[list[NodeSnapshot], bool]] = []
+    if request.spread:
+        tiers.append((ready + degraded, bool(degraded)))
+    else:
+        if ready:
+            tiers.append((ready, False))
+        if degraded:
+            tiers.append((ready + degraded, True))
+    if not tiers or not any(t[0] for t in tiers):
+        raise PlacementRefused(
+            "no eligible nodes" + (f" ({'; '.join(notes)})" if notes else ""), 0, ()
+        )
+    if request.spread and len(tiers[0][0]) > profile.n_layer:
+        raise PlacementRefused(
+            f"cannot spread {profile.n_layer} layers over {len(tiers[0][0])} nodes", 0, ()
+        )
+    attempt: _Eval | None = None
+    attempt_ctx: _Ctx | None = None
+    for nodes, uses_degraded in tiers:
+        ctx = _Ctx(profile, cluster, request, nodes, cost)
+        search_notes: list[str] = []
+        chosen, tried = _search(ctx, request.spread, search_notes)
+        if chosen is not None:
+            if uses_degraded:
+                used = {chosen.primary.snap.node_id, *(n.snap.node_id for n in chosen.remote)}
+                names = [n.name or n.node_id for n in degraded if n.node_id in used]
+                if names and not request.spread:
+                    notes.append(
+                        "DEGRADED nodes used because the READY nodes alone cannot hold the "
+                        f"model: {', '.join(names)}"
+                    )
+                elif names:
+                    notes.append(f"DEGRADED nodes used because the spread names them: {', '.join(names)}")
+            elif degraded:
+                notes.append(
+                    "not used (DEGRADED, fallback only): "
+                    + ", ".join(n.name or n.node_id for n in degraded[:5])
+                    + (f" and {len(degraded) - 5} more" if len(degraded) > 5 else "")
+                )
+            return _build_plan(ctx, chosen, notes + search_notes)
+        if tried is not None and (attempt is None or tried.unplaced <= attempt.unplaced):
+            attempt, attempt_ctx = tried, ctx
+    raise _refusal(attempt_ctx, attempt, notes)
+
+
+def _check_request(profile: ModelProfile, request: PlacementRequest) -> None:
+    if request.n_ctx <= 0 or request.n_parallel <= 0 or request.n_batch <= 0:
+        raise PlacementRefused("n_ctx, n_parallel and n_batch must be positive", 0, ())
+    if profile.n_layer <= 0:
+        raise PlacementRefused("the model has no layers", 0, ())
+
+
+def _refusal(ctx: _Ctx | None, attempt: _Eval | None, notes: list[str]) -> PlacementRefused:
+    tail = f" ({'; '.join(notes)})" if notes else ""
+    if ctx is None or attempt is None:
+        return PlacementRefused("no eligible nodes" + tail, 0, ())
+    if not any(n.primary_ok for n in ctx.nodes):
+        biggest = max(ctx.nodes, key=lambda n: n.cpu.snap.free_bytes if n.cpu else 0)
+        have = biggest.cpu.snap.free_bytes if biggest.cpu else 0
+        need = int(ctx.host_fixed_idle * ctx.margin)
+        return PlacementRefused(
+            f"needs {fmt_bytes(need - have)} more memory: no node's RAM can hold the embeddings and "
+            f"host buffers ({fmt_bytes(need)}); largest is {biggest.snap.name or biggest.snap.node_id} "
+            f"({fmt_bytes(have)} free){tail}",
+            need - have,
+            (biggest.snap.node_id,),
+        )
+    used = [attempt.primary, *attempt.remote]
+    # An infeasible attempt may list nodes that could not take a layer; show the whole set tried.
+    for k, c in attempt.assign.items():
+        node = attempt.devs[k].node
+        if node not in used:
+            used.append(node)
+    missing = int(attempt.unplaced * ctx.per_layer * ctx.margin)
+    if attempt.unplaced >= ctx.n_layer:
+        # Nothing could be placed at all (spread over a node without room, for instance).
+        missing = int((ctx.n_layer * ctx.per_layer + ctx.out_fixed) * ctx.margin)
+    used.sort(key=lambda n: -n.snap.free_bytes)
+    shown = ", ".join(
+        f"{n.snap.name or n.snap.node_id} ({fmt_bytes(n.snap.free_bytes)} free)" for n in used[:6]
+    )
+    if len(used) > 6:
+        shown += f" and {len(used) - 6} more"
+    return PlacementRefused(
+        f"needs {fmt_bytes(missing)} more memory; largest feasible set is {shown}{tail}",
+        missing,
+        tuple(n.snap.node_id for n in used),
+    )
+
+
+# --- plan assembly ----------------------------------------------------------------------------
+
+
+def _ordered_devices(ev: _Eval) -> list[tuple[_Dev, int]]:
+    """The evaluation's devices in llama.cpp's order: primary CPU, remote nodes, primary GPUs."""
+    primary = ev.primary
+    counts = {k: c for k, c in ev.assign.items() if c > 0}
+    out = ev.out
+
+    def node_devices(node: _Node) -> list[tuple[_Dev, int]]:
+        ds = [(d, counts[id(d)]) for d in node.devs if id(d) in counts and d is not node.cpu]
+        cpu = node.cpu
+        if cpu is not None and id(cpu) in counts and node is not primary:
+            ds.insert(0, (cpu, counts[id(cpu)]))
+        # The output device runs last within its node.
+        ds.sort(key=lambda t: t[0] is out)
+        return ds
+
+    order: list[tuple[_Dev, int]] = []
+    assert primary.cpu is not None
+    order.append((primary.cpu, counts.get(id(primary.cpu), 0)))
+    remote = sorted(ev.remote, key=lambda n: out is not None and out.node is n)
+    for node in remote:
+        order.extend(node_devices(node))
+    order.extend(node_devices(primary))
+    return order
+
+
+def _device_memory(ctx: _Ctx, ev: _Eval, d: _Dev, start: int, end: int, holds_output: bool, is_primary_cpu: bool, copies: int) -> int:
+    profile, request = ctx.profile, ctx.request
+    n = end - start
+    raw = sum(profile.layer_bytes[start:end]) + n * kv_bytes_per_layer(profile, request)
+    if is_primary_cpu:
+        raw += host_buffer_bytes(profile, request)
+        if ev.out is None:
+            raw += profile.output_bytes + compute_buffer_bytes(
+                profile, request, holds_layers=True, holds_output=True, cost=ctx.cost
+            )
+        else:
+            raw += compute_buffer_bytes(
+                profile, request, holds_layers=n > 0, holds_output=False, copies=copies, cost=ctx.cost
+            )
+    else:
+        if holds_output:
+            raw += profile.output_bytes
+        raw += compute_buffer_bytes(
+            profile, request, holds_layers=n > 0, holds_output=holds_output, copies=copies, cost=ctx.cost
+        )
+    return int(math.ceil(raw * ctx.margin))
+
+
+def _predict(ctx: _Ctx, ev: _Eval, order: list[tuple[_Dev, int]]) -> tuple[float, float]:
+    """(decode seconds per token, prompt seconds) for the plan as laid out."""
+    profile, request = ctx.profile, ctx.request
+    tg = pp = 0.0
+    passes = math.ceil(max(1, request.prompt_tokens) / request.n_batch)
+    overhead = ctx.cost.layer_overhead_ms / 1000
+    for d, c in order:
+        tg += c * d.t_tg
+        if c:
+            pp += c * (layer_times(profile, request, d.snap)[1] + passes * overhead)
+    out_dev = ev.out if ev.out is not None else ev.primary.cpu
+    assert out_dev is not None
+    tg += out_dev.out_tg
+    pp += out_dev.out_tg
+    for node in ev.remote:
+        link = ctx.cluster.link(ev.primary.snap.node_id, node.snap.node_id)
+        holds = ev.out is not None and ev.out.node is node
+        tg += hop_s(profile, request, link, holds_output=holds, prompt=False, cost=ctx.cost)
+        pp += hop_s(profile, request, link, holds_output=holds, prompt=True, cost=ctx.cost)
+    return tg, pp
+
+
+def _build_plan(ctx: _Ctx, ev: _Eval, notes: list[str]) -> Plan:
+    profile = ctx.profile
+    primary = ev.primary
+    order = _ordered_devices(ev)
+    offload = [(d, c) for d, c in order[1:]]
+    copies = ctx.cost.pipeline_copies if ev.pipeline else 1
+    devices: list[PlanDevice] = []
+    start = 0
+    for i, (d, c) in enumerate(order):
+        is_primary_cpu = i == 0
+        holds_output = (ev.out is d) or (ev.out is None and is_primary_cpu)
+        mem = _device_memory(ctx, ev, d, start, start + c, holds_output, is_primary_cpu, copies)
+        node = d.node.snap
+        devices.append(
+            PlanDevice(
+                node_id=node.node_id,
+                device=d.snap.device,
+                kind=d.snap.kind,
+                layer_start=start,
+                layer_end=start + c,
+                memory_bytes=mem,
+                endpoint=None if d.node is primary else node.endpoint,
+                holds_output=holds_output,
+                free_bytes=d.snap.free_bytes,
+            )
+        )
+        start += c
+    assert start == profile.n_layer, "every layer is placed exactly once"
+    k = order[0][1]
+    if offload:
+        n_gpu_layers = profile.n_layer + 1 - k
+        split = [float(c) for _, c in offload]
+        split[-1] += 1.0  # the output layer counts as one more on the last offload device
+    else:
+        n_gpu_layers, split = 0, []
+    tg, pp = _predict(ctx, ev, order)
+    explanation = _explain(ctx, ev, devices, tg, notes)
+    return Plan(
+        primary_node_id=primary.snap.node_id,
+        devices=tuple(devices),
+        tensor_split=tuple(split),
+        n_gpu_layers=n_gpu_layers,
+        n_threads=max(1, primary.snap.threads),
+        n_ctx=ctx.request.n_ctx,
+        n_parallel=ctx.request.n_parallel,
+        predicted_ttft_ms=round(pp * 1000, 3),
+        predicted_tokens_per_s=round(1.0 / tg, 3) if tg > 0 else math.inf,
+        explanation=tuple(explanation),
+    )
+
+
+def _explain(ctx: _Ctx, ev: _Eval, devices: list[PlanDevice], tg: float, notes: list[str]) -> list[str]:
+    lines: list[str] = []
+    primary = ev.primary.snap
+    holds = " (already holds the model file)" if primary.has_model_file else " (the model file will be copied there)"
+    lines.append(f"primary: {primary.name or primary.node_id}{holds}")
+    for d in devices:
+        if d.n_layers == 0 and d.endpoint is None:
+            lines.append(
+                f"{d.node_id} {d.device}: embeddings and host buffers only, {fmt_bytes(d.memory_bytes)} "
+                f"of {fmt_bytes(d.free_bytes)} free"
+            )
+            continue
+        where = "local" if d.endpoint is None else f"via RPC {d.endpoint}"
+        out = ", output layer" if d.holds_output else ""
+        lines.append(
+            f"{d.node_id} {d.device} ({where}): layers {d.layer_start}-{d.layer_end - 1}{out}, "
+            f"{fmt_bytes(d.memory_bytes)} of {fmt_bytes(d.free_bytes)} free"
+        )
+    layer_devs = [d for d in devices if d.n_layers > 0]
+    n_nodes = len({d.node_id for d in devices})
+    if n_nodes == 1 and len(layer_devs) <= 1:
+        lines.append("fits on one device: the fastest device that holds the whole model")
+    elif n_nodes == 1:
+        lines.append("one node: its fastest device is filled first, the rest of the layers go to its next device")
+    else:
+        lines.append(
+            f"split over {n_nodes} nodes: no smaller set holds the model as fast "
+            f"(layers go to the fastest devices first, up to their memory)"
+        )
+    used = {d.node_id for d in devices}
+    others = [n for n in ctx.nodes if n.snap.node_id not in used]
+    if others:
+        if len(others) <= 5:
+            for n in others:
+                if not n.primary_ok and n.cap_primary < 0 and all(d.cap <= 0 for d in n.devs):
+                    why = "too little free memory for even one layer"
+                elif ctx.n_layer and all(d.t_tg >= max((x.t_tg for x in ev.devs.values()), default=0) for d in n.devs):
+                    why = "slower than the devices used"
+                else:
+                    why = "not needed: adding it does not predict faster"
+                lines.append(f"not used: {n.snap.name or n.snap.node_id} ({why})")
+        else:
+            lines.append(f"not used: {len(others)} other eligible nodes (slower, smaller or not needed)")
+    lines.extend(notes)
+    lines.append(f"predicted {1 / tg:.1f} tokens/s per stream" if tg > 0 else "predicted: instant")
+    return lines
+
+
+# --- references for tests and the benchmark ---------------------------------------------------
+
+
+def exhaustive_best(
+    profile: ModelProfile,
+    cluster: ClusterSnapshot,
+    request: PlacementRequest | None = None,
+    *,
+    cost: CostModel = DEFAULT_COST,
+    max_nodes: int = 10,
+) -> Plan:
+    """Fastest predicted plan over every primary and every subset of remote nodes (small
+    clusters only); no preference for fewer nodes. Same eligibility rules as plan_placement."""
+    request = request or PlacementRequest()
+    _check_request(profile, request)
+    ready, degraded, notes = _select_nodes(cluster, request)
+    tiers = [ready + degraded] if request.spread else [t for t in (ready, ready + degraded) if t]
+    for nodes in tiers:
+        if len(nodes) > max_nodes:
+            raise ValueError(f"exhaustive search over {len(nodes)} nodes is too slow")
+        ctx = _Ctx(profile, cluster, request, nodes, cost)
+        best: _Eval | None = None
+        for p in ctx.nodes:
+            others = [n for n in ctx.nodes if n is not p]
+            subsets: Iterable[tuple[_Node, ...]]
+            if request.spread:
+                subsets = [tuple(others)]
+            else:
+                subsets = itertools.chain.from_iterable(
+                    itertools.combinations(others, r) for r in range(len(others) + 1)
+                )
+            for sub in subsets:
+                ev = _evaluate(ctx, p, sub, spread=request.spread)
+                if not ev.feasible:
+                    continue
+                if request.spread is False and len(ev.remote) != len(sub):
+                    continue  # a smaller subset covers this plan
+                if best is None or ev.cost_s < best.cost_s:
+                    best = ev
+        if best is not None:
+            return _build_plan(ctx, best, notes + ["exhaustive search"])
+    raise PlacementRefused("no feasible plan (exhaustive search)", 0, ())
+
+
+def memory_proportional_plan(
+    profile: ModelProfile,
+    cluster: ClusterSnapshot,
+    request: PlacementRequest | None = None,
+    *,
+    cost: CostModel = DEFAULT_COST,
+) -> Plan:
+    """The exo rule as a baseline: every eligible node, layers split by share of memory.
+
+    The primary is the node with the most memory; each node's share goes to its devices by
+    their free memory, clamped to what fits, so the baseline never runs out of memory either.
+    """
+    request = request or PlacementRequest()
+    _check_request(profile, request)
+    ready, degraded, notes = _select_nodes(cluster, request)
+    nodes = ready or degraded
+    ctx = _Ctx(profile, cluster, request, nodes, cost)
+    prim = [n for n in ctx.nodes if n.primary_ok]
+    if not prim:
+        raise PlacementRefused("no node can be primary", 0, ())
+    primary = max(prim, key=lambda n: (n.snap.free_bytes, n.snap.node_id))
+    devs: list[_Dev] = []
+    caps: dict[int, int] = {}
+    # Remote devices first so the output lands on a remote device only when the primary has no
+    # GPU (llama.cpp's order); the primary's GPUs hold the output otherwise.
+    if primary.gpus:
+        out: _Dev | None = max(primary.gpus, key=lambda g: g.snap.free_bytes)
+    else:
+        remote_devs = [d for n in ctx.nodes if n is not primary for d in n.devs]
+        out = max(remote_devs, key=lambda d: d.snap.free_bytes) if remote_devs else None
+    for n in ctx.nodes:
+        for d in n.devs:
+            if d is primary.cpu:
+                c = primary.cap_alone if out is None else primary.cap_primary
+            else:
+                c = d.cap_out if d is out else d.cap
+            if c > 0:
+                devs.append(d)
+                caps[id(d)] = c
+    total_free = sum(d.snap.free_bytes for d in devs) or 1
+    assign: dict[int, int] = {}
+    placed = 0
+    for d in devs:
+        share = int(profile.n_layer * d.snap.free_bytes / total_free)
+        c = min(caps[id(d)], share)
+        assign[id(d)] = c
+        placed += c
+    # Hand the rounding remainder to the devices with the most spare room.
+    for d in sorted(devs, key=lambda d: -(caps[id(d)] - assign[id(d)])):
+        while placed < profile.n_layer and assign[id(d)] < caps[id(d)]:
+            assign[id(d)] += 1
+            placed += 1
+    if placed < profile.n_layer:
+        raise PlacementRefused("memory-proportional split does not fit", 0, ())
+    if out is not None and assign.get(id(out), 0) == 0:
+        raise PlacementRefused("memory-proportional split leaves the output device empty", 0, ())
+    remote = []
+    for n in ctx.nodes:
+        if n is not primary and any(assign.get(id(d), 0) for d in n.devs):
+            remote.append(n)
+    if remote and out is None:
+        raise PlacementRefused("memory-proportional split has no output device", 0, ())
+    devmap = {id(d): d for d in devs}
+    total = sum(c * devmap[k].t_tg for k, c in assign.items())
+    total += (out or primary.cpu).out_tg  # type: ignore[union-attr]
+    for n in remote:
+        total += ctx.hop(primary, n, out is not None and out.node is n)
+    ev = _Eval(total, 0, primary, assign, devmap, out, remote)
+    return _build_plan(ctx, ev, notes + ["memory-proportional baseline (exo rule)"])
+
+
+# --- llama.cpp's own rule, for checking plans -------------------------------------------------
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def llama_layer_assignment(
+    n_layer: int, n_gpu_layers: int, tensor_split: Sequence[float]
+) -> tuple[list[int], int]:
+    """Replay llama.cpp's layer → device rule: (device index per layer, output's device).
+
+    -1 is the primary's CPU; i >= 0 indexes the offload devices (tensor_split entries). Mirrors
+    llama_model::load_tensors: float32 split points, upper_bound on (il - i_gpu_start) / act.
+    """
+    n_dev = len(tensor_split)
+    splits: list[float] = []
+    acc = _f32(0.0)
+    for s in tensor_split:
+        acc = _f32(acc + _f32(s))
+        splits.append(acc)
+    if n_dev and acc > 0:
+        splits = [_f32(s / acc) for s in splits]
+    i_gpu_start = max(n_layer + 1 - n_gpu_layers, 0)
+    act = 0 if n_dev == 0 else min(n_gpu_layers, n_layer + 1)
+
+    def dev_of(il: int) -> int:
+        if il < i_gpu_start or (il - i_gpu_start) >= act:
+            return -1
+        x = _f32(float(il - i_gpu_start) / act)
+        # std::upper_bound: first split point strictly greater than x.
+        for i, s in enumerate(splits):
+            if s > x:
+                return i
+        return n_dev  # llama.cpp would index past the end; a broken split
+
+    return [dev_of(il) for il in range(n_layer)], dev_of(n_layer)

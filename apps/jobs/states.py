@@ -1,0 +1,53 @@
+"""Job and deployment states with their transition tables. Pure: no ORM."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class JobState(models.TextChoices):
+    """Owners: the API view (QUEUED, CANCELLED by a client), the dispatcher (DISPATCHED), the
+    stream reader or the agent's report (RUNNING, COMPLETED, FAILED), the operator (CANCELLED)."""
+
+    QUEUED = "QUEUED"
+    DISPATCHED = "DISPATCHED"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+J = JobState
+JOB_TERMINAL = frozenset({J.COMPLETED, J.FAILED, J.CANCELLED})
+JOB_TRANSITIONS: dict[str, frozenset[str]] = {
+    J.QUEUED: frozenset({J.DISPATCHED, J.FAILED, J.CANCELLED}),
+    J.DISPATCHED: frozenset({J.RUNNING, J.COMPLETED, J.FAILED, J.CANCELLED}),
+    J.RUNNING: frozenset({J.COMPLETED, J.FAILED, J.CANCELLED}),
+    J.COMPLETED: frozenset(),
+    J.FAILED: frozenset(),
+    J.CANCELLED: frozenset(),
+}
+
+
+class DeploymentState(models.TextChoices):
+    """Owners: the placement task (PLANNING → LOADING → READY | FAILED), the health sweep and
+    node transitions (DEGRADED, FAILED), the operator (STOPPED)."""
+
+    PLANNING = "PLANNING"
+    LOADING = "LOADING"
+    READY = "READY"
+    DEGRADED = "DEGRADED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+
+D = DeploymentState
+DEPLOYMENT_ACTIVE = frozenset({D.PLANNING, D.LOADING, D.READY, D.DEGRADED})
+DEPLOYMENT_TRANSITIONS: dict[str, frozenset[str]] = {
+    D.PLANNING: frozenset({D.PLANNING, D.LOADING, D.FAILED, D.STOPPED}),
+    D.LOADING: frozenset({D.PLANNING, D.READY, D.FAILED, D.STOPPED}),
+    D.READY: frozenset({D.DEGRADED, D.FAILED, D.STOPPED}),
+    D.DEGRADED: frozenset({D.READY, D.FAILED, D.STOPPED}),
+    D.FAILED: frozenset({D.STOPPED}),
+    D.STOPPED: frozenset(),
+}

@@ -1,0 +1,16 @@
+"""Celery entry points for jobs and deployments. Thin: one call into services each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import shared_task
+from django.utils import timezone
+
+
+@shared_task(name="racon.jobs.node_state_changed", ignore_result=True)
+def node_state_changed(*, node_id: str, state: str, **kwargs: Any) -> None:
+    """React to a member node's health change (deployments degrade, fail or re-plan)."""
+    from . import services
+
+    services.deployments_on_node_state(node_id=node_id, state=state, now=timezone.now())

@@ -1,0 +1,390 @@
+"""Node APIs: the agent endpoints (/api/agent/*) and the admin endpoints (/api/admin/nodes, tokens, events)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpRequest, JsonResponse
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.views.decorators.csrf import csrf_exempt
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from agent.protocol import REPORT_KINDS
+
+from . import selectors, services
+from .models import EnrollmentToken, Event, Node
+from .states import NodeState
+
+# --- wire serializers (checked against agent/protocol.py by a contract test) ---------------------
+
+
+class GpuSerializer(serializers.Serializer):
+    index = serializers.IntegerField(min_value=0)
+    vendor = serializers.CharField(max_length=64)
+    name = serializers.CharField(max_length=200)
+    uuid = serializers.CharField(max_length=100, allow_blank=True)
+    vram_total = serializers.IntegerField(min_value=0)
+    vram_free = serializers.IntegerField(min_value=0)
+    driver = serializers.CharField(max_length=64, allow_blank=True)
+
+
+class HardwareSerializer(serializers.Serializer):
+    cpu = serializers.DictField()
+    memory = serializers.DictField(child=serializers.IntegerField(min_value=0))
+    swap = serializers.DictField(child=serializers.IntegerField(min_value=0))
+    disk = serializers.DictField()
+    network = serializers.ListField(child=serializers.DictField(), max_length=64)
+    gpus = GpuSerializer(many=True, max_length=16)
+    benchmark = serializers.DictField(child=serializers.FloatField(min_value=0), required=False)
+    fingerprint = serializers.CharField(max_length=128, required=False)
+
+    def validate_cpu(self, value: dict[str, Any]) -> dict[str, Any]:
+        for key in ("model", "physical_cores", "logical_cores"):
+            if key not in value:
+                raise serializers.ValidationError(f"missing cpu.{key}")
+        for key in ("physical_cores", "logical_cores"):
+            if not isinstance(value[key], int) or value[key] < 0:
+                raise serializers.ValidationError(f"cpu.{key} must be a non-negative integer")
+        return value
+
+    def validate_memory(self, value: dict[str, int]) -> dict[str, int]:
+        if "total" not in value:
+            raise serializers.ValidationError("missing memory.total")
+        return value
+
+
+class ModelFileInfoSerializer(serializers.Serializer):
+    path = serializers.CharField(max_length=500)
+    file_name = serializers.CharField(max_length=255)
+    size = serializers.IntegerField(min_value=0)
+    mtime = serializers.FloatField()
+    sha256 = serializers.RegexField(r"^[0-9a-f]{64}$")
+
+
+class EnrollRequestSerializer(serializers.Serializer):
+    token = serializers.CharField(max_length=200)
+    node_name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", max_length=63)
+    machine_id = serializers.CharField(max_length=128)
+    agent_version = serializers.CharField(max_length=32)
+    advertise_address = serializers.IPAddressField()
+    rpc_port = serializers.IntegerField(min_value=1, max_value=65535)
+    hardware = HardwareSerializer()
+    models = ModelFileInfoSerializer(many=True, required=False, max_length=1000)
+
+
+class EnrollResponseSerializer(serializers.Serializer):
+    node_id = serializers.CharField()
+    credential = serializers.CharField()
+    redis_url = serializers.CharField()
+    heartbeat_interval = serializers.FloatField()
+    state = serializers.CharField()
+
+
+class HeartbeatSerializer(serializers.Serializer):
+    state = serializers.ChoiceField(choices=NodeState.choices, required=False)
+    sent_at = serializers.FloatField(required=False)
+    telemetry = serializers.DictField()
+
+
+class HeartbeatResponseSerializer(serializers.Serializer):
+    state = serializers.CharField()
+    heartbeat_interval = serializers.FloatField()
+
+
+class ReportSerializer(serializers.Serializer):
+    id = serializers.CharField(max_length=64)
+    kind = serializers.ChoiceField(choices=[(k, k) for k in REPORT_KINDS])
+    command_id = serializers.CharField(max_length=64, required=False, allow_null=True)
+    payload = serializers.DictField()
+
+
+def _node_credentials(request: Any) -> tuple[str, str] | None:
+    header = request.headers.get("Authorization", "") if hasattr(request, "headers") else ""
+    scheme, _, rest = header.partition(" ")
+    if scheme != "Node" or ":" not in rest:
+        return None
+    node_id, _, credential = rest.strip().partition(":")
+    return node_id, credential
+
+
+def _agent_error(message: str, status_code: int, **extra: Any) -> JsonResponse:
+    return JsonResponse({"error": {"message": message, **extra}}, status=status_code)
+
+
+# --- agent endpoints --------------------------------------------------------------------------
+
+
+class AgentEnrollApi(APIView):
+    """Exchange an administrator-issued enrollment token for a node id and credential."""
+
+    authentication_classes: list[Any] = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(request=EnrollRequestSerializer, responses={201: EnrollResponseSerializer, 200: EnrollResponseSerializer})
+    def post(self, request: Request) -> Response:
+        data = EnrollRequestSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        try:
+            enrollment = services.node_enroll(
+                token=v["token"],
+                node_name=v["node_name"],
+                machine_id=v["machine_id"],
+                hardware=v["hardware"],
+                address=v["advertise_address"],
+                rpc_port=v["rpc_port"],
+                agent_version=v["agent_version"],
+                models=v.get("models"),
+                now=timezone.now(),
+            )
+        except services.EnrollmentError as exc:
+            return Response({"error": {"message": str(exc), "code": "enrollment_refused"}}, status=status.HTTP_401_UNAUTHORIZED)
+        node = enrollment.node
+        body = {
+            "node_id": str(node.id),
+            "credential": enrollment.credential,
+            "redis_url": settings.AGENT_REDIS_URL,
+            "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
+            "state": node.state,
+        }
+        return Response(body, status=status.HTTP_201_CREATED if enrollment.created else status.HTTP_200_OK)
+
+
+@csrf_exempt
+async def agent_heartbeat(request: HttpRequest) -> JsonResponse:
+    """Authenticated by the node credential; costs no database write unless the state changes."""
+    if request.method != "POST":
+        return _agent_error("method not allowed", 405)
+    creds = _node_credentials(request)
+    if creds is None:
+        return _agent_error("missing or malformed 'Authorization: Node <id>:<credential>'", 401)
+    if len(request.body) > settings.MAX_AGENT_BODY_BYTES:
+        return _agent_error("heartbeat body too large", 400)
+    try:
+        payload = json.loads(request.body or b"{}")
+    except ValueError as exc:
+        return _agent_error(f"malformed JSON: {exc}", 400)
+    if not isinstance(payload, dict) or not isinstance(payload.get("telemetry", {}), dict):
+        return _agent_error("heartbeat must be an object with a 'telemetry' object", 400, fields={"telemetry": ["must be an object"]})
+    wanted = payload.get("state")
+    if wanted is not None and wanted not in NodeState.values:
+        return _agent_error(f"unknown state {wanted!r}", 400, fields={"state": [f"not one of {NodeState.values}"]})
+    try:
+        state = await services.node_heartbeat(
+            node_id=creds[0], credential=creds[1], payload=payload, now=timezone.now()
+        )
+    except services.NodeAuthError as exc:
+        return _agent_error(str(exc), 401, code="node_revoked" if "revoked" in str(exc) else "invalid_credential")
+    return JsonResponse({"state": state, "heartbeat_interval": settings.HEARTBEAT_INTERVAL})
+
+
+class AgentReportsApi(APIView):
+    """Reports from agents: command results, events, finished jobs, model files, link probes."""
+
+    authentication_classes: list[Any] = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(request=ReportSerializer, responses={202: None})
+    def post(self, request: Request) -> Response:
+        creds = _node_credentials(request)
+        if creds is None:
+            return Response({"error": {"message": "missing node credential"}}, status=401)
+        try:
+            node = services.node_authenticate(node_id=creds[0], credential=creds[1])
+        except (services.NodeAuthError, ValueError) as exc:
+            return Response({"error": {"message": str(exc), "code": "node_revoked" if "revoked" in str(exc) else "invalid_credential"}}, status=401)
+        data = ReportSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        from apps.jobs.reports import report_accept  # noqa: PLC0415
+
+        try:
+            result = report_accept(node_id=node.id, report=data.validated_data, now=timezone.now())
+        except ValueError as exc:
+            return Response({"error": {"message": str(exc), "code": "invalid_report"}}, status=400)
+        return Response({"accepted": True, **(result or {})}, status=202)
+
+
+# --- admin endpoints --------------------------------------------------------------------------
+
+
+class NodeOut(serializers.ModelSerializer):
+    heartbeat_age = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Node
+        fields = [
+            "id", "name", "state", "state_changed_at", "account", "address", "rpc_port", "agent_version",
+            "cpu_model", "cpu_physical_cores", "cpu_logical_cores", "ram_total", "ram_available", "vram_total",
+            "vram_free", "gpu_count", "disk_free", "gflops", "mem_bandwidth_gbps", "drain_requested", "drained_at",
+            "enrolled_at", "revoked_at", "heartbeat_age",
+        ]
+
+    def get_heartbeat_age(self, obj: Node) -> float | None:
+        ages = self.context.get("ages") or {}
+        return ages.get(str(obj.id))
+
+
+class EventOut(serializers.ModelSerializer):
+    class Meta:
+        model = Event
+        fields = ["id", "kind", "category", "node", "job", "deployment", "old_state", "new_state", "message", "data", "created_at"]
+
+
+class NodeListApi(APIView):
+    """GET /api/admin/nodes?state=READY&name=box"""
+
+    @extend_schema(responses=NodeOut(many=True))
+    def get(self, request: Request) -> Response:
+        state = request.query_params.get("state")
+        if state and state not in NodeState.values:
+            return Response({"error": {"message": f"unknown state {state!r}", "code": "invalid", "fields": {"state": [f"one of {NodeState.values}"]}}}, status=400)
+        nodes = selectors.node_list(state=state, name=request.query_params.get("name"))
+        ages = selectors.heartbeat_ages([str(n.id) for n in nodes], now=timezone.now())
+        return Response(NodeOut(nodes, many=True, context={"ages": ages}).data)
+
+
+class NodeDetailApi(APIView):
+    class DetailOut(NodeOut):
+        hardware = serializers.JSONField()
+        events = serializers.SerializerMethodField()
+        telemetry = serializers.SerializerMethodField()
+        deployments = serializers.SerializerMethodField()
+
+        class Meta(NodeOut.Meta):
+            fields = [*NodeOut.Meta.fields, "hardware", "events", "telemetry", "deployments"]
+
+        def get_events(self, obj: Node) -> list[dict[str, Any]]:
+            return EventOut(selectors.node_events(node_id=obj.id, limit=50), many=True).data
+
+        def get_telemetry(self, obj: Node) -> dict[str, Any]:
+            return selectors.node_telemetry(node_id=str(obj.id))
+
+        def get_deployments(self, obj: Node) -> list[dict[str, Any]]:
+            return [{"id": str(d.id), "model": d.model.name, "state": d.state} for d in obj.deployments.select_related("model")]
+
+    @extend_schema(responses=DetailOut)
+    def get(self, request: Request, node_id: str) -> Response:
+        node = get_object_or_404(Node, pk=node_id)
+        ages = selectors.heartbeat_ages([str(node.id)], now=timezone.now())
+        return Response(self.DetailOut(node, context={"ages": ages}).data)
+
+
+class NodeDrainApi(APIView):
+    """Stop assigning new work to the node. NODE_DRAINED is written when its current work ends."""
+
+    @extend_schema(request=None, responses=NodeOut)
+    def post(self, request: Request, node_id: str) -> Response:
+        get_object_or_404(Node, pk=node_id)
+        node = services.node_drain(node_id=node_id, now=timezone.now())
+        return Response(NodeOut(node).data)
+
+
+class NodeUndrainApi(APIView):
+    @extend_schema(request=None, responses=NodeOut)
+    def post(self, request: Request, node_id: str) -> Response:
+        get_object_or_404(Node, pk=node_id)
+        node = services.node_undrain(node_id=node_id, now=timezone.now())
+        return Response(NodeOut(node).data)
+
+
+class NodeRevokeApi(APIView):
+    @extend_schema(request=None, responses=NodeOut)
+    def post(self, request: Request, node_id: str) -> Response:
+        get_object_or_404(Node, pk=node_id)
+        services.node_revoke(node_id=node_id, now=timezone.now())
+        return Response(NodeOut(Node.objects.get(pk=node_id)).data)
+
+
+class TokenOut(serializers.ModelSerializer):
+    status = serializers.SerializerMethodField()
+
+    class Meta:
+        model = EnrollmentToken
+        fields = ["id", "label", "prefix", "account", "expires_at", "max_uses", "uses", "revoked_at", "created_at", "status"]
+
+    def get_status(self, obj: EnrollmentToken) -> str:
+        return selectors.token_status(obj, now=timezone.now())
+
+
+class TokenListCreateApi(APIView):
+    class CreateIn(serializers.Serializer):
+        label = serializers.CharField(max_length=120)
+        ttl_hours = serializers.IntegerField(min_value=1, max_value=24 * 365, required=False)
+        max_uses = serializers.IntegerField(min_value=1, max_value=10_000, default=1)
+        account = serializers.UUIDField(required=False, help_text="account that will own the nodes; default: yours")
+
+    class CreatedOut(TokenOut):
+        token = serializers.CharField()
+        command = serializers.CharField()
+
+        class Meta(TokenOut.Meta):
+            fields = [*TokenOut.Meta.fields, "token", "command"]
+
+    @extend_schema(responses=TokenOut(many=True))
+    def get(self, request: Request) -> Response:
+        return Response(TokenOut(EnrollmentToken.objects.all()[:500], many=True).data)
+
+    @extend_schema(request=CreateIn, responses={201: CreatedOut})
+    def post(self, request: Request) -> Response:
+        data = self.CreateIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        from apps.api.auth import request_account_id  # noqa: PLC0415
+        from apps.credits.models import Account  # noqa: PLC0415
+
+        account_id = v.get("account") or request_account_id(request)
+        if not Account.objects.filter(pk=account_id).exists():
+            return Response({"error": {"message": f"unknown account {account_id}", "code": "not_found"}}, status=404)
+        user = getattr(request.user, "_user", request.user)
+        try:
+            token, plaintext = services.enrollment_token_issue(
+                account_id=account_id, label=v["label"], ttl_hours=v.get("ttl_hours"), max_uses=v["max_uses"],
+                created_by_id=getattr(user, "pk", None), now=timezone.now(),
+            )
+        except services.EnrollmentError as exc:
+            return Response({"error": {"message": str(exc), "code": "enrollment_disabled"}}, status=409)
+        out = dict(TokenOut(token).data)
+        out["token"] = plaintext
+        out["command"] = selectors.agent_command_line(token=plaintext)
+        return Response(out, status=201)
+
+
+class TokenRevokeApi(APIView):
+    @extend_schema(request=None, responses=TokenOut)
+    def post(self, request: Request, token_id: str) -> Response:
+        get_object_or_404(EnrollmentToken, pk=token_id)
+        return Response(TokenOut(services.enrollment_token_revoke(token_id=token_id, now=timezone.now())).data)
+
+
+class EventListApi(APIView):
+    """GET /api/admin/events?kind=&category=&node=&job=&deployment=&since=&until="""
+
+    @extend_schema(responses=EventOut(many=True))
+    def get(self, request: Request) -> Response:
+        q = request.query_params
+        since = parse_datetime(q["since"]) if q.get("since") else None
+        until = parse_datetime(q["until"]) if q.get("until") else None
+        if (q.get("since") and since is None) or (q.get("until") and until is None):
+            return Response({"error": {"message": "since/until must be ISO 8601 datetimes", "code": "invalid"}}, status=400)
+        try:
+            limit = min(int(q.get("limit", 100)), 1000)
+        except ValueError:
+            return Response({"error": {"message": "limit must be an integer", "code": "invalid"}}, status=400)
+        events = selectors.event_list(
+            kind=q.get("kind"), category=q.get("category"), node_id=q.get("node"), job_id=q.get("job"),
+            deployment_id=q.get("deployment"), since=since, until=until, limit=limit,
+        )
+        return Response(EventOut(events, many=True).data)
+
+
+_ = sync_to_async

@@ -1,0 +1,583 @@
+"""Writes for the node registry: enrollment, transitions, heartbeats, the health sweep, drain."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from agent.protocol import HEARTBEATS_ZSET, heartbeat_key, is_private_address
+from racon.redis import get_async_redis, get_redis
+
+from .events import event_record
+from .models import EnrollmentToken, EventCategory, Node
+from .states import LIVE, NodeState, can_transition, health_state
+
+log = logging.getLogger("racon.nodes")
+S = NodeState
+
+
+class EnrollmentError(Exception):
+    """The enrollment token was refused; the message says why."""
+
+
+class NodeAuthError(Exception):
+    """A node credential was refused; the message says why."""
+
+
+# --- secrets -----------------------------------------------------------------------------------
+
+
+def _enrollment_secret() -> bytes:
+    secret = settings.NODE_ENROLLMENT_SECRET
+    if not secret:
+        raise EnrollmentError("enrollment is disabled: NODE_ENROLLMENT_SECRET is not set")
+    return secret.encode()
+
+
+def enrollment_token_hash(token: str) -> str:
+    # Keyed by the secret: rotating NODE_ENROLLMENT_SECRET invalidates every outstanding token.
+    return hmac.new(_enrollment_secret(), token.encode(), hashlib.sha256).hexdigest()
+
+
+def credential_hash(credential: str) -> str:
+    # Credentials are 256-bit random values, so a fast hash is enough (no password stretching).
+    return hashlib.sha256(credential.encode()).hexdigest()
+
+
+def _meta_key(node_id: Any) -> str:
+    return f"racon:node:{node_id}:meta"
+
+
+def _cache_node(node: Node) -> None:
+    """Mirror what a heartbeat needs (credential hash, state, drain flags) into Redis."""
+    get_redis().hset(
+        _meta_key(node.id),
+        mapping={
+            "cred": "" if node.revoked_at else node.credential_hash,
+            "state": node.state,
+            "drain": int(node.drain_requested),
+            "drained": int(node.drained_at is not None),
+        },
+    )
+
+
+# --- enrollment tokens -----------------------------------------------------------------------
+
+
+def enrollment_token_issue(
+    *, account_id: Any, label: str, now: datetime, ttl_hours: int | None = None, max_uses: int = 1, created_by_id: Any = None
+) -> tuple[EnrollmentToken, str]:
+    """Create a token; returns it with the plaintext, which is never stored or shown again."""
+    if max_uses < 1:
+        raise ValueError("max_uses must be at least 1")
+    ttl = settings.ENROLLMENT_TOKEN_TTL_HOURS if ttl_hours is None else ttl_hours
+    if ttl <= 0:
+        raise ValueError("ttl_hours must be positive")
+    plaintext = "rcn_" + secrets.token_urlsafe(32)
+    token = EnrollmentToken.objects.create(
+        label=label,
+        token_hash=enrollment_token_hash(plaintext),
+        prefix=plaintext[:10],
+        account_id=account_id,
+        created_by_id=created_by_id,
+        expires_at=now + timedelta(hours=ttl),
+        max_uses=max_uses,
+    )
+    return token, plaintext
+
+
+def enrollment_token_revoke(*, token_id: Any, now: datetime) -> EnrollmentToken:
+    """Revoke a token (idempotent)."""
+    token = EnrollmentToken.objects.get(pk=token_id)
+    if token.revoked_at is None:
+        EnrollmentToken.objects.filter(pk=token_id, revoked_at__isnull=True).update(revoked_at=now)
+        token.refresh_from_db()
+    return token
+
+
+# --- transitions ------------------------------------------------------------------------------
+
+
+def node_transition(
+    *,
+    node_id: Any,
+    to: str,
+    now: datetime,
+    expected: str | None = None,
+    kind: str = "NODE_STATE_CHANGED",
+    category: str = EventCategory.LIFECYCLE,
+    message: str = "",
+    data: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> bool:
+    """Move a node to ``to`` if the table allows it and its state is still ``expected``.
+
+    A guarded update: a stale or duplicate message finds the state already changed and is a no-op.
+    Writes the event in the same transaction and broadcasts after commit. Returns whether it moved.
+    """
+    with transaction.atomic():
+        current = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
+        if current is None:
+            raise Node.DoesNotExist(f"node {node_id} does not exist")
+        src = expected if expected is not None else current
+        if current != src:
+            return False
+        if current == to:
+            return False
+        if not can_transition(src, to):
+            log.warning("refused illegal node transition %s → %s", src, to, extra={"node_id": str(node_id)})
+            return False
+        updated = Node.objects.filter(pk=node_id, state=src).update(state=to, state_changed_at=now, **(extra or {}))
+        if updated != 1:
+            return False
+        event_record(
+            kind=kind,
+            category=category,
+            now=now,
+            node_id=node_id,
+            old_state=src,
+            new_state=to,
+            message=message or f"{src} → {to}",
+            data=data,
+        )
+        transaction.on_commit(lambda: _after_transition(node_id, src, to))
+    # Mirror now as well as after commit: a heartbeat must see the new state at once. If an outer
+    # transaction rolls back, the heartbeat's guarded update fails and re-reads the database.
+    _refresh_cache(node_id)
+    return True
+
+
+def _refresh_cache(node_id: Any) -> None:
+    node = Node.objects.filter(pk=node_id).first()
+    if node is not None:
+        _cache_node(node)
+
+
+def _after_transition(node_id: Any, src: str, to: str) -> None:
+    _refresh_cache(node_id)
+    from apps.api.broadcast import broadcast  # noqa: PLC0415 - avoids an import cycle at load
+
+    broadcast("nodes.dashboard", {"type": "node.changed", "node_id": str(node_id), "state": to})
+    if to in (S.OFFLINE, S.ERROR, S.DEGRADED, S.READY):
+        from apps.jobs.tasks import node_state_changed  # noqa: PLC0415
+
+        node_state_changed.delay(node_id=str(node_id), state=to)
+
+
+# --- enrollment -------------------------------------------------------------------------------
+
+
+_HW_NUMBER_FIELDS = ("ram_total", "ram_available", "vram_total", "vram_free", "disk_free")
+
+
+def hardware_summary(hardware: dict[str, Any]) -> dict[str, Any]:
+    """The denormalised columns the scheduler and dashboard aggregate."""
+    cpu = hardware.get("cpu") or {}
+    mem = hardware.get("memory") or {}
+    gpus = hardware.get("gpus") or []
+    bench = hardware.get("benchmark") or {}
+    return {
+        "cpu_model": str(cpu.get("model", ""))[:200],
+        "cpu_physical_cores": int(cpu.get("physical_cores") or 0),
+        "cpu_logical_cores": int(cpu.get("logical_cores") or 0),
+        "ram_total": int(mem.get("total") or 0),
+        "ram_available": int(mem.get("available") or 0),
+        "vram_total": sum(int(g.get("vram_total") or 0) for g in gpus),
+        "vram_free": sum(int(g.get("vram_free") or 0) for g in gpus),
+        "gpu_count": len(gpus),
+        "disk_free": int((hardware.get("disk") or {}).get("free") or 0),
+        "gflops": float(bench.get("gflops") or 0.0),
+        "mem_bandwidth_gbps": float(bench.get("mem_bandwidth_gbps") or 0.0),
+    }
+
+
+@dataclass(frozen=True)
+class Enrollment:
+    node: Node
+    credential: str
+    created: bool
+
+
+def node_enroll(
+    *,
+    token: str,
+    node_name: str,
+    machine_id: str,
+    hardware: dict[str, Any],
+    address: str,
+    rpc_port: int,
+    agent_version: str,
+    now: datetime,
+    models: list[dict[str, Any]] | None = None,
+) -> Enrollment:
+    """Validate the token and create the node, or give the same machine back its node.
+
+    Issues a fresh credential each time (the previous one stops working). Nothing is written
+    when the token is refused.
+    """
+    if not is_private_address(address):
+        event_record(
+            kind="PUBLIC_IP_VIOLATION",
+            category=EventCategory.SECURITY,
+            now=now,
+            message=f"Public IP security violation: enrollment of {node_name!r} advertised {address}",
+            data={"address": address, "node_name": node_name},
+        )
+        raise EnrollmentError(f"Public IP security violation: advertise address {address} is not private")
+    digest = enrollment_token_hash(token)
+    with transaction.atomic():
+        tok = EnrollmentToken.objects.select_for_update().filter(token_hash=digest).first()
+        if tok is None:
+            raise EnrollmentError("invalid enrollment token")
+        if tok.revoked_at is not None:
+            raise EnrollmentError("enrollment token has been revoked")
+        if tok.expires_at <= now:
+            raise EnrollmentError("enrollment token has expired")
+        existing = Node.objects.select_for_update().filter(machine_id=machine_id).first()
+        if existing is None and tok.uses >= tok.max_uses:
+            raise EnrollmentError("enrollment token has been used up")
+        credential = "rnc_" + secrets.token_urlsafe(32)
+        summary = hardware_summary(hardware)
+        fields = {
+            "name": node_name,
+            "hardware": hardware,
+            "address": address,
+            "rpc_port": rpc_port,
+            "agent_version": agent_version,
+            "credential_hash": credential_hash(credential),
+            "revoked_at": None,
+            **summary,
+        }
+        if existing is not None:
+            if existing.revoked_at is not None:
+                raise EnrollmentError("this node has been revoked by an administrator")
+            Node.objects.filter(pk=existing.pk).update(**fields)
+            node = Node.objects.get(pk=existing.pk)
+            created = False
+        else:
+            node = Node.objects.create(
+                machine_id=machine_id,
+                account_id=tok.account_id,
+                enrollment_token=tok,
+                state=S.UNINITIALIZED,
+                state_changed_at=now,
+                **fields,
+            )
+            EnrollmentToken.objects.filter(pk=tok.pk).update(uses=tok.uses + 1)
+            created = True
+        event_record(
+            kind="NODE_ENROLLED",
+            category=EventCategory.LIFECYCLE,
+            now=now,
+            node_id=node.id,
+            message=f"{node_name} enrolled" if created else f"{node_name} enrolled again",
+            data={"created": created, "address": address, "agent_version": agent_version, **summary},
+        )
+        # The handshake: any prior state (OFFLINE, ERROR, READY of a previous run) → REGISTERING.
+        if node.state != S.REGISTERING:
+            node_transition(node_id=node.id, to=S.REGISTERING, now=now, message="agent handshake")
+        if models is not None:
+            from apps.models_repo.services import replicas_sync  # noqa: PLC0415
+
+            replicas_sync(node_id=node.id, files=models, now=now)
+    node.refresh_from_db()
+    transaction.on_commit(lambda: _cache_node(node))
+    _cache_node(node)
+    return Enrollment(node=node, credential=credential, created=created)
+
+
+def node_authenticate(*, node_id: str, credential: str) -> Node:
+    """Check a node credential against the database (slow path; heartbeats use Redis)."""
+    node = Node.objects.filter(pk=node_id).first()
+    if node is None:
+        raise NodeAuthError("unknown node")
+    if node.revoked_at is not None:
+        raise NodeAuthError("node has been revoked")
+    if not hmac.compare_digest(node.credential_hash, credential_hash(credential)):
+        raise NodeAuthError("invalid node credential")
+    return node
+
+
+def node_revoke(*, node_id: Any, now: datetime) -> None:
+    """Revoke a node's credential: its heartbeats and reports get 401 from now on."""
+    with transaction.atomic():
+        Node.objects.filter(pk=node_id).update(revoked_at=now)
+        event_record(kind="NODE_REVOKED", category=EventCategory.SECURITY, now=now, node_id=node_id, message="node revoked")
+        node_transition(node_id=node_id, to=S.OFFLINE, now=now, message="revoked")
+    get_redis().delete(_meta_key(node_id))
+
+
+# --- heartbeats --------------------------------------------------------------------------------
+
+
+def heartbeat_target(*, current: str, wanted: str | None, busy: bool, drain_requested: bool) -> str | None:
+    """The state a heartbeat should move the node to, or None to stay. Pure."""
+    if wanted == S.ERROR:
+        return S.ERROR if current != S.ERROR else None
+    if current in (S.UNINITIALIZED, S.ERROR):
+        return None  # only a handshake leaves these
+    if current == S.REGISTERING and wanted not in (S.READY, S.BUSY):
+        return None  # the agent's runtime checks have not passed yet
+    if wanted in (S.UNINITIALIZED, S.REGISTERING):
+        return None
+    if drain_requested:
+        return S.DRAINING if current != S.DRAINING else None
+    target = S.BUSY if busy else S.READY
+    return target if target != current else None
+
+
+async def node_heartbeat(*, node_id: str, credential: str, payload: dict[str, Any], now: datetime) -> str:
+    """Record a heartbeat in Redis; touch the database only when the state must change.
+
+    The controller's clock decides: the agent's ``sent_at`` is stored as telemetry only.
+    """
+    r = get_async_redis()
+    meta = await r.hgetall(_meta_key(node_id))
+    if not meta:
+        # Redis lost the mirror (restart or flush): rebuild it from the database once.
+        meta = await sync_to_async(_meta_from_db)(node_id)
+        if meta is None:
+            raise NodeAuthError("unknown node")
+    if not meta.get("cred"):
+        raise NodeAuthError("node has been revoked")
+    if not hmac.compare_digest(meta["cred"], credential_hash(credential)):
+        raise NodeAuthError("invalid node credential")
+    telemetry = payload.get("telemetry") or {}
+    ts = now.timestamp()
+    jobs = telemetry.get("jobs") or []
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.zadd(HEARTBEATS_ZSET, {node_id: ts})
+        pipe.hset(
+            heartbeat_key(node_id),
+            mapping={
+                "at": ts,
+                "cpu_percent": float(telemetry.get("cpu_percent") or 0.0),
+                "mem_available": int(telemetry.get("mem_available") or 0),
+                "gpu_free": ",".join(str(int(x)) for x in telemetry.get("gpu_free") or []),
+                "rpc_worker": int(bool((telemetry.get("rpc_worker") or {}).get("running"))),
+                "jobs": len(jobs),
+                "telemetry": _json_dumps(telemetry),
+            },
+        )
+        await pipe.execute()
+    current = meta.get("state", "")
+    target = heartbeat_target(
+        current=current,
+        wanted=payload.get("state"),
+        busy=bool(jobs),
+        drain_requested=meta.get("drain") == "1",
+    )
+    if target is not None:
+        moved = await sync_to_async(_heartbeat_transition)(node_id, current, target, now, telemetry)
+        if moved:
+            current = target
+    if current == S.DRAINING and not jobs and meta.get("drained") != "1":
+        await sync_to_async(node_mark_drained)(node_id=node_id, now=now)
+    return current
+
+
+def _json_dumps(value: Any) -> str:
+    import json
+
+    return json.dumps(value, default=str, separators=(",", ":"))[:16384]
+
+
+def _meta_from_db(node_id: str) -> dict[str, str] | None:
+    node = Node.objects.filter(pk=node_id).first()
+    if node is None:
+        return None
+    _cache_node(node)
+    return get_redis().hgetall(_meta_key(node_id))
+
+
+def _heartbeat_transition(node_id: str, current: str, target: str, now: datetime, telemetry: dict[str, Any]) -> bool:
+    if target == S.ERROR:
+        kind, category, message = "NODE_FAULT", EventCategory.HEALTH, "agent reported a fatal fault"
+    elif current in (S.DEGRADED, S.OFFLINE):
+        kind, category, message = "HEARTBEAT_RESTORED", EventCategory.HEALTH, "heartbeat restored"
+    elif current == S.REGISTERING:
+        kind, category, message = "NODE_READY", EventCategory.LIFECYCLE, "runtime checks passed"
+    else:
+        kind, category, message = "NODE_STATE_CHANGED", EventCategory.EXECUTION, ""
+    extra: dict[str, Any] = {"last_heartbeat_at": now}
+    if "mem_available" in telemetry:
+        extra["ram_available"] = int(telemetry.get("mem_available") or 0)
+    moved = node_transition(
+        node_id=node_id, to=target, expected=current, now=now, kind=kind, category=category, message=message, extra=extra
+    )
+    if not moved:
+        _refresh_cache(node_id)  # the mirror was stale
+    return moved
+
+
+def node_report_fault(*, node_id: Any, fatal: bool, message: str, now: datetime) -> None:
+    """An agent reported a fault: fatal → ERROR, otherwise DEGRADED (fallback only)."""
+    target = S.ERROR if fatal else S.DEGRADED
+    node_transition(
+        node_id=node_id, to=target, now=now, kind="NODE_FAULT", category=EventCategory.HEALTH, message=message[:500]
+    )
+
+
+# --- health sweep ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    degraded: list[str]
+    offline: list[str]
+    suppressed: list[str]
+
+
+def node_health_sweep(*, now: datetime) -> SweepResult:
+    """Apply the heartbeat thresholds; guard against marking most of the cluster OFFLINE at once."""
+    interval = settings.HEARTBEAT_INTERVAL
+    watched = list(
+        Node.objects.filter(state__in=[*LIVE, S.DEGRADED], revoked_at__isnull=True).values_list(
+            "id", "state", "last_heartbeat_at", "state_changed_at"
+        )
+    )
+    if not watched:
+        return SweepResult([], [], [])
+    ids = [str(n[0]) for n in watched]
+    scores = get_redis().zmscore(HEARTBEATS_ZSET, ids)
+    to_degrade: list[tuple[str, str, float]] = []
+    to_offline: list[tuple[str, str, float]] = []
+    live_count = 0
+    for (node_id, state, last_db, changed_at), score in zip(watched, scores, strict=True):
+        if state != S.DEGRADED:
+            live_count += 1
+        last = score if score is not None else max(
+            (t.timestamp() for t in (last_db, changed_at) if t is not None), default=now.timestamp()
+        )
+        age = max(0.0, now.timestamp() - last)
+        verdict = health_state(
+            age=age,
+            interval=interval,
+            degraded_after=settings.HEARTBEAT_DEGRADED_AFTER,
+            offline_after=settings.HEARTBEAT_OFFLINE_AFTER,
+        )
+        if verdict == S.OFFLINE:
+            to_offline.append((str(node_id), state, age))
+        elif verdict == S.DEGRADED and state != S.DEGRADED:
+            to_degrade.append((str(node_id), state, age))
+    suppressed: list[str] = []
+    total = len(watched)
+    if (
+        len(to_offline) >= settings.MASS_FAILURE_MIN_NODES
+        and len(to_offline) >= settings.MASS_FAILURE_FRACTION * total
+    ):
+        # Most of the cluster went silent in one sweep: far likelier a controller-side network
+        # fault than that many machines failing together. Raise one event, keep them DEGRADED.
+        suppressed = [n for n, _, _ in to_offline]
+        r = get_redis()
+        if r.set("racon:cluster:partition", now.timestamp(), nx=True, ex=int(max(60, interval * 12))):
+            event_record(
+                kind="CLUSTER_PARTITION_SUSPECTED",
+                category=EventCategory.HEALTH,
+                now=now,
+                message=f"{len(suppressed)} of {total} nodes went silent in one sweep; not marking them OFFLINE",
+                data={"nodes": suppressed},
+            )
+        to_degrade.extend((n, st, age) for n, st, age in to_offline if st != S.DEGRADED)
+        to_offline = []
+    degraded: list[str] = []
+    offline: list[str] = []
+    for node_id, state, age in to_degrade:
+        if node_transition(
+            node_id=node_id,
+            to=S.DEGRADED,
+            expected=state,
+            now=now,
+            kind="HEARTBEAT_TIMEOUT",
+            category=EventCategory.HEALTH,
+            message=f"heartbeat late by {age:.1f}s",
+            data={"age": round(age, 3)},
+        ):
+            degraded.append(node_id)
+    for node_id, state, age in to_offline:
+        if node_transition(
+            node_id=node_id,
+            to=S.OFFLINE,
+            expected=state,
+            now=now,
+            kind="HEARTBEAT_TIMEOUT",
+            category=EventCategory.HEALTH,
+            message=f"no heartbeat for {age:.1f}s",
+            data={"age": round(age, 3)},
+        ):
+            offline.append(node_id)
+    return SweepResult(degraded, offline, suppressed)
+
+
+# --- drain -------------------------------------------------------------------------------------
+
+
+def node_drain(*, node_id: Any, now: datetime) -> Node:
+    """Stop assigning new work to the node; NODE_DRAINED follows once its current work ends."""
+    node = Node.objects.get(pk=node_id)
+    with transaction.atomic():
+        Node.objects.filter(pk=node_id).update(drain_requested=True, drained_at=None)
+        if node.state in (S.READY, S.BUSY, S.DEGRADED, S.REGISTERING):
+            node_transition(
+                node_id=node_id, to=S.DRAINING, expected=node.state, now=now, kind="NODE_DRAIN_REQUESTED",
+                category=EventCategory.MANAGEMENT, message="drain requested",
+            )
+    node.refresh_from_db()
+    _cache_node(node)
+    if not _node_has_running_jobs(node_id):
+        node_mark_drained(node_id=node_id, now=now)
+        node.refresh_from_db()
+    return node
+
+
+def _node_has_running_jobs(node_id: Any) -> bool:
+    from apps.jobs.models import Job  # noqa: PLC0415
+    from apps.jobs.states import JobState  # noqa: PLC0415
+
+    return Job.objects.filter(nodes__id=node_id, state__in=[JobState.DISPATCHED, JobState.RUNNING]).exists()
+
+
+def node_mark_drained(*, node_id: Any, now: datetime) -> bool:
+    """Write NODE_DRAINED once, when a draining node's current work has ended."""
+    if _node_has_running_jobs(node_id):
+        return False
+    with transaction.atomic():
+        updated = Node.objects.filter(pk=node_id, drain_requested=True, drained_at__isnull=True).update(drained_at=now)
+        if updated != 1:
+            return False
+        event_record(
+            kind="NODE_DRAINED", category=EventCategory.MANAGEMENT, now=now, node_id=node_id,
+            message="node stopped accepting new work; current work has ended",
+        )
+    node = Node.objects.get(pk=node_id)
+    _cache_node(node)
+    return True
+
+
+def node_undrain(*, node_id: Any, now: datetime) -> Node:
+    """Accept new work again."""
+    node = Node.objects.get(pk=node_id)
+    with transaction.atomic():
+        Node.objects.filter(pk=node_id).update(drain_requested=False, drained_at=None)
+        if node.state == S.DRAINING:
+            node_transition(
+                node_id=node_id, to=S.READY, expected=S.DRAINING, now=now, kind="NODE_UNDRAINED",
+                category=EventCategory.MANAGEMENT, message="drain lifted",
+            )
+    node.refresh_from_db()
+    _cache_node(node)
+    return node
+
+
+def now_utc() -> datetime:
+    return timezone.now()

