@@ -467,7 +467,7 @@ class Agent:
         while not self._stop.is_set():
             assert self.queue is not None
             try:
-                item = self.queue.take(timeout=1.0)
+                item = self.queue.take(timeout=0.5)  # also bounds how long a stop waits
                 self._mark_redis(True)
                 attempt = 0
             except redis.RedisError as exc:

@@ -59,7 +59,7 @@ class MetricsServer:
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
         self._thread = threading.Thread(
-            target=self.httpd.serve_forever, name="metrics", daemon=True
+            target=self.httpd.serve_forever, args=(0.1,), name="metrics", daemon=True
         )
 
     @property

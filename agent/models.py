@@ -181,7 +181,7 @@ def _download(
             resp.raise_for_status()
             mode = "ab" if have and resp.status_code == 206 else "wb"
             with open(part, mode) as f:
-                for block in resp.iter_bytes(_CHUNK):
+                for block in resp.iter_bytes():  # as it arrives: a drop keeps what came
                     if stop is not None and stop.is_set():
                         raise httpx.ReadError("stopped by agent shutdown")
                     f.write(block)

@@ -30,9 +30,9 @@ from apps.jobs.scheduler import (  # noqa: E402
     DeviceSnapshot,
     Link,
     NodeSnapshot,
-    Plan,
     PlacementRefused,
     PlacementRequest,
+    Plan,
     exhaustive_best,
     memory_proportional_plan,
     plan_placement,
@@ -44,20 +44,70 @@ DECISION_TARGET_MS = 50.0
 QUALITY_MEAN_TARGET = 0.98
 QUALITY_WORST_TARGET = 0.90
 
+
 # Shapes of real model families (llama-style); sizes from ~0.1B to 70B so that some fit one
 # device, some need a split and some need most of a small cluster.
-MODELS: list[tuple[str, dict[str, int], str]] = [
-    ("smollm2-135m", dict(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152), "Q8_0"),
-    ("llama-3.2-1b", dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, n_vocab=128256), "Q8_0"),
-    ("llama-3.1-8b", dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_vocab=128256), "Q4_K_M"),
-    ("qwen-14b", dict(n_layer=48, n_embd=5120, n_head=40, n_head_kv=8, n_ff=13824, n_vocab=152064), "Q4_K_M"),
-    ("llama-33b", dict(n_layer=60, n_embd=6656, n_head=52, n_head_kv=52, n_ff=17920, n_vocab=32000), "Q4_K_M"),
-    ("llama-3.1-70b", dict(n_layer=80, n_embd=8192, n_head=64, n_head_kv=8, n_ff=28672, n_vocab=128256), "Q4_K_M"),
-]
-
-
 def models() -> list[ModelProfile]:
-    return [synthetic_profile(name=n, quantization=q, **shape) for n, shape, q in MODELS]
+    return [
+        synthetic_profile(
+            name="smollm2-135m",
+            n_layer=30,
+            n_embd=576,
+            n_head=9,
+            n_head_kv=3,
+            n_ff=1536,
+            n_vocab=49152,
+            quantization="Q8_0",
+            tied_embeddings=True,
+        ),
+        synthetic_profile(
+            name="llama-3.2-1b",
+            n_layer=16,
+            n_embd=2048,
+            n_head=32,
+            n_head_kv=8,
+            n_ff=8192,
+            n_vocab=128256,
+            quantization="Q8_0",
+            tied_embeddings=True,
+        ),
+        synthetic_profile(
+            name="llama-3.1-8b",
+            n_layer=32,
+            n_embd=4096,
+            n_head=32,
+            n_head_kv=8,
+            n_ff=14336,
+            n_vocab=128256,
+        ),
+        synthetic_profile(
+            name="qwen-14b",
+            n_layer=48,
+            n_embd=5120,
+            n_head=40,
+            n_head_kv=8,
+            n_ff=13824,
+            n_vocab=152064,
+        ),
+        synthetic_profile(
+            name="llama-33b",
+            n_layer=60,
+            n_embd=6656,
+            n_head=52,
+            n_head_kv=52,
+            n_ff=17920,
+            n_vocab=32000,
+        ),
+        synthetic_profile(
+            name="llama-3.1-70b",
+            n_layer=80,
+            n_embd=8192,
+            n_head=64,
+            n_head_kv=8,
+            n_ff=28672,
+            n_vocab=128256,
+        ),
+    ]
 
 
 def random_node(rng: random.Random, i: int, *, states: bool = True) -> NodeSnapshot:
@@ -95,7 +145,9 @@ def random_node(rng: random.Random, i: int, *, states: bool = True) -> NodeSnaps
     )
 
 
-def random_cluster(rng: random.Random, n_nodes: int, *, probe_fraction: float = 0.7) -> ClusterSnapshot:
+def random_cluster(
+    rng: random.Random, n_nodes: int, *, probe_fraction: float = 0.7
+) -> ClusterSnapshot:
     """Random nodes and links: LAN, Wi-Fi and slow links; some pairs never probed."""
     nodes = tuple(random_node(rng, i) for i in range(n_nodes))
     links: dict[tuple[str, str], Link] = {}
@@ -124,6 +176,7 @@ def random_request(rng: random.Random) -> PlacementRequest:
 @dataclass
 class QualityResult:
     ratios_exhaustive: list[float]
+    ratios_split: list[float]  # the subset where the optimum spans several nodes
     ratios_proportional: list[float]
     both_refused: int
     only_greedy_refused: int
@@ -132,9 +185,14 @@ class QualityResult:
     clusters: int
 
 
-def _tps(fn: Callable[[], Plan]) -> float | None:
+def _plan(
+    fn: Callable[[ModelProfile, ClusterSnapshot, PlacementRequest], Plan],
+    profile: ModelProfile,
+    cluster: ClusterSnapshot,
+    request: PlacementRequest,
+) -> Plan | None:
     try:
-        return fn().predicted_tokens_per_s
+        return fn(profile, cluster, request)
     except PlacementRefused:
         return None
 
@@ -142,33 +200,34 @@ def _tps(fn: Callable[[], Plan]) -> float | None:
 def bench_quality(n_clusters: int, seed: int) -> QualityResult:
     rng = random.Random(seed)
     profiles = models()
-    res = QualityResult([], [], 0, 0, 0, 0, n_clusters)
+    res = QualityResult([], [], [], 0, 0, 0, 0, n_clusters)
     for _ in range(n_clusters):
         cluster = random_cluster(rng, rng.randint(2, 8))
         profile = rng.choice(profiles)
         request = random_request(rng)
-        greedy = None
-        try:
-            plan = plan_placement(profile, cluster, request)
-            greedy = plan.predicted_tokens_per_s
-            res.single_node += len({d.node_id for d in plan.devices}) == 1
-        except PlacementRefused:
-            pass
-        best = _tps(lambda: exhaustive_best(profile, cluster, request))
-        if best is None and greedy is None:
+        plan = _plan(plan_placement, profile, cluster, request)
+        best = _plan(exhaustive_best, profile, cluster, request)
+        if plan is not None and len(plan.node_ids) == 1:
+            res.single_node += 1
+        if best is None and plan is None:
             res.both_refused += 1
             continue
-        if greedy is None:
+        if plan is None:
             res.only_greedy_refused += 1
             res.ratios_exhaustive.append(0.0)
             continue
         if best is None:
             res.only_exhaustive_refused += 1
             continue
-        res.ratios_exhaustive.append(greedy / best)
-        prop = _tps(lambda: memory_proportional_plan(profile, cluster, request))
-        if prop is not None and prop > 0:
-            res.ratios_proportional.append(greedy / prop)
+        ratio = plan.predicted_tokens_per_s / best.predicted_tokens_per_s
+        res.ratios_exhaustive.append(ratio)
+        if len(best.node_ids) > 1:
+            res.ratios_split.append(ratio)
+        prop = _plan(memory_proportional_plan, profile, cluster, request)
+        if prop is not None:
+            res.ratios_proportional.append(
+                plan.predicted_tokens_per_s / prop.predicted_tokens_per_s
+            )
     return res
 
 
@@ -236,7 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         f"[targets: mean >= {QUALITY_MEAN_TARGET:.0%}, worst >= {QUALITY_WORST_TARGET:.0%}]  "
         f"{'PASS' if mean >= QUALITY_MEAN_TARGET and worst >= QUALITY_WORST_TARGET else 'FAIL'}"
     )
-    print(f"  plans below the optimum: {below} of {len(r)} compared; single-node plans: {q.single_node}")
+    print(
+        f"  plans below the optimum: {below} of {len(r)} compared; single-node plans: {q.single_node}"
+    )
+    if q.ratios_split:
+        print(
+            f"  where the optimum is a multi-node split (n={len(q.ratios_split)}): "
+            f"mean {statistics.fmean(q.ratios_split):.2%}  worst {min(q.ratios_split):.2%}"
+        )
     print(
         f"  refusals: both {q.both_refused}, only plan_placement {q.only_greedy_refused}, "
         f"only exhaustive {q.only_exhaustive_refused}"
@@ -265,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n} node(s): not run (measure_loopback is a hook for the deployment code)")
         else:
             pred, meas = m
-            print(f"{n} node(s): predicted/measured {pred / meas:.2f} (error {pred / meas - 1:+.0%})")
+            print(
+                f"{n} node(s): predicted/measured {pred / meas:.2f} (error {pred / meas - 1:+.0%})"
+            )
     print(f"(quality part took {t_quality:.1f} s)")
     return 0
 

@@ -25,6 +25,8 @@ if not os.environ.get("REDIS_URL"):
 
 _parts = urlsplit(os.environ["REDIS_URL"])
 os.environ["REDIS_URL"] = urlunsplit(_parts._replace(path=f"/{TEST_REDIS_DB}"))
+# Celery's broker gets its own database: tests flush theirs, which would drop kombu's bindings.
+os.environ["CELERY_BROKER_URL"] = urlunsplit(_parts._replace(path=f"/{int(TEST_REDIS_DB) + 1}"))
 os.environ.setdefault("NODE_ENROLLMENT_SECRET", "test-enrollment-secret")
 os.environ.setdefault("AI_API_KEY", "test-operator-key")
 os.environ.setdefault("CELERY_TASK_ALWAYS_EAGER", "true")

@@ -4,13 +4,17 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from apps.api import openai
 from apps.api.health import health
+from apps.jobs import api as jobs_api
+from apps.models_repo import api as models_api
 from apps.nodes import api as nodes_api
 
 agent_urls = [
     path("enroll", nodes_api.AgentEnrollApi.as_view(), name="agent-enroll"),
     path("heartbeat", nodes_api.agent_heartbeat, name="agent-heartbeat"),
     path("reports", nodes_api.AgentReportsApi.as_view(), name="agent-reports"),
+    path("models/<str:sha256>", models_api.model_file_download, name="agent-model-file"),
 ]
 
 admin_urls = [
@@ -22,12 +26,29 @@ admin_urls = [
     path("tokens", nodes_api.TokenListCreateApi.as_view(), name="admin-tokens"),
     path("tokens/<uuid:token_id>/revoke", nodes_api.TokenRevokeApi.as_view(), name="admin-token-revoke"),
     path("events", nodes_api.EventListApi.as_view(), name="admin-events"),
+    path("models", models_api.ModelListCreateApi.as_view(), name="admin-models"),
+    path("models/<str:name>", models_api.ModelDetailApi.as_view(), name="admin-model"),
+    path("deployments", jobs_api.DeploymentListCreateApi.as_view(), name="admin-deployments"),
+    path("deployments/preview", jobs_api.DeploymentPreviewApi.as_view(), name="admin-deployment-preview"),
+    path("deployments/<uuid:deployment_id>", jobs_api.DeploymentDetailApi.as_view(), name="admin-deployment"),
+    path("deployments/<uuid:deployment_id>/stop", jobs_api.DeploymentStopApi.as_view(), name="admin-deployment-stop"),
+    path("jobs", jobs_api.JobListApi.as_view(), name="admin-jobs"),
+    path("jobs/<uuid:job_id>", jobs_api.JobDetailApi.as_view(), name="admin-job"),
+    path("jobs/<uuid:job_id>/cancel", jobs_api.JobCancelApi.as_view(), name="admin-job-cancel"),
+]
+
+v1_urls = [
+    path("chat/completions", openai.chat_completions, name="v1-chat"),
+    path("completions", openai.completions, name="v1-completions"),
+    path("models", openai.models_list, name="v1-models"),
+    path("models/<path:model_id>", openai.model_detail, name="v1-model"),
 ]
 
 urlpatterns = [
     path("health", health, name="health"),
     path("api/agent/", include(agent_urls)),
     path("api/admin/", include(admin_urls)),
+    path("v1/", include(v1_urls)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("django-admin/", admin.site.urls),

@@ -150,6 +150,9 @@ class PlacementRequest:
     spread: bool = False  # use every pinned (or eligible) node even when one would do
     memory_margin: float = 0.10  # fraction added on top of each device's computed need
     n_batch: int = 512  # llama.cpp's n_batch/n_ubatch: sizes the compute buffers
+    # llama-cpp-python's default is off; on, the attention scores are never materialised and
+    # the compute buffers shrink a lot at long contexts. The runtime must pass the plan's value.
+    flash_attn: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,8 +166,9 @@ class CostModel:
     # call, socket wake-ups and the worker's thread hand-off (ggml-rpc is one request stream).
     rpc_overhead_ms: float = 0.3
     # A plan within this fraction of the fastest one is preferred when it uses fewer nodes,
-    # then when its primary already holds the model file.
-    prefer_fewer_tolerance: float = 0.03
+    # then when its primary already holds the model file. Predictions are rough (±30% is the
+    # target), so a split must predict clearly faster to be worth another node that can fail.
+    prefer_fewer_tolerance: float = 0.05
     # ggml's scheduler keeps this many copies of the compute buffers when it pipelines across
     # devices (GGML_SCHED_MAX_COPIES, enabled when every layer is offloaded to >1 device).
     pipeline_copies: int = 4
@@ -218,6 +222,8 @@ class Plan:
     n_threads: int
     n_ctx: int
     n_parallel: int
+    n_batch: int
+    flash_attn: bool
     predicted_ttft_ms: float
     predicted_tokens_per_s: float
     explanation: tuple[str, ...]
@@ -250,7 +256,9 @@ class Plan:
         for d in self.devices:
             if d.endpoint is None:
                 continue
-            w = out.setdefault(d.node_id, {"node_id": d.node_id, "endpoint": d.endpoint, "devices": []})
+            w = out.setdefault(
+                d.node_id, {"node_id": d.node_id, "endpoint": d.endpoint, "devices": []}
+            )
             w["devices"].append(d.device)
         return list(out.values())
 
@@ -270,6 +278,8 @@ class Plan:
             "n_threads": self.n_threads,
             "n_ctx": self.n_ctx,
             "n_parallel": self.n_parallel,
+            "n_batch": self.n_batch,
+            "flash_attn": self.flash_attn,
             "predicted_ttft_ms": self.predicted_ttft_ms,
             "predicted_tokens_per_s": self.predicted_tokens_per_s,
             "explanation": list(self.explanation),
@@ -317,19 +327,31 @@ def compute_buffer_bytes(
     copies: int = 1,
     cost: CostModel = DEFAULT_COST,
 ) -> int:
-    """Estimate of llama.cpp's compute buffer on one device (worst-case n_batch graph)."""
-    if not holds_layers and not holds_output:
-        # A primary CPU with no layers still embeds the batch and stages inputs.
-        return cost.compute_buffer_fixed_bytes + request.n_batch * profile.n_embd * 4 * 2
+    """Estimate of llama.cpp's compute buffer on one device (its worst-case n_batch graph).
+
+    ggml-alloc reuses memory between layers, so the peak is one layer's live tensors for a full
+    batch. Pipeline parallelism (copies > 1) duplicates only each split's input tensors
+    (ggml_backend_sched marks the copies as inputs/outputs), not the whole buffer.
+    """
+    nb = max(1, min(request.n_batch, request.n_ctx))
+    n_kv = -(-request.n_ctx // 256) * 256  # llama.cpp pads the KV length it reserves for
     n_ff = profile.n_ff or 4 * profile.n_embd
-    # The largest live tensors of one layer for a batch: FFN up/gate, the residual stream and,
-    # with flash attention off, the attention scores over the whole context.
-    per_token = 3 * profile.n_embd + 2 * n_ff + profile.n_head * min(request.n_ctx, 4096) // 4
-    size = request.n_batch * per_token * 4
+    # Split inputs: the incoming hidden state, the KQ mask, positions and token ids.
+    inputs = nb * profile.n_embd * 4 + n_kv * nb * (2 if request.flash_attn else 4) + nb * 8
+    if not holds_layers and not holds_output:
+        # A primary CPU with no layers still embeds the batch and stages the inputs.
+        return cost.compute_buffer_fixed_bytes + nb * profile.n_embd * 4 + inputs
+    # FFN gate/up/activation and the residual stream of one layer for the whole batch.
+    work = nb * 4 * (3 * profile.n_embd + 3 * n_ff)
+    if request.flash_attn:
+        work += nb * profile.n_head * profile.head_dim * 4 * 2
+    else:
+        # Without flash attention the scores KQ and softmax(KQ) are materialised over the context.
+        work += 2 * n_kv * nb * profile.n_head * 4
     if holds_output:
-        # The worst-case graph reserves logits for every token of the batch.
-        size += request.n_batch * profile.n_vocab * 4
-    return (cost.compute_buffer_fixed_bytes + size) * max(1, copies)
+        # n_outputs_max defaults to n_batch: the worst-case graph reserves logits for all of it.
+        work += nb * profile.n_vocab * 4
+    return cost.compute_buffer_fixed_bytes + work + inputs * max(1, copies)
 
 
 def host_buffer_bytes(profile: ModelProfile, request: PlacementRequest) -> int:
@@ -417,8 +439,16 @@ class _Dev:
 
 class _Node:
     __slots__ = (
-        "snap", "devs", "cpu", "gpus", "cap_primary", "primary_ok", "cap_alone", "best_t",
-        "total_cap", "best_out",
+        "snap",
+        "devs",
+        "cpu",
+        "gpus",
+        "cap_primary",
+        "primary_ok",
+        "cap_alone",
+        "best_t",
+        "total_cap",
+        "best_out",
     )
 
     def __init__(self, snap: NodeSnapshot) -> None:
@@ -466,7 +496,12 @@ class _Ctx:
             )
 
         pc = max(1, cost.pipeline_copies)
-        cb, cb_out, pcb, pcb_out = cbuf(True, False), cbuf(True, True), cbuf(True, False, pc), cbuf(True, True, pc)
+        cb, cb_out, pcb, pcb_out = (
+            cbuf(True, False),
+            cbuf(True, True),
+            cbuf(True, False, pc),
+            cbuf(True, True, pc),
+        )
         host = host_buffer_bytes(profile, request)
         self.host_fixed_idle = host + cbuf(False, False)
         self.host_fixed_layers = host + cb
@@ -489,7 +524,11 @@ class _Ctx:
         self.nodes: list[_Node] = []
         self.by_id: dict[str, _Node] = {}
         order = 0
-        host_idle, host_layers, alone_fixed = self.host_fixed_idle, self.host_fixed_layers, self.alone_fixed
+        host_idle, host_layers, alone_fixed = (
+            self.host_fixed_idle,
+            self.host_fixed_layers,
+            self.alone_fixed,
+        )
         for ns in nodes:
             node = _Node(ns)
             devs = node.devs
@@ -523,7 +562,8 @@ class _Ctx:
                     if d.t_tg < node.best_t:
                         node.best_t = d.t_tg
                 if d.cap_out > 0 and (
-                    node.best_out is None or d.out_tg + d.t_tg < node.best_out.out_tg + node.best_out.t_tg
+                    node.best_out is None
+                    or d.out_tg + d.t_tg < node.best_out.out_tg + node.best_out.t_tg
                 ):
                     node.best_out = d
             if len(devs) > 1:
@@ -539,8 +579,12 @@ class _Ctx:
         self._hop_cache: dict[tuple[int, int, bool], float] = {}
         self._ranking: list[_Node] | None = None
         self._default_hops = (
-            hop_s(profile, request, cluster.default_link, holds_output=False, prompt=False, cost=cost),
-            hop_s(profile, request, cluster.default_link, holds_output=True, prompt=False, cost=cost),
+            hop_s(
+                profile, request, cluster.default_link, holds_output=False, prompt=False, cost=cost
+            ),
+            hop_s(
+                profile, request, cluster.default_link, holds_output=True, prompt=False, cost=cost
+            ),
         )
 
     def remote_ranking(self) -> list[_Node]:
@@ -565,7 +609,14 @@ class _Ctx:
             elif link is None:
                 h = self._default_hops[holds_output]
             else:
-                h = hop_s(self.profile, self.request, link, holds_output=holds_output, prompt=False, cost=self.cost)
+                h = hop_s(
+                    self.profile,
+                    self.request,
+                    link,
+                    holds_output=holds_output,
+                    prompt=False,
+                    cost=self.cost,
+                )
             self._hop_cache[key] = h
         return h
 
@@ -683,7 +734,9 @@ def _fill(
         total += ctx.hop(primary, node, out is not None and out.node is node)
     if spread and len(used_remote) != len(remote):
         return _infeasible(ctx, primary, out)
-    ev = _Eval(total + need * _UNPLACED_LAYER_PENALTY_S, need, primary, assign, devs, out, used_remote)
+    ev = _Eval(
+        total + need * _UNPLACED_LAYER_PENALTY_S, need, primary, assign, devs, out, used_remote
+    )
     if (
         not pipeline
         and out is not None
@@ -694,7 +747,9 @@ def _fill(
     ):
         # Every layer offloaded to two or more devices: llama.cpp turns on pipeline parallelism,
         # which keeps several copies of the compute buffers. Check the fill against those.
-        if any(c > (devs[k].pcap_out if devs[k] is out else devs[k].pcap) for k, c in assign.items()):
+        if any(
+            c > (devs[k].pcap_out if devs[k] is out else devs[k].pcap) for k, c in assign.items()
+        ):
             ev = _fill(ctx, primary, remote, out, spread, pipeline=True)
         ev.pipeline = True
     return ev
@@ -711,13 +766,14 @@ def _output_candidates(primary: _Node, remote: Sequence[_Node], every: bool) -> 
         cands.append(None)
     if every:
         cands.extend(g for g in primary.gpus if g.cap_out > 0)
-        for node in remote:
+        for node in reversed(remote):
             cands.extend(d for d in node.devs if d.cap_out > 0)
         return cands
     gpus = [g for g in primary.gpus if g.cap_out > 0]
     if gpus:
         cands.append(min(gpus, key=lambda g: (g.out_tg + g.t_tg, g.order)))
-    for node in remote:
+    # Reversed: on a tie the output goes to the last remote node, keeping the given node order.
+    for node in reversed(remote):
         if node.best_out is not None:
             cands.append(node.best_out)
     return cands
@@ -787,6 +843,8 @@ def _select_nodes(
 # --- the scheduler ----------------------------------------------------------------------------
 
 _PRIMARY_CANDIDATES = 6
+# Up to this many nodes every node is tried as the primary (the bench's clusters are 2-8).
+_SMALL_CLUSTER = 12
 _REMOTE_POOL = 14
 _SWAP_ROUNDS = 3
 
@@ -849,7 +907,9 @@ def _remote_pool(ctx: _Ctx, primary: _Node, nodes: Sequence[_Node], size: int) -
 
 def _better(a: _Eval, b: _Eval) -> bool:
     """a predicts strictly faster than b (capacity first while either is infeasible)."""
-    return a.unplaced < b.unplaced or (a.unplaced == b.unplaced and a.cost_s < b.cost_s * (1 - 1e-9))
+    return a.unplaced < b.unplaced or (
+        a.unplaced == b.unplaced and a.cost_s < b.cost_s * (1 - 1e-9)
+    )
 
 
 def _local_search(ctx: _Ctx, primary: _Node, pool: Sequence[_Node], notes: list[str]) -> _Eval:
@@ -954,8 +1014,9 @@ def _alone_estimate(ctx: _Ctx, node: _Node) -> float:
 
 
 def _primary_candidates(ctx: _Ctx, nodes: Sequence[_Node], k: int) -> list[_Node]:
+    """Primaries worth a local search: all of them in a small cluster, else a shortlist."""
     ok = [n for n in nodes if n.primary_ok]
-    if len(ok) <= k:
+    if len(ok) <= _SMALL_CLUSTER:
         return ok
     picked: dict[str, _Node] = {}
     # Nodes that can run the model alone, fastest first.
@@ -986,12 +1047,25 @@ def _search(ctx: _Ctx, spread: bool, notes: list[str]) -> tuple[_Eval | None, _E
             evals.append(_evaluate(ctx, p, [n for n in nodes if n is not p], spread=True))
     else:
         per_primary: dict[int, list[str]] = {}
-        for p in _primary_candidates(ctx, nodes, _PRIMARY_CANDIDATES):
+        tried: set[int] = set()
+
+        def search_from(p: _Node) -> None:
+            tried.add(id(p))
             pool = _remote_pool(ctx, p, nodes, _REMOTE_POOL)
             lines: list[str] = []
             ev = _local_search(ctx, p, pool, lines)
             per_primary[id(ev)] = lines
             evals.append(ev)
+
+        for p in _primary_candidates(ctx, nodes, _PRIMARY_CANDIDATES):
+            search_from(p)
+        # Re-root: the members of the best split may make a better primary (links are measured
+        # from the primary, since every activation passes through it).
+        best = _prefer(ctx, evals)
+        if best is not None:
+            for node in best.remote:
+                if id(node) not in tried and node.primary_ok:
+                    search_from(node)
     chosen = _prefer(ctx, evals)
     if chosen is not None and not spread:
         notes.extend(per_primary.get(id(chosen), []))
@@ -1042,7 +1116,9 @@ def plan_placement(
                         f"model: {', '.join(names)}"
                     )
                 elif names:
-                    notes.append(f"DEGRADED nodes used because the spread names them: {', '.join(names)}")
+                    notes.append(
+                        f"DEGRADED nodes used because the spread names them: {', '.join(names)}"
+                    )
             elif degraded:
                 notes.append(
                     "not used (DEGRADED, fallback only): "
@@ -1050,7 +1126,9 @@ def plan_placement(
                     + (f" and {len(degraded) - 5} more" if len(degraded) > 5 else "")
                 )
             return _build_plan(ctx, chosen, notes + search_notes)
-        if tried is not None and (attempt is None or tried.unplaced <= attempt.unplaced):
+        if attempt_ctx is None or (
+            tried is not None and (attempt is None or tried.unplaced <= attempt.unplaced)
+        ):
             attempt, attempt_ctx = tried, ctx
     raise _refusal(attempt_ctx, attempt, notes)
 
@@ -1064,7 +1142,7 @@ def _check_request(profile: ModelProfile, request: PlacementRequest) -> None:
 
 def _refusal(ctx: _Ctx | None, attempt: _Eval | None, notes: list[str]) -> PlacementRefused:
     tail = f" ({'; '.join(notes)})" if notes else ""
-    if ctx is None or attempt is None:
+    if ctx is None or not ctx.nodes:
         return PlacementRefused("no eligible nodes" + tail, 0, ())
     if not any(n.primary_ok for n in ctx.nodes):
         biggest = max(ctx.nodes, key=lambda n: n.cpu.snap.free_bytes if n.cpu else 0)
@@ -1077,9 +1155,11 @@ def _refusal(ctx: _Ctx | None, attempt: _Eval | None, notes: list[str]) -> Place
             need - have,
             (biggest.snap.node_id,),
         )
+    if attempt is None:
+        return PlacementRefused("no eligible nodes" + tail, 0, ())
     used = [attempt.primary, *attempt.remote]
     # An infeasible attempt may list nodes that could not take a layer; show the whole set tried.
-    for k, c in attempt.assign.items():
+    for k in attempt.assign:
         node = attempt.devs[k].node
         if node not in used:
             used.append(node)
@@ -1103,7 +1183,7 @@ def _refusal(ctx: _Ctx | None, attempt: _Eval | None, notes: list[str]) -> Place
 # --- plan assembly ----------------------------------------------------------------------------
 
 
-def _ordered_devices(ev: _Eval) -> list[tuple[_Dev, int]]:
+def _ordered_devices(ev: _Eval, ctx_nodes: Sequence[_Node]) -> list[tuple[_Dev, int]]:
     """The evaluation's devices in llama.cpp's order: primary CPU, remote nodes, primary GPUs."""
     primary = ev.primary
     counts = {k: c for k, c in ev.assign.items() if c > 0}
@@ -1121,14 +1201,28 @@ def _ordered_devices(ev: _Eval) -> list[tuple[_Dev, int]]:
     order: list[tuple[_Dev, int]] = []
     assert primary.cpu is not None
     order.append((primary.cpu, counts.get(id(primary.cpu), 0)))
-    remote = sorted(ev.remote, key=lambda n: out is not None and out.node is n)
+    # Remote order does not change the cost (every hop goes through the primary), so keep the
+    # cluster's order, with the node holding the output last as llama.cpp requires.
+    rank = {id(n): i for i, n in enumerate(ctx_nodes)}
+    remote = sorted(
+        ev.remote, key=lambda n: (out is not None and out.node is n, rank.get(id(n), 0))
+    )
     for node in remote:
         order.extend(node_devices(node))
     order.extend(node_devices(primary))
     return order
 
 
-def _device_memory(ctx: _Ctx, ev: _Eval, d: _Dev, start: int, end: int, holds_output: bool, is_primary_cpu: bool, copies: int) -> int:
+def _device_memory(
+    ctx: _Ctx,
+    ev: _Eval,
+    d: _Dev,
+    start: int,
+    end: int,
+    holds_output: bool,
+    is_primary_cpu: bool,
+    copies: int,
+) -> int:
     profile, request = ctx.profile, ctx.request
     n = end - start
     raw = sum(profile.layer_bytes[start:end]) + n * kv_bytes_per_layer(profile, request)
@@ -1140,13 +1234,23 @@ def _device_memory(ctx: _Ctx, ev: _Eval, d: _Dev, start: int, end: int, holds_ou
             )
         else:
             raw += compute_buffer_bytes(
-                profile, request, holds_layers=n > 0, holds_output=False, copies=copies, cost=ctx.cost
+                profile,
+                request,
+                holds_layers=n > 0,
+                holds_output=False,
+                copies=copies,
+                cost=ctx.cost,
             )
     else:
         if holds_output:
             raw += profile.output_bytes
         raw += compute_buffer_bytes(
-            profile, request, holds_layers=n > 0, holds_output=holds_output, copies=copies, cost=ctx.cost
+            profile,
+            request,
+            holds_layers=n > 0,
+            holds_output=holds_output,
+            copies=copies,
+            cost=ctx.cost,
         )
     return int(math.ceil(raw * ctx.margin))
 
@@ -1176,7 +1280,7 @@ def _predict(ctx: _Ctx, ev: _Eval, order: list[tuple[_Dev, int]]) -> tuple[float
 def _build_plan(ctx: _Ctx, ev: _Eval, notes: list[str]) -> Plan:
     profile = ctx.profile
     primary = ev.primary
-    order = _ordered_devices(ev)
+    order = _ordered_devices(ev, ctx.nodes)
     offload = [(d, c) for d, c in order[1:]]
     copies = ctx.cost.pipeline_copies if ev.pipeline else 1
     devices: list[PlanDevice] = []
@@ -1218,16 +1322,24 @@ def _build_plan(ctx: _Ctx, ev: _Eval, notes: list[str]) -> Plan:
         n_threads=max(1, primary.snap.threads),
         n_ctx=ctx.request.n_ctx,
         n_parallel=ctx.request.n_parallel,
+        n_batch=min(ctx.request.n_batch, ctx.request.n_ctx),
+        flash_attn=ctx.request.flash_attn,
         predicted_ttft_ms=round(pp * 1000, 3),
         predicted_tokens_per_s=round(1.0 / tg, 3) if tg > 0 else math.inf,
         explanation=tuple(explanation),
     )
 
 
-def _explain(ctx: _Ctx, ev: _Eval, devices: list[PlanDevice], tg: float, notes: list[str]) -> list[str]:
+def _explain(
+    ctx: _Ctx, ev: _Eval, devices: list[PlanDevice], tg: float, notes: list[str]
+) -> list[str]:
     lines: list[str] = []
     primary = ev.primary.snap
-    holds = " (already holds the model file)" if primary.has_model_file else " (the model file will be copied there)"
+    holds = (
+        " (already holds the model file)"
+        if primary.has_model_file
+        else " (the model file will be copied there)"
+    )
     lines.append(f"primary: {primary.name or primary.node_id}{holds}")
     for d in devices:
         if d.n_layers == 0 and d.endpoint is None:
@@ -1247,7 +1359,9 @@ def _explain(ctx: _Ctx, ev: _Eval, devices: list[PlanDevice], tg: float, notes: 
     if n_nodes == 1 and len(layer_devs) <= 1:
         lines.append("fits on one device: the fastest device that holds the whole model")
     elif n_nodes == 1:
-        lines.append("one node: its fastest device is filled first, the rest of the layers go to its next device")
+        lines.append(
+            "one node: its fastest device is filled first, the rest of the layers go to its next device"
+        )
     else:
         lines.append(
             f"split over {n_nodes} nodes: no smaller set holds the model as fast "
@@ -1255,18 +1369,21 @@ def _explain(ctx: _Ctx, ev: _Eval, devices: list[PlanDevice], tg: float, notes: 
         )
     used = {d.node_id for d in devices}
     others = [n for n in ctx.nodes if n.snap.node_id not in used]
+    slowest_used = max((ev.devs[k].t_tg for k, c in ev.assign.items() if c > 0), default=0.0)
     if others:
         if len(others) <= 5:
             for n in others:
-                if not n.primary_ok and n.cap_primary < 0 and all(d.cap <= 0 for d in n.devs):
+                if n.total_cap <= 0:
                     why = "too little free memory for even one layer"
-                elif ctx.n_layer and all(d.t_tg >= max((x.t_tg for x in ev.devs.values()), default=0) for d in n.devs):
-                    why = "slower than the devices used"
+                elif n.best_t >= slowest_used:
+                    why = "slower than every device used"
                 else:
                     why = "not needed: adding it does not predict faster"
                 lines.append(f"not used: {n.snap.name or n.snap.node_id} ({why})")
         else:
-            lines.append(f"not used: {len(others)} other eligible nodes (slower, smaller or not needed)")
+            lines.append(
+                f"not used: {len(others)} other eligible nodes (slower, smaller or not needed)"
+            )
     lines.extend(notes)
     lines.append(f"predicted {1 / tg:.1f} tokens/s per stream" if tg > 0 else "predicted: instant")
     return lines
@@ -1391,7 +1508,7 @@ def memory_proportional_plan(
 
 
 def _f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
+    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 def llama_layer_assignment(

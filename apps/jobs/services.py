@@ -1,11 +1,527 @@
-"""Writes for deployments and jobs."""
+"""Writes for deployments (placement, loading, health) and jobs (dispatch, finish, cancel)."""
 
 from __future__ import annotations
 
+import json
+import logging
+import time
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from agent.protocol import job_cancel_key, new_id, node_queue_key
+from apps.models_repo.models import Model, ModelFile
+from apps.models_repo.profile import ModelProfile
+from apps.nodes.events import event_record
+from apps.nodes.models import EventCategory, Node
+from apps.nodes.states import NodeState
+from racon.logging import log_context
+from racon.redis import get_redis
+
+from . import selectors
+from .models import Deployment, Job
+from .scheduler import Plan, PlacementRefused, PlacementRequest, plan_placement
+from .states import (
+    DEPLOYMENT_ACTIVE,
+    DEPLOYMENT_TRANSITIONS,
+    JOB_TERMINAL,
+    JOB_TRANSITIONS,
+    DeploymentState,
+    JobState,
+)
+
+log = logging.getLogger("racon.jobs")
+D = DeploymentState
+J = JobState
+
+
+class DeploymentError(Exception):
+    """A deployment step failed; the message is meant for the operator."""
+
+
+# --- commands to agents ------------------------------------------------------------------------
+
+
+def _result_key(command_id: str) -> str:
+    return f"racon:cmdresult:{command_id}"
+
+
+def command_send(*, node_id: Any, kind: str, payload: dict[str, Any]) -> str:
+    """Append a command to the node's own queue (the agent takes from the left)."""
+    command_id = new_id()
+    body = {"id": command_id, "kind": kind, "payload": payload, "issued_at": time.time()}
+    get_redis().rpush(node_queue_key(str(node_id)), json.dumps(body, separators=(",", ":")))
+    return command_id
+
+
+def command_wait(*, command_id: str, timeout: float) -> dict[str, Any] | None:
+    """Block until the agent's command_result for this command arrives, or None on timeout."""
+    got = get_redis().blpop([_result_key(command_id)], timeout=max(1, int(timeout)))
+    if got is None:
+        return None
+    return json.loads(got[1])
+
+
+def command_result_accept(*, node_id: Any, command_id: str | None, payload: dict[str, Any], now: datetime) -> None:
+    """Hand a command's result to whoever waits for it (placement), kept briefly for late readers."""
+    if not command_id:
+        raise ValueError("command_result needs command_id")
+    r = get_redis()
+    key = _result_key(command_id)
+    with r.pipeline(transaction=False) as pipe:
+        pipe.rpush(key, json.dumps({**payload, "node_id": str(node_id)}, default=str))
+        pipe.expire(key, 600)
+        pipe.execute()
+    if not payload.get("ok", False):
+        event_record(
+            kind="COMMAND_FAILED",
+            category=EventCategory.RUNTIME,
+            now=now,
+            node_id=node_id,
+            deployment_id=(payload.get("deployment_id") or None),
+            message=str(payload.get("error", "command failed"))[:500],
+            data={"command_id": command_id, "command": payload.get("kind", "")},
+        )
+
+
+# --- deployments -----------------------------------------------------------------------------
+
+
+def deployment_transition(
+    *, deployment_id: Any, to: str, now: datetime, expected: str | None = None, kind: str = "DEPLOYMENT_STATE_CHANGED",
+    message: str = "", data: dict[str, Any] | None = None, fields: dict[str, Any] | None = None,
+) -> bool:
+    """Guarded move of a deployment's state with its event; a stale caller changes nothing."""
+    with transaction.atomic():
+        current = Deployment.objects.filter(pk=deployment_id).values_list("state", flat=True).first()
+        if current is None:
+            return False
+        src = expected if expected is not None else current
+        if current != src or to not in DEPLOYMENT_TRANSITIONS.get(src, frozenset()):
+            return False
+        extra = dict(fields or {})
+        if to == D.READY:
+            extra.setdefault("ready_at", now)
+        if to == D.STOPPED:
+            extra.setdefault("stopped_at", now)
+        if Deployment.objects.filter(pk=deployment_id, state=src).update(state=to, **extra) != 1:
+            return False
+        if src != to or kind != "DEPLOYMENT_STATE_CHANGED":
+            event_record(
+                kind=kind, category=EventCategory.PLACEMENT, now=now, deployment_id=deployment_id,
+                old_state=src, new_state=to, message=message or f"deployment {src} → {to}", data=data,
+            )
+    from apps.api.broadcast import broadcast  # noqa: PLC0415
+
+    transaction.on_commit(lambda: broadcast("nodes.dashboard", {"type": "deployment.changed", "deployment_id": str(deployment_id), "state": to}))
+    return True
+
+
+def placement_request_from(data: dict[str, Any]) -> PlacementRequest:
+    """Build a PlacementRequest from API input (n_ctx, n_parallel, nodes, exclude, spread)."""
+    pins = data.get("nodes") or data.get("pin_nodes") or None
+    return PlacementRequest(
+        n_ctx=int(data.get("n_ctx") or settings.DEFAULT_N_CTX),
+        n_parallel=int(data.get("n_parallel") or 1),
+        prompt_tokens=int(data.get("prompt_tokens") or 128),
+        pin_nodes=tuple(str(p) for p in pins) if pins else None,
+        exclude_nodes=tuple(str(x) for x in data.get("exclude_nodes") or ()),
+        spread=bool(data.get("spread", False)),
+    )
+
+
+def deployment_preview(*, model_file: ModelFile, request: PlacementRequest) -> Plan:
+    """The plan and predictions for this model now, without loading anything."""
+    profile = ModelProfile.from_dict(model_file.profile)
+    snapshot = selectors.cluster_snapshot(model_file=model_file)
+    t0 = time.perf_counter()
+    try:
+        return plan_placement(profile, snapshot, request)
+    finally:
+        _record_placement_latency(time.perf_counter() - t0)
+
+
+def _record_placement_latency(seconds: float) -> None:
+    r = get_redis()
+    with r.pipeline(transaction=False) as pipe:
+        pipe.incr("racon:metrics:placements")
+        pipe.incrbyfloat("racon:metrics:placement_seconds", seconds)
+        pipe.execute()
+
+
+def deployment_create(*, model: Model, request: PlacementRequest, now: datetime, auto: bool = False) -> Deployment:
+    """Record a deployment (PLANNING) and ask Celery to place it once this transaction commits."""
+    model_file = model.files.order_by("-created_at").first()
+    if model_file is None:
+        raise DeploymentError(f"model {model.name!r} has no registered file")
+    with transaction.atomic():
+        dep = Deployment.objects.create(
+            model=model, model_file=model_file, state=D.PLANNING, request=request.to_dict(),
+            n_ctx=request.n_ctx, n_parallel=request.n_parallel,
+        )
+        event_record(
+            kind="DEPLOYMENT_CREATED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id,
+            new_state=D.PLANNING, message=f"{'automatic ' if auto else ''}deployment of {model.name}",
+            data={"request": request.to_dict(), "auto": auto},
+        )
+        from .tasks import place_deployment  # noqa: PLC0415
+
+        place_deployment.delay_on_commit(deployment_id=str(dep.id))
+    return dep
+
+
+def deployment_place(*, deployment_id: Any, clock: Callable[[], datetime] = timezone.now, max_revisions: int = 3) -> Deployment:
+    """Plan, start the RPC workers, load the primary and confirm every member; READY or FAILED.
+
+    A node lost before execution (a step fails on it) is excluded and the plan revised.
+    """
+    dep = Deployment.objects.select_related("model", "model_file").get(pk=deployment_id)
+    if dep.state != D.PLANNING:
+        return dep  # a retried task: another run already took it
+    request = PlacementRequest(**{**dep.request, "pin_nodes": tuple(dep.request["pin_nodes"]) if dep.request.get("pin_nodes") else None, "exclude_nodes": tuple(dep.request.get("exclude_nodes") or ())})
+    excluded: list[str] = list(request.exclude_nodes)
+    with log_context(deployment_id=dep.id):
+        for revision in range(max_revisions + 1):
+            req = PlacementRequest(**{**request.to_dict(), "exclude_nodes": tuple(excluded), "pin_nodes": request.pin_nodes})
+            if request.pin_nodes:
+                req = PlacementRequest(**{**req.to_dict(), "pin_nodes": tuple(p for p in request.pin_nodes if p not in excluded) or None, "exclude_nodes": tuple(excluded)})
+            try:
+                plan = deployment_preview(model_file=dep.model_file, request=req)
+            except PlacementRefused as exc:
+                deployment_transition(deployment_id=dep.id, to=D.FAILED, now=clock(), kind="PLACEMENT_REFUSED", message=exc.reason[:500], data=exc.to_dict(), fields={"error": exc.reason})
+                return Deployment.objects.get(pk=dep.id)
+            with transaction.atomic():
+                Deployment.objects.filter(pk=dep.id).update(plan=plan.to_dict(), primary_id=plan.primary_node_id, revision=revision)
+                dep.nodes.set(list(plan.node_ids))
+                event_record(
+                    kind="PLAN_REVISED" if revision else "PLAN_CHOSEN", category=EventCategory.PLACEMENT, now=clock(),
+                    deployment_id=dep.id, node_id=plan.primary_node_id,
+                    message=f"primary {selectors.node_name(plan.primary_node_id)}, {len(plan.layer_devices)} device(s), predicted {plan.predicted_tokens_per_s:.1f} tok/s",
+                    data={"plan": plan.to_dict(), "revision": revision, "excluded": excluded},
+                )
+            deployment_transition(deployment_id=dep.id, to=D.LOADING, expected=D.PLANNING, now=clock())
+            try:
+                report = _deployment_load(dep=dep, plan=plan, clock=clock)
+            except _NodeLost as lost:
+                excluded.append(lost.node_id)
+                event_record(kind="NODE_LOST_BEFORE_EXECUTION", category=EventCategory.PLACEMENT, now=clock(), deployment_id=dep.id, node_id=lost.node_id, message=lost.reason)
+                if not deployment_transition(deployment_id=dep.id, to=D.PLANNING, expected=D.LOADING, now=clock(), message="re-scoring without the lost node"):
+                    return Deployment.objects.get(pk=dep.id)
+                continue
+            except DeploymentError as exc:
+                deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_FAILED", message=str(exc)[:500], fields={"error": str(exc)})
+                return Deployment.objects.get(pk=dep.id)
+            deployment_transition(
+                deployment_id=dep.id, to=D.READY, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_READY",
+                message="every member confirmed ready", fields={"load_report": report},
+            )
+            return Deployment.objects.get(pk=dep.id)
+        deployment_transition(deployment_id=dep.id, to=D.FAILED, now=clock(), kind="DEPLOYMENT_FAILED", message="too many plan revisions", fields={"error": "too many plan revisions"})
+        return Deployment.objects.get(pk=dep.id)
+
+
+class _NodeLost(Exception):
+    def __init__(self, node_id: str, reason: str) -> None:
+        super().__init__(reason)
+        self.node_id = node_id
+        self.reason = reason
+
+
+def _deployment_load(*, dep: Deployment, plan: Plan, clock: Callable[[], datetime]) -> dict[str, Any]:
+    """Setup and validation: RPC workers, model file on the primary, primary load, member check."""
+    timeout_rpc = float(getattr(settings, "DEPLOYMENT_RPC_TIMEOUT", 30))
+    timeout_load = float(getattr(settings, "DEPLOYMENT_LOAD_TIMEOUT", 300))
+    # 1. start or confirm the RPC workers of the plan
+    for worker in plan.rpc_workers():
+        node_id = worker["node_id"]
+        _require_live(node_id)
+        cid = command_send(node_id=node_id, kind="rpc_start", payload={"deployment_id": str(dep.id)})
+        result = command_wait(command_id=cid, timeout=timeout_rpc)
+        if result is None:
+            raise _NodeLost(node_id, f"RPC worker on {selectors.node_name(node_id)} did not confirm within {timeout_rpc:.0f}s")
+        if not result.get("ok"):
+            raise _NodeLost(node_id, f"RPC worker on {selectors.node_name(node_id)} failed: {result.get('error', '')}")
+        event_record(kind="RPC_WORKER_CONFIRMED", category=EventCategory.RUNTIME, now=clock(), node_id=node_id, deployment_id=dep.id, message=f"RPC worker ready at {worker['endpoint']}", data={"endpoint": worker["endpoint"], "result": {k: v for k, v in result.items() if k != "node_id"}})
+    # 2. the model file on the primary (only the primary needs it: workers get tensors over RPC)
+    primary = plan.primary_node_id
+    _require_live(primary)
+    path = _ensure_model_file(dep=dep, node_id=primary, clock=clock)
+    # 3. the primary verifies sha256 and loads with the plan's split
+    payload = {
+        "deployment_id": str(dep.id),
+        "model_name": dep.model.name,
+        "model_path": path,
+        "sha256": dep.model_file.sha256,
+        "rpc_endpoints": list(plan.rpc_endpoints),
+        "tensor_split": list(plan.tensor_split),
+        "n_gpu_layers": plan.n_gpu_layers,
+        "n_ctx": plan.n_ctx,
+        "n_parallel": plan.n_parallel,
+        "n_threads": plan.n_threads,
+        "memory_bytes": plan.memory_by_node().get(primary, 0),
+    }
+    cid = command_send(node_id=primary, kind="load_primary", payload=payload)
+    result = command_wait(command_id=cid, timeout=timeout_load)
+    if result is None:
+        raise _NodeLost(primary, f"primary {selectors.node_name(primary)} did not load within {timeout_load:.0f}s")
+    if not result.get("ok"):
+        error = str(result.get("error", "load failed"))
+        if "sha256" in error.lower() or "memory" in error.lower() or "missing" in error.lower():
+            raise DeploymentError(f"primary refused the plan: {error}")
+        raise _NodeLost(primary, f"primary {selectors.node_name(primary)} failed to load: {error}")
+    event_record(kind="PRIMARY_LOADED", category=EventCategory.RUNTIME, now=clock(), node_id=primary, deployment_id=dep.id, message=f"{dep.model.name} loaded", data={k: v for k, v in result.items() if k != "node_id"})
+    # 4. every member confirmed ready (cheap re-check of their states right before READY)
+    for node_id in plan.node_ids:
+        _require_live(node_id)
+    return {k: v for k, v in result.items() if k != "node_id"}
+
+
+def _require_live(node_id: str) -> None:
+    state = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
+    if state not in (NodeState.READY, NodeState.BUSY, NodeState.DEGRADED):
+        raise _NodeLost(node_id, f"node {selectors.node_name(node_id)} is {state or 'gone'}")
+
+
+def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], datetime]) -> str:
+    """The primary's path to the file; copies it there first when it lacks it (retried once)."""
+    from apps.models_repo.models import Replica  # noqa: PLC0415
+
+    replica = Replica.objects.filter(node_id=node_id, model_file=dep.model_file).first()
+    if replica is not None:
+        return replica.path
+    mf = dep.model_file
+    url = f"{settings.CONTROLLER_PUBLIC_URL.rstrip('/')}/api/agent/models/{mf.sha256}"
+    timeout = float(getattr(settings, "MODEL_FETCH_TIMEOUT", 1800))
+    last_error = ""
+    for attempt in (1, 2):
+        event_record(kind="MODEL_TRANSFER_STARTED", category=EventCategory.PLACEMENT, now=clock(), node_id=node_id, deployment_id=dep.id, message=f"copying {mf.file_name} to the primary (attempt {attempt})", data={"size": mf.size})
+        cid = command_send(node_id=node_id, kind="fetch_model", payload={"sha256": mf.sha256, "file_name": mf.file_name, "size": mf.size, "url": url})
+        result = command_wait(command_id=cid, timeout=timeout)
+        if result is None:
+            raise _NodeLost(node_id, "model transfer timed out")
+        if result.get("ok") and result.get("path"):
+            from apps.models_repo.services import replicas_sync  # noqa: PLC0415
+
+            replicas_sync(node_id=node_id, files=[{"sha256": mf.sha256, "path": result["path"]}], now=clock(), prune=False)
+            event_record(kind="MODEL_TRANSFER_DONE", category=EventCategory.PLACEMENT, now=clock(), node_id=node_id, deployment_id=dep.id, message=f"{mf.file_name} verified on the primary")
+            return str(result["path"])
+        last_error = str(result.get("error", "transfer failed"))
+    raise DeploymentError(f"model transfer failed twice; file not used: {last_error}")
+
+
+def deployment_stop(*, deployment_id: Any, now: datetime, reason: str = "stopped by operator") -> Deployment:
+    """Stop a deployment: unload its primary; running jobs are cancelled."""
+    dep = Deployment.objects.get(pk=deployment_id)
+    if dep.state == D.STOPPED:
+        return dep
+    if dep.state == D.FAILED or deployment_transition(deployment_id=dep.id, to=D.STOPPED, now=now, kind="DEPLOYMENT_STOPPED", message=reason):
+        if dep.state == D.FAILED:
+            deployment_transition(deployment_id=dep.id, to=D.STOPPED, now=now, kind="DEPLOYMENT_STOPPED", message=reason)
+        if dep.primary_id:
+            command_send(node_id=dep.primary_id, kind="unload", payload={"deployment_id": str(dep.id)})
+        for job_id in Job.objects.filter(deployment=dep, state__in=[J.QUEUED, J.DISPATCHED, J.RUNNING]).values_list("id", flat=True):
+            job_cancel(job_id=job_id, now=now, reason="deployment stopped")
+    dep.refresh_from_db()
+    return dep
+
 
 def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> None:
-    """A member node changed health: degrade, fail or re-plan the deployments it serves."""
-    return None
+    """A member node changed health: degrade, fail and replace, or restore its deployments."""
+    deps = list(Deployment.objects.filter(nodes__id=node_id, state__in=list(DEPLOYMENT_ACTIVE)).select_related("model"))
+    for dep in deps:
+        if state == NodeState.DEGRADED and dep.state == D.READY:
+            deployment_transition(deployment_id=dep.id, to=D.DEGRADED, expected=D.READY, now=now, kind="DEPLOYMENT_DEGRADED", message=f"member {selectors.node_name(node_id)} degraded")
+        elif state == NodeState.READY and dep.state == D.DEGRADED:
+            members_ok = not Node.objects.filter(pk__in=dep.nodes.values("id")).exclude(state__in=[NodeState.READY, NodeState.BUSY, NodeState.DRAINING]).exists()
+            if members_ok:
+                deployment_transition(deployment_id=dep.id, to=D.READY, expected=D.DEGRADED, now=now, kind="DEPLOYMENT_RESTORED", message="all members healthy again")
+        elif state in (NodeState.OFFLINE, NodeState.ERROR) and dep.state in (D.READY, D.DEGRADED):
+            if deployment_transition(deployment_id=dep.id, to=D.FAILED, now=now, kind="DEPLOYMENT_FAILED", message=f"member {selectors.node_name(node_id)} is {state}", fields={"error": f"member node {node_id} {state}"}):
+                for job_id in Job.objects.filter(deployment=dep, state__in=[J.QUEUED, J.DISPATCHED, J.RUNNING]).values_list("id", flat=True):
+                    job_fail(job_id=job_id, now=now, error=f"a node of the plan went {state} during execution", during_execution=True)
+                if dep.primary_id and str(dep.primary_id) != node_id:
+                    command_send(node_id=dep.primary_id, kind="unload", payload={"deployment_id": str(dep.id)})
+                # Replace it: a new placement without the lost node.
+                replacement = deployment_create(model=dep.model, request=PlacementRequest(**{**_request_of(dep), "exclude_nodes": (node_id,)}), now=now, auto=True)
+                event_record(kind="DEPLOYMENT_REPLACED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=node_id, message=f"replaced by {replacement.id}", data={"replacement": str(replacement.id)})
+        elif state in (NodeState.OFFLINE, NodeState.ERROR) and dep.state in (D.PLANNING, D.LOADING):
+            pass  # the placement task sees the lost node and re-scores (PLAN_REVISED)
+
+
+def _request_of(dep: Deployment) -> dict[str, Any]:
+    req = dict(dep.request)
+    req["pin_nodes"] = tuple(req["pin_nodes"]) if req.get("pin_nodes") else None
+    req["exclude_nodes"] = tuple(req.get("exclude_nodes") or ())
+    return req
+
+
+def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
+    """An active deployment of the model, creating one automatically when there is none."""
+    existing = Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_ACTIVE)).order_by("-created_at").first()
+    if existing is not None:
+        return existing
+    return deployment_create(model=model, request=PlacementRequest(n_ctx=settings.DEFAULT_N_CTX), now=now, auto=True)
+
+
+# --- jobs ---------------------------------------------------------------------------------------
+
+
+def _inflight_key(deployment_id: Any) -> str:
+    return f"racon:dep:{deployment_id}:inflight"
+
+
+def job_transition(
+    *, job_id: Any, to: str, now: datetime, expected: str | None = None, fields: dict[str, Any] | None = None,
+    kind: str | None = None, message: str = "", data: dict[str, Any] | None = None,
+) -> bool:
+    """Guarded move of a job's state; writes its event. Terminal states are final."""
+    with transaction.atomic():
+        current = Job.objects.filter(pk=job_id).values_list("state", flat=True).first()
+        if current is None:
+            return False
+        src = expected if expected is not None else current
+        if current != src or to not in JOB_TRANSITIONS.get(src, frozenset()):
+            return False
+        if Job.objects.filter(pk=job_id, state=src).update(state=to, **(fields or {})) != 1:
+            return False
+        if kind:
+            event_record(kind=kind, category=EventCategory.EXECUTION, now=now, job_id=job_id, deployment_id=(fields or {}).get("deployment_id"), old_state=src, new_state=to, message=message, data=data)
+    return True
+
+
+def job_create(
+    *, model: Model, account_id: Any, api_key_id: Any, kind: str, params: dict[str, Any], max_tokens: int,
+    stream: bool, request_id: str, now: datetime,
+) -> Job:
+    """Record a QUEUED job and reserve credits for it (InsufficientCredits propagates; nothing stays)."""
+    from apps.credits.services import credit_reserve  # noqa: PLC0415
+
+    with transaction.atomic():
+        job = Job.objects.create(
+            model=model, account_id=account_id, api_key_id=api_key_id, kind=kind, params=params,
+            max_tokens=max_tokens, stream=stream, request_id=request_id, queued_at=now, state=J.QUEUED,
+        )
+        if account_id is not None:
+            credit_reserve(account_id=account_id, job_id=job.id, max_tokens=max_tokens, model_price_permille=model.price_weight_permille, now=now)
+    return job
+
+
+def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[str, Any]:
+    """QUEUED → DISPATCHED: record the plan's nodes and push run_job onto the primary's queue."""
+    job = Job.objects.get(pk=job_id)
+    plan = deployment.plan or {}
+    placement = [
+        {"node_id": d["node_id"], "node": selectors.node_name(d["node_id"]), "device": d["device"], "layers": [d["layer_start"], d["layer_end"]]}
+        for d in plan.get("devices", [])
+    ]
+    node_ids = list(dict.fromkeys(d["node_id"] for d in plan.get("devices", [])))
+    with transaction.atomic():
+        moved = job_transition(
+            job_id=job.id, to=J.DISPATCHED, expected=J.QUEUED, now=now,
+            fields={"deployment_id": deployment.id, "dispatched_at": now, "placement": {"devices": placement, "primary": plan.get("primary_node_id")}},
+            kind="JOB_DISPATCHED", message=f"to deployment {deployment.id}", data={"nodes": node_ids},
+        )
+        if not moved:
+            raise DeploymentError("job is no longer queued")
+        job.nodes.set(node_ids)
+    payload = {
+        "job_id": str(job.id), "deployment_id": str(deployment.id), "kind": job.kind,
+        "max_tokens": job.max_tokens, **job.params,
+    }
+    command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
+    return {"nodes": node_ids, "primary": str(deployment.primary_id)}
+
+
+def job_mark_running(*, job_id: Any, now: datetime) -> bool:
+    """DISPATCHED → RUNNING at the first token."""
+    return job_transition(job_id=job_id, to=J.RUNNING, expected=J.DISPATCHED, now=now, fields={"first_token_at": now})
+
+
+def _finish(*, job_id: Any, to: str, now: datetime, fields: dict[str, Any], kind: str, message: str) -> bool:
+    job = Job.objects.filter(pk=job_id).values("state", "deployment_id").first()
+    if job is None or job["state"] in JOB_TERMINAL:
+        return False
+    moved = job_transition(job_id=job_id, to=to, now=now, fields={"finished_at": now, **fields}, kind=kind, message=message)
+    if moved:
+        if job["deployment_id"] and job["state"] in (J.DISPATCHED, J.RUNNING):
+            get_redis().decr(_inflight_key(job["deployment_id"]))
+        from apps.credits.tasks import settle_job  # noqa: PLC0415
+
+        settle_job.delay_on_commit(job_id=str(job_id))
+        _record_job_metrics(job_id=job_id, to=to, fields=fields)
+    return moved
+
+
+def _record_job_metrics(*, job_id: Any, to: str, fields: dict[str, Any]) -> None:
+    from apps.api.metrics import job_finished_observe  # noqa: PLC0415
+
+    job_finished_observe(job_id=job_id, state=to, fields=fields)
+
+
+def job_complete(*, job_id: Any, usage: dict[str, Any], finish_reason: str, chunks: int, now: datetime, device_seconds: dict[str, float] | None = None) -> bool:
+    """→ COMPLETED with usage and timings; settlement follows."""
+    fields = {
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+        "completion_tokens": int(usage.get("completion_tokens") or 0),
+        "ttft_ms": usage.get("ttft_ms"),
+        "tokens_per_s": usage.get("tokens_per_s"),
+        "finish_reason": finish_reason or "stop",
+        "stream_chunks": chunks,
+    }
+    if device_seconds:
+        fields["device_seconds"] = device_seconds
+    return _finish(job_id=job_id, to=J.COMPLETED, now=now, fields=fields, kind="JOB_COMPLETED", message=f"{fields['completion_tokens']} tokens, {fields['finish_reason']}")
+
+
+def job_fail(*, job_id: Any, now: datetime, error: str, during_execution: bool | None = None, usage: dict[str, Any] | None = None, chunks: int | None = None) -> bool:
+    """→ FAILED with the error; only what was delivered is charged."""
+    fields: dict[str, Any] = {"error": error[:2000], "failed_during_execution": during_execution, "finish_reason": "error"}
+    if usage:
+        fields["prompt_tokens"] = int(usage.get("prompt_tokens") or 0)
+        fields["completion_tokens"] = int(usage.get("completion_tokens") or 0)
+    if chunks is not None:
+        fields["stream_chunks"] = chunks
+    return _finish(job_id=job_id, to=J.FAILED, now=now, fields=fields, kind="JOB_FAILED", message=error[:300])
+
+
+def job_cancel(*, job_id: Any, now: datetime, reason: str = "cancelled", usage: dict[str, Any] | None = None, chunks: int | None = None) -> bool:
+    """→ CANCELLED; sets the cancel flag the primary checks between tokens."""
+    r = get_redis()
+    r.set(job_cancel_key(str(job_id)), 1, ex=3600)
+    job = Job.objects.filter(pk=job_id).select_related("deployment").first()
+    if job is not None and job.deployment_id and job.deployment.primary_id and job.state in (J.DISPATCHED, J.RUNNING):
+        command_send(node_id=job.deployment.primary_id, kind="cancel_job", payload={"job_id": str(job_id)})
+    fields: dict[str, Any] = {"finish_reason": "cancelled", "error": reason[:2000]}
+    if usage:
+        fields["prompt_tokens"] = int(usage.get("prompt_tokens") or 0)
+        fields["completion_tokens"] = int(usage.get("completion_tokens") or 0)
+    if chunks is not None:
+        fields["stream_chunks"] = chunks
+    return _finish(job_id=job_id, to=J.CANCELLED, now=now, fields=fields, kind="JOB_CANCELLED", message=reason[:300])
+
+
+def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: datetime) -> None:
+    """The agent's job_finished report: the same guarded finish as the stream reader's."""
+    job_id = payload.get("job_id")
+    if not job_id:
+        raise ValueError("job_finished needs job_id")
+    status = payload.get("status")
+    usage = {k: payload.get(k) for k in ("prompt_tokens", "completion_tokens", "ttft_ms", "tokens_per_s")}
+    if status == "completed":
+        job_complete(job_id=job_id, usage=usage, finish_reason=payload.get("finish_reason") or "stop", chunks=int(payload.get("completion_tokens") or 0), now=now, device_seconds=payload.get("device_seconds"))
+    elif status == "failed":
+        job_fail(job_id=job_id, now=now, error=str(payload.get("error") or "failed on the node"), during_execution=True, usage=usage)
+    elif status == "cancelled":
+        job_cancel(job_id=job_id, now=now, reason=str(payload.get("error") or "cancelled on the node"), usage=usage)
+    else:
+        raise ValueError(f"unknown job status {status!r}")
+
+
+def job_count_tokens(*, job_id: Any, chunks: int) -> None:
+    """TOKEN_STREAM_CHUNK is counted on the job row, never one event row per token."""
+    Job.objects.filter(pk=job_id).update(stream_chunks=F("stream_chunks") + chunks)

@@ -10,7 +10,15 @@ from django.utils import timezone
 
 @shared_task(name="racon.jobs.node_state_changed", ignore_result=True)
 def node_state_changed(*, node_id: str, state: str, **kwargs: Any) -> None:
-    """React to a member node's health change (deployments degrade, fail or re-plan)."""
+    """React to a member node's health change (deployments degrade, fail and get replaced)."""
     from . import services
 
     services.deployments_on_node_state(node_id=node_id, state=state, now=timezone.now())
+
+
+@shared_task(name="racon.jobs.place_deployment", ignore_result=True)
+def place_deployment(*, deployment_id: str, **kwargs: Any) -> None:
+    """Plan, load and confirm a deployment (idempotent: only a PLANNING deployment is placed)."""
+    from . import services
+
+    services.deployment_place(deployment_id=deployment_id)

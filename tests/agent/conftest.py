@@ -98,6 +98,7 @@ class FakeController:
         self.revoked: set[str] = set()
         self.credentials: dict[str, str] = {}
         self.node_ids: list[str] = []
+        self.files: dict[str, bytes] = {}
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         outer = self
@@ -117,6 +118,12 @@ class FakeController:
             def do_GET(self) -> None:  # noqa: N802
                 if self.path == "/health":
                     self._send(200, {"status": "ok"})
+                elif self.path.startswith("/files/") and self.path[7:] in outer.files:
+                    data = outer.files[self.path[7:]]
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
                 else:
                     self._send(404, {"error": "not found"})
 
@@ -129,7 +136,7 @@ class FakeController:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def close(self) -> None:
@@ -222,6 +229,7 @@ def controller() -> Iterator[FakeController]:
 
 
 def fake_profile(tmp_path: Path, **sections: Any) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "profile.json"
     base: dict[str, Any] = {
         "cpu": {"model": "Test CPU 9000", "physical_cores": 8, "logical_cores": 16, "flags": ["avx2"]},

@@ -118,8 +118,14 @@ def test_real_smollm2_profile_has_the_published_shape(smollm2: ModelProfile) -> 
 def test_real_smollm2_bytes_add_up_to_the_file(smollm2: ModelProfile) -> None:
     p = smollm2
     assert len(p.layer_bytes) == 30 and len(set(p.layer_bytes)) == 1  # a uniform Q4_1 stack
-    assert p.tied_embeddings  # no output.weight: llama.cpp duplicates token_embd onto the output device
-    stored = sum(p.layer_bytes) + p.embedding_bytes + (p.output_bytes - p.embedding_bytes) + p.other_bytes
+    # No output.weight: llama.cpp duplicates token_embd onto the output device.
+    assert p.tied_embeddings
+    stored = (
+        sum(p.layer_bytes)
+        + p.embedding_bytes
+        + (p.output_bytes - p.embedding_bytes)
+        + p.other_bytes
+    )
     assert stored == p.tensor_bytes
     assert p.tensor_bytes < p.file_size < p.tensor_bytes + 4 * 2**20  # metadata and tokenizer
     # ~135M parameters, counting the LM head (tied to the embeddings) once.
@@ -137,24 +143,46 @@ def test_profile_round_trips_through_json(smollm2: ModelProfile) -> None:
 
 
 @pytest.mark.parametrize(
-    ("shape", "tied"),
+    ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_vocab", "tied"),
     [
-        (dict(n_layer=1, n_embd=32, n_head=2, n_head_kv=2, n_ff=64, n_vocab=50), False),
-        (dict(n_layer=3, n_embd=64, n_head=4, n_head_kv=1, n_ff=96, n_vocab=120), True),
-        (dict(n_layer=6, n_embd=128, n_head=8, n_head_kv=4, n_ff=256, n_vocab=64), False),
+        (1, 32, 2, 2, 64, 50, False),  # one block, plain multi-head attention
+        (3, 64, 4, 1, 96, 120, True),  # multi-query attention, tied embeddings
+        (6, 128, 8, 4, 256, 64, False),  # grouped-query attention
     ],
 )
-def test_written_gguf_shapes_are_read_back(tmp_path: Path, shape: dict[str, int], tied: bool) -> None:
-    path = write_gguf(tmp_path / "m.gguf", tied=tied, **shape)
-    p = read_gguf_profile(path)
-    n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab = (
-        shape[k] for k in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_vocab")
+def test_written_gguf_shapes_are_read_back(
+    tmp_path: Path,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    n_head_kv: int,
+    n_ff: int,
+    n_vocab: int,
+    tied: bool,
+) -> None:
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        tied=tied,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
     )
+    p = read_gguf_profile(path)
     head_dim = n_embd // n_head
     assert (p.n_layer, p.n_embd, p.n_head, p.n_head_kv, p.n_ff, p.n_vocab) == (
-        n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab,
+        n_layer,
+        n_embd,
+        n_head,
+        n_head_kv,
+        n_ff,
+        n_vocab,
     )
-    per_layer_params = 2 * n_embd * n_embd + 2 * n_head_kv * head_dim * n_embd + 3 * n_embd * n_ff + 2 * n_embd
+    per_layer_params = (
+        2 * n_embd * n_embd + 2 * n_head_kv * head_dim * n_embd + 3 * n_embd * n_ff + 2 * n_embd
+    )
     assert p.layer_params == (per_layer_params,) * n_layer
     assert p.layer_bytes == (4 * per_layer_params,) * n_layer  # F32
     assert p.embedding_bytes == 4 * n_vocab * n_embd
@@ -183,7 +211,9 @@ def test_quantized_layers_count_their_stored_bytes(tmp_path: Path) -> None:
 
 
 def test_mixture_of_experts_flops_count_only_the_active_experts(tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "moe.gguf", n_layer=2, n_embd=32, n_ff=64, n_expert=4, n_expert_used=1)
+    path = write_gguf(
+        tmp_path / "moe.gguf", n_layer=2, n_embd=32, n_ff=64, n_expert=4, n_expert_used=1
+    )
     p = read_gguf_profile(path)
     assert (p.n_expert, p.n_expert_used) == (4, 1)
     experts = 3 * 4 * 32 * 64
@@ -240,7 +270,9 @@ def test_sha256_file_matches_hashlib_and_reports_progress(tmp_path: Path) -> Non
     data = np.random.default_rng(1).bytes(3 * 1024 * 1024 + 17)
     path.write_bytes(data)
     seen: list[tuple[int, int]] = []
-    digest = sha256_file(path, progress=lambda done, total: seen.append((done, total)), chunk_size=1 << 20)
+    digest = sha256_file(
+        path, progress=lambda done, total: seen.append((done, total)), chunk_size=1 << 20
+    )
     assert digest == hashlib.sha256(data).hexdigest()
     assert [d for d, _ in seen] == [1 << 20, 2 << 20, 3 << 20, len(data)]
     assert {t for _, t in seen} == {len(data)}

@@ -1,0 +1,165 @@
+"""Reads over accounts, the ledger and receipts. No writes here."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Exists, OuterRef, Q, QuerySet, Sum
+from django.utils import timezone
+
+from .models import EARNING_KINDS, Account, AccountKind, Entry, EntryKind, Posting, Receipt
+from .rules import MAX_AMOUNT, job_priority_order
+
+__all__ = [
+    "account_standing",
+    "account_summary",
+    "earnings_since",
+    "earnings_total",
+    "escrow_held",
+    "job_hold",
+    "job_priority_order",
+    "ledger_postings",
+    "open_holds",
+    "receipt_list",
+]
+
+# Names of the system accounts. Holds and escrow carry a floor of 0: they only ever hold what was
+# put in them, so a bug that would take them negative raises instead of inventing credits.
+MINT = "system:mint"
+FEES = "system:fees"
+ESCROW = "system:escrow"
+HOLDS = "system:holds"
+OPERATOR = "system:operator"
+SYSTEM_FLOORS: dict[str, int | None] = {MINT: None, FEES: None, ESCROW: 0, HOLDS: 0, OPERATOR: None}
+
+# System accounts (the operator's key) rank ahead of every user; starvation stays bounded by
+# PRIORITY_MAX_WAIT_SECONDS like for everyone else.
+SYSTEM_STANDING = MAX_AMOUNT
+
+
+def account_key(account_id: Any) -> str:
+    """The canonical text form of an account id (dict keys, lock order)."""
+    return str(account_id if isinstance(account_id, uuid.UUID) else uuid.UUID(str(account_id)))
+
+
+def earnings_total(*, account_id: Any) -> int:
+    """Lifetime earnings from contributing (settlements and standby), escrowed ones included."""
+    total = Posting.objects.filter(beneficiary_id=account_id, entry__kind__in=EARNING_KINDS).aggregate(s=Sum("amount"))["s"]
+    return int(total or 0)
+
+
+def earnings_since(*, account_ids: list[Any], since: datetime) -> dict[str, int]:
+    """Earnings per account since ``since`` (only accounts that earned are present)."""
+    rows = (
+        Posting.objects.filter(
+            beneficiary_id__in=account_ids, entry__kind__in=EARNING_KINDS, entry__created_at__gte=since
+        )
+        .values("beneficiary_id")
+        .annotate(s=Sum("amount"))
+        .order_by()
+    )
+    return {account_key(r["beneficiary_id"]): int(r["s"] or 0) for r in rows}
+
+
+def escrow_held(*, account_id: Any) -> int:
+    """What system:escrow holds on behalf of ``account_id``."""
+    total = Posting.objects.filter(account__name=ESCROW, beneficiary_id=account_id).aggregate(s=Sum("amount"))["s"]
+    return int(total or 0)
+
+
+def job_hold(*, job_id: Any) -> tuple[int, str | None]:
+    """(amount held for the job, the account it was taken from), or (0, None) without a reservation."""
+    held = 0
+    consumer: str | None = None
+    for p in Posting.objects.filter(entry__idempotency_key=f"reserve:{job_id}").select_related("account"):
+        if p.account.name == HOLDS:
+            held += p.amount
+        else:
+            consumer = account_key(p.account_id)
+    return held, consumer
+
+
+def open_holds(*, account_id: Any) -> int:
+    """Credits of the account held for jobs not settled yet."""
+    settled = Entry.objects.filter(kind=EntryKind.SETTLE, job_id=OuterRef("entry__job_id"))
+    total = (
+        Posting.objects.filter(account_id=account_id, entry__kind=EntryKind.RESERVE)
+        .exclude(Exists(settled))
+        .aggregate(s=Sum("amount"))["s"]
+    )
+    return -int(total or 0)
+
+
+def account_standing(*, account_ids: list[Any], now: datetime | None = None) -> dict[Any, int]:
+    """Queue standing per account: balance plus recent contribution (system accounts first).
+
+    Keys are the ids as passed; an unknown id stands at 0. Recent means the last
+    CREDITS_STANDING_WINDOW_SECONDS (default a day), weighted by CREDITS_STANDING_EARN_WEIGHT.
+    """
+    now = now or timezone.now()
+    keys = {a: account_key(a) for a in account_ids}
+    window = float(getattr(settings, "CREDITS_STANDING_WINDOW_SECONDS", 86_400))
+    weight = int(getattr(settings, "CREDITS_STANDING_EARN_WEIGHT", 1))
+    rows = {
+        account_key(r["id"]): r for r in Account.objects.filter(pk__in=set(keys.values())).values("id", "balance", "kind")
+    }
+    recent = earnings_since(account_ids=list(rows), since=now - timedelta(seconds=window))
+    out: dict[Any, int] = {}
+    for original, key in keys.items():
+        row = rows.get(key)
+        if row is None:
+            out[original] = 0
+        elif row["kind"] == AccountKind.SYSTEM:
+            out[original] = SYSTEM_STANDING
+        else:
+            out[original] = int(row["balance"]) + weight * recent.get(key, 0)
+    return out
+
+
+def account_summary(*, account_id: Any, now: datetime) -> dict[str, Any]:
+    """Balance, what is free to spend, held, earned and escrowed for one account."""
+    acct = Account.objects.get(pk=account_id)
+    available = None if acct.floor is None else acct.balance - acct.floor
+    window = float(getattr(settings, "CREDITS_STANDING_WINDOW_SECONDS", 86_400))
+    return {
+        "account": acct,
+        "balance": acct.balance,
+        "floor": acct.floor,
+        "available": available,
+        "held": open_holds(account_id=acct.pk),
+        "earned_total": earnings_total(account_id=acct.pk),
+        "earned_recent": earnings_since(account_ids=[acct.pk], since=now - timedelta(seconds=window)).get(
+            account_key(acct.pk), 0
+        ),
+        "escrow_held": escrow_held(account_id=acct.pk),
+        "standing": account_standing(account_ids=[acct.pk], now=now)[acct.pk],
+    }
+
+
+def ledger_postings(
+    *, account_id: Any, kind: str | None = None, since: datetime | None = None, until: datetime | None = None
+) -> QuerySet[Posting]:
+    """The account's postings, newest first, with their entries."""
+    qs = Posting.objects.filter(account_id=account_id).select_related("entry")
+    if kind:
+        qs = qs.filter(entry__kind=kind)
+    if since is not None:
+        qs = qs.filter(entry__created_at__gte=since)
+    if until is not None:
+        qs = qs.filter(entry__created_at__lt=until)
+    return qs.order_by("-entry__created_at", "-entry_id", "id")
+
+
+def receipt_list(*, account_id: Any = None, job_id: Any = None, node_id: Any = None) -> QuerySet[Receipt]:
+    """Receipts, newest first: all of them, or those of nodes the account owns (or was paid for)."""
+    qs = Receipt.objects.all()
+    if account_id is not None:
+        qs = qs.filter(Q(node__account_id=account_id) | Q(account_id=account_id))
+    if job_id is not None:
+        qs = qs.filter(job_id=job_id)
+    if node_id is not None:
+        qs = qs.filter(node_id=node_id)
+    return qs.order_by("-issued_at", "id")

@@ -1,0 +1,42 @@
+"""Celery entry points for credits. Thin: one call into services each."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import shared_task
+from django.db import OperationalError
+from django.utils import timezone
+
+log = logging.getLogger("racon.credits")
+
+
+# acks_late: settlement is idempotent (one entry per job), so a worker lost mid-task is simply
+# redelivered. OperationalError covers deadlock/serialisation aborts, which a second try fixes.
+@shared_task(
+    name="racon.credits.settle_job",
+    acks_late=True,
+    ignore_result=True,
+    autoretry_for=(OperationalError,),
+    retry_backoff=True,
+    max_retries=5,
+)
+def settle_job(*, job_id: str, **kwargs: Any) -> int | None:
+    """Settle one terminal job: exactly one ledger entry however often this runs."""
+    from .services import JobNotTerminal, credit_settle_job
+
+    try:
+        return credit_settle_job(job_id=job_id, now=timezone.now()).pk
+    except JobNotTerminal:
+        # Enqueued on commit of the terminal transition, so this means a caller bug; retrying won't help.
+        log.warning("settle_job: job %s is not terminal; not settled", job_id)
+        return None
+
+
+@shared_task(name="racon.credits.standby_reward", acks_late=True, ignore_result=True)
+def standby_reward(**kwargs: Any) -> int:
+    """Pay READY nodes for the time they lent (idempotent per node per period)."""
+    from .services import credit_standby_reward
+
+    return len(credit_standby_reward(now=timezone.now()))

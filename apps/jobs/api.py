@@ -1,0 +1,233 @@
+"""Admin APIs for deployments and jobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from apps.models_repo.models import Model
+from apps.nodes.api import EventOut
+from apps.nodes.models import Event, Node
+
+from . import selectors, services
+from .models import Deployment, Job
+from .scheduler import PlacementRefused
+from .states import DeploymentState, JobState
+
+
+def _error(message: str, status: int, code: str, **extra: Any) -> Response:
+    return Response({"error": {"message": message, "code": code, **extra}}, status=status)
+
+
+class PlacementIn(serializers.Serializer):
+    model = serializers.CharField(max_length=200)
+    n_ctx = serializers.IntegerField(required=False, min_value=128, max_value=1_048_576)
+    n_parallel = serializers.IntegerField(required=False, min_value=1, max_value=64)
+    nodes = serializers.ListField(child=serializers.CharField(max_length=120), required=False, max_length=64, help_text="pin to these nodes (ids or names)")
+    exclude_nodes = serializers.ListField(child=serializers.CharField(max_length=120), required=False, max_length=64)
+    spread = serializers.BooleanField(required=False, default=False, help_text="use every pinned node even when one would do")
+
+
+def _resolve(request_data: dict[str, Any]) -> tuple[Model, dict[str, Any]] | Response:
+    model = Model.objects.filter(name=request_data["model"]).first()
+    if model is None:
+        return _error(f"unknown model {request_data['model']!r}", 404, "not_found")
+    out = dict(request_data)
+    for key in ("nodes", "exclude_nodes"):
+        resolved = []
+        for ref in request_data.get(key) or []:
+            node = Node.objects.filter(name=ref).first() or (Node.objects.filter(pk=ref).first() if _looks_uuid(ref) else None)
+            if node is None:
+                return _error(f"unknown node {ref!r}", 404, "not_found", param=key)
+            resolved.append(str(node.id))
+        out[key] = resolved
+    return model, out
+
+
+def _looks_uuid(value: str) -> bool:
+    import uuid
+
+    try:
+        uuid.UUID(value)
+        return True
+    except ValueError:
+        return False
+
+
+class DeploymentOut(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name")
+    primary_name = serializers.CharField(source="primary.name", default=None)
+    node_names = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Deployment
+        fields = ["id", "model", "state", "primary", "primary_name", "node_names", "n_ctx", "n_parallel", "plan", "request", "error", "revision", "created_at", "ready_at", "stopped_at"]
+
+    def get_node_names(self, obj: Deployment) -> list[str]:
+        return [n.name for n in obj.nodes.all()]
+
+
+class DeploymentPreviewApi(APIView):
+    """The plan and its predictions, without loading anything. 422 with the reason when impossible."""
+
+    @extend_schema(request=PlacementIn, responses={200: dict, 422: dict})
+    def post(self, request: Request) -> Response:
+        data = PlacementIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        resolved = _resolve(data.validated_data)
+        if isinstance(resolved, Response):
+            return resolved
+        model, v = resolved
+        mf = model.files.order_by("-created_at").first()
+        if mf is None:
+            return _error(f"model {model.name!r} has no registered file", 404, "not_found")
+        try:
+            plan = services.deployment_preview(model_file=mf, request=services.placement_request_from(v))
+        except PlacementRefused as exc:
+            return _error(exc.reason, 422, "placement_refused", **exc.to_dict())
+        body = plan.to_dict()
+        for d in body["devices"]:
+            d["node_name"] = selectors.node_name(d["node_id"])
+        body["primary_name"] = selectors.node_name(plan.primary_node_id)
+        body["model"] = model.name
+        body["n_layer"] = mf.n_layer
+        return Response(body)
+
+
+class DeploymentListCreateApi(APIView):
+    @extend_schema(responses=DeploymentOut(many=True))
+    def get(self, request: Request) -> Response:
+        state = request.query_params.get("state")
+        if state and state not in DeploymentState.values:
+            return _error(f"unknown state {state!r}", 400, "invalid")
+        qs = selectors.deployment_list(state=state, model=request.query_params.get("model")).prefetch_related("nodes")[:500]
+        return Response(DeploymentOut(qs, many=True).data)
+
+    @extend_schema(request=PlacementIn, responses={202: DeploymentOut, 422: dict})
+    def post(self, request: Request) -> Response:
+        data = PlacementIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        resolved = _resolve(data.validated_data)
+        if isinstance(resolved, Response):
+            return resolved
+        model, v = resolved
+        req = services.placement_request_from(v)
+        mf = model.files.order_by("-created_at").first()
+        if mf is None:
+            return _error(f"model {model.name!r} has no registered file", 404, "not_found")
+        try:
+            services.deployment_preview(model_file=mf, request=req)  # refuse impossible constraints up front
+        except PlacementRefused as exc:
+            return _error(exc.reason, 422, "placement_refused", **exc.to_dict())
+        dep = services.deployment_create(model=model, request=req, now=timezone.now())
+        dep.refresh_from_db()
+        return Response(DeploymentOut(dep).data, status=202)
+
+
+class DeploymentDetailApi(APIView):
+    class DetailOut(DeploymentOut):
+        events = serializers.SerializerMethodField()
+
+        class Meta(DeploymentOut.Meta):
+            fields = [*DeploymentOut.Meta.fields, "load_report", "events"]
+
+        def get_events(self, obj: Deployment) -> list[dict[str, Any]]:
+            return EventOut(Event.objects.filter(deployment=obj)[:100], many=True).data
+
+    @extend_schema(responses=DetailOut)
+    def get(self, request: Request, deployment_id: str) -> Response:
+        return Response(self.DetailOut(get_object_or_404(Deployment, pk=deployment_id)).data)
+
+
+class DeploymentStopApi(APIView):
+    @extend_schema(request=None, responses=DeploymentOut)
+    def post(self, request: Request, deployment_id: str) -> Response:
+        get_object_or_404(Deployment, pk=deployment_id)
+        return Response(DeploymentOut(services.deployment_stop(deployment_id=deployment_id, now=timezone.now())).data)
+
+
+class JobOut(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name")
+    node_names = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Job
+        fields = [
+            "id", "kind", "state", "model", "deployment", "account", "stream", "max_tokens", "prompt_tokens", "completion_tokens",
+            "finish_reason", "error", "failed_during_execution", "ttft_ms", "tokens_per_s", "stream_chunks", "node_names",
+            "queued_at", "dispatched_at", "first_token_at", "finished_at", "request_id",
+        ]
+
+    def get_node_names(self, obj: Job) -> list[str]:
+        return [n.name for n in obj.nodes.all()]
+
+
+class JobListApi(APIView):
+    """GET /api/admin/jobs?state=&model=&node=&since=&until="""
+
+    @extend_schema(responses=JobOut(many=True))
+    def get(self, request: Request) -> Response:
+        q = request.query_params
+        state = q.get("state")
+        if state and state not in JobState.values:
+            return _error(f"unknown state {state!r}", 400, "invalid", fields={"state": [f"one of {JobState.values}"]})
+        since = parse_datetime(q["since"]) if q.get("since") else None
+        until = parse_datetime(q["until"]) if q.get("until") else None
+        if (q.get("since") and since is None) or (q.get("until") and until is None):
+            return _error("since/until must be ISO 8601 datetimes", 400, "invalid")
+        node = q.get("node")
+        if node and not _looks_uuid(node):
+            found = Node.objects.filter(name=node).values_list("id", flat=True).first()
+            if found is None:
+                return _error(f"unknown node {node!r}", 404, "not_found")
+            node = str(found)
+        try:
+            limit = min(int(q.get("limit", 100)), 1000)
+        except ValueError:
+            return _error("limit must be an integer", 400, "invalid")
+        qs = selectors.job_list(state=state, model=q.get("model"), node_id=node, since=since, until=until).prefetch_related("nodes")[:limit]
+        return Response(JobOut(qs, many=True).data)
+
+
+class JobDetailApi(APIView):
+    class DetailOut(JobOut):
+        events = serializers.SerializerMethodField()
+        timings = serializers.SerializerMethodField()
+
+        class Meta(JobOut.Meta):
+            fields = [*JobOut.Meta.fields, "placement", "device_seconds", "params", "events", "timings"]
+
+        def get_events(self, obj: Job) -> list[dict[str, Any]]:
+            return EventOut(Event.objects.filter(job=obj).order_by("created_at", "id"), many=True).data
+
+        def get_timings(self, obj: Job) -> dict[str, Any]:
+            def ms(a: Any, b: Any) -> float | None:
+                return round((b - a).total_seconds() * 1000, 2) if a and b else None
+
+            return {
+                "queue_ms": ms(obj.queued_at, obj.dispatched_at),
+                "to_first_token_ms": ms(obj.queued_at, obj.first_token_at),
+                "total_ms": ms(obj.queued_at, obj.finished_at),
+                "runtime_ttft_ms": obj.ttft_ms,
+                "tokens_per_s": obj.tokens_per_s,
+            }
+
+    @extend_schema(responses=DetailOut)
+    def get(self, request: Request, job_id: str) -> Response:
+        return Response(self.DetailOut(get_object_or_404(Job, pk=job_id)).data)
+
+
+class JobCancelApi(APIView):
+    @extend_schema(request=None, responses=JobOut)
+    def post(self, request: Request, job_id: str) -> Response:
+        get_object_or_404(Job, pk=job_id)
+        services.job_cancel(job_id=job_id, now=timezone.now(), reason="cancelled by an operator")
+        return Response(JobOut(Job.objects.get(pk=job_id)).data)

