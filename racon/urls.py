@@ -6,6 +6,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.api import openai
 from apps.api.health import health
+from apps.api.metrics_view import metrics
 from apps.jobs import api as jobs_api
 from apps.models_repo import api as models_api
 from apps.nodes import api as nodes_api
@@ -46,10 +47,13 @@ v1_urls = [
 
 urlpatterns = [
     path("health", health, name="health"),
+    path("metrics", metrics, name="metrics"),
     path("api/agent/", include(agent_urls)),
     path("api/admin/", include(admin_urls)),
     path("v1/", include(v1_urls)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("django-admin/", admin.site.urls),
+    path("api/credits/", include("apps.credits.urls")),
+    path("", include("apps.api.ui_urls")),
 ]

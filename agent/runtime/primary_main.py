@@ -75,6 +75,22 @@ class LoadLogCapture:
         return getattr(self.inner, name)
 
 
+def buffer_device(buffer: str, devices: list[dict[str, Any]]) -> str:
+    """The device a buffer belongs to.
+
+    RPC buffer names carry the server-local device index and the endpoint ("RPC0[10.0.0.5:50052]"
+    for the first device of *every* server), while device names are numbered across servers
+    (RPC0, RPC1, ...); match by endpoint, then by position within that server.
+    """
+    name, _, rest = buffer.partition("[")
+    if not rest or not name.startswith("RPC"):
+        return "CPU" if name.startswith("CPU") else name
+    endpoint = rest.rstrip("]")
+    local = int(name[3:]) if name[3:].isdigit() else 0
+    same_server = [d["name"] for d in devices if d.get("description") == endpoint]
+    return same_server[local] if local < len(same_server) else name
+
+
 def summarize_assignment(
     layers: dict[int, str], devices: list[dict[str, Any]], buffers: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -97,9 +113,7 @@ def summarize_assignment(
             "n_layers": len(ls),
         }
         for b in buffers:
-            # Buffer names look like "RPC0[127.0.0.1:50052]" or "CPU" / "CPU_Mapped".
-            name = b["buffer"].split("[", 1)[0]
-            if name == dev or (dev == "CPU" and name.startswith("CPU")):
+            if buffer_device(b["buffer"], devices) == dev:
                 key = f"{b['kind'].lower()}_buffer_mib"
                 entry[key] = round(entry.get(key, 0.0) + b["mib"], 2)
         out.append(entry)

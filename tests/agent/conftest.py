@@ -228,6 +228,18 @@ def controller() -> Iterator[FakeController]:
     c.close()
 
 
+@pytest.fixture
+def h(controller: FakeController, redis_client: Any, tmp_path: Path) -> Iterator[Any]:
+    """Runs real Agents in threads against the fake controller; stops them all afterwards."""
+    from tests.agent.harness import Harness
+
+    harness = Harness(controller, redis_client, tmp_path)
+    yield harness
+    harness.close()
+    for nid in controller.node_ids:
+        redis_client.test_keys.append(f"racon:node:{nid}:*")
+
+
 def fake_profile(tmp_path: Path, **sections: Any) -> Path:
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "profile.json"

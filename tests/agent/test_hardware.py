@@ -5,9 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from agent.hardware import FakeHardware, HostHardware, ProfileError, fingerprint, hardware_source
+from agent.hardware import (
+    FakeHardware,
+    HostHardware,
+    ProfileError,
+    fingerprint,
+    hardware_source,
+    nvml,
+)
 from agent.hardware import benchmark as bench
-from agent.hardware import nvml
 from tests.agent.conftest import fake_profile
 
 

@@ -179,8 +179,15 @@ def start_agent(ctl: Controller, token: str, name: str, workdir: Path, *, models
     return AgentProc(name=name, proc=proc, state_dir=state, rpc_port=rpc_port, log_path=log_path)
 
 
-def stop_agent(agent: AgentProc, sig: int = signal.SIGTERM) -> None:
-    _stop(agent.proc, sig)
+def stop_agent(agent: AgentProc, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+    """Signal the agent alone (it drains and stops its children), then clean up its group."""
+    if agent.proc.poll() is None:
+        agent.proc.send_signal(sig)
+        try:
+            agent.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    _stop(agent.proc, signal.SIGKILL, timeout=5)
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.25) -> Any:

@@ -19,6 +19,7 @@ from apps.jobs.scheduler import (
     PlacementRefused,
     PlacementRequest,
     Plan,
+    compute_buffer_bytes,
     exhaustive_best,
     llama_layer_assignment,
     memory_proportional_plan,
@@ -155,6 +156,44 @@ def test_llama_rule_splits_by_counts_exactly() -> None:
     # 10 on the CPU, then 7 and 13 layers, the output on the last device: split [7, 14].
     per_layer, out = llama_layer_assignment(30, 21, [7.0, 14.0])
     assert per_layer == [-1] * 10 + [0] * 7 + [1] * 13 and out == 1
+
+
+# llama.cpp 0.3.36 (llama-cpp-python) compute buffers for SmolLM2-135M Q4_1, n_batch 512, as its
+# verbose log reported them: (n_ctx, flash_attn, holds layers, holds output, pipeline copies, MiB).
+MEASURED_COMPUTE_BUFFERS_MIB = [
+    (2048, False, True, True, 1, 99.38),  # CPU, whole model
+    (8192, False, True, True, 1, 166.38),
+    (2048, True, True, True, 1, 102.51),
+    (8192, True, True, True, 1, 98.25),
+    (2048, False, True, False, 1, 45.26),  # RPC worker, one middle layer
+    (2048, False, True, True, 1, 98.25),  # RPC worker holding the output
+    (2048, False, True, False, 4, 64.02),  # all layers offloaded to 2 RPC devices: pipelined
+    (2048, False, True, True, 4, 120.66),
+    (2048, False, False, False, 4, 24.66),  # the primary's CPU with no layers
+    (8192, True, True, False, 4, 48.91),
+    (8192, True, True, True, 4, 133.67),
+    (8192, True, False, False, 4, 37.68),
+]
+
+
+@pytest.mark.parametrize(
+    ("n_ctx", "fa", "layers", "output", "copies", "mib"), MEASURED_COMPUTE_BUFFERS_MIB
+)
+def test_compute_buffer_estimate_covers_what_llama_cpp_allocated(
+    n_ctx: int, fa: bool, layers: bool, output: bool, copies: int, mib: float
+) -> None:
+    if not SMOLLM2.exists():
+        pytest.skip("SmolLM2 file not present")
+    profile = read_gguf_profile(SMOLLM2)
+    est = compute_buffer_bytes(
+        profile,
+        PlacementRequest(n_ctx=n_ctx, flash_attn=fa),
+        holds_layers=layers,
+        holds_output=output,
+        copies=copies,
+    )
+    # Never below (no OOM by construction), and not wastefully above.
+    assert mib * MiB <= est <= 1.35 * mib * MiB
 
 
 # --- one device when it fits ------------------------------------------------------------------

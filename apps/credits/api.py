@@ -1,0 +1,289 @@
+"""Credits API (mounted at /api/credits/): balance, ledger, receipts, verification, admin grants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import exceptions, serializers, status
+from rest_framework.pagination import LimitOffsetPagination
+from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from apps.api.auth import request_account_id
+from apps.api.permissions import IsAuthenticatedAccount, IsStaff
+
+from . import selectors, services
+from .models import Account, EntryKind, Posting, Receipt
+
+
+class InsufficientCreditsError(exceptions.APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_detail = "the account lacks the credits above its floor"
+    default_code = "insufficient_credits"
+
+
+def _is_staff(request: Request, view: Any) -> bool:
+    return IsStaff().has_permission(request, view)
+
+
+def _target_account(request: Request, view: Any, requested: Any) -> Any:
+    """The caller's account; staff may name another one."""
+    own = request_account_id(request)
+    if requested is not None and (own is None or str(requested) != str(own)):
+        if not _is_staff(request, view):
+            raise exceptions.PermissionDenied("only staff may look at another account")
+        return requested
+    if own is None:
+        raise exceptions.PermissionDenied("this credential has no credit account")
+    return own
+
+
+def _account_param(name: str = "account") -> OpenApiParameter:
+    return OpenApiParameter(name, str, description="account id (staff only; default: yours)")
+
+
+class AccountOut(serializers.ModelSerializer):
+    class Meta:
+        model = Account
+        fields = ["id", "name", "kind", "balance", "floor", "created_at"]
+
+
+class BalanceApi(APIView):
+    """GET /api/credits/balance — the caller's balance, what is free, held, earned and escrowed."""
+
+    permission_classes = [IsAuthenticatedAccount]
+
+    class FilterIn(serializers.Serializer):
+        account = serializers.UUIDField(required=False)
+
+    class BalanceOut(serializers.Serializer):
+        account = AccountOut()
+        balance = serializers.IntegerField(help_text="micro-credits")
+        floor = serializers.IntegerField(allow_null=True)
+        available = serializers.IntegerField(allow_null=True, help_text="balance above the floor; null when unbounded")
+        held = serializers.IntegerField(help_text="reserved for jobs not settled yet")
+        earned_total = serializers.IntegerField()
+        earned_recent = serializers.IntegerField()
+        escrow_held = serializers.IntegerField()
+        standing = serializers.IntegerField(help_text="queue priority: balance + recent contribution")
+
+    @extend_schema(parameters=[_account_param()], responses=BalanceOut)
+    def get(self, request: Request) -> Response:
+        f = self.FilterIn(data=request.query_params)
+        f.is_valid(raise_exception=True)
+        account_id = _target_account(request, self, f.validated_data.get("account"))
+        get_object_or_404(Account, pk=account_id)
+        return Response(self.BalanceOut(selectors.account_summary(account_id=account_id, now=timezone.now())).data)
+
+
+class PostingOut(serializers.ModelSerializer):
+    entry_id = serializers.IntegerField(source="entry.id")
+    kind = serializers.CharField(source="entry.kind")
+    memo = serializers.CharField(source="entry.memo")
+    key = serializers.CharField(source="entry.idempotency_key")
+    job = serializers.UUIDField(source="entry.job_id", allow_null=True)
+    node = serializers.UUIDField(source="entry.node_id", allow_null=True)
+    created_at = serializers.DateTimeField(source="entry.created_at")
+
+    class Meta:
+        model = Posting
+        fields = ["id", "entry_id", "kind", "key", "memo", "amount", "beneficiary", "job", "node", "created_at"]
+
+
+
+class LedgerApi(APIView):
+    """GET /api/credits/ledger?kind=&since=&until=&limit=&offset= — the account's postings, newest first."""
+
+    permission_classes = [IsAuthenticatedAccount]
+
+    class FilterIn(serializers.Serializer):
+        account = serializers.UUIDField(required=False)
+        kind = serializers.ChoiceField(choices=EntryKind.choices, required=False)
+        since = serializers.DateTimeField(required=False)
+        until = serializers.DateTimeField(required=False)
+
+    class LedgerPage(serializers.Serializer):
+        count = serializers.IntegerField()
+        next = serializers.URLField(allow_null=True)
+        previous = serializers.URLField(allow_null=True)
+        results = PostingOut(many=True)
+
+    @extend_schema(
+        parameters=[
+            _account_param(),
+            OpenApiParameter("kind", str, enum=EntryKind.values),
+            OpenApiParameter("since", str, description="ISO 8601, inclusive"),
+            OpenApiParameter("until", str, description="ISO 8601, exclusive"),
+            OpenApiParameter("limit", int),
+            OpenApiParameter("offset", int),
+        ],
+        responses=LedgerPage,
+    )
+    def get(self, request: Request) -> Response:
+        f = self.FilterIn(data=request.query_params)
+        f.is_valid(raise_exception=True)
+        v = f.validated_data
+        account_id = _target_account(request, self, v.get("account"))
+        qs = selectors.ledger_postings(account_id=account_id, kind=v.get("kind"), since=v.get("since"), until=v.get("until"))
+        paginator = LimitOffsetPagination()
+        page = paginator.paginate_queryset(qs, request, view=self)
+        return paginator.get_paginated_response(PostingOut(page, many=True).data)
+
+
+class ReceiptOut(serializers.ModelSerializer):
+    document = serializers.SerializerMethodField(help_text="the signed receipt, as POST receipts/verify takes it")
+
+    class Meta:
+        model = Receipt
+        fields = [
+            "id", "job", "node", "account", "model_name", "tokens", "layers", "share_ppm", "credits", "escrowed",
+            "is_primary", "issued_at", "key_id", "document",
+        ]
+
+    def get_document(self, obj: Receipt) -> dict[str, Any]:
+        return obj.document()
+
+
+class ReceiptListApi(APIView):
+    """GET /api/credits/receipts?job=&node= — receipts of the caller's nodes (staff: all)."""
+
+    permission_classes = [IsAuthenticatedAccount]
+
+    class FilterIn(serializers.Serializer):
+        account = serializers.UUIDField(required=False)
+        job = serializers.UUIDField(required=False)
+        node = serializers.UUIDField(required=False)
+
+    class ReceiptPage(serializers.Serializer):
+        count = serializers.IntegerField()
+        next = serializers.URLField(allow_null=True)
+        previous = serializers.URLField(allow_null=True)
+        results = ReceiptOut(many=True)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("account", str, description="staff only: receipts of this account's nodes"),
+            OpenApiParameter("job", str), OpenApiParameter("node", str),
+            OpenApiParameter("limit", int), OpenApiParameter("offset", int),
+        ],
+        responses=ReceiptPage,
+    )
+    def get(self, request: Request) -> Response:
+        f = self.FilterIn(data=request.query_params)
+        f.is_valid(raise_exception=True)
+        v = f.validated_data
+        if _is_staff(request, self):
+            account_id = v.get("account")
+        else:
+            account_id = _target_account(request, self, v.get("account"))
+        qs = selectors.receipt_list(account_id=account_id, job_id=v.get("job"), node_id=v.get("node"))
+        paginator = LimitOffsetPagination()
+        page = paginator.paginate_queryset(qs, request, view=self)
+        return paginator.get_paginated_response(ReceiptOut(page, many=True).data)
+
+
+class ReceiptDetailApi(APIView):
+    """GET /api/credits/receipts/<id> — one receipt (of the caller's nodes unless staff)."""
+
+    permission_classes = [IsAuthenticatedAccount]
+
+    @extend_schema(responses=ReceiptOut)
+    def get(self, request: Request, receipt_id: str) -> Response:
+        account_id = None if _is_staff(request, self) else _target_account(request, self, None)
+        receipt = get_object_or_404(selectors.receipt_list(account_id=account_id), pk=receipt_id)
+        return Response(ReceiptOut(receipt).data)
+
+
+class ReceiptVerifyApi(APIView):
+    """POST /api/credits/receipts/verify {receipt} — does the signature match, with no field altered?"""
+
+    authentication_classes: list[Any] = []  # anyone may check a receipt; it proves nothing secret
+    permission_classes = [AllowAny]
+
+    class VerifyIn(serializers.Serializer):
+        receipt = serializers.DictField(help_text="the receipt document (its fields plus signature)")
+
+    class VerifyOut(serializers.Serializer):
+        valid = serializers.BooleanField()
+        reason = serializers.CharField()
+
+    @extend_schema(request=VerifyIn, responses=VerifyOut)
+    def post(self, request: Request) -> Response:
+        data = self.VerifyIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        result = services.receipt_check(receipt=data.validated_data["receipt"])
+        return Response(self.VerifyOut({"valid": result.valid, "reason": result.reason}).data)
+
+
+class PublicKeyApi(APIView):
+    """GET /api/credits/public-key — the Ed25519 key receipts are signed with (base64 raw and PEM)."""
+
+    authentication_classes: list[Any] = []
+    permission_classes = [AllowAny]
+
+    class KeyOut(serializers.Serializer):
+        algorithm = serializers.CharField()
+        key_id = serializers.CharField()
+        public_key = serializers.CharField(help_text="base64 of the 32 raw bytes")
+        pem = serializers.CharField()
+
+    @extend_schema(responses=KeyOut)
+    def get(self, request: Request) -> Response:
+        return Response(self.KeyOut(services.receipt_public_key()).data)
+
+
+class _AdminMoveApi(APIView):
+    permission_classes = [IsStaff]
+    allow_negative = False
+
+    class MoveIn(serializers.Serializer):
+        account = serializers.UUIDField()
+        amount = serializers.IntegerField(help_text="micro-credits")
+        reason = serializers.CharField(max_length=500)
+        idempotency_key = serializers.CharField(max_length=100, required=False, help_text="repeat-safe: same key, one entry")
+
+    class EntryOut(serializers.Serializer):
+        entry_id = serializers.IntegerField(source="entry.id")
+        kind = serializers.CharField(source="entry.kind")
+        memo = serializers.CharField(source="entry.memo")
+        created_at = serializers.DateTimeField(source="entry.created_at")
+        account = AccountOut()
+
+    def _move(self, request: Request) -> Response:
+        data = self.MoveIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        account = get_object_or_404(Account, pk=v["account"])
+        action = services.credit_adjust if self.allow_negative else services.credit_grant
+        try:
+            entry = action(account_id=account.pk, amount=v["amount"], reason=v["reason"], now=timezone.now(),
+                           key=v.get("idempotency_key"))
+        except services.InsufficientCredits as exc:
+            raise InsufficientCreditsError(str(exc)) from None
+        except ValueError as exc:
+            raise exceptions.ValidationError({"amount": [str(exc)]}) from None
+        account.refresh_from_db()
+        return Response(self.EntryOut({"entry": entry, "account": account}).data, status=status.HTTP_201_CREATED)
+
+
+class AdminGrantApi(_AdminMoveApi):
+    """POST /api/credits/admin/grant {account, amount > 0, reason} — mint credits into an account."""
+
+    @extend_schema(request=_AdminMoveApi.MoveIn, responses={201: _AdminMoveApi.EntryOut})
+    def post(self, request: Request) -> Response:
+        return self._move(request)
+
+
+class AdminAdjustApi(_AdminMoveApi):
+    """POST /api/credits/admin/adjust {account, amount ≠ 0, reason} — correct a balance (down to its floor)."""
+
+    allow_negative = True
+
+    @extend_schema(request=_AdminMoveApi.MoveIn, responses={201: _AdminMoveApi.EntryOut})
+    def post(self, request: Request) -> Response:
+        return self._move(request)

@@ -1,0 +1,128 @@
+"""A test harness running real Agent objects (in threads) against the fake controller."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from agent.agent import Agent
+from agent.config import AgentConfig
+from agent.protocol import node_queue_key
+from agent.runtime.fake import FakeRuntime
+from tests.agent.conftest import FakeController, fake_profile, free_port, new_job_id
+
+MODEL_BYTES = b"GGUF" + bytes(range(256)) * 64
+MODEL_SHA = hashlib.sha256(MODEL_BYTES).hexdigest()
+
+
+class Harness:
+    def __init__(self, controller: FakeController, redis_client: Any, tmp_path: Path) -> None:
+        self.controller = controller
+        self.r = redis_client
+        self.tmp = tmp_path
+        self.agents: list[tuple[Agent, threading.Thread, dict[str, Any]]] = []
+
+    def config(self, **kw: Any) -> AgentConfig:
+        models = self.tmp / "models"
+        if "models_dir" not in kw:
+            models.mkdir(exist_ok=True)
+            (models / "tiny.gguf").write_bytes(MODEL_BYTES)
+        defaults: dict[str, Any] = {
+            "controller_url": self.controller.url,
+            "node_name": "test-node",
+            "state_dir": self.tmp / "state",
+            "models_dir": models,
+            "advertise_address": "127.0.0.1",
+            "enrollment_token": self.controller.token,
+            "rpc_port": free_port(),
+            "run_benchmarks": False,
+            "drain_seconds": 2.0,
+        }
+        defaults.update(kw)
+        if "hardware_profile" not in kw:
+            defaults["hardware_profile"] = fake_profile(self.tmp)
+        return AgentConfig(**defaults)
+
+    def start(self, config: AgentConfig | None = None, *, runtime: Any = None, wait: bool = True) -> Agent:
+        config = config or self.config()
+        agent = Agent(config, runtime=runtime or FakeRuntime(), install_signals=False)
+        box: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: box.setdefault("code", agent.run()), daemon=True)
+        t.start()
+        self.agents.append((agent, t, box))
+        if wait:
+            assert agent.wait_ready(15), f"agent never became READY (state {agent.state})"
+            self.r.test_keys.append(f"racon:node:{agent.node_id}:*")
+        return agent
+
+    def stop(self, agent: Agent, timeout: float = 20) -> int | None:
+        for a, t, box in self.agents:
+            if a is agent:
+                a.request_stop("test over")
+                t.join(timeout)
+                assert not t.is_alive(), "agent did not stop"
+                return box.get("code")
+        raise AssertionError("unknown agent")
+
+    def send(self, agent: Agent, kind: str, payload: Any = None, *, cid: str | None = None) -> str:
+        cid = cid or uuid.uuid4().hex
+        raw = json.dumps({"id": cid, "kind": kind, "payload": payload or {}, "issued_at": time.time()})
+        self.r.rpush(node_queue_key(agent.node_id), raw)  # type: ignore[arg-type]
+        return cid
+
+    def plan(self, **kw: Any) -> dict[str, Any]:
+        plan: dict[str, Any] = {
+            "deployment_id": "dep-" + uuid.uuid4().hex[:8],
+            "model_name": "tiny",
+            "sha256": MODEL_SHA,
+            "rpc_endpoints": [],
+            "tensor_split": [],
+            "n_gpu_layers": -1,
+            "n_ctx": 512,
+            "n_parallel": 1,
+            "n_threads": 1,
+        }
+        plan.update(kw)
+        return plan
+
+    def load(self, agent: Agent, **kw: Any) -> tuple[str, dict[str, Any]]:
+        plan = self.plan(**kw)
+        result = self.controller.result(self.send(agent, "load_primary", plan))
+        assert result["ok"], result
+        return plan["deployment_id"], result
+
+    def job(self, dep: str, **kw: Any) -> dict[str, Any]:
+        job: dict[str, Any] = {
+            "job_id": new_job_id(self.r),
+            "deployment_id": dep,
+            "kind": "chat",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 32,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "stop": [],
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+        }
+        job.update(kw)
+        return job
+
+    def close(self) -> None:
+        for a, t, _ in self.agents:
+            a.request_stop("teardown")
+            t.join(20)
+
+
+def wait(predicate: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {predicate}")

@@ -1,0 +1,138 @@
+"""Real ggml-rpc workers and a real llama.cpp primary (SmolLM2-135M) on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.runtime import LoadFailed
+from agent.runtime.primary import PrimaryProcess
+from agent.runtime.rpc_worker import RpcWorker
+from tests.agent.conftest import MODEL, REDIS_URL, REPO, free_port, new_job_id, read_stream
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+MAX_TOKENS = 24
+
+
+def _need_llama() -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if not llama_cpp.llama_supports_rpc():
+        pytest.skip("llama-cpp-python built without RPC")
+    if not MODEL.is_file():
+        pytest.skip(f"{MODEL} missing")
+
+
+class Events:
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __call__(self, event: str, message: str, data: dict[str, Any]) -> None:
+        self.items.append((event, message, data))
+
+    def named(self, name: str) -> list[tuple[str, str, dict[str, Any]]]:
+        return [e for e in self.items if e[0] == name]
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[tuple[list[RpcWorker], Events]]:
+    _need_llama()
+    events = Events()
+    ws = [
+        RpcWorker(host="127.0.0.1", port=free_port(), cache_dir=tmp_path / f"cache{i}", n_threads=1,
+                  log_path=tmp_path / f"rpc{i}.log", on_event=events, backoff_cap=1.0)
+        for i in range(2)
+    ]
+    try:
+        for w in ws:
+            w.start()
+        yield ws, events
+    finally:
+        for w in ws:
+            w.stop()
+
+
+def local_reference() -> str:
+    """The same prompt in one plain process, all layers on the local CPU."""
+    code = (
+        "import json, sys, llama_cpp\n"
+        f"llm = llama_cpp.Llama(model_path={str(MODEL)!r}, n_gpu_layers=0, n_ctx=512, n_threads=1, verbose=False)\n"
+        f"out = llm.create_chat_completion(messages={PROMPT!r}, temperature=0.0, top_p=1.0, max_tokens={MAX_TOKENS})\n"
+        "print(json.dumps(out['choices'][0]['message']['content']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return str(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_a_split_across_two_rpc_workers_generates_what_a_local_run_does(
+    workers: tuple[list[RpcWorker], Events], redis_client: Any, tmp_path: Path
+) -> None:
+    ws, events = workers
+    started = events.named("RPC_WORKER_STARTED")
+    assert [e[2]["endpoint"] for e in started] == [w.endpoint for w in ws]
+    assert all(e[2]["memory_total"] > 0 and e[2]["devices"][0]["type"] == "cpu" for e in started)
+    finished: list[dict[str, Any]] = []
+    plan = {
+        "deployment_id": "dep-" + uuid.uuid4().hex[:8], "model_name": "smollm2", "sha256": "0" * 64,
+        "rpc_endpoints": [w.endpoint for w in ws], "tensor_split": [1.0, 1.0, 0.0],
+        "n_gpu_layers": -1, "n_ctx": 512, "n_parallel": 1, "n_threads": 1,
+    }
+    primary = PrimaryProcess(plan=plan, model_path=MODEL, redis_client=redis_client, redis_url=REDIS_URL,  # type: ignore[arg-type]
+                             log_path=tmp_path / "primary.log", on_event=events,
+                             on_job_finished=finished.append, on_exit=lambda d: None)
+    try:
+        loaded = primary.load()
+        by_device = {a["device"]: a for a in loaded["assignment"]}
+        assert set(by_device) == {"RPC0", "RPC1"}, loaded["assignment"]
+        assert by_device["RPC0"]["endpoint"] == ws[0].endpoint
+        assert by_device["RPC1"]["endpoint"] == ws[1].endpoint
+        assert by_device["RPC0"]["n_layers"] >= 10 and by_device["RPC1"]["n_layers"] >= 10
+        assert by_device["RPC0"]["model_buffer_mib"] > 0 and by_device["RPC1"]["model_buffer_mib"] > 0
+        assert any("assigned to device RPC0" in ln for ln in loaded["load_log"])
+        assert any("assigned to device RPC1" in ln for ln in loaded["load_log"])
+        assert loaded["n_layer"] == 30
+        job_id = new_job_id(redis_client)
+        primary.submit({"job_id": job_id, "deployment_id": plan["deployment_id"], "kind": "chat",
+                        "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "top_p": 1.0,
+                        "stop": [], "presence_penalty": 0.0, "frequency_penalty": 0.0})
+        deadline = time.monotonic() + 60
+        while not finished and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        primary.stop()
+    assert finished and finished[0]["status"] == "completed", finished
+    entries = read_stream(redis_client, job_id)
+    text = "".join(e["text"] for e in entries if e["type"] == "chunk")
+    assert entries[-1]["type"] == "done"
+    usage = json.loads(entries[-1]["usage"])
+    assert usage["completion_tokens"] == finished[0]["completion_tokens"] > 0
+    assert usage["prompt_tokens"] > 10 and usage["ttft_ms"] > 0
+    assert text == local_reference()
+    assert text.strip()
+
+
+def test_a_plan_naming_an_unreachable_worker_fails_to_load_cleanly(redis_client: Any, tmp_path: Path) -> None:
+    _need_llama()
+    plan = {
+        "deployment_id": "dep-x", "model_name": "smollm2", "sha256": "0" * 64,
+        "rpc_endpoints": [f"127.0.0.1:{free_port()}"], "tensor_split": [1.0, 0.0],
+        "n_gpu_layers": -1, "n_ctx": 256, "n_parallel": 1, "n_threads": 1,
+    }
+    primary = PrimaryProcess(plan=plan, model_path=MODEL, redis_client=redis_client, redis_url=REDIS_URL,  # type: ignore[arg-type]
+                             log_path=tmp_path / "p.log", on_event=Events(),
+                             on_job_finished=lambda p: None, on_exit=lambda d: None, load_timeout=60)
+    with pytest.raises(LoadFailed, match="unreachable"):
+        primary.load()
+    assert not primary.alive
