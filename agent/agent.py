@@ -54,6 +54,7 @@ from agent.protocol import (
     LoadPrimaryPayload,
     PublicAddressError,
     Report,
+    is_private_address,
     job_cancel_key,
     new_id,
 )
@@ -311,6 +312,8 @@ class Agent:
         if resumable:
             assert stored is not None
             self._adopt(stored)
+            resumable = self._credential_still_valid()
+        if resumable:
             self._start_heartbeat()  # the controller sees UNINITIALIZED → REGISTERING → READY
         self.hardware = self.hw.inventory(benchmark=self.config.run_benchmarks)
         models = scan_models(self.config.models_dir, self.sha_cache)
@@ -338,6 +341,34 @@ class Agent:
         self.outbox.start()
         self._start_metrics()
         self._runtime_checks()
+
+    def _credential_still_valid(self) -> bool:
+        """One synchronous beat before trusting a stored credential.
+
+        A controller whose database was reset no longer knows us: with a token at hand we enroll
+        again instead of stopping. Revocation is final either way. An unreachable controller
+        proves nothing, so we keep the credential and let the heartbeat thread retry.
+        """
+        hb = {"state": AgentState.UNINITIALIZED.value, "sent_at": time.time(), "telemetry": {}}
+        try:
+            self.client.heartbeat(hb)  # type: ignore[arg-type]
+        except NodeRevoked as exc:
+            self.revoked = True  # nothing more can be reported
+            raise FatalAgentError(f"{exc} — this node can no longer serve", EXIT_REFUSED) from None
+        except Unauthorized as exc:
+            if not self.config.enrollment_token:
+                self.revoked = True
+                raise FatalAgentError(
+                    f"the controller no longer accepts the stored credential ({exc}); restart "
+                    "with --enrollment-token to enroll again",
+                    EXIT_REFUSED,
+                ) from None
+            log.warning("stored credential refused (%s); enrolling again with the token", exc)
+            self.identity = None
+            return False
+        except (ControllerUnavailable, ControllerError):
+            pass
+        return True
 
     def _adopt(self, identity: Identity) -> None:
         self.identity = identity
@@ -534,7 +565,7 @@ class Agent:
                         ),
                     )
                 return
-            self._control.submit(self._run_command, handler, item, plan)
+            self._control.submit(self._run_command, handler, item, dict(plan))
         elif kind in ("rpc_start", "rpc_stop", "unload"):
             self._control.submit(self._run_command, handler, item, payload)
         else:
@@ -713,6 +744,7 @@ class Agent:
             "n_layer": loaded.get("n_layer"),
             "n_ctx": loaded.get("n_ctx"),
             "load_ms": loaded.get("load_ms"),
+            "warmup_ms": loaded.get("warmup_ms"),
             "assignment": loaded.get("assignment", []),
             "layer_devices": loaded.get("layer_devices", {}),
             "devices": loaded.get("devices", []),
@@ -989,15 +1021,12 @@ class Agent:
         from agent.metrics import MetricsServer
 
         try:
-            self._metrics = MetricsServer(
-                self.config.advertise_address, self.config.metrics_port, self.snapshot
-            )
+            # Same rule as ggml-rpc: never listen on a public address.
+            host = self.config.advertise_address
+            host = host if is_private_address(host) else "127.0.0.1"
+            self._metrics = MetricsServer(host, self.config.metrics_port, self.snapshot)
             self._metrics.start()
-            log.info(
-                "metrics on http://%s:%d/metrics",
-                self.config.advertise_address,
-                self.config.metrics_port,
-            )
+            log.info("metrics on http://%s:%d/metrics", host, self.config.metrics_port)
         except OSError as exc:
             self._fault(f"metrics port {self.config.metrics_port} unavailable: {exc}", fatal=False)
 

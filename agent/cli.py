@@ -244,7 +244,8 @@ def run_doctor(
         "checks": checks,
     }
 
-    def check(name: str, ok: bool, detail: str) -> None:
+    def check(name: str, ok: bool | None, detail: str) -> None:
+        # ok=None: skipped (cannot be checked yet, e.g. Redis before enrollment).
         checks.append({"name": name, "ok": ok, "detail": detail})
 
     try:
@@ -259,7 +260,7 @@ def run_doctor(
         ident = load_identity(state_dir)
         check(
             "identity",
-            ident is not None,
+            True if ident is not None else None,
             f"node {ident.node_id}" if ident else "not enrolled yet (needs --enrollment-token)",
         )
     except IdentityError as exc:
@@ -291,7 +292,7 @@ def run_doctor(
         except Exception as exc:
             check("redis", False, f"{type(exc).__name__}: {exc}")
     else:
-        check("redis", False, "unknown until enrolled (the controller hands out the URL)")
+        check("redis", None, "unknown until enrolled (the controller hands out the URL)")
 
     ok, detail = llama_rpc_support()
     check("llama.cpp rpc", ok, detail)
@@ -302,7 +303,8 @@ def run_doctor(
         check("models", bool(models), f"{len(models)} GGUF file(s) in {models_dir}")
     except Exception as exc:
         check("models", False, f"{type(exc).__name__}: {exc}")
-    report["ok"] = all(c["ok"] for c in checks if c["name"] not in ("models", "identity"))
+    # No models yet is normal on a fresh node (the controller can send them); not a failure.
+    report["ok"] = all(c["ok"] is not False for c in checks if c["name"] != "models")
     return report
 
 
@@ -342,7 +344,8 @@ def cmd_doctor(argv: Sequence[str]) -> int:
             b = hw["benchmark"]
             print(f"benchmark: {b['gflops']} GFLOPS, {b['mem_bandwidth_gbps']} GB/s memory")
     for c in report["checks"]:
-        print(f"[{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['detail']}")
+        mark = {True: "ok", False: "FAIL", None: "skip"}[c["ok"]]
+        print(f"[{mark}] {c['name']}: {c['detail']}")
     if args.bundle:
         path = _write_bundle(Path(args.bundle), state_dir, report)
         print(f"bundle written to {path}")

@@ -49,7 +49,7 @@ class ControllerUnavailable(Exception):
 
 def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0) -> float:
     """Capped exponential backoff with jitter, so a fleet does not retry in lockstep."""
-    delay = min(cap, base * (2 ** max(0, attempt)))
+    delay = min(cap, base * 2.0 ** max(0, attempt))
     return delay * (0.5 + random.random() / 2)
 
 

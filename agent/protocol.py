@@ -110,6 +110,8 @@ class LoadPrimaryPayload(TypedDict):
     n_parallel: int
     n_threads: int
     memory_bytes: NotRequired[int]  # predicted memory on the primary; refused when it exceeds RAM
+    n_batch: NotRequired[int]  # llama.cpp n_batch the plan's memory estimate assumed
+    flash_attn: NotRequired[bool]
 
 
 class RunJobPayload(TypedDict):

@@ -102,7 +102,8 @@ class CommandQueue:
 
     def take(self, timeout: float = 1.0) -> QueueItem | None:
         """Block up to `timeout` for the next command (moved into processing), else None."""
-        raw = self.r.blmove(self.queue_key, self.processing_key, timeout, "LEFT", "RIGHT")
+        # Redis >= 6 takes fractional timeouts; redis-py's stub says int.
+        raw = self.r.blmove(self.queue_key, self.processing_key, timeout, "LEFT", "RIGHT")  # type: ignore[arg-type]
         if raw is None:
             return None
         if isinstance(raw, bytes):

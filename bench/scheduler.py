@@ -15,6 +15,7 @@ Every figure compares things measured side by side in this run; absolute times a
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -231,24 +232,29 @@ def bench_quality(n_clusters: int, seed: int) -> QualityResult:
     return res
 
 
-def bench_decision_time(n_nodes: int, decisions: int, seed: int) -> list[float]:
-    """Milliseconds per plan_placement call on one big cluster, varied models and requests."""
+def bench_decision_time(n_nodes: int, decisions: int, seed: int) -> tuple[list[float], list[float]]:
+    """(wall ms, CPU ms) per plan_placement call on one big cluster, varied models and requests.
+
+    CPU time is reported too because a shared machine inflates wall time; the scheduler is
+    single-threaded, so on a quiet machine the two agree.
+    """
     rng = random.Random(seed + 1000)
     cluster = random_cluster(rng, n_nodes, probe_fraction=0.002)
     profiles = models()
     # Warm-up so imports and first-call costs do not count.
     plan_placement(profiles[2], cluster, PlacementRequest())
-    times = []
+    wall, cpu = [], []
     for i in range(decisions):
         profile = profiles[i % len(profiles)]
         request = random_request(rng)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             plan_placement(profile, cluster, request)
         except PlacementRefused:
             pass
-        times.append((time.perf_counter() - t0) * 1000)
-    return times
+        wall.append((time.perf_counter() - t0) * 1000)
+        cpu.append((time.process_time() - c0) * 1000)
+    return wall, cpu
 
 
 # --- part 3: predicted vs measured on real loopback deployments --------------------------------
@@ -314,14 +320,19 @@ def main(argv: list[str] | None = None) -> int:
             f"median {statistics.median(p):.2f}x  worst {min(p):.2f}x  (n={len(p)})"
         )
 
-    times = bench_decision_time(args.big_nodes, args.decisions, args.seed)
-    p50, p99 = percentile(times, 50), percentile(times, 99)
-    print(f"== decision time on a {args.big_nodes}-node cluster ({len(times)} decisions) ==")
+    wall, cpu = bench_decision_time(args.big_nodes, args.decisions, args.seed)
+    p50, p99 = percentile(wall, 50), percentile(wall, 99)
+    c50, c99 = percentile(cpu, 50), percentile(cpu, 99)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"== decision time on a {args.big_nodes}-node cluster ({len(wall)} decisions) ==")
     print(
-        f"p50 {p50 / DECISION_TARGET_MS:.2f}x of the {DECISION_TARGET_MS:.0f} ms target, "
-        f"p99 {p99 / DECISION_TARGET_MS:.2f}x  "
-        f"{'PASS' if p99 <= DECISION_TARGET_MS else 'FAIL'}"
-        f"  (p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {max(times):.1f} ms)"
+        f"wall p50 {p50 / DECISION_TARGET_MS:.2f}x of the {DECISION_TARGET_MS:.0f} ms target, "
+        f"p99 {p99 / DECISION_TARGET_MS:.2f}x  {'PASS' if p99 <= DECISION_TARGET_MS else 'FAIL'};  "
+        f"CPU p50 {c50 / DECISION_TARGET_MS:.2f}x, p99 {c99 / DECISION_TARGET_MS:.2f}x"
+    )
+    print(
+        f"  (wall p50 {p50:.1f} ms, p99 {p99:.1f} ms; CPU p50 {c50:.1f} ms, p99 {c99:.1f} ms; "
+        f"load average {load:.1f} on {os.cpu_count()} CPUs)"
     )
 
     print("== predicted vs measured tokens/s, loopback deployments ==")

@@ -25,6 +25,23 @@ def get_redis() -> redis.Redis:
     return client
 
 
+def get_redis_blocking() -> redis.Redis:
+    """A client for blocking reads (BLPOP, XREAD BLOCK): no socket timeout under the block time.
+
+    redis-py 8 defaults to a 5 s socket timeout, which would cut a longer blocking call.
+    """
+    url = settings.REDIS_URL
+    key = "blocking:" + url
+    client = _sync.get(key)
+    if client is None:
+        with _lock:
+            client = _sync.get(key)
+            if client is None:
+                client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=None, health_check_interval=30)
+                _sync[key] = client
+    return client
+
+
 def get_async_redis() -> aredis.Redis:
     """One asyncio client per event loop: a client's connections belong to the loop that made them."""
     import asyncio
@@ -33,6 +50,7 @@ def get_async_redis() -> aredis.Redis:
     key = (url, id(asyncio.get_running_loop()))
     client = _async.get(key)
     if client is None:
-        client = aredis.Redis.from_url(url, decode_responses=True, max_connections=512)
+        # No socket timeout: stream reads block (XREAD BLOCK) for up to a second at a time.
+        client = aredis.Redis.from_url(url, decode_responses=True, max_connections=512, socket_timeout=None)
         _async[key] = client
     return client

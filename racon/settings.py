@@ -123,21 +123,27 @@ TEMPLATES = [
 
 # --- Database: PostgreSQL via DATABASE_URL, SQLite when unset ---
 DATABASE_URL = env("DATABASE_URL")
+# WAL + a busy timeout + IMMEDIATE transactions so daphne, Celery and beat can share one file.
+SQLITE_OPTIONS = {
+    "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    "timeout": 30,
+    "transaction_mode": "IMMEDIATE",
+}
 if DATABASE_URL:
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+    if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+        DATABASES["default"]["CONN_MAX_AGE"] = 0
+        DATABASES["default"]["OPTIONS"] = dict(SQLITE_OPTIONS)
 else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": VAR_DIR / "racon.sqlite3",
-            "OPTIONS": {
-                # WAL + a busy timeout so daphne, Celery and beat can share one file.
-                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-                "timeout": 20,
-                "transaction_mode": "IMMEDIATE",
-            },
-            "TEST": {"NAME": VAR_DIR / "test.sqlite3"},
+            "OPTIONS": dict(SQLITE_OPTIONS),
+            # A file (live-server tests share it with daphne and Celery), one per test run so
+            # concurrent runs in one checkout never delete each other's database.
+            "TEST": {"NAME": VAR_DIR / f"test-{os.getpid()}.sqlite3"},
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -203,6 +209,11 @@ CREDITS_STANDBY_PER_GIB_HOUR = envint("CREDITS_STANDBY_PER_GIB_HOUR", 1_000)
 CREDITS_ESCROW_ENABLED = envbool("CREDITS_ESCROW_ENABLED", False)
 CREDITS_ESCROW_TRUST_THRESHOLD = envint("CREDITS_ESCROW_TRUST_THRESHOLD", 10_000_000)
 CREDITS_MICRO_PER_TOKEN = envint("CREDITS_MICRO_PER_TOKEN", 1_000)
+CREDITS_FEE_PERMILLE = envint("CREDITS_FEE_PERMILLE", 0)  # cut of each job to system:fees
+CREDITS_STANDBY_PERIOD_SECONDS = envint("CREDITS_STANDBY_PERIOD_SECONDS", 600)
+CREDITS_STANDING_WINDOW_SECONDS = envint("CREDITS_STANDING_WINDOW_SECONDS", 86_400)
+CREDITS_STANDING_EARN_WEIGHT = envint("CREDITS_STANDING_EARN_WEIGHT", 1)
+RACON_RECEIPT_KEY = envsecret("RACON_RECEIPT_KEY")  # base64 raw Ed25519 key; else VAR_DIR/receipt-signing.key
 PRIORITY_MAX_WAIT_SECONDS = envfloat("PRIORITY_MAX_WAIT_SECONDS", 30.0)
 
 CELERY_BEAT_SCHEDULE = {
@@ -210,6 +221,14 @@ CELERY_BEAT_SCHEDULE = {
     "health-sweep": {
         "task": "racon.nodes.health_sweep",
         "schedule": HEALTH_SWEEP_SECONDS,
+    },
+    "credits-standby-reward": {
+        "task": "racon.credits.standby_reward",
+        "schedule": float(CREDITS_STANDBY_PERIOD_SECONDS),
+    },
+    "stale-jobs-sweep": {
+        "task": "racon.jobs.stale_jobs_sweep",
+        "schedule": 30.0,
     },
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from agent.protocol import GpuInfo, Hardware
 
@@ -80,4 +80,4 @@ def profile_from_dict(raw: dict[str, Any], *, source: str = "profile") -> Hardwa
     hw["gpus"] = gpus
     if "benchmark" in raw:
         hw["benchmark"] = {k: float(v) for k, v in raw["benchmark"].items()}
-    return Hardware(**hw)  # type: ignore[typeddict-item]
+    return cast(Hardware, hw)

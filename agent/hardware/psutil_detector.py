@@ -11,7 +11,8 @@ import psutil
 
 
 def _cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[str, list[str]]:
-    model, flags = "", []
+    model: str = ""
+    flags: list[str] = []
     try:
         text = path.read_text(errors="replace")
     except OSError:

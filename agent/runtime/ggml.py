@@ -12,6 +12,7 @@ import ctypes
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEV_TYPE_CPU = 0
 DEV_TYPE_GPU = 1
@@ -71,7 +72,7 @@ class Ggml:
         self.rpc = ctypes.CDLL(str(rpc), mode=ctypes.RTLD_GLOBAL) if rpc.exists() else None
         self._bind()
 
-    def _fn(self, name: str, restype: object, argtypes: list[object]) -> ctypes._CFuncPtr:
+    def _fn(self, name: str, restype: object, argtypes: list[object]) -> Any:
         for lib in (self.lib, self.base, self.rpc):
             if lib is None:
                 continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import subprocess
 import threading
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from agent.protocol import (
 )
 from agent.runtime import EventSink, JobFinishedSink, LoadFailed
 from agent.runtime.child import log_tail, spawn, stop_process
-from agent.runtime.stream import append_error
+from agent.runtime.stream import append_error, last_seq
 
 log = logging.getLogger("agent.runtime.primary")
 
@@ -172,6 +173,7 @@ class PrimaryProcess:
         )
         self._reader.start()
         if not self._loaded_evt.wait(self.load_timeout):
+            self._stopping.set()  # a failed load is reported by load(), not as a runtime crash
             stop_process(proc, 2)
             raise LoadFailed(
                 f"deployment {self.deployment_id}: model load timed out after "
@@ -180,6 +182,7 @@ class PrimaryProcess:
             )
         result = self._load_result
         if result.get("op") != "loaded":
+            self._stopping.set()  # a failed load is reported by load(), not as a runtime crash
             stop_process(proc, 2)
             error = result.get("error") or self._death_reason(proc.returncode)
             raise LoadFailed(
@@ -266,7 +269,7 @@ class PrimaryProcess:
         if not self._loaded_evt.is_set():
             self._loaded_evt.set()  # load() reads the death from the exit code
             return
-        if self._stopping.is_set() and code in (0, -15, None):
+        if self._stopping.is_set():  # we stopped it (unload, drain, failed load): not a crash
             self._fail_jobs("primary runtime stopped (deployment unloaded)", cancelled=True)
             return
         reason = self._death_reason(code)
@@ -286,15 +289,16 @@ class PrimaryProcess:
 
     def _death_reason(self, code: int | None) -> str:
         tail = log_tail(self.log_path, 30)
+        how = _describe_exit(code)
         crash = next((ln for ln in reversed(tail) if any(m in ln for m in RPC_CRASH_MARKERS)), None)
         if crash is not None:
-            return (
-                f"RPC worker disconnected: the primary process aborted (exit {code}); "
-                f"ggml-rpc said: {crash.strip()}"
-            )
+            # ggml prefixes its source path ("/tmp/.../ggml-rpc.cpp:35: ..."); keep the words.
+            said = next(crash[crash.index(m) :] for m in RPC_CRASH_MARKERS if m in crash).strip()
+            return f"RPC worker disconnected: the primary process {how}; ggml-rpc: {said}"
+        last = tail[-1].strip() if tail else "no output"
         if code in (134, -6):
-            return f"the primary process aborted (exit {code}): {tail[-1] if tail else 'no output'}"
-        return f"the primary process exited unexpectedly (exit {code}): {tail[-1] if tail else 'no output'}"
+            return f"the primary process {how}: {last}"
+        return f"the primary process exited unexpectedly ({how}): {last}"
 
     def _fail_jobs(self, reason: str, *, cancelled: bool) -> None:
         with self._lock:
@@ -302,7 +306,10 @@ class PrimaryProcess:
             self._jobs.clear()
             self._running = None
         for job_id in jobs:
+            streamed = 0
             try:
+                # Chunks already streamed are the tokens this job got before the failure.
+                streamed = last_seq(self.r, job_id) + 1
                 append_error(self.r, job_id, reason)
             except redis.RedisError as exc:
                 log.error("job %s: cannot write the error to its stream: %s", job_id, exc)
@@ -313,7 +320,7 @@ class PrimaryProcess:
                     status="cancelled" if cancelled else "failed",
                     finish_reason=None,
                     prompt_tokens=0,
-                    completion_tokens=0,
+                    completion_tokens=streamed,
                     error=reason,
                 ),
             )
@@ -324,3 +331,17 @@ class PrimaryProcess:
             fn(*args)
         except Exception:
             log.exception("callback %r failed", fn)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "vanished"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return "aborted (SIGABRT)" if code == -6 else f"was killed by {name}"
+    if code == 134:
+        return "aborted (exit 134)"
+    return f"exited with code {code}"

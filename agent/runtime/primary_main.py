@@ -200,6 +200,9 @@ class Child:
                 n_ctx=int(self.plan.get("n_ctx") or 0),
                 n_threads=n_threads,
                 n_threads_batch=n_threads,
+                # The scheduler sized the compute buffers for these; keep them in step.
+                n_batch=int(self.plan.get("n_batch") or 512),
+                flash_attn=bool(self.plan.get("flash_attn", False)),
                 verbose=True,
             )
         except Exception as exc:
@@ -216,6 +219,7 @@ class Child:
             _logger.set_verbose(False)
         except ImportError:
             pass
+        warmup_ms = self.warm_up()
         assignment = summarize_assignment(capture.layers, devices, capture.buffers)
         self.send(
             {
@@ -223,6 +227,7 @@ class Child:
                 "deployment_id": self.plan.get("deployment_id"),
                 "pid": os.getpid(),
                 "load_ms": round((time.perf_counter() - t0) * 1000, 1),
+                "warmup_ms": warmup_ms,
                 "n_layer": capture.n_layer,
                 "n_ctx": int(self.llm.n_ctx()),
                 "devices": devices,
@@ -231,6 +236,22 @@ class Child:
                 "load_log": capture.lines,
             }
         )
+
+    def warm_up(self) -> float | None:
+        """Run one tiny request so the first real one does not pay for paging weights in,
+        starting threads and compiling the template (measured: ~0.9 s vs ~25 ms once warm)."""
+        t0 = time.perf_counter()
+        try:
+            # A real (tiny) chat request: also compiles the chat template and builds the
+            # batch-sized graphs on every RPC worker, not just the one-token decode graph.
+            self.llm.create_chat_completion(
+                messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0.0
+            )
+            self.llm.reset()
+        except Exception as exc:  # a warm-up failure is not a load failure
+            print(f"warm-up skipped: {exc}", file=sys.stderr)
+            return None
+        return round((time.perf_counter() - t0) * 1000, 1)
 
     # --- jobs -----------------------------------------------------------------------------------
 
@@ -338,7 +359,7 @@ def _is_eog(llm: Any, tok: int) -> bool:
     try:
         return bool(llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok))
     except AttributeError:
-        return tok == llm.token_eos()
+        return bool(tok == llm.token_eos())
 
 
 def _sampling_kwargs(job: dict[str, Any]) -> dict[str, Any]:

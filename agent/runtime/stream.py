@@ -101,7 +101,7 @@ class StreamWriter:
             try:
                 pipe = self.r.pipeline(transaction=False)
                 for e in entries:
-                    pipe.xadd(self.key, e)  # type: ignore[arg-type]
+                    pipe.xadd(self.key, e)
                 if not self._expire_set or final:
                     # TTL from the first entry, renewed at the end so readers get the full window.
                     pipe.expire(self.key, self.ttl)
@@ -123,7 +123,7 @@ def last_seq(client: redis.Redis, job_id: str) -> int:
     rows = client.xrevrange(job_stream_key(job_id), count=1)
     if not rows:
         return -1
-    fields = rows[0][1]
+    fields = rows[0][1] or {}
     raw = fields.get("seq", fields.get(b"seq", "-1"))
     try:
         return int(raw.decode() if isinstance(raw, bytes) else raw)
@@ -135,7 +135,7 @@ def stream_has_end(client: redis.Redis, job_id: str) -> bool:
     rows = client.xrevrange(job_stream_key(job_id), count=1)
     if not rows:
         return False
-    fields = rows[0][1]
+    fields = rows[0][1] or {}
     t = fields.get("type", fields.get(b"type", ""))
     t = t.decode() if isinstance(t, bytes) else t
     return t in ("done", "error")

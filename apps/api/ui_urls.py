@@ -2,4 +2,31 @@
 
 from __future__ import annotations
 
-urlpatterns: list = []
+from django.contrib.auth import views as auth_views
+from django.urls import path, re_path
+
+from . import ui_views as v
+
+urlpatterns = [
+    path("login/", auth_views.LoginView.as_view(template_name="ui/login.html", redirect_authenticated_user=True), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", v.dashboard, name="ui-dashboard"),
+    path("nodes/", v.node_list, name="ui-nodes"),
+    path("nodes/<uuid:node_id>/", v.node_detail, name="ui-node"),
+    path("nodes/<uuid:node_id>/drain", v.node_drain, name="ui-node-drain"),
+    path("nodes/<uuid:node_id>/undrain", v.node_undrain, name="ui-node-undrain"),
+    path("tokens/", v.token_list, name="ui-tokens"),
+    path("tokens/<uuid:token_id>/revoke", v.token_revoke, name="ui-token-revoke"),
+    path("models/", v.model_list, name="ui-models"),
+    path("deployments/", v.deployment_list, name="ui-deployments"),
+    path("deployments/preview", v.deployment_preview, name="ui-deployment-preview"),
+    path("deployments/<uuid:deployment_id>/stop", v.deployment_stop, name="ui-deployment-stop"),
+    path("jobs/", v.job_list, name="ui-jobs"),
+    path("jobs/<uuid:job_id>/", v.job_detail, name="ui-job"),
+    path("jobs/<uuid:job_id>/cancel", v.job_cancel, name="ui-job-cancel"),
+    path("credits/", v.credits_page, name="ui-credits"),
+    path("credits/receipts/verify", v.receipt_verify, name="ui-receipt-verify"),
+    path("playground/", v.playground, name="ui-playground"),
+    path("playground/chat/completions", v.playground_chat, name="ui-playground-chat"),
+    re_path(r"^static/(?P<path>.+)$", v.static, name="ui-static"),
+]

@@ -79,7 +79,18 @@ class PostingAdmin(ReadOnlyAdmin):
 
 @admin.register(Receipt)
 class ReceiptAdmin(ReadOnlyAdmin):
-    list_display = ("id", "job", "node", "account", "model_name", "tokens", "layers", "credits", "escrowed", "issued_at")
+    list_display = (
+        "id",
+        "job",
+        "node",
+        "account",
+        "model_name",
+        "tokens",
+        "layers",
+        "credits",
+        "escrowed",
+        "issued_at",
+    )
     list_filter = ("escrowed", "is_primary")
     search_fields = ("job__id", "node__name", "model_name")
     list_select_related = ("node", "account")

@@ -65,12 +65,16 @@ class BalanceApi(APIView):
         account = AccountOut()
         balance = serializers.IntegerField(help_text="micro-credits")
         floor = serializers.IntegerField(allow_null=True)
-        available = serializers.IntegerField(allow_null=True, help_text="balance above the floor; null when unbounded")
+        available = serializers.IntegerField(
+            allow_null=True, help_text="balance above the floor; null when unbounded"
+        )
         held = serializers.IntegerField(help_text="reserved for jobs not settled yet")
         earned_total = serializers.IntegerField()
         earned_recent = serializers.IntegerField()
         escrow_held = serializers.IntegerField()
-        standing = serializers.IntegerField(help_text="queue priority: balance + recent contribution")
+        standing = serializers.IntegerField(
+            help_text="queue priority: balance + recent contribution"
+        )
 
     @extend_schema(parameters=[_account_param()], responses=BalanceOut)
     def get(self, request: Request) -> Response:
@@ -78,7 +82,11 @@ class BalanceApi(APIView):
         f.is_valid(raise_exception=True)
         account_id = _target_account(request, self, f.validated_data.get("account"))
         get_object_or_404(Account, pk=account_id)
-        return Response(self.BalanceOut(selectors.account_summary(account_id=account_id, now=timezone.now())).data)
+        return Response(
+            self.BalanceOut(
+                selectors.account_summary(account_id=account_id, now=timezone.now())
+            ).data
+        )
 
 
 class PostingOut(serializers.ModelSerializer):
@@ -92,8 +100,18 @@ class PostingOut(serializers.ModelSerializer):
 
     class Meta:
         model = Posting
-        fields = ["id", "entry_id", "kind", "key", "memo", "amount", "beneficiary", "job", "node", "created_at"]
-
+        fields = [
+            "id",
+            "entry_id",
+            "kind",
+            "key",
+            "memo",
+            "amount",
+            "beneficiary",
+            "job",
+            "node",
+            "created_at",
+        ]
 
 
 class LedgerApi(APIView):
@@ -129,20 +147,36 @@ class LedgerApi(APIView):
         f.is_valid(raise_exception=True)
         v = f.validated_data
         account_id = _target_account(request, self, v.get("account"))
-        qs = selectors.ledger_postings(account_id=account_id, kind=v.get("kind"), since=v.get("since"), until=v.get("until"))
+        qs = selectors.ledger_postings(
+            account_id=account_id, kind=v.get("kind"), since=v.get("since"), until=v.get("until")
+        )
         paginator = LimitOffsetPagination()
         page = paginator.paginate_queryset(qs, request, view=self)
         return paginator.get_paginated_response(PostingOut(page, many=True).data)
 
 
 class ReceiptOut(serializers.ModelSerializer):
-    document = serializers.SerializerMethodField(help_text="the signed receipt, as POST receipts/verify takes it")
+    document = serializers.SerializerMethodField(
+        help_text="the signed receipt, as POST receipts/verify takes it"
+    )
 
     class Meta:
         model = Receipt
         fields = [
-            "id", "job", "node", "account", "model_name", "tokens", "layers", "share_ppm", "credits", "escrowed",
-            "is_primary", "issued_at", "key_id", "document",
+            "id",
+            "job",
+            "node",
+            "account",
+            "model_name",
+            "tokens",
+            "layers",
+            "share_ppm",
+            "credits",
+            "escrowed",
+            "is_primary",
+            "issued_at",
+            "key_id",
+            "document",
         ]
 
     def get_document(self, obj: Receipt) -> dict[str, Any]:
@@ -167,9 +201,13 @@ class ReceiptListApi(APIView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("account", str, description="staff only: receipts of this account's nodes"),
-            OpenApiParameter("job", str), OpenApiParameter("node", str),
-            OpenApiParameter("limit", int), OpenApiParameter("offset", int),
+            OpenApiParameter(
+                "account", str, description="staff only: receipts of this account's nodes"
+            ),
+            OpenApiParameter("job", str),
+            OpenApiParameter("node", str),
+            OpenApiParameter("limit", int),
+            OpenApiParameter("offset", int),
         ],
         responses=ReceiptPage,
     )
@@ -181,7 +219,9 @@ class ReceiptListApi(APIView):
             account_id = v.get("account")
         else:
             account_id = _target_account(request, self, v.get("account"))
-        qs = selectors.receipt_list(account_id=account_id, job_id=v.get("job"), node_id=v.get("node"))
+        qs = selectors.receipt_list(
+            account_id=account_id, job_id=v.get("job"), node_id=v.get("node")
+        )
         paginator = LimitOffsetPagination()
         page = paginator.paginate_queryset(qs, request, view=self)
         return paginator.get_paginated_response(ReceiptOut(page, many=True).data)
@@ -206,7 +246,9 @@ class ReceiptVerifyApi(APIView):
     permission_classes = [AllowAny]
 
     class VerifyIn(serializers.Serializer):
-        receipt = serializers.DictField(help_text="the receipt document (its fields plus signature)")
+        receipt = serializers.DictField(
+            help_text="the receipt document (its fields plus signature)"
+        )
 
     class VerifyOut(serializers.Serializer):
         valid = serializers.BooleanField()
@@ -245,7 +287,9 @@ class _AdminMoveApi(APIView):
         account = serializers.UUIDField()
         amount = serializers.IntegerField(help_text="micro-credits")
         reason = serializers.CharField(max_length=500)
-        idempotency_key = serializers.CharField(max_length=100, required=False, help_text="repeat-safe: same key, one entry")
+        idempotency_key = serializers.CharField(
+            max_length=100, required=False, help_text="repeat-safe: same key, one entry"
+        )
 
     class EntryOut(serializers.Serializer):
         entry_id = serializers.IntegerField(source="entry.id")
@@ -261,14 +305,21 @@ class _AdminMoveApi(APIView):
         account = get_object_or_404(Account, pk=v["account"])
         action = services.credit_adjust if self.allow_negative else services.credit_grant
         try:
-            entry = action(account_id=account.pk, amount=v["amount"], reason=v["reason"], now=timezone.now(),
-                           key=v.get("idempotency_key"))
+            entry = action(
+                account_id=account.pk,
+                amount=v["amount"],
+                reason=v["reason"],
+                now=timezone.now(),
+                key=v.get("idempotency_key"),
+            )
         except services.InsufficientCredits as exc:
             raise InsufficientCreditsError(str(exc)) from None
         except ValueError as exc:
             raise exceptions.ValidationError({"amount": [str(exc)]}) from None
         account.refresh_from_db()
-        return Response(self.EntryOut({"entry": entry, "account": account}).data, status=status.HTTP_201_CREATED)
+        return Response(
+            self.EntryOut({"entry": entry, "account": account}).data, status=status.HTTP_201_CREATED
+        )
 
 
 class AdminGrantApi(_AdminMoveApi):

@@ -26,7 +26,11 @@ class Account(models.Model):
     name = models.CharField(max_length=120, unique=True)
     kind = models.CharField(max_length=10, choices=AccountKind.choices, default=AccountKind.USER)
     user = models.OneToOneField(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="credit_account"
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="credit_account",
     )
     # Micro-credits. The cached balance is only ever changed in the same transaction as postings.
     balance = models.BigIntegerField(default=0)
@@ -63,10 +67,14 @@ class AppendOnlyError(Exception):
 
 class AppendOnlyQuerySet(models.QuerySet):
     def update(self, **kwargs: Any) -> NoReturn:
-        raise AppendOnlyError(f"{self.model.__name__} rows are append-only; post a correcting entry")
+        raise AppendOnlyError(
+            f"{self.model.__name__} rows are append-only; post a correcting entry"
+        )
 
     def delete(self) -> NoReturn:
-        raise AppendOnlyError(f"{self.model.__name__} rows are append-only; post a correcting entry")
+        raise AppendOnlyError(
+            f"{self.model.__name__} rows are append-only; post a correcting entry"
+        )
 
 
 class AppendOnlyModel(models.Model):
@@ -77,12 +85,16 @@ class AppendOnlyModel(models.Model):
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         if not self._state.adding:
-            raise AppendOnlyError(f"{type(self).__name__} rows are append-only; post a correcting entry")
+            raise AppendOnlyError(
+                f"{type(self).__name__} rows are append-only; post a correcting entry"
+            )
         kwargs["force_insert"] = True
         super().save(*args, **kwargs)
 
     def delete(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise AppendOnlyError(f"{type(self).__name__} rows are append-only; post a correcting entry")
+        raise AppendOnlyError(
+            f"{type(self).__name__} rows are append-only; post a correcting entry"
+        )
 
 
 class Entry(AppendOnlyModel):
@@ -95,15 +107,21 @@ class Entry(AppendOnlyModel):
     kind = models.CharField(max_length=16, choices=EntryKind.choices, db_index=True)
     memo = models.CharField(max_length=500, blank=True, help_text="reason, shown in the ledger")
     # PROTECT: a job or node with money attached to it is history, never deleted.
-    job = models.ForeignKey("jobs.Job", null=True, blank=True, on_delete=models.PROTECT, related_name="ledger_entries")
-    node = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.PROTECT, related_name="ledger_entries")
+    job = models.ForeignKey(
+        "jobs.Job", null=True, blank=True, on_delete=models.PROTECT, related_name="ledger_entries"
+    )
+    node = models.ForeignKey(
+        "nodes.Node", null=True, blank=True, on_delete=models.PROTECT, related_name="ledger_entries"
+    )
     data = models.JSONField(default=dict, blank=True, help_text="how the amounts were computed")
     created_at = models.DateTimeField(db_index=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]
         verbose_name_plural = "entries"
-        indexes = [models.Index(fields=["kind", "node", "created_at"], name="credits_entry_kind_node")]
+        indexes = [
+            models.Index(fields=["kind", "node", "created_at"], name="credits_entry_kind_node")
+        ]
 
     def __str__(self) -> str:
         return f"{self.kind} {self.idempotency_key}"
@@ -119,12 +137,20 @@ class Posting(AppendOnlyModel):
     # The contributor whose earning this leg is, also while a system account (escrow) holds it.
     # Lifetime and recent earnings are sums over this column (standing, escrow trust).
     beneficiary = models.ForeignKey(
-        Account, null=True, blank=True, on_delete=models.PROTECT, related_name="beneficiary_postings"
+        Account,
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="beneficiary_postings",
     )
 
     class Meta:
         ordering = ["-entry_id", "id"]
-        constraints = [models.CheckConstraint(condition=~models.Q(amount=0), name="credits_posting_amount_nonzero")]
+        constraints = [
+            models.CheckConstraint(
+                condition=~models.Q(amount=0), name="credits_posting_amount_nonzero"
+            )
+        ]
         # The ledger page lists one account's postings newest first.
         indexes = [models.Index(fields=["account", "-entry"], name="credits_posting_account_entry")]
 
@@ -139,11 +165,15 @@ class Receipt(AppendOnlyModel):
     entry = models.ForeignKey(Entry, on_delete=models.PROTECT, related_name="receipts")
     job = models.ForeignKey("jobs.Job", on_delete=models.PROTECT, related_name="receipts")
     node = models.ForeignKey("nodes.Node", on_delete=models.PROTECT, related_name="receipts")
-    account = models.ForeignKey(Account, on_delete=models.PROTECT, related_name="receipts", help_text="the node's owner")
+    account = models.ForeignKey(
+        Account, on_delete=models.PROTECT, related_name="receipts", help_text="the node's owner"
+    )
     model_name = models.CharField(max_length=200)
     tokens = models.PositiveIntegerField()
     layers = models.PositiveIntegerField()
-    share_ppm = models.PositiveIntegerField(help_text="the node's part of the job's value, parts per million")
+    share_ppm = models.PositiveIntegerField(
+        help_text="the node's part of the job's value, parts per million"
+    )
     credits = models.BigIntegerField()
     escrowed = models.BooleanField(default=False)
     is_primary = models.BooleanField(default=False)
@@ -155,7 +185,9 @@ class Receipt(AppendOnlyModel):
 
     class Meta:
         ordering = ["-issued_at", "id"]
-        constraints = [models.UniqueConstraint(fields=["job", "node"], name="credits_one_receipt_per_job_node")]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "node"], name="credits_one_receipt_per_job_node")
+        ]
 
     def __str__(self) -> str:
         return f"receipt {self.job_id} {self.node_id} {self.credits}"

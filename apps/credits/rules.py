@@ -48,7 +48,9 @@ class NodeWork:
     device_ms: int | None = None
 
 
-def plan_work(plan: Mapping[str, Any], device_seconds: Mapping[str, Any] | None) -> tuple[str | None, list[NodeWork]]:
+def plan_work(
+    plan: Mapping[str, Any], device_seconds: Mapping[str, Any] | None
+) -> tuple[str | None, list[NodeWork]]:
     """The primary and per-node work of a deployment plan (Plan.to_dict()), in plan order."""
     layers: dict[str, int] = {}
     for d in plan.get("devices") or []:
@@ -69,11 +71,18 @@ def plan_work(plan: Mapping[str, Any], device_seconds: Mapping[str, Any] | None)
             continue
         if ms > 0:
             measured[str(node_id)] = ms
-    return primary, [NodeWork(node_id=n, layers=layers[n], device_ms=measured.get(n)) for n in layers]
+    return primary, [
+        NodeWork(node_id=n, layers=layers[n], device_ms=measured.get(n)) for n in layers
+    ]
 
 
 def settlement_split(
-    *, value: int, work: Sequence[NodeWork], primary_node_id: str | None, tokens: int, primary_share_permille: int
+    *,
+    value: int,
+    work: Sequence[NodeWork],
+    primary_node_id: str | None,
+    tokens: int,
+    primary_share_permille: int,
 ) -> dict[str, int]:
     """Split ``value`` across nodes: ∝ layers × tokens × measured time, a primary bonus, exact sum.
 
@@ -96,10 +105,15 @@ def settlement_split(
     rest = value - bonus
     measured = [w.device_ms for w in work if w.device_ms]
     default_ms = sum(measured) // len(measured) if measured else 1
-    weights = {w.node_id: max(w.layers, 0) * max(tokens, 0) * (w.device_ms or default_ms or 1) for w in work}
+    weights = {
+        w.node_id: max(w.layers, 0) * max(tokens, 0) * (w.device_ms or default_ms or 1)
+        for w in work
+    }
     total = sum(weights.values())
     shares = {n: (rest * weights[n] // total if total else 0) for n in ids}
-    shares[primary] += value - sum(shares.values())  # bonus + rounding remainder (+ all when no weight)
+    shares[primary] += value - sum(
+        shares.values()
+    )  # bonus + rounding remainder (+ all when no weight)
     return shares
 
 

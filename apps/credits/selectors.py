@@ -47,7 +47,9 @@ def account_key(account_id: Any) -> str:
 
 def earnings_total(*, account_id: Any) -> int:
     """Lifetime earnings from contributing (settlements and standby), escrowed ones included."""
-    total = Posting.objects.filter(beneficiary_id=account_id, entry__kind__in=EARNING_KINDS).aggregate(s=Sum("amount"))["s"]
+    total = Posting.objects.filter(
+        beneficiary_id=account_id, entry__kind__in=EARNING_KINDS
+    ).aggregate(s=Sum("amount"))["s"]
     return int(total or 0)
 
 
@@ -55,7 +57,9 @@ def earnings_since(*, account_ids: list[Any], since: datetime) -> dict[str, int]
     """Earnings per account since ``since`` (only accounts that earned are present)."""
     rows = (
         Posting.objects.filter(
-            beneficiary_id__in=account_ids, entry__kind__in=EARNING_KINDS, entry__created_at__gte=since
+            beneficiary_id__in=account_ids,
+            entry__kind__in=EARNING_KINDS,
+            entry__created_at__gte=since,
         )
         .values("beneficiary_id")
         .annotate(s=Sum("amount"))
@@ -66,7 +70,9 @@ def earnings_since(*, account_ids: list[Any], since: datetime) -> dict[str, int]
 
 def escrow_held(*, account_id: Any) -> int:
     """What system:escrow holds on behalf of ``account_id``."""
-    total = Posting.objects.filter(account__name=ESCROW, beneficiary_id=account_id).aggregate(s=Sum("amount"))["s"]
+    total = Posting.objects.filter(account__name=ESCROW, beneficiary_id=account_id).aggregate(
+        s=Sum("amount")
+    )["s"]
     return int(total or 0)
 
 
@@ -74,7 +80,9 @@ def job_hold(*, job_id: Any) -> tuple[int, str | None]:
     """(amount held for the job, the account it was taken from), or (0, None) without a reservation."""
     held = 0
     consumer: str | None = None
-    for p in Posting.objects.filter(entry__idempotency_key=f"reserve:{job_id}").select_related("account"):
+    for p in Posting.objects.filter(entry__idempotency_key=f"reserve:{job_id}").select_related(
+        "account"
+    ):
         if p.account.name == HOLDS:
             held += p.amount
         else:
@@ -104,7 +112,8 @@ def account_standing(*, account_ids: list[Any], now: datetime | None = None) -> 
     window = float(getattr(settings, "CREDITS_STANDING_WINDOW_SECONDS", 86_400))
     weight = int(getattr(settings, "CREDITS_STANDING_EARN_WEIGHT", 1))
     rows = {
-        account_key(r["id"]): r for r in Account.objects.filter(pk__in=set(keys.values())).values("id", "balance", "kind")
+        account_key(r["id"]): r
+        for r in Account.objects.filter(pk__in=set(keys.values())).values("id", "balance", "kind")
     }
     recent = earnings_since(account_ids=list(rows), since=now - timedelta(seconds=window))
     out: dict[Any, int] = {}
@@ -131,16 +140,20 @@ def account_summary(*, account_id: Any, now: datetime) -> dict[str, Any]:
         "available": available,
         "held": open_holds(account_id=acct.pk),
         "earned_total": earnings_total(account_id=acct.pk),
-        "earned_recent": earnings_since(account_ids=[acct.pk], since=now - timedelta(seconds=window)).get(
-            account_key(acct.pk), 0
-        ),
+        "earned_recent": earnings_since(
+            account_ids=[acct.pk], since=now - timedelta(seconds=window)
+        ).get(account_key(acct.pk), 0),
         "escrow_held": escrow_held(account_id=acct.pk),
         "standing": account_standing(account_ids=[acct.pk], now=now)[acct.pk],
     }
 
 
 def ledger_postings(
-    *, account_id: Any, kind: str | None = None, since: datetime | None = None, until: datetime | None = None
+    *,
+    account_id: Any,
+    kind: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
 ) -> QuerySet[Posting]:
     """The account's postings, newest first, with their entries."""
     qs = Posting.objects.filter(account_id=account_id).select_related("entry")
@@ -153,7 +166,9 @@ def ledger_postings(
     return qs.order_by("-entry__created_at", "-entry_id", "id")
 
 
-def receipt_list(*, account_id: Any = None, job_id: Any = None, node_id: Any = None) -> QuerySet[Receipt]:
+def receipt_list(
+    *, account_id: Any = None, job_id: Any = None, node_id: Any = None
+) -> QuerySet[Receipt]:
     """Receipts, newest first: all of them, or those of nodes the account owns (or was paid for)."""
     qs = Receipt.objects.all()
     if account_id is not None:

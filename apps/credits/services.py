@@ -38,17 +38,37 @@ from .rules import (
     standby_amount,
     token_cost,
 )
-from .selectors import (
+from .selectors import (  # account_standing is re-exported: the /v1 API imports it from here
     ESCROW,
     FEES,
     HOLDS,
     MINT,
     SYSTEM_FLOORS,
     account_key,
+    account_standing,
     earnings_total,
     escrow_held,
     job_hold,
 )
+
+__all__ = [
+    "InsufficientCredits",
+    "JobNotTerminal",
+    "account_create",
+    "account_for_user",
+    "account_standing",
+    "account_system",
+    "credit_adjust",
+    "credit_grant",
+    "credit_reserve",
+    "credit_settle_job",
+    "credit_standby_reward",
+    "ledger_post",
+    "ledger_verify",
+    "receipt_check",
+    "receipt_public_key",
+    "receipt_signing_key",
+]
 
 log = logging.getLogger("racon.credits")
 
@@ -59,7 +79,9 @@ class InsufficientCredits(Exception):
     """The account lacks the credits above its floor (the /v1 API answers 429 insufficient_quota)."""
 
     def __init__(self, *, account_id: Any, needed: int, available: int) -> None:
-        super().__init__(f"account {account_id} has {max(available, 0)} micro-credits available, {needed} needed")
+        super().__init__(
+            f"account {account_id} has {max(available, 0)} micro-credits available, {needed} needed"
+        )
         self.account_id = account_id
         self.needed = needed
         self.available = available
@@ -79,7 +101,9 @@ def account_system(*, name: str) -> Account:
         return acct
     try:
         with transaction.atomic():
-            return Account.objects.create(name=name, kind=AccountKind.SYSTEM, floor=SYSTEM_FLOORS.get(name))
+            return Account.objects.create(
+                name=name, kind=AccountKind.SYSTEM, floor=SYSTEM_FLOORS.get(name)
+            )
     except IntegrityError:
         return Account.objects.get(name=name)
 
@@ -122,7 +146,10 @@ def account_create(
 def _locked_accounts(ids: Iterable[Any]) -> dict[str, Account]:
     """Lock the accounts in primary-key order (the one global lock order); all must exist."""
     keys = sorted({account_key(i) for i in ids})
-    rows = {account_key(a.pk): a for a in Account.objects.select_for_update().filter(pk__in=keys).order_by("pk")}
+    rows = {
+        account_key(a.pk): a
+        for a in Account.objects.select_for_update().filter(pk__in=keys).order_by("pk")
+    }
     missing = [k for k in keys if k not in rows]
     if missing:
         raise ValueError(f"unknown account(s): {', '.join(missing)}")
@@ -164,7 +191,9 @@ def ledger_post(
     lines: dict[tuple[str, str | None], int] = {}
     for posting in postings:
         if len(posting) not in (2, 3):
-            raise ValueError(f"a posting is (account_id, amount[, beneficiary_id]), got {posting!r}")
+            raise ValueError(
+                f"a posting is (account_id, amount[, beneficiary_id]), got {posting!r}"
+            )
         account_id, amount = posting[0], posting[1]
         beneficiary = posting[2] if len(posting) == 3 else None  # type: ignore[misc]
         amount_check(amount, what="posting amount", allow_negative=True)
@@ -191,17 +220,33 @@ def ledger_post(
                 acct = accounts[account_id]
                 after = acct.balance + delta
                 if abs(after) > MAX_AMOUNT:
-                    raise ValueError(f"account {acct.name} would overflow (limit ±2^62 micro-credits)")
+                    raise ValueError(
+                        f"account {acct.name} would overflow (limit ±2^62 micro-credits)"
+                    )
                 if delta < 0 and acct.floor is not None and after < acct.floor:
-                    raise InsufficientCredits(account_id=acct.pk, needed=-delta, available=acct.balance - acct.floor)
+                    raise InsufficientCredits(
+                        account_id=acct.pk, needed=-delta, available=acct.balance - acct.floor
+                    )
             entry = Entry.objects.create(
-                idempotency_key=key, kind=kind, memo=memo[:500], job_id=job_id, node_id=node_id,
-                data=data or {}, created_at=now,
+                idempotency_key=key,
+                kind=kind,
+                memo=memo[:500],
+                job_id=job_id,
+                node_id=node_id,
+                data=data or {},
+                created_at=now,
             )
             Posting.objects.bulk_create(
                 [
-                    Posting(entry=entry, account_id=account_id, amount=amount, beneficiary_id=beneficiary)
-                    for (account_id, beneficiary), amount in sorted(lines.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))
+                    Posting(
+                        entry=entry,
+                        account_id=account_id,
+                        amount=amount,
+                        beneficiary_id=beneficiary,
+                    )
+                    for (account_id, beneficiary), amount in sorted(
+                        lines.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")
+                    )
                 ]
             )
             for account_id, delta in sorted(net.items()):
@@ -226,28 +271,47 @@ def _reason_check(reason: str) -> str:
     return reason[:500]
 
 
-def credit_grant(*, account_id: Any, amount: int, reason: str, now: datetime, key: str | None = None) -> Entry:
+def credit_grant(
+    *, account_id: Any, amount: int, reason: str, now: datetime, key: str | None = None
+) -> Entry:
     """Mint ``amount`` (> 0) into the account, as one entry carrying the reason."""
     amount_check(amount, what="grant")
-    return _mint_move(account_id=account_id, amount=amount, reason=_reason_check(reason), now=now,
-                      kind=EntryKind.GRANT, key=key)
+    return _mint_move(
+        account_id=account_id,
+        amount=amount,
+        reason=_reason_check(reason),
+        now=now,
+        kind=EntryKind.GRANT,
+        key=key,
+    )
 
 
-def credit_adjust(*, account_id: Any, amount: int, reason: str, now: datetime, key: str | None = None) -> Entry:
+def credit_adjust(
+    *, account_id: Any, amount: int, reason: str, now: datetime, key: str | None = None
+) -> Entry:
     """Add (or, when negative, take back to the mint down to the floor) ``amount``, with the reason."""
     amount_check(amount, what="adjustment", allow_negative=True)
-    return _mint_move(account_id=account_id, amount=amount, reason=_reason_check(reason), now=now,
-                      kind=EntryKind.ADJUST, key=key)
+    return _mint_move(
+        account_id=account_id,
+        amount=amount,
+        reason=_reason_check(reason),
+        now=now,
+        kind=EntryKind.ADJUST,
+        key=key,
+    )
 
 
-def _mint_move(*, account_id: Any, amount: int, reason: str, now: datetime, kind: str, key: str | None) -> Entry:
+def _mint_move(
+    *, account_id: Any, amount: int, reason: str, now: datetime, kind: str, key: str | None
+) -> Entry:
     mint = account_system(name=MINT)
     if account_key(account_id) == account_key(mint.pk):
         raise ValueError("the mint cannot grant to itself")
     if not Account.objects.filter(pk=account_id).exists():
         raise ValueError(f"unknown account {account_id}")
     return ledger_post(
-        key=f"{kind.lower()}:{key or uuid.uuid4().hex}",
+        # The caller's key is scoped to the account: one retried request, one entry.
+        key=f"{kind.lower()}:{account_key(account_id)}:{key or uuid.uuid4().hex}",
         kind=kind,
         postings=[(mint.pk, -amount), (account_id, amount)],
         memo=reason,
@@ -258,7 +322,9 @@ def _mint_move(*, account_id: Any, amount: int, reason: str, now: datetime, kind
 # --- spending -------------------------------------------------------------------------------------
 
 
-def credit_reserve(*, account_id: Any, job_id: Any, max_tokens: int, model_price_permille: int, now: datetime) -> int:
+def credit_reserve(
+    *, account_id: Any, job_id: Any, max_tokens: int, model_price_permille: int, now: datetime
+) -> int:
     """Hold max_tokens' worth of credits for the job (once per job); InsufficientCredits if short.
 
     Call it in the transaction that creates the Job (the entry references it). The operator's
@@ -266,10 +332,18 @@ def credit_reserve(*, account_id: Any, job_id: Any, max_tokens: int, model_price
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if isinstance(model_price_permille, bool) or not isinstance(model_price_permille, int) or model_price_permille < 0:
-        raise ValueError(f"model price weight must be a non-negative integer, got {model_price_permille!r}")
+    if (
+        isinstance(model_price_permille, bool)
+        or not isinstance(model_price_permille, int)
+        or model_price_permille < 0
+    ):
+        raise ValueError(
+            f"model price weight must be a non-negative integer, got {model_price_permille!r}"
+        )
     micro = int(getattr(settings, "CREDITS_MICRO_PER_TOKEN", 1_000))
-    amount = token_cost(tokens=max_tokens, price_permille=model_price_permille, micro_per_token=micro)
+    amount = token_cost(
+        tokens=max_tokens, price_permille=model_price_permille, micro_per_token=micro
+    )
     if amount == 0:
         return 0  # a free model: nothing to hold
     amount_check(amount, what="reservation")
@@ -281,7 +355,11 @@ def credit_reserve(*, account_id: Any, job_id: Any, max_tokens: int, model_price
         memo=f"hold for job {job_id}: {max_tokens} tokens",
         now=now,
         job_id=job_id,
-        data={"max_tokens": max_tokens, "price_permille": model_price_permille, "micro_per_token": micro},
+        data={
+            "max_tokens": max_tokens,
+            "price_permille": model_price_permille,
+            "micro_per_token": micro,
+        },
     )
     return int(entry.postings.filter(account_id=holds.pk).aggregate(s=Sum("amount"))["s"] or 0)
 
@@ -321,7 +399,9 @@ def _to_escrow(*, rules: _EarningRules, owner: Account) -> bool:
     return rules.earned[key] < rules.threshold
 
 
-def _escrow_release_if_due(*, owner_id: str, escrow_id: Any, trigger: str, now: datetime) -> Entry | None:
+def _escrow_release_if_due(
+    *, owner_id: str, escrow_id: Any, trigger: str, now: datetime
+) -> Entry | None:
     """Pay out what escrow holds for the owner once it is trusted (or escrow was switched off)."""
     held = escrow_held(account_id=owner_id)
     if held <= 0:
@@ -333,7 +413,9 @@ def _escrow_release_if_due(*, owner_id: str, escrow_id: Any, trigger: str, now: 
         key=f"escrow-release:{owner_id}:{trigger}",
         kind=EntryKind.ESCROW_RELEASE,
         postings=[(escrow_id, -held, owner_id), (owner_id, held, owner_id)],
-        memo="escrow released: trust threshold reached" if rules.escrow_on else "escrow released: escrow is off",
+        memo="escrow released: trust threshold reached"
+        if rules.escrow_on
+        else "escrow released: escrow is off",
         now=now,
     )
 
@@ -360,7 +442,9 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
         raise JobNotTerminal(f"job {job_id} is {job.state}, not terminal")
 
     plan = (job.deployment.plan if job.deployment is not None else None) or {}
-    primary, work = plan_work(plan, job.device_seconds if isinstance(job.device_seconds, dict) else None)
+    primary, work = plan_work(
+        plan, job.device_seconds if isinstance(job.device_seconds, dict) else None
+    )
     nodes = {str(n.pk): n for n in Node.objects.filter(pk__in=[w.node_id for w in work])}
     work = [w for w in work if w.node_id in nodes]  # a node row that is gone cannot be paid
     if primary not in nodes:
@@ -397,7 +481,11 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
         fee = charge * fee_permille // 1000
         pool = charge - fee
         shares = settlement_split(
-            value=pool, work=work, primary_node_id=primary, tokens=tokens, primary_share_permille=primary_permille
+            value=pool,
+            work=work,
+            primary_node_id=primary,
+            tokens=tokens,
+            primary_share_permille=primary_permille,
         )
         if not shares:
             fee, pool = charge, 0  # nobody to pay (no plan): the value goes to fees
@@ -414,8 +502,17 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
             owner = accounts[owners[w.node_id]]
             amount = shares.get(w.node_id, 0)
             escrowed = amount > 0 and _to_escrow(rules=rules, owner=owner)
-            payouts.append(_Payout(node_id=w.node_id, owner_id=owners[w.node_id], amount=amount, escrowed=escrowed,
-                                   layers=w.layers, device_ms=w.device_ms, primary=w.node_id == primary))
+            payouts.append(
+                _Payout(
+                    node_id=w.node_id,
+                    owner_id=owners[w.node_id],
+                    amount=amount,
+                    escrowed=escrowed,
+                    layers=w.layers,
+                    device_ms=w.device_ms,
+                    primary=w.node_id == primary,
+                )
+            )
             if amount > 0:
                 postings.append((escrow.pk if escrowed else owner.pk, amount, owner.pk))
 
@@ -427,9 +524,17 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
             now=now,
             job_id=job.pk,
             data={
-                "state": job.state, "prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens,
-                "price_permille": price, "micro_per_token": micro, "cost": cost, "held": held, "charged": charge,
-                "fee": fee, "value": pool, "primary_node_id": primary,
+                "state": job.state,
+                "prompt_tokens": job.prompt_tokens,
+                "completion_tokens": job.completion_tokens,
+                "price_permille": price,
+                "micro_per_token": micro,
+                "cost": cost,
+                "held": held,
+                "charged": charge,
+                "fee": fee,
+                "value": pool,
+                "primary_node_id": primary,
                 "shares": {p.node_id: p.amount for p in payouts},
             },
         )
@@ -469,7 +574,11 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
             .values_list("created_at", flat=True)
             .first()
         )
-        start = max(t for t in (last, node.state_changed_at, now - timedelta(seconds=period_s)) if t is not None)
+        start = max(
+            t
+            for t in (last, node.state_changed_at, now - timedelta(seconds=period_s))
+            if t is not None
+        )
         elapsed_ms = (now - start) // timedelta(milliseconds=1)
         memory = max(node.ram_available, 0) + max(node.vram_free, 0)
         amount = standby_amount(per_gib_hour=rate, memory_bytes=memory, elapsed_ms=elapsed_ms)
@@ -484,14 +593,24 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
                 entry = ledger_post(
                     key=key,
                     kind=EntryKind.STANDBY,
-                    postings=[(mint.pk, -amount), (escrow.pk if escrowed else owner.pk, amount, owner.pk)],
+                    postings=[
+                        (mint.pk, -amount),
+                        (escrow.pk if escrowed else owner.pk, amount, owner.pk),
+                    ],
                     memo=f"standby: {memory / 1024**3:.1f} GiB for {elapsed_ms / 1000:.0f} s",
                     now=now,
                     node_id=node.pk,
-                    data={"memory_bytes": memory, "elapsed_ms": elapsed_ms, "per_gib_hour": rate,
-                          "period": period, "escrowed": escrowed},
+                    data={
+                        "memory_bytes": memory,
+                        "elapsed_ms": elapsed_ms,
+                        "per_gib_hour": rate,
+                        "period": period,
+                        "escrowed": escrowed,
+                    },
                 )
-                _escrow_release_if_due(owner_id=account_key(owner.pk), escrow_id=escrow.pk, trigger=key, now=now)
+                _escrow_release_if_due(
+                    owner_id=account_key(owner.pk), escrow_id=escrow.pk, trigger=key, now=now
+                )
         except (ValueError, IntegrityError):
             log.exception("standby reward for node %s failed", node.pk)
             continue
@@ -503,7 +622,13 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
 
 
 def _receipts_issue(
-    *, entry: Entry, job: Any, nodes: dict[str, Any], payouts: list[_Payout], value: int, now: datetime
+    *,
+    entry: Entry,
+    job: Any,
+    nodes: dict[str, Any],
+    payouts: list[_Payout],
+    value: int,
+    now: datetime,
 ) -> list[Receipt]:
     """One signed receipt per participating node, in the settlement's transaction."""
     key = receipt_signing_key()
@@ -537,10 +662,22 @@ def _receipts_issue(
         }
         out.append(
             Receipt(
-                id=rid, entry=entry, job_id=job.pk, node_id=p.node_id, account_id=p.owner_id, model_name=job.model.name,
-                tokens=payload["tokens"], layers=p.layers, share_ppm=payload["share_ppm"], credits=p.amount,
-                escrowed=p.escrowed, is_primary=p.primary, issued_at=now, payload=payload,
-                signature=signing.receipt_sign(payload, key), key_id=kid,
+                id=rid,
+                entry=entry,
+                job_id=job.pk,
+                node_id=p.node_id,
+                account_id=p.owner_id,
+                model_name=job.model.name,
+                tokens=payload["tokens"],
+                layers=p.layers,
+                share_ppm=payload["share_ppm"],
+                credits=p.amount,
+                escrowed=p.escrowed,
+                is_primary=p.primary,
+                issued_at=now,
+                payload=payload,
+                signature=signing.receipt_sign(payload, key),
+                key_id=kid,
             )
         )
     return Receipt.objects.bulk_create(out)
@@ -548,10 +685,15 @@ def _receipts_issue(
 
 def receipt_signing_key() -> Ed25519PrivateKey:
     """The controller's receipt key: RACON_RECEIPT_KEY (base64 raw), else VAR_DIR/receipt-signing.key (made 0600)."""
-    configured = getattr(settings, "RACON_RECEIPT_KEY", "") or os.environ.get("RACON_RECEIPT_KEY", "")
+    configured = getattr(settings, "RACON_RECEIPT_KEY", "") or os.environ.get(
+        "RACON_RECEIPT_KEY", ""
+    )
     if configured:
         return _key_from_b64(configured)
-    path = getattr(settings, "CREDITS_RECEIPT_KEY_PATH", None) or Path(settings.VAR_DIR) / "receipt-signing.key"
+    path = (
+        getattr(settings, "CREDITS_RECEIPT_KEY_PATH", None)
+        or Path(settings.VAR_DIR) / "receipt-signing.key"
+    )
     return _key_from_file(str(path))
 
 
@@ -616,15 +758,27 @@ class LedgerReport:
 
     @property
     def ok(self) -> bool:
-        return not (self.unbalanced_entries or self.balance_mismatches or self.below_floor or self.holds_mismatch)
+        return not (
+            self.unbalanced_entries
+            or self.balance_mismatches
+            or self.below_floor
+            or self.holds_mismatch
+        )
 
 
 def ledger_verify() -> LedgerReport:
     """Prove the ledger: every entry sums to zero, cached balances equal the replay, floors hold."""
     report = LedgerReport(
-        entries=Entry.objects.count(), postings=Posting.objects.count(), accounts=Account.objects.count()
+        entries=Entry.objects.count(),
+        postings=Posting.objects.count(),
+        accounts=Account.objects.count(),
     )
-    for row in Posting.objects.values("entry_id").annotate(total=Sum("amount")).exclude(total=0).order_by("entry_id"):
+    for row in (
+        Posting.objects.values("entry_id")
+        .annotate(total=Sum("amount"))
+        .exclude(total=0)
+        .order_by("entry_id")
+    ):
         report.unbalanced_entries.append({"entry_id": row["entry_id"], "sum": int(row["total"])})
     replay = {
         account_key(r["account_id"]): int(r["total"] or 0)
@@ -634,11 +788,22 @@ def ledger_verify() -> LedgerReport:
         replayed = replay.get(account_key(acct.pk), 0)
         if acct.balance != replayed:
             report.balance_mismatches.append(
-                {"account_id": str(acct.pk), "name": acct.name, "cached": acct.balance, "replayed": replayed}
+                {
+                    "account_id": str(acct.pk),
+                    "name": acct.name,
+                    "cached": acct.balance,
+                    "replayed": replayed,
+                }
             )
         if acct.floor is not None and acct.balance < acct.floor:
-            report.below_floor.append({"account_id": str(acct.pk), "name": acct.name, "balance": acct.balance,
-                                       "floor": acct.floor})
+            report.below_floor.append(
+                {
+                    "account_id": str(acct.pk),
+                    "name": acct.name,
+                    "balance": acct.balance,
+                    "floor": acct.floor,
+                }
+            )
         if acct.name == MINT:
             report.total_minted = -replayed
     holds = Account.objects.filter(name=HOLDS).first()
@@ -651,5 +816,8 @@ def ledger_verify() -> LedgerReport:
             or 0
         )
         if open_total != replay.get(account_key(holds.pk), 0):
-            report.holds_mismatch = {"holds": replay.get(account_key(holds.pk), 0), "open_reservations": open_total}
+            report.holds_mismatch = {
+                "holds": replay.get(account_key(holds.pk), 0),
+                "open_reservations": open_total,
+            }
     return report

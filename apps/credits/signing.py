@@ -32,7 +32,9 @@ class VerifyResult:
 def canonical_json(obj: Any) -> bytes:
     """The exact bytes a signature covers: sorted keys, compact separators, UTF-8, no floats."""
     _refuse_floats(obj)
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode()
 
 
 def _refuse_floats(obj: Any) -> None:
@@ -73,7 +75,9 @@ def private_key_from_b64(text: str) -> Ed25519PrivateKey:
 
 def public_key_raw(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
     pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
-    return pub.public_bytes(encoding=serialization.Encoding.Raw, format=serialization.PublicFormat.Raw)
+    return pub.public_bytes(
+        encoding=serialization.Encoding.Raw, format=serialization.PublicFormat.Raw
+    )
 
 
 def public_key_pem(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
@@ -115,7 +119,9 @@ def receipt_sign(payload: Mapping[str, Any], private_key: Ed25519PrivateKey) -> 
     return base64.b64encode(private_key.sign(canonical_json(dict(payload)))).decode()
 
 
-def receipt_verify(receipt: Mapping[str, Any], public_key: str | bytes | Ed25519PublicKey) -> VerifyResult:
+def receipt_verify(
+    receipt: Mapping[str, Any], public_key: str | bytes | Ed25519PublicKey
+) -> VerifyResult:
     """Whether ``receipt`` (payload fields plus ``signature``) was signed by ``public_key``, unaltered."""
     if not isinstance(receipt, Mapping):
         return VerifyResult(False, "a receipt is a JSON object")

@@ -62,6 +62,9 @@ def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: s
             message=str(payload.get("message", ""))[:500],
             data=payload.get("data") or {},
         )
+        dep_id = (payload.get("data") or {}).get("deployment_id")
+        if name == "RUNTIME_FAILED" and dep_id:
+            jobs.deployment_runtime_failed(deployment_id=dep_id, node_id=node_id, message=str(payload.get("message", "runtime failed")), now=now)
         return None
     if kind == "fault":
         from apps.nodes.services import node_report_fault  # noqa: PLC0415

@@ -26,15 +26,22 @@ The contract with the agent runtime (llama.cpp + ggml-rpc), checked against llam
 - ggml-rpc moves every activation through the primary (a tensor copy between two different
   servers falls back to get + set on the primary), so each remote node costs one round trip to
   the primary per forward pass, whatever the order of the remote nodes.
+- ``Plan.flash_attn`` and ``Plan.n_batch`` size the compute buffers counted here; the runtime
+  must pass them to llama.cpp (llama-cpp-python defaults to flash_attn=False, n_batch=512).
+
+Checked for real with llama-cpp-python 0.3.36 and two loopback ggml-rpc workers: the SmolLM2
+spread plan (28 layers on the primary's CPU, 1 on the first worker, 1 plus the output on the
+second; n_gpu_layers=3, tensor_split=[1, 2]) loaded exactly there, and answered "Paris.".
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from apps.models_repo.profile import ModelProfile
@@ -213,6 +220,12 @@ class PlanDevice:
         d["n_layers"] = self.n_layers
         return d
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanDevice:
+        """Inverse of to_dict (derived keys ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -287,6 +300,16 @@ class Plan:
             "predicted_tokens_per_s": self.predicted_tokens_per_s,
             "explanation": list(self.explanation),
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Inverse of to_dict, for a plan stored as JSON (derived keys ignored)."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        kwargs["devices"] = tuple(PlanDevice.from_dict(d) for d in data["devices"])
+        kwargs["tensor_split"] = tuple(float(x) for x in data["tensor_split"])
+        kwargs["explanation"] = tuple(data.get("explanation", ()))
+        return cls(**kwargs)
 
 
 class PlacementRefused(Exception):
@@ -447,30 +470,67 @@ class _Dev:
 
 
 class _Node:
+    """A node as the search sees it. Ranking figures are computed for every node; the device
+    objects only for the nodes the search actually touches (a 1,000-node cluster has ~1,700
+    devices, and building all of them dominated the decision time)."""
+
     __slots__ = (
         "snap",
-        "devs",
-        "cpu",
-        "gpus",
+        "ctx",
+        "index",
         "cap_primary",
         "primary_ok",
         "cap_alone",
         "best_t",
         "total_cap",
-        "best_out",
+        "alone_est",
+        "_devs",
+        "_cpu",
+        "_gpus",
+        "_best_out",
     )
 
-    def __init__(self, snap: NodeSnapshot) -> None:
+    def __init__(self, snap: NodeSnapshot, ctx: _Ctx, index: int) -> None:
         self.snap = snap
-        self.devs: list[_Dev] = []  # fastest first
-        self.cpu: _Dev | None = None
-        self.gpus: list[_Dev] = []
+        self.ctx = ctx
+        self.index = index  # position in the cluster: tie-breaks and plan order
         self.cap_primary = -1  # layers on this node's CPU when it is the primary (offloading)
         self.primary_ok = False  # its CPU can host embeddings + host buffers
         self.cap_alone = -1  # layers on its CPU when it runs the whole model there (output too)
-        self.best_t = math.inf
-        self.total_cap = 0
-        self.best_out: _Dev | None = None  # the device that would best hold the output
+        self.best_t = math.inf  # fastest per-layer time among devices with room
+        self.total_cap = 0  # layers its devices can hold as a remote node
+        self.alone_est = math.inf  # rough latency when it runs the model by itself
+        self._devs: list[_Dev] | None = None
+        self._cpu: _Dev | None = None
+        self._gpus: list[_Dev] = []
+        self._best_out: _Dev | None = None
+
+    @property
+    def devs(self) -> list[_Dev]:
+        """Its devices, fastest first."""
+        if self._devs is None:
+            self.ctx.materialize(self)
+            assert self._devs is not None
+        return self._devs
+
+    @property
+    def cpu(self) -> _Dev | None:
+        if self._devs is None:
+            self.ctx.materialize(self)
+        return self._cpu
+
+    @property
+    def gpus(self) -> list[_Dev]:
+        if self._devs is None:
+            self.ctx.materialize(self)
+        return self._gpus
+
+    @property
+    def best_out(self) -> _Dev | None:
+        """The device that would best hold the output layer."""
+        if self._devs is None:
+            self.ctx.materialize(self)
+        return self._best_out
 
 
 def _fit_layers(free: float, fixed: float, per_layer: float, limit: int) -> int:
@@ -533,57 +593,49 @@ class _Ctx:
         pout_fixed = profile.output_bytes + pcb_out
         self.nodes: list[_Node] = []
         self.by_id: dict[str, _Node] = {}
-        order = 0
+        self._t = (tg_flops, tg_bytes, out_flops, out_bytes, overhead)
+        self._caps = (cb, out_fixed, pcb, pout_fixed)
         host_idle, host_layers, alone_fixed = (
             self.host_fixed_idle,
             self.host_fixed_layers,
             self.alone_fixed,
         )
-        for ns in nodes:
-            node = _Node(ns)
-            devs = node.devs
+        # Cheap pass over every device: per-layer time and room, enough to rank nodes. Inlined
+        # arithmetic (no helper calls) because it runs for every device on every decision.
+        for index, ns in enumerate(nodes):
+            node = _Node(ns, self, index)
+            ts: list[tuple[float, int]] = []
+            cpu_free = -1.0
+            cpu_t = math.inf
             for ds in ns.devices:
-                d = _Dev(ds, node)
-                d.order = order
-                order += 1
                 gf = (ds.gflops if ds.gflops > 1e-6 else 1e-6) * 1e9
                 bw = (ds.mem_bandwidth_gbps if ds.mem_bandwidth_gbps > 1e-6 else 1e-6) * 1e9
                 a, b = tg_flops / gf, tg_bytes / bw
-                d.t_tg = (a if a > b else b) + overhead
-                a, b = out_flops / gf, out_bytes / bw
-                d.out_tg = (a if a > b else b) + overhead
+                t = (a if a > b else b) + overhead
                 free = ds.free_bytes / margin
-                # Inlined _fit_layers: four caps per device, every device, every decision.
                 c = int((free - cb) // per_layer) if free >= cb else -1
-                d.cap = c if c < n_layer else n_layer
-                c = int((free - out_fixed) // per_layer) if free >= out_fixed else -1
-                d.cap_out = c if c < n_layer else n_layer
-                c = int((free - pcb) // per_layer) if free >= pcb else -1
-                d.pcap = c if c < n_layer else n_layer
-                c = int((free - pout_fixed) // per_layer) if free >= pout_fixed else -1
-                d.pcap_out = c if c < n_layer else n_layer
-                devs.append(d)
-                if node.cpu is None and ds.kind == "cpu":
-                    node.cpu = d
-                else:
-                    node.gpus.append(d)
-                if d.cap > 0:
-                    node.total_cap += d.cap
-                    if d.t_tg < node.best_t:
-                        node.best_t = d.t_tg
-                if d.cap_out > 0 and (
-                    node.best_out is None
-                    or d.out_tg + d.t_tg < node.best_out.out_tg + node.best_out.t_tg
-                ):
-                    node.best_out = d
-            if len(devs) > 1:
-                devs.sort(key=lambda d: (d.t_tg, d.order))
-            cpu = node.cpu
-            if cpu is not None:
-                free = cpu.snap.free_bytes / margin
-                node.primary_ok = free >= host_idle
-                node.cap_primary = _fit_layers(free, host_layers, per_layer, n_layer)
-                node.cap_alone = _fit_layers(free, alone_fixed, per_layer, n_layer)
+                c = c if c < n_layer else n_layer
+                if cpu_free < 0 and ds.kind == "cpu":
+                    cpu_free, cpu_t = free, t
+                elif c > 0:
+                    ts.append((t, c))
+                if c > 0:
+                    node.total_cap += c
+                    if t < node.best_t:
+                        node.best_t = t
+            if cpu_free >= host_idle:
+                node.primary_ok = True
+                cp = int((cpu_free - host_layers) // per_layer) if cpu_free >= host_layers else -1
+                cp = node.cap_primary = cp if cp < n_layer else n_layer
+                ca = int((cpu_free - alone_fixed) // per_layer) if cpu_free >= alone_fixed else -1
+                ca = node.cap_alone = ca if ca < n_layer else n_layer
+                if ts:
+                    node.alone_est = self._alone_estimate(ts, cpu_t, cp, ca)
+                elif ca >= n_layer:
+                    node.alone_est = n_layer * cpu_t
+            elif cpu_free >= 0:
+                node.cap_primary = _fit_layers(cpu_free, host_layers, per_layer, n_layer)
+                node.cap_alone = _fit_layers(cpu_free, alone_fixed, per_layer, n_layer)
             self.nodes.append(node)
             self.by_id[ns.node_id] = node
         self._hop_cache: dict[tuple[int, int, bool], float] = {}
@@ -596,6 +648,65 @@ class _Ctx:
                 profile, request, cluster.default_link, holds_output=True, prompt=False, cost=cost
             ),
         )
+
+    def _alone_estimate(
+        self, gpus: list[tuple[float, int]], cpu_t: float, cap_primary: int, cap_alone: int
+    ) -> float:
+        """Rough decode latency of a node running the model by itself (inf when it cannot):
+        its GPUs fastest first, the rest on its CPU. Only ranks primaries; never a prediction."""
+        n_layer = self.n_layer
+        best = n_layer * cpu_t if cap_alone >= n_layer else math.inf
+        if gpus:
+            need, total = n_layer, 0.0
+            for t, c in sorted([*gpus, (cpu_t, max(0, cap_primary))]):
+                take = c if c < need else need
+                total += take * t
+                need -= take
+                if need == 0:
+                    return min(best, total)
+        return best
+
+    def materialize(self, node: _Node) -> None:
+        """Build a node's device objects (times, every cap variant, output candidate)."""
+        tg_flops, tg_bytes, out_flops, out_bytes, overhead = self._t
+        cb, out_fixed, pcb, pout_fixed = self._caps
+        n_layer, per_layer, margin = self.n_layer, self.per_layer, self.margin
+        devs: list[_Dev] = []
+        for i, ds in enumerate(node.snap.devices):
+            d = _Dev(ds, node)
+            d.order = node.index * 64 + i
+            gf = (ds.gflops if ds.gflops > 1e-6 else 1e-6) * 1e9
+            bw = (ds.mem_bandwidth_gbps if ds.mem_bandwidth_gbps > 1e-6 else 1e-6) * 1e9
+            d.t_tg = max(tg_flops / gf, tg_bytes / bw) + overhead
+            d.out_tg = max(out_flops / gf, out_bytes / bw) + overhead
+            free = ds.free_bytes / margin
+            d.cap = _fit_layers(free, cb, per_layer, n_layer)
+            d.cap_out = _fit_layers(free, out_fixed, per_layer, n_layer)
+            d.pcap = _fit_layers(free, pcb, per_layer, n_layer)
+            d.pcap_out = _fit_layers(free, pout_fixed, per_layer, n_layer)
+            devs.append(d)
+            if node._cpu is None and ds.kind == "cpu":
+                node._cpu = d
+            else:
+                node._gpus.append(d)
+            best = node._best_out
+            if d.cap_out > 0 and (best is None or d.out_tg + d.t_tg < best.out_tg + best.t_tg):
+                node._best_out = d
+        devs.sort(key=lambda d: (d.t_tg, d.order))
+        node._devs = devs
+
+    def release(self) -> None:
+        """Break the node <-> device and node <-> context reference cycles once a decision is
+        made, so reference counting frees them at once. Left to the cyclic collector, a 1,000-node
+        decision's garbage made its full collections the p99 of the decision time."""
+        for node in self.nodes:
+            node._devs = None
+            node._cpu = None
+            node._gpus = []
+            node._best_out = None
+        self.nodes = []
+        self.by_id = {}
+        self._ranking = None
 
     def remote_ranking(self) -> list[_Node]:
         """Nodes with room, best per-layer cost first assuming the default link."""
@@ -677,17 +788,15 @@ def _fill(
     cpu = primary.cpu
     if cpu is None:
         return _infeasible(ctx, primary, out)
-    caps: dict[int, int] = {}
-    pool: list[_Dev] = []
+    # (per-layer time, tie-break, device, cap): sorting the tuples never reaches the device.
+    pool: list[tuple[float, int, _Dev, int]] = []
     if out is None:
         # Everything on the primary's CPU, output included: a plain local llama.cpp run.
         if primary.cap_alone > 0:
-            caps[id(cpu)] = primary.cap_alone
-            pool.append(cpu)
+            pool.append((cpu.t_tg, cpu.order, cpu, primary.cap_alone))
     else:
         if primary.cap_primary > 0:
-            caps[id(cpu)] = primary.cap_primary
-            pool.append(cpu)
+            pool.append((cpu.t_tg, cpu.order, cpu, primary.cap_primary))
         # llama.cpp puts local GPUs after every RPC device, so with the output on a remote
         # device the primary's GPUs cannot hold layers.
         nodes = remote if out.node is not primary else (primary, *remote)
@@ -700,42 +809,47 @@ def _fill(
                 else:
                     c = d.cap_out if d is out else d.cap
                 if c > 0:
-                    caps[id(d)] = c
-                    pool.append(d)
-        pool.sort(key=lambda d: (d.t_tg, d.order))
-    assign: dict[int, int] = {}
+                    pool.append((d.t_tg, d.order, d, c))
+        pool.sort()
+    counts = [0] * len(pool)
     need = n_layer
     if out is not None:
-        if caps.get(id(out), 0) < 1:
+        i_out = next((i for i, e in enumerate(pool) if e[2] is out), -1)
+        if i_out < 0:
             return _infeasible(ctx, primary, out)
-        assign[id(out)] = 1
+        counts[i_out] = 1
         need -= 1
     if spread:
         for node in (primary, *remote):
-            if any(assign.get(id(d), 0) for d in node.devs):
+            if out is not None and out.node is node:
                 continue
-            first = next((d for d in pool if d.node is node), None)
-            if first is None or need == 0:
+            first = next((i for i, e in enumerate(pool) if e[2].node is node), -1)
+            if first < 0 or need == 0:
                 return _infeasible(ctx, primary, out)
-            assign[id(first)] = 1
+            counts[first] = 1
             need -= 1
-    for d in pool:
+    for i, (_, _, _, cap) in enumerate(pool):
         if need == 0:
             break
-        k = id(d)
-        have = assign.get(k, 0)
-        take = caps[k] - have
+        take = cap - counts[i]
         if take > need:
             take = need
         if take > 0:
-            assign[k] = have + take
+            counts[i] += take
             need -= take
-    devs = {id(d): d for d in pool}
     total = 0.0
     used_remote: list[_Node] = []
-    for k, c in assign.items():
-        d = devs[k]
-        total += c * d.t_tg
+    assign: dict[int, int] = {}
+    devs: dict[int, _Dev] = {}
+    over_pipeline = False
+    for (t, _, d, _), c in zip(pool, counts, strict=True):
+        if c == 0:
+            continue
+        total += c * t
+        assign[id(d)] = c
+        devs[id(d)] = d
+        if c > (d.pcap_out if d is out else d.pcap):
+            over_pipeline = True
         node = d.node
         if node is not primary and node not in used_remote:
             used_remote.append(node)
@@ -751,21 +865,21 @@ def _fill(
         not pipeline
         and out is not None
         and need == 0
-        and not assign.get(id(cpu))
+        and id(cpu) not in assign
         and len(assign) > 1
         and ctx.cost.pipeline_copies > 1
     ):
         # Every layer offloaded to two or more devices: llama.cpp turns on pipeline parallelism,
-        # which keeps several copies of the compute buffers. Check the fill against those.
-        if any(
-            c > (devs[k].pcap_out if devs[k] is out else devs[k].pcap) for k, c in assign.items()
-        ):
+        # which keeps copies of each split's inputs. Refill against those caps when needed.
+        if over_pipeline:
             ev = _fill(ctx, primary, remote, out, spread, pipeline=True)
         ev.pipeline = True
     return ev
 
 
-def _output_candidates(primary: _Node, remote: Sequence[_Node], every: bool) -> list[_Dev | None]:
+def _output_candidates(
+    ctx: _Ctx, primary: _Node, remote: Sequence[_Node], every: bool
+) -> list[_Dev | None]:
     """Where the output layer may go: nowhere else (no offload), a local GPU or a remote device.
 
     With every=False only each node's best output device is tried (the search's fast path);
@@ -782,10 +896,21 @@ def _output_candidates(primary: _Node, remote: Sequence[_Node], every: bool) -> 
     gpus = [g for g in primary.gpus if g.cap_out > 0]
     if gpus:
         cands.append(min(gpus, key=lambda g: (g.out_tg + g.t_tg, g.order)))
-    # Reversed: on a tie the output goes to the last remote node, keeping the given node order.
-    for node in reversed(remote):
-        if node.best_out is not None:
-            cands.append(node.best_out)
+    # Only the two remote nodes where the output costs least (logits back over their link, the
+    # LM head on their best device). Reversed first: on a tie the output goes to the last node.
+    ranked = sorted(
+        (
+            (
+                ctx.hop(primary, n, True) - ctx.hop(primary, n, False) + n.best_out.out_tg,
+                -i,
+                n.best_out,
+            )
+            for i, n in enumerate(remote)
+            if n.best_out is not None
+        ),
+        key=lambda t: (t[0], t[1]),
+    )
+    cands.extend(t[2] for t in ranked[:2])
     return cands
 
 
@@ -796,7 +921,7 @@ def _evaluate(
     if not primary.primary_ok:
         return _infeasible(ctx, primary)
     best: _Eval | None = None
-    for out in _output_candidates(primary, remote, every):
+    for out in _output_candidates(ctx, primary, remote, every):
         ev = _fill(ctx, primary, remote, out, spread)
         if best is None or ev.key < best.key:
             best = ev
@@ -922,6 +1047,28 @@ def _better(a: _Eval, b: _Eval) -> bool:
     )
 
 
+def _may_help(ctx: _Ctx, primary: _Node, node: _Node, cur: _Eval) -> bool:
+    """False when adding node to a feasible plan cannot predict faster: each layer it could take
+    saves at most (slowest used device - its best device) and its hop costs more, and holding
+    the output there (LM head + logits over its link) is no cheaper than where it is now."""
+    if not cur.feasible or node.total_cap <= 0:
+        return node.total_cap > 0
+    slowest = max((cur.devs[k].t_tg for k in cur.assign), default=math.inf)
+    gain = (slowest - node.best_t) * min(node.total_cap, ctx.n_layer)
+    if gain > ctx.hop(primary, node, False):
+        return True
+    best_out = node.best_out
+    if best_out is None:
+        return False
+    out = cur.out
+    if out is None:
+        return False  # a plain local run: a remote output only adds a hop
+    now = out.out_tg
+    if out.node is not primary:
+        now += ctx.hop(primary, out.node, True) - ctx.hop(primary, out.node, False)
+    return best_out.out_tg + ctx.hop(primary, node, True) < now + slowest
+
+
 def _local_search(ctx: _Ctx, primary: _Node, pool: Sequence[_Node], notes: list[str]) -> _Eval:
     """Greedy add of remote nodes, then drop and swap passes; each step must predict faster."""
     current: list[_Node] = []
@@ -930,7 +1077,7 @@ def _local_search(ctx: _Ctx, primary: _Node, pool: Sequence[_Node], notes: list[
     while True:
         best_ev, best_node = None, None
         for node in pool:
-            if node in current:
+            if node in current or not _may_help(ctx, primary, node, cur):
                 continue
             ev = _evaluate(ctx, primary, [*current, node], every=False)
             if best_ev is None or ev.key < best_ev.key:
@@ -958,7 +1105,7 @@ def _local_search(ctx: _Ctx, primary: _Node, pool: Sequence[_Node], notes: list[
         for node in current:
             rest = [n for n in current if n is not node]
             for other in pool:
-                if other in current:
+                if other in current or not _may_help(ctx, primary, other, cur):
                     continue
                 ev = _evaluate(ctx, primary, [*rest, other], every=False)
                 if _better(ev, best_swap[0] if best_swap else cur):
@@ -967,7 +1114,7 @@ def _local_search(ctx: _Ctx, primary: _Node, pool: Sequence[_Node], notes: list[
             cur, current, changed = best_swap[0], best_swap[1], True
             # A swap may have freed room for another helpful node.
             for node in pool:
-                if node in current:
+                if node in current or not _may_help(ctx, primary, node, cur):
                     continue
                 ev = _evaluate(ctx, primary, [*current, node], every=False)
                 if _better(ev, cur):
@@ -999,30 +1146,6 @@ def _local_search(ctx: _Ctx, primary: _Node, pool: Sequence[_Node], notes: list[
     return cur
 
 
-def _alone_estimate(ctx: _Ctx, node: _Node) -> float:
-    """Cheap decode latency of a node running the model by itself (inf when it cannot)."""
-    if not node.primary_ok or node.cpu is None:
-        return math.inf
-    n_layer = ctx.n_layer
-    if node.cap_alone >= n_layer and not node.gpus:
-        return n_layer * node.cpu.t_tg + node.cpu.out_tg
-    need, total = n_layer, 0.0
-    for d in node.devs:
-        c = node.cap_primary if d is node.cpu else d.cap
-        if c <= 0:
-            continue
-        take = min(c, need)
-        total += take * d.t_tg
-        need -= take
-        if need == 0:
-            break
-    if need > 0:
-        if node.cap_alone >= n_layer:
-            return n_layer * node.cpu.t_tg + node.cpu.out_tg
-        return math.inf
-    return total
-
-
 def _primary_candidates(ctx: _Ctx, nodes: Sequence[_Node], k: int) -> list[_Node]:
     """Primaries worth a local search: all of them in a small cluster, else a shortlist."""
     ok = [n for n in nodes if n.primary_ok]
@@ -1030,14 +1153,11 @@ def _primary_candidates(ctx: _Ctx, nodes: Sequence[_Node], k: int) -> list[_Node
         return ok
     picked: dict[str, _Node] = {}
     # Nodes that can run the model alone, fastest first.
-    alone = sorted(
-        ((_alone_estimate(ctx, n), n.snap.node_id, n) for n in ok), key=lambda t: (t[0], t[1])
-    )
-    for est, nid, n in alone[: k // 2]:
-        if math.isfinite(est):
-            picked[nid] = n
+    for n in heapq.nsmallest(k // 2, ok, key=lambda n: (n.alone_est, n.index)):
+        if math.isfinite(n.alone_est):
+            picked[n.snap.node_id] = n
     # Then the nodes with the fastest devices and room: good hubs for a split.
-    by_speed = sorted(ok, key=lambda n: (n.best_t, -n.total_cap, n.snap.node_id))
+    by_speed = heapq.nsmallest(4 * k, ok, key=lambda n: (n.best_t, -n.total_cap, n.index))
     for n in by_speed:
         if len(picked) >= k:
             break
@@ -1083,6 +1203,21 @@ def _search(ctx: _Ctx, spread: bool, notes: list[str]) -> tuple[_Eval | None, _E
     return chosen, attempt
 
 
+def _tiers(
+    request: PlacementRequest, ready: list[NodeSnapshot], degraded: list[NodeSnapshot]
+) -> list[tuple[list[NodeSnapshot], bool]]:
+    """Node sets to try in turn, each with whether it includes DEGRADED nodes."""
+    if request.spread and request.pin_nodes is not None:
+        # The operator named the nodes: every one of them takes part, DEGRADED included.
+        return [(ready + degraded, bool(degraded))]
+    tiers: list[tuple[list[NodeSnapshot], bool]] = []
+    if ready:
+        tiers.append((ready, False))
+    if degraded:
+        tiers.append((ready + degraded, True))
+    return tiers
+
+
 def plan_placement(
     profile: ModelProfile,
     cluster: ClusterSnapshot,
@@ -1094,14 +1229,7 @@ def plan_placement(
     request = request or PlacementRequest()
     _check_request(profile, request)
     ready, degraded, notes = _select_nodes(cluster, request)
-    tiers: list[tuple[list[NodeSnapshot], bool]] = []
-    if request.spread:
-        tiers.append((ready + degraded, bool(degraded)))
-    else:
-        if ready:
-            tiers.append((ready, False))
-        if degraded:
-            tiers.append((ready + degraded, True))
+    tiers = _tiers(request, ready, degraded)
     if not tiers or not any(t[0] for t in tiers):
         raise PlacementRefused(
             "no eligible nodes" + (f" ({'; '.join(notes)})" if notes else ""), 0, ()
@@ -1112,35 +1240,41 @@ def plan_placement(
         )
     attempt: _Eval | None = None
     attempt_ctx: _Ctx | None = None
-    for nodes, uses_degraded in tiers:
-        ctx = _Ctx(profile, cluster, request, nodes, cost)
-        search_notes: list[str] = []
-        chosen, tried = _search(ctx, request.spread, search_notes)
-        if chosen is not None:
-            if uses_degraded:
-                used = {chosen.primary.snap.node_id, *(n.snap.node_id for n in chosen.remote)}
-                names = [n.name or n.node_id for n in degraded if n.node_id in used]
-                if names and not request.spread:
+    contexts: list[_Ctx] = []
+    try:
+        for nodes, uses_degraded in tiers:
+            ctx = _Ctx(profile, cluster, request, nodes, cost)
+            contexts.append(ctx)
+            search_notes: list[str] = []
+            chosen, tried = _search(ctx, request.spread, search_notes)
+            if chosen is not None:
+                if uses_degraded:
+                    used = {chosen.primary.snap.node_id, *(n.snap.node_id for n in chosen.remote)}
+                    names = [n.name or n.node_id for n in degraded if n.node_id in used]
+                    if names and request.pin_nodes is None:
+                        notes.append(
+                            "DEGRADED nodes used because the READY nodes alone cannot hold the "
+                            f"model: {', '.join(names)}"
+                        )
+                    elif names:
+                        notes.append(
+                            f"DEGRADED nodes used because the spread names them: {', '.join(names)}"
+                        )
+                elif degraded:
                     notes.append(
-                        "DEGRADED nodes used because the READY nodes alone cannot hold the "
-                        f"model: {', '.join(names)}"
+                        "not used (DEGRADED, fallback only): "
+                        + ", ".join(n.name or n.node_id for n in degraded[:5])
+                        + (f" and {len(degraded) - 5} more" if len(degraded) > 5 else "")
                     )
-                elif names:
-                    notes.append(
-                        f"DEGRADED nodes used because the spread names them: {', '.join(names)}"
-                    )
-            elif degraded:
-                notes.append(
-                    "not used (DEGRADED, fallback only): "
-                    + ", ".join(n.name or n.node_id for n in degraded[:5])
-                    + (f" and {len(degraded) - 5} more" if len(degraded) > 5 else "")
-                )
-            return _build_plan(ctx, chosen, notes + search_notes)
-        if attempt_ctx is None or (
-            tried is not None and (attempt is None or tried.unplaced <= attempt.unplaced)
-        ):
-            attempt, attempt_ctx = tried, ctx
-    raise _refusal(attempt_ctx, attempt, notes)
+                return _build_plan(ctx, chosen, notes + search_notes)
+            if attempt_ctx is None or (
+                tried is not None and (attempt is None or tried.unplaced <= attempt.unplaced)
+            ):
+                attempt, attempt_ctx = tried, ctx
+        raise _refusal(attempt_ctx, attempt, notes)
+    finally:
+        for c in contexts:
+            c.release()
 
 
 def _check_request(profile: ModelProfile, request: PlacementRequest) -> None:
@@ -1415,32 +1549,40 @@ def exhaustive_best(
     request = request or PlacementRequest()
     _check_request(profile, request)
     ready, degraded, notes = _select_nodes(cluster, request)
-    tiers = [ready + degraded] if request.spread else [t for t in (ready, ready + degraded) if t]
-    for nodes in tiers:
+    for nodes, _ in _tiers(request, ready, degraded):
         if len(nodes) > max_nodes:
             raise ValueError(f"exhaustive search over {len(nodes)} nodes is too slow")
         ctx = _Ctx(profile, cluster, request, nodes, cost)
-        best: _Eval | None = None
-        for p in ctx.nodes:
-            others = [n for n in ctx.nodes if n is not p]
-            subsets: Iterable[tuple[_Node, ...]]
-            if request.spread:
-                subsets = [tuple(others)]
-            else:
-                subsets = itertools.chain.from_iterable(
-                    itertools.combinations(others, r) for r in range(len(others) + 1)
-                )
-            for sub in subsets:
-                ev = _evaluate(ctx, p, sub, spread=request.spread)
-                if not ev.feasible:
-                    continue
-                if request.spread is False and len(ev.remote) != len(sub):
-                    continue  # a smaller subset covers this plan
-                if best is None or ev.cost_s < best.cost_s:
-                    best = ev
-        if best is not None:
-            return _build_plan(ctx, best, notes + ["exhaustive search"])
+        try:
+            plan = _exhaustive_in(ctx, request, notes)
+        finally:
+            ctx.release()
+        if plan is not None:
+            return plan
     raise PlacementRefused("no feasible plan (exhaustive search)", 0, ())
+
+
+def _exhaustive_in(ctx: _Ctx, request: PlacementRequest, notes: list[str]) -> Plan | None:
+    """Every primary, every subset of the other nodes: the fastest feasible plan, or None."""
+    best: _Eval | None = None
+    for p in ctx.nodes:
+        others = [n for n in ctx.nodes if n is not p]
+        subsets: Iterable[tuple[_Node, ...]]
+        if request.spread:
+            subsets = [tuple(others)]
+        else:
+            subsets = itertools.chain.from_iterable(
+                itertools.combinations(others, r) for r in range(len(others) + 1)
+            )
+        for sub in subsets:
+            ev = _evaluate(ctx, p, sub, spread=request.spread)
+            if not ev.feasible:
+                continue
+            if request.spread is False and len(ev.remote) != len(sub):
+                continue  # a smaller subset covers this plan
+            if best is None or ev.cost_s < best.cost_s:
+                best = ev
+    return _build_plan(ctx, best, notes + ["exhaustive search"]) if best else None
 
 
 def memory_proportional_plan(
@@ -1460,6 +1602,13 @@ def memory_proportional_plan(
     ready, degraded, notes = _select_nodes(cluster, request)
     nodes = ready or degraded
     ctx = _Ctx(profile, cluster, request, nodes, cost)
+    try:
+        return _memory_proportional_in(ctx, profile, notes)
+    finally:
+        ctx.release()
+
+
+def _memory_proportional_in(ctx: _Ctx, profile: ModelProfile, notes: list[str]) -> Plan:
     prim = [n for n in ctx.nodes if n.primary_ok]
     if not prim:
         raise PlacementRefused("no node can be primary", 0, ())
@@ -1478,7 +1627,8 @@ def memory_proportional_plan(
             if d is primary.cpu:
                 c = primary.cap_alone if out is None else primary.cap_primary
             else:
-                c = d.cap_out if d is out else d.cap
+                # Pipelined caps: the baseline may well offload everything to several devices.
+                c = d.pcap_out if d is out else d.pcap
             if c > 0:
                 devs.append(d)
                 caps[id(d)] = c
@@ -1510,7 +1660,9 @@ def memory_proportional_plan(
     total += (out or primary.cpu).out_tg  # type: ignore[union-attr]
     for n in remote:
         total += ctx.hop(primary, n, out is not None and out.node is n)
+    offloaded = [k for k, c in assign.items() if c > 0 and devmap[k] is not primary.cpu]
     ev = _Eval(total, 0, primary, assign, devmap, out, remote)
+    ev.pipeline = len(offloaded) > 1 and not assign.get(id(primary.cpu), 0)
     return _build_plan(ctx, ev, notes + ["memory-proportional baseline (exo rule)"])
 
 

@@ -47,11 +47,24 @@ def reserved_memory_by_node(*, exclude_deployment: Any = None) -> dict[str, int]
     return out
 
 
+def rpc_workers_in_use() -> set[str]:
+    """Nodes whose ggml-rpc worker serves an active deployment: a worker takes one primary at a time."""
+    busy: set[str] = set()
+    for plan in Deployment.objects.filter(state__in=list(DEPLOYMENT_ACTIVE)).exclude(plan={}).values_list("plan", flat=True):
+        for d in (plan or {}).get("devices", []):
+            if d.get("endpoint"):
+                busy.add(d["node_id"])
+    return busy
+
+
 def cluster_snapshot(*, model_file: ModelFile | None = None) -> ClusterSnapshot:
     """Nodes the scheduler may consider, their free memory net of other deployments, and links."""
-    nodes = list(
-        Node.objects.filter(revoked_at__isnull=True).exclude(state__in=[NodeState.UNINITIALIZED, NodeState.REGISTERING])
-    )
+    busy = rpc_workers_in_use()
+    nodes = [
+        n
+        for n in Node.objects.filter(revoked_at__isnull=True).exclude(state__in=[NodeState.UNINITIALIZED, NodeState.REGISTERING])
+        if str(n.id) not in busy
+    ]
     reserved = reserved_memory_by_node()
     holders: set[str] = set()
     if model_file is not None:

@@ -21,7 +21,7 @@ from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory, Node
 from apps.nodes.states import NodeState
 from racon.logging import log_context
-from racon.redis import get_redis
+from racon.redis import get_redis, get_redis_blocking
 
 from . import selectors
 from .models import Deployment, Job
@@ -61,7 +61,7 @@ def command_send(*, node_id: Any, kind: str, payload: dict[str, Any]) -> str:
 
 def command_wait(*, command_id: str, timeout: float) -> dict[str, Any] | None:
     """Block until the agent's command_result for this command arrives, or None on timeout."""
-    got = get_redis().blpop([_result_key(command_id)], timeout=max(1, int(timeout)))
+    got = get_redis_blocking().blpop([_result_key(command_id)], timeout=max(1, int(timeout)))
     if got is None:
         return None
     return json.loads(got[1])
@@ -216,6 +216,11 @@ def deployment_place(*, deployment_id: Any, clock: Callable[[], datetime] = time
             except DeploymentError as exc:
                 deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_FAILED", message=str(exc)[:500], fields={"error": str(exc)})
                 return Deployment.objects.get(pk=dep.id)
+            except Exception as exc:
+                # Never leave a deployment LOADING forever: an unexpected fault fails it, visibly.
+                log.exception("placement of deployment %s failed", dep.id)
+                deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_FAILED", message=f"internal error during placement: {exc}"[:500], fields={"error": str(exc)})
+                return Deployment.objects.get(pk=dep.id)
             deployment_transition(
                 deployment_id=dep.id, to=D.READY, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_READY",
                 message="every member confirmed ready", fields={"load_report": report},
@@ -263,6 +268,8 @@ def _deployment_load(*, dep: Deployment, plan: Plan, clock: Callable[[], datetim
         "n_ctx": plan.n_ctx,
         "n_parallel": plan.n_parallel,
         "n_threads": plan.n_threads,
+        "n_batch": plan.n_batch,
+        "flash_attn": plan.flash_attn,
         "memory_bytes": plan.memory_by_node().get(primary, 0),
     }
     cid = command_send(node_id=primary, kind="load_primary", payload=payload)
@@ -351,6 +358,20 @@ def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> Non
                 event_record(kind="DEPLOYMENT_REPLACED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=node_id, message=f"replaced by {replacement.id}", data={"replacement": str(replacement.id)})
         elif state in (NodeState.OFFLINE, NodeState.ERROR) and dep.state in (D.PLANNING, D.LOADING):
             pass  # the placement task sees the lost node and re-scores (PLAN_REVISED)
+
+
+def deployment_runtime_failed(*, deployment_id: Any, node_id: Any, message: str, now: datetime) -> bool:
+    """The primary process died (an RPC peer crashed, or it aborted): FAILED, jobs failed, replaced."""
+    dep = Deployment.objects.select_related("model").filter(pk=deployment_id).first()
+    if dep is None or dep.state not in (D.READY, D.DEGRADED):
+        return False  # while LOADING, the placement task owns failures (and re-plans)
+    if not deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=dep.state, now=now, kind="DEPLOYMENT_FAILED", message=message[:500], fields={"error": message[:2000]}):
+        return False
+    for job_id in Job.objects.filter(deployment=dep, state__in=[J.QUEUED, J.DISPATCHED, J.RUNNING]).values_list("id", flat=True):
+        job_fail(job_id=job_id, now=now, error=f"runtime failure during execution: {message}", during_execution=True)
+    replacement = deployment_create(model=dep.model, request=PlacementRequest(**_request_of(dep)), now=now, auto=True)
+    event_record(kind="DEPLOYMENT_REPLACED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=node_id, message=f"replaced by {replacement.id}", data={"replacement": str(replacement.id)})
+    return True
 
 
 def _request_of(dep: Deployment) -> dict[str, Any]:
@@ -525,3 +546,43 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
 def job_count_tokens(*, job_id: Any, chunks: int) -> None:
     """TOKEN_STREAM_CHUNK is counted on the job row, never one event row per token."""
     Job.objects.filter(pk=job_id).update(stream_chunks=F("stream_chunks") + chunks)
+
+
+def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
+    """Close jobs nobody will finish: never dispatched, or silent far past the stream idle limit.
+
+    A job whose stream already ended (the reader died after the last entry) is finished from that
+    entry, so credits are settled for what was delivered and no hold stays open.
+    """
+    from agent.protocol import job_stream_key  # noqa: PLC0415
+
+    idle = float(settings.STREAM_IDLE_TIMEOUT_SECONDS) * 2
+    queued_limit = float(settings.DEPLOYMENT_WAIT_SECONDS) + float(settings.JOB_QUEUE_WAIT_SECONDS) + 60
+    r = get_redis()
+    counts = {"queued": 0, "silent": 0, "finished_from_stream": 0}
+    cutoff_q = now.timestamp() - queued_limit
+    for job in Job.objects.filter(state=J.QUEUED).only("id", "queued_at", "deployment_id"):
+        if job.queued_at.timestamp() < cutoff_q:
+            if job_fail(job_id=job.id, now=now, error="never dispatched: no capacity in time", during_execution=False):
+                counts["queued"] += 1
+    for job in Job.objects.filter(state__in=[J.DISPATCHED, J.RUNNING]).only("id", "dispatched_at", "queued_at"):
+        last = r.xrevrange(job_stream_key(str(job.id)), count=1)
+        if last:
+            entry_id, fields = last[0]
+            if fields.get("type") in ("done", "error"):
+                usage = json.loads(fields.get("usage") or "{}") if fields.get("usage") else {}
+                if fields.get("type") == "done" and fields.get("finish_reason") != "cancelled":
+                    done = job_complete(job_id=job.id, usage=usage, finish_reason=fields.get("finish_reason") or "stop", chunks=int(fields.get("seq", 0)), now=now)
+                elif fields.get("type") == "done":
+                    done = job_cancel(job_id=job.id, now=now, reason="cancelled", usage=usage)
+                else:
+                    done = job_fail(job_id=job.id, now=now, error=fields.get("text") or "failed", during_execution=True, usage=usage)
+                counts["finished_from_stream"] += int(done)
+                continue
+            last_ts = int(entry_id.split("-")[0]) / 1000.0
+        else:
+            last_ts = (job.dispatched_at or job.queued_at).timestamp()
+        if now.timestamp() - last_ts > idle:
+            if job_fail(job_id=job.id, now=now, error=f"no output for {idle:.0f}s; the primary is gone", during_execution=True):
+                counts["silent"] += 1
+    return counts

@@ -22,3 +22,11 @@ def place_deployment(*, deployment_id: str, **kwargs: Any) -> None:
     from . import services
 
     services.deployment_place(deployment_id=deployment_id)
+
+
+@shared_task(name="racon.jobs.stale_jobs_sweep", ignore_result=True)
+def stale_jobs_sweep(**kwargs: Any) -> dict[str, int]:
+    """Fail or finish jobs left non-terminal (beat: every 30 s)."""
+    from . import services
+
+    return services.jobs_fail_stale(now=timezone.now())

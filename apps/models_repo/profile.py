@@ -16,10 +16,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 # llama.cpp's KV cache type is f16 unless the operator asks for a quantised cache.
 KV_BYTES_PER_ELEMENT = 2
@@ -135,16 +138,30 @@ class ModelProfile:
         return cls(**kwargs)
 
 
+def _array_values(reader: Any, field: Any) -> tuple[int, list[Any]]:
+    """(element count, numeric values) of an array field from either reader."""
+    from gguf import GGUFValueType
+
+    if getattr(reader, "skims_arrays", False):
+        part = field.parts[field.data[0]]
+        if field.types[1] == GGUFValueType.STRING:
+            return int(part[0]), []  # the part is the element count
+        return len(part), part.tolist()
+    values = list(field.contents())
+    return len(field.data), [v for v in values if isinstance(v, int | float)]
+
+
 def _field_value(reader: Any, key: str) -> Any:
+    from gguf import GGUFValueType
+
     field = reader.fields.get(key)
     if field is None:
         return None
-    value = field.contents()
-    # Per-layer arrays (e.g. head_count_kv in OpenELM): the scheduler wants the worst case.
-    if isinstance(value, list):
-        numbers = [v for v in value if isinstance(v, int | float)]
+    if field.types and field.types[0] == GGUFValueType.ARRAY:
+        # Per-layer arrays (e.g. head_count_kv in OpenELM): the scheduler wants the worst case.
+        _, numbers = _array_values(reader, field)
         return max(numbers) if numbers else None
-    return value
+    return field.contents()
 
 
 def _quantization_name(file_type: int | None, tensors: list[Any]) -> str:
@@ -166,13 +183,56 @@ def _quantization_name(file_type: int | None, tensors: list[Any]) -> str:
     return max(by_type, key=lambda k: by_type[k]) if by_type else "unknown"
 
 
+def _skimming_reader(path: str | os.PathLike[str]) -> Any:
+    """A GGUFReader that does not build a numpy view per array element.
+
+    GGUFReader makes one view per element of every array; SmolLM2's tokenizer (49k tokens,
+    49k token types, 49k merges) then costs ~5 s of CPU, and a 128k-vocab tokenizer several
+    times that. The profile never reads the strings, so for native-endian files a string array
+    is only walked to find where the next field starts (parts: item type, count), and a numeric
+    array becomes one view (parts: item type, count, values). Everything else, the errors
+    included, is the gguf package's.
+    """
+    import sys
+
+    from gguf import GGUFReader, GGUFValueType
+
+    class _SkimmingReader(GGUFReader):
+        skims_arrays = True
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            native = self.byte_order == "I" and sys.byteorder == "little"
+            if raw_type != GGUFValueType.ARRAY or not native:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype = GGUFValueType(int(raw_itype[0]))
+            types = [GGUFValueType.ARRAY, itype]
+            offs = orig_offs + 12
+            if itype == GGUFValueType.STRING:
+                view = memoryview(self.data)  # type: ignore[arg-type]
+                for _ in range(int(alen[0])):
+                    (slen,) = struct.unpack_from("<Q", view, offs)
+                    offs += 8 + slen
+                if offs > len(self.data):
+                    raise ValueError(f"string array at offset {orig_offs} runs past the end")
+                return offs - orig_offs, [raw_itype, alen], [1], types
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is None:  # nested arrays: leave them to the package
+                return super()._get_field_parts(orig_offs, raw_type)
+            values = self._get(offs, nptype, int(alen[0]))
+            if len(values) != int(alen[0]):
+                raise ValueError(f"array at offset {orig_offs} runs past the end")
+            return 12 + int(values.nbytes), [raw_itype, alen, values], [2], types
+
+    return _SkimmingReader(path, "r")
+
+
 def read_gguf_profile(path: str | os.PathLike[str]) -> ModelProfile:
     """Read a GGUF file's metadata and tensor sizes; ModelFileError when it is not a usable GGUF."""
     try:
-        from gguf import GGUFReader
-
         file_size = os.path.getsize(path)
-        reader = GGUFReader(path, "r")
+        reader = _skimming_reader(path)
     except ModelFileError:
         raise
     except Exception as exc:  # the parser's message is the useful part for the operator
@@ -189,6 +249,12 @@ def _profile_from_reader(reader: Any, file_name: str, file_size: int) -> ModelPr
     arch = _field_value(reader, "general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ModelFileError(f"{file_name}: general.architecture is missing")
+    shards = _field_value(reader, "split.count")
+    if shards is not None and int(shards) > 1:
+        # The other shards hold most tensors; a profile of one shard would undercount them.
+        raise ModelFileError(
+            f"{file_name}: shard of a {int(shards)}-file split GGUF; merge it with gguf-split first"
+        )
 
     def meta_int(key: str, default: int | None = None) -> int:
         value = _field_value(reader, f"{arch}.{key}")
@@ -259,7 +325,7 @@ def _profile_from_reader(reader: Any, file_name: str, file_size: int) -> ModelPr
     n_vocab = meta_int("vocab_size", 0)
     if not n_vocab:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
-        n_vocab = len(tokens.data) if tokens is not None else embd_vocab
+        n_vocab = _array_values(reader, tokens)[0] if tokens is not None else embd_vocab
 
     file_type = _field_value(reader, "general.file_type")
     name = _field_value(reader, "general.name")

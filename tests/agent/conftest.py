@@ -178,7 +178,10 @@ class FakeController:
                     return who
                 if path == "/api/agent/heartbeat":
                     self.heartbeats.append({"node_id": who, **body})
-                    return 200, {"state": body.get("state", "READY"), "heartbeat_interval": self.heartbeat_interval}
+                    return 200, {
+                        "state": body.get("state", "READY"),
+                        "heartbeat_interval": self.heartbeat_interval,
+                    }
                 if path == "/api/agent/reports":
                     if self.fail_reports > 0:
                         self.fail_reports -= 1
@@ -208,17 +211,29 @@ class FakeController:
                 self.cond.wait(min(left, 0.1))
 
     def results_for(self, command_id: str) -> list[dict[str, Any]]:
-        return [r for r in self.reports if r["kind"] == "command_result" and r.get("command_id") == command_id]
+        return [
+            r
+            for r in self.reports
+            if r["kind"] == "command_result" and r.get("command_id") == command_id
+        ]
 
     def result(self, command_id: str, timeout: float = 15.0) -> dict[str, Any]:
         reports = self.wait_for(lambda c: c.results_for(command_id), timeout)
         return dict(reports[0]["payload"])
 
     def events(self, name: str) -> list[dict[str, Any]]:
-        return [r["payload"] for r in self.reports if r["kind"] == "event" and r["payload"]["event"] == name]
+        return [
+            r["payload"]
+            for r in self.reports
+            if r["kind"] == "event" and r["payload"]["event"] == name
+        ]
 
     def job_finished(self, job_id: str) -> list[dict[str, Any]]:
-        return [r["payload"] for r in self.reports if r["kind"] == "job_finished" and r["payload"]["job_id"] == job_id]
+        return [
+            r["payload"]
+            for r in self.reports
+            if r["kind"] == "job_finished" and r["payload"]["job_id"] == job_id
+        ]
 
 
 @pytest.fixture
@@ -244,7 +259,12 @@ def fake_profile(tmp_path: Path, **sections: Any) -> Path:
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "profile.json"
     base: dict[str, Any] = {
-        "cpu": {"model": "Test CPU 9000", "physical_cores": 8, "logical_cores": 16, "flags": ["avx2"]},
+        "cpu": {
+            "model": "Test CPU 9000",
+            "physical_cores": 8,
+            "logical_cores": 16,
+            "flags": ["avx2"],
+        },
         "memory": {"total": 32 * 2**30, "available": 28 * 2**30},
         "benchmark": {"gflops": 100.0, "mem_bandwidth_gbps": 20.0},
     }

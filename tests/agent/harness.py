@@ -42,13 +42,16 @@ class Harness:
             "rpc_port": free_port(),
             "run_benchmarks": False,
             "drain_seconds": 2.0,
+            "rpc_threads": 1,  # three ggml processes share 2 cores in CI
         }
         defaults.update(kw)
         if "hardware_profile" not in kw:
             defaults["hardware_profile"] = fake_profile(self.tmp)
         return AgentConfig(**defaults)
 
-    def start(self, config: AgentConfig | None = None, *, runtime: Any = None, wait: bool = True) -> Agent:
+    def start(
+        self, config: AgentConfig | None = None, *, runtime: Any = None, wait: bool = True
+    ) -> Agent:
         config = config or self.config()
         agent = Agent(config, runtime=runtime or FakeRuntime(), install_signals=False)
         box: dict[str, Any] = {}
@@ -71,7 +74,9 @@ class Harness:
 
     def send(self, agent: Agent, kind: str, payload: Any = None, *, cid: str | None = None) -> str:
         cid = cid or uuid.uuid4().hex
-        raw = json.dumps({"id": cid, "kind": kind, "payload": payload or {}, "issued_at": time.time()})
+        raw = json.dumps(
+            {"id": cid, "kind": kind, "payload": payload or {}, "issued_at": time.time()}
+        )
         self.r.rpush(node_queue_key(agent.node_id), raw)  # type: ignore[arg-type]
         return cid
 

@@ -27,7 +27,9 @@ from tests.agent.harness import MODEL_SHA, Harness, wait
 
 
 def test_agent_enrolls_with_hardware_then_heartbeats_ready(h: Harness) -> None:
-    profile = fake_profile(h.tmp / "gpu", gpus=[{"name": "RTX 4090", "vram_total": 24 << 30, "vram_free": 20 << 30}])
+    profile = fake_profile(
+        h.tmp / "gpu", gpus=[{"name": "RTX 4090", "vram_total": 24 << 30, "vram_free": 20 << 30}]
+    )
     agent = h.start(h.config(hardware_profile=profile))
     enroll = h.controller.enrolls[0]
     assert enroll["token"] == "good-token" and enroll["node_name"] == "test-node"
@@ -59,7 +61,31 @@ def test_restart_resumes_with_the_stored_credential_without_enrolling_again(h: H
     assert second.node_id == node
     assert len(h.controller.enrolls) == 1
     assert h.controller.wait_for(lambda c: c.events("HARDWARE_UPDATED"))
-    h.controller.wait_for(lambda c: [b for b in c.heartbeats[-3:] if b["node_id"] == node and b["state"] == "READY"])
+    h.controller.wait_for(
+        lambda c: [b for b in c.heartbeats[-3:] if b["node_id"] == node and b["state"] == "READY"]
+    )
+
+
+def test_a_credential_the_controller_forgot_is_replaced_by_enrolling_again(h: Harness) -> None:
+    cfg = h.config()
+    first = h.start(cfg)
+    old = first.node_id
+    assert h.stop(first) == 0
+    h.controller.credentials.clear()  # the controller's database was reset
+    second = h.start(cfg)
+    assert second.node_id != old
+    assert len(h.controller.enrolls) == 2
+    assert json.loads(cfg.identity_path.read_text())["node_id"] == second.node_id
+
+
+def test_a_revoked_credential_stops_the_agent_at_start(h: Harness) -> None:
+    cfg = h.config()
+    first = h.start(cfg)
+    assert h.stop(first) == 0
+    h.controller.revoked.add(first.node_id)  # type: ignore[arg-type]
+    second = h.start(cfg, wait=False)
+    assert h.stop(second) == EXIT_REFUSED
+    assert len(h.controller.enrolls) == 1
 
 
 def test_no_token_and_no_stored_credential_exits_with_a_config_error(h: Harness) -> None:
@@ -127,7 +153,9 @@ def test_load_and_run_job_streams_tokens_and_reports_usage(h: Harness) -> None:
     assert json.loads(entries[-1]["usage"])["completion_tokens"] == len(FAKE_TOKENS)
     # Every command was acknowledged once its report was accepted.
     wait(lambda: h.r.llen(node_processing_key(agent.node_id)) == 0)
-    beat = h.controller.wait_for(lambda c: [b for b in c.heartbeats if dep in b["telemetry"]["primaries"]])
+    beat = h.controller.wait_for(
+        lambda c: [b for b in c.heartbeats if dep in b["telemetry"]["primaries"]]
+    )
     assert beat
 
 
@@ -142,7 +170,9 @@ def test_run_job_sent_right_behind_load_waits_for_the_load(h: Harness) -> None:
 
 
 def test_cancel_job_stops_generation_within_a_token(h: Harness) -> None:
-    agent = h.start(runtime=FakeRuntime(tokens=tuple(f" t{i}" for i in range(200)), token_delay=0.05))
+    agent = h.start(
+        runtime=FakeRuntime(tokens=tuple(f" t{i}" for i in range(200)), token_delay=0.05)
+    )
     dep, _ = h.load(agent)
     job = h.job(dep, max_tokens=500)
     h.send(agent, "run_job", job)
@@ -156,7 +186,9 @@ def test_cancel_job_stops_generation_within_a_token(h: Harness) -> None:
 
 
 def test_the_gateway_cancel_key_stops_a_running_job(h: Harness) -> None:
-    agent = h.start(runtime=FakeRuntime(tokens=tuple(f" t{i}" for i in range(200)), token_delay=0.05))
+    agent = h.start(
+        runtime=FakeRuntime(tokens=tuple(f" t{i}" for i in range(200)), token_delay=0.05)
+    )
     dep, _ = h.load(agent)
     job = h.job(dep, max_tokens=500)
     h.send(agent, "run_job", job)
@@ -190,21 +222,48 @@ def test_a_primary_crash_mid_job_fails_the_job_and_the_agent_stays_up(h: Harness
     [
         (lambda h: ("teleport", {}), "unknown command kind 'teleport'"),
         (lambda h: ("load_primary", {"deployment_id": "x"}), "malformed load_primary: missing"),
-        (lambda h: ("load_primary", h.plan(model_path="absent.gguf")), "model file not found: absent.gguf"),
+        (
+            lambda h: ("load_primary", h.plan(model_path="absent.gguf")),
+            "model file not found: absent.gguf",
+        ),
         (lambda h: ("load_primary", h.plan(sha256="ab" * 32)), "model file not found: sha256"),
-        (lambda h: ("load_primary", h.plan(model_path="tiny.gguf", sha256="ab" * 32)), "sha256 mismatch"),
-        (lambda h: ("load_primary", h.plan(memory_bytes=64 << 30)), "plan needs 64.00 GiB on the primary"),
-        (lambda h: ("load_primary", h.plan(rpc_endpoints=["8.8.8.8:50052"])), "Public IP security violation"),
+        (
+            lambda h: ("load_primary", h.plan(model_path="tiny.gguf", sha256="ab" * 32)),
+            "sha256 mismatch",
+        ),
+        (
+            lambda h: ("load_primary", h.plan(memory_bytes=64 << 30)),
+            "plan needs 64.00 GiB on the primary",
+        ),
+        (
+            lambda h: ("load_primary", h.plan(rpc_endpoints=["8.8.8.8:50052"])),
+            "Public IP security violation",
+        ),
         (lambda h: ("load_primary", h.plan(rpc_endpoints=["nonsense"])), "malformed endpoint"),
-        (lambda h: ("run_job", {"job_id": "j-x", "deployment_id": "nope", "kind": "chat",
-                                 "messages": [{"role": "user", "content": "x"}]}), "not loaded on this node"),
-        (lambda h: ("run_job", {"job_id": "j-y", "deployment_id": "d", "kind": "chat"}), "needs 'messages'"),
+        (
+            lambda h: (
+                "run_job",
+                {
+                    "job_id": "j-x",
+                    "deployment_id": "nope",
+                    "kind": "chat",
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+            ),
+            "not loaded on this node",
+        ),
+        (
+            lambda h: ("run_job", {"job_id": "j-y", "deployment_id": "d", "kind": "chat"}),
+            "needs 'messages'",
+        ),
         (lambda h: ("cancel_job", {}), "malformed cancel_job"),
         (lambda h: ("probe_links", {"peers": "x"}), "'peers' must be a list"),
         (lambda h: ("fetch_model", {"sha256": "00"}), "malformed fetch_model"),
     ],
 )
-def test_bad_commands_are_reported_clearly_and_never_crash_the_agent(h: Harness, make: Any, needle: str) -> None:
+def test_bad_commands_are_reported_clearly_and_never_crash_the_agent(
+    h: Harness, make: Any, needle: str
+) -> None:
     agent = h.start()
     kind, payload = make(h)
     if kind == "run_job":
@@ -239,9 +298,14 @@ def test_a_job_for_an_unknown_deployment_ends_its_stream_with_an_error(h: Harnes
 
 def test_a_public_rpc_endpoint_raises_a_security_violation_event(h: Harness) -> None:
     agent = h.start()
-    h.controller.result(h.send(agent, "load_primary", h.plan(rpc_endpoints=["10.1.2.3:50052", "1.2.3.4:50052"])))
+    h.controller.result(
+        h.send(agent, "load_primary", h.plan(rpc_endpoints=["10.1.2.3:50052", "1.2.3.4:50052"]))
+    )
     ev = h.controller.wait_for(lambda c: c.events("PUBLIC_IP_VIOLATION"))[0]
-    assert ev["message"].startswith("Public IP security violation") and ev["data"]["address"] == "1.2.3.4"
+    assert (
+        ev["message"].startswith("Public IP security violation")
+        and ev["data"]["address"] == "1.2.3.4"
+    )
 
 
 def test_a_public_advertise_address_is_refused_and_the_node_is_not_ready(h: Harness) -> None:
@@ -319,17 +383,23 @@ def test_probe_links_and_rescan_send_their_reports(h: Harness) -> None:
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
     port = srv.getsockname()[1]
-    peers = [{"node_id": "a", "address": "127.0.0.1", "rpc_port": port},
-             {"node_id": "b", "address": "9.9.9.9", "rpc_port": 50052}]
+    peers = [
+        {"node_id": "a", "address": "127.0.0.1", "rpc_port": port},
+        {"node_id": "b", "address": "9.9.9.9", "rpc_port": 50052},
+    ]
     res = h.controller.result(h.send(agent, "probe_links", {"peers": peers}))
     srv.close()
     assert res == {"ok": True, "command": "probe_links", "links": 2, "failed": 1}
-    links = h.controller.wait_for(lambda c: [r for r in c.reports if r["kind"] == "links"])[0]["payload"]["links"]
+    links = h.controller.wait_for(lambda c: [r for r in c.reports if r["kind"] == "links"])[0][
+        "payload"
+    ]["links"]
     assert links[0]["node_id"] == "a" and links[0]["rtt_ms"] > 0 and links[0]["bandwidth_mbps"] > 0
     assert "Public IP security violation" in links[1]["error"]
     assert h.controller.events("PUBLIC_IP_VIOLATION")
     h.controller.result(h.send(agent, "rescan_models"))
-    models = h.controller.wait_for(lambda c: [r for r in c.reports if r["kind"] == "models"])[0]["payload"]["models"]
+    models = h.controller.wait_for(lambda c: [r for r in c.reports if r["kind"] == "models"])[0][
+        "payload"
+    ]["models"]
     assert [m["sha256"] for m in models] == [MODEL_SHA]
 
 
@@ -337,14 +407,33 @@ def test_fetch_model_verifies_sha_and_keeps_no_bad_file(h: Harness) -> None:
     agent = h.start()
     data = b"GGUF-new-model" * 1000
     h.controller.files["good.gguf"] = data
-    bad = h.controller.result(h.send(agent, "fetch_model", {
-        "sha256": "0" * 64, "file_name": "bad.gguf", "size": len(data), "url": "/files/good.gguf"}))
+    bad = h.controller.result(
+        h.send(
+            agent,
+            "fetch_model",
+            {
+                "sha256": "0" * 64,
+                "file_name": "bad.gguf",
+                "size": len(data),
+                "url": "/files/good.gguf",
+            },
+        )
+    )
     assert bad["ok"] is False and "sha256 mismatch" in bad["error"]
     assert not (agent.config.models_dir / "bad.gguf").exists()
     assert not (agent.config.models_dir / "bad.gguf.part").exists()
-    good = h.controller.result(h.send(agent, "fetch_model", {
-        "sha256": hashlib.sha256(data).hexdigest(), "file_name": "good.gguf", "size": len(data),
-        "url": f"{h.controller.url}/files/good.gguf"}))
+    good = h.controller.result(
+        h.send(
+            agent,
+            "fetch_model",
+            {
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "file_name": "good.gguf",
+                "size": len(data),
+                "url": f"{h.controller.url}/files/good.gguf",
+            },
+        )
+    )
     assert good["ok"], good
     assert (agent.config.models_dir / "good.gguf").read_bytes() == data
 

@@ -28,7 +28,9 @@ def test_5xx_is_retried_with_growing_backoff_then_succeeds() -> None:
 
     def handler(request: httpx.Request) -> httpx.Response:
         code = next(answers)
-        return httpx.Response(code, json={"state": "READY", "heartbeat_interval": 5} if code == 200 else {})
+        return httpx.Response(
+            code, json={"state": "READY", "heartbeat_interval": 5} if code == 200 else {}
+        )
 
     client, sleeps = make(handler, max_retries=5, backoff_base=0.5, backoff_cap=30)
     client.set_credentials("n1", "c1")
@@ -56,7 +58,9 @@ def test_connection_errors_are_retried_like_5xx() -> None:
     assert len(sleeps) == 2
 
 
-def test_outage_logs_one_line_per_state_change_not_per_try(caplog: pytest.LogCaptureFixture) -> None:
+def test_outage_logs_one_line_per_state_change_not_per_try(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     up = {"v": False}
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -70,7 +74,11 @@ def test_outage_logs_one_line_per_state_change_not_per_try(caplog: pytest.LogCap
         up["v"] = True
         client.health()
         client.health()
-    messages = [r.getMessage() for r in caplog.records if r.name == "agent.client" and r.levelno >= logging.INFO]
+    messages = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "agent.client" and r.levelno >= logging.INFO
+    ]
     assert len(messages) == 2, messages
     assert "unreachable" in messages[0] and "HTTP 503" in messages[0]
     assert "reachable again" in messages[1]
@@ -82,7 +90,9 @@ def test_node_auth_header_is_sent_on_heartbeats_but_not_enrollment() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         seen[request.url.path] = request.headers.get("Authorization")
         if request.url.path.endswith("enroll"):
-            return httpx.Response(201, json={"node_id": "n", "credential": "c", "redis_url": "redis://x"})
+            return httpx.Response(
+                201, json={"node_id": "n", "credential": "c", "redis_url": "redis://x"}
+            )
         return httpx.Response(200, json={"state": "READY", "heartbeat_interval": 3})
 
     client, _ = make(handler)
@@ -94,7 +104,9 @@ def test_node_auth_header_is_sent_on_heartbeats_but_not_enrollment() -> None:
 
 
 def test_401_saying_revoked_raises_node_revoked() -> None:
-    client, sleeps = make(lambda r: httpx.Response(401, json={"error": {"message": "node was revoked by admin"}}))
+    client, sleeps = make(
+        lambda r: httpx.Response(401, json={"error": {"message": "node was revoked by admin"}})
+    )
     with pytest.raises(NodeRevoked, match="revoked"):
         client.heartbeat({"telemetry": {}})
     assert sleeps == []  # a final answer is never retried

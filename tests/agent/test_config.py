@@ -89,9 +89,21 @@ def test_missing_controller_url_is_an_error(tmp_path: Path) -> None:
 
 def test_cli_exits_2_with_a_single_error_line_on_bad_config(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "--foreground", *BASE, "--rpc-port", "0",
-         "--state-dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "agent.cli",
+            "--foreground",
+            *BASE,
+            "--rpc-port",
+            "0",
+            "--state-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()

@@ -20,7 +20,14 @@ from tests.agent.conftest import fake_profile
 def test_gpu_box_profile_poses_as_a_gpu_machine(tmp_path: Path) -> None:
     profile = fake_profile(
         tmp_path,
-        gpus=[{"name": "RTX 4090", "vram_total": 24 * 2**30, "vram_free": 20 * 2**30, "driver": "550.1"}],
+        gpus=[
+            {
+                "name": "RTX 4090",
+                "vram_total": 24 * 2**30,
+                "vram_free": 20 * 2**30,
+                "driver": "550.1",
+            }
+        ],
     )
     src = hardware_source(tmp_path / "models", tmp_path, profile)
     assert isinstance(src, FakeHardware)
@@ -45,8 +52,13 @@ def test_big_ram_profile_fills_missing_sections_with_defaults(tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     "content",
-    ["[1, 2]", "{bad json", json.dumps({"ram": {}}), json.dumps({"gpus": [{"name": "x"}]}),
-     json.dumps({"memory": {"total": -1}})],
+    [
+        "[1, 2]",
+        "{bad json",
+        json.dumps({"ram": {}}),
+        json.dumps({"gpus": [{"name": "x"}]}),
+        json.dumps({"memory": {"total": -1}}),
+    ],
 )
 def test_invalid_profiles_are_refused_with_a_message(tmp_path: Path, content: str) -> None:
     path = tmp_path / "p.json"

@@ -13,7 +13,9 @@ DATA = bytes(range(256)) * 4096  # 1 MiB
 SHA = hashlib.sha256(DATA).hexdigest()
 
 
-def test_sha_cache_hashes_once_per_size_and_mtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sha_cache_hashes_once_per_size_and_mtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     f = tmp_path / "m.gguf"
     f.write_bytes(DATA)
     calls: list[Path] = []
@@ -39,7 +41,10 @@ def test_scan_finds_gguf_files_and_resolve_finds_them_by_sha(tmp_path: Path) -> 
     found = scan_models(models, cache)
     assert [m["file_name"] for m in found] == ["a.gguf"]
     assert found[0]["sha256"] == SHA and found[0]["size"] == len(DATA)
-    assert resolve_model(models, cache, sha256=SHA, model_path=None) == (models / "sub" / "a.gguf").resolve()
+    assert (
+        resolve_model(models, cache, sha256=SHA, model_path=None)
+        == (models / "sub" / "a.gguf").resolve()
+    )
     assert resolve_model(models, cache, sha256="0" * 64, model_path=None) is None
     assert resolve_model(models, cache, sha256=SHA, model_path="missing.gguf") is None
     assert scan_models(tmp_path / "nope", cache) == []
@@ -78,8 +83,14 @@ class _Broken(httpx.SyncByteStream):
 
 def test_fetch_resumes_an_interrupted_download_with_a_range_request(tmp_path: Path) -> None:
     transport, state = ranged_server(DATA, fail_after=300_000)
-    path = fetch_model(url="http://ctl/files/m", dest_dir=tmp_path, file_name="m.gguf", sha256=SHA,
-                       size=len(DATA), transport=transport)
+    path = fetch_model(
+        url="http://ctl/files/m",
+        dest_dir=tmp_path,
+        file_name="m.gguf",
+        sha256=SHA,
+        size=len(DATA),
+        transport=transport,
+    )
     assert path.read_bytes() == DATA
     assert state["requests"] == [None, "bytes=300000-"]
     assert not (tmp_path / "m.gguf.part").exists()
@@ -87,8 +98,14 @@ def test_fetch_resumes_an_interrupted_download_with_a_range_request(tmp_path: Pa
 
 def test_fetch_retries_once_on_sha_mismatch_then_succeeds(tmp_path: Path) -> None:
     transport, state = ranged_server(DATA, corrupt_times=1)
-    path = fetch_model(url="http://ctl/f", dest_dir=tmp_path, file_name="m.gguf", sha256=SHA,
-                       size=len(DATA), transport=transport)
+    path = fetch_model(
+        url="http://ctl/f",
+        dest_dir=tmp_path,
+        file_name="m.gguf",
+        sha256=SHA,
+        size=len(DATA),
+        transport=transport,
+    )
     assert path.read_bytes() == DATA
     assert len(state["requests"]) == 2
 
@@ -96,12 +113,24 @@ def test_fetch_retries_once_on_sha_mismatch_then_succeeds(tmp_path: Path) -> Non
 def test_fetch_gives_up_after_two_mismatches_and_keeps_no_bad_file(tmp_path: Path) -> None:
     transport, _ = ranged_server(DATA, corrupt_times=5)
     with pytest.raises(FetchError, match="sha256 mismatch"):
-        fetch_model(url="http://ctl/f", dest_dir=tmp_path, file_name="m.gguf", sha256=SHA,
-                    size=len(DATA), transport=transport)
+        fetch_model(
+            url="http://ctl/f",
+            dest_dir=tmp_path,
+            file_name="m.gguf",
+            sha256=SHA,
+            size=len(DATA),
+            transport=transport,
+        )
     assert list(tmp_path.iterdir()) == []
 
 
 def test_fetch_refuses_path_traversal_in_the_file_name(tmp_path: Path) -> None:
     with pytest.raises(FetchError, match="plain file name"):
-        fetch_model(url="http://x/f", dest_dir=tmp_path, file_name="../evil.gguf", sha256=SHA, size=1,
-                    stop=threading.Event())
+        fetch_model(
+            url="http://x/f",
+            dest_dir=tmp_path,
+            file_name="../evil.gguf",
+            sha256=SHA,
+            size=1,
+            stop=threading.Event(),
+        )

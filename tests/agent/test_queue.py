@@ -40,7 +40,9 @@ def test_ack_removes_from_processing_and_marks_seen(redis_client: Any, node_id: 
     assert redis_client.ttl(node_seen_key(node_id)) > 0
 
 
-def test_a_crash_before_ack_is_recovered_in_order_on_restart(redis_client: Any, node_id: str) -> None:
+def test_a_crash_before_ack_is_recovered_in_order_on_restart(
+    redis_client: Any, node_id: str
+) -> None:
     first = CommandQueue(redis_client, node_id)
     for cid in ("c1", "c2", "c3"):
         push(redis_client, node_id, cid)
@@ -57,7 +59,9 @@ def test_a_crash_before_ack_is_recovered_in_order_on_restart(redis_client: Any, 
     assert order == ["c1", "c2", "c3"]
 
 
-def test_a_command_acknowledged_before_is_recognised_as_duplicate(redis_client: Any, node_id: str) -> None:
+def test_a_command_acknowledged_before_is_recognised_as_duplicate(
+    redis_client: Any, node_id: str
+) -> None:
     q = CommandQueue(redis_client, node_id)
     push(redis_client, node_id, "dup")
     item = q.take(timeout=1)
@@ -70,7 +74,9 @@ def test_a_command_acknowledged_before_is_recognised_as_duplicate(redis_client: 
     assert q.is_duplicate("dup")
 
 
-def test_ack_of_one_copy_leaves_an_identical_copy_in_processing(redis_client: Any, node_id: str) -> None:
+def test_ack_of_one_copy_leaves_an_identical_copy_in_processing(
+    redis_client: Any, node_id: str
+) -> None:
     q = CommandQueue(redis_client, node_id)
     push(redis_client, node_id, "same")
     push(redis_client, node_id, "same")
@@ -96,7 +102,9 @@ def test_malformed_commands_are_parsed_without_raising() -> None:
     assert "expected a JSON object" in (parse_command("[1]").error or "")
     assert "'id'" in (parse_command('{"kind": "rpc_start"}').error or "")
     assert "'kind'" in (parse_command('{"id": "x"}').error or "")
-    assert "'payload'" in (parse_command('{"id": "x", "kind": "rpc_start", "payload": 3}').error or "")
+    assert "'payload'" in (
+        parse_command('{"id": "x", "kind": "rpc_start", "payload": 3}').error or ""
+    )
     bad = parse_command('{"id": "keep-me", "kind": 5}')
     assert bad.command is None and bad.id == "keep-me"
     ok = parse_command('{"id": "x", "kind": "teleport", "payload": null}')

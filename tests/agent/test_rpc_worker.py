@@ -30,14 +30,26 @@ def test_a_worker_refuses_a_port_in_use_and_a_public_address(tmp_path: Path) -> 
         squatter.bind(("127.0.0.1", 0))
         squatter.listen(1)
         port = squatter.getsockname()[1]
-        w = RpcWorker(host="127.0.0.1", port=port, cache_dir=tmp_path, n_threads=1,
-                      log_path=tmp_path / "w.log", on_event=events)
+        w = RpcWorker(
+            host="127.0.0.1",
+            port=port,
+            cache_dir=tmp_path,
+            n_threads=1,
+            log_path=tmp_path / "w.log",
+            on_event=events,
+        )
         with pytest.raises(PortInUse, match="already in use"):
             w.start()
     assert not w.running
     assert "already in use" in events.named("RPC_WORKER_FAILED")[0][1]
-    public = RpcWorker(host="8.8.8.8", port=50052, cache_dir=tmp_path, n_threads=1,
-                       log_path=tmp_path / "w.log", on_event=events)
+    public = RpcWorker(
+        host="8.8.8.8",
+        port=50052,
+        cache_dir=tmp_path,
+        n_threads=1,
+        log_path=tmp_path / "w.log",
+        on_event=events,
+    )
     with pytest.raises(PublicAddressError):
         public.start()
     assert events.named("PUBLIC_IP_VIOLATION")[0][1].startswith("Public IP security violation")

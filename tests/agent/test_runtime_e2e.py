@@ -49,8 +49,15 @@ def workers(tmp_path: Path) -> Iterator[tuple[list[RpcWorker], Events]]:
     _need_llama()
     events = Events()
     ws = [
-        RpcWorker(host="127.0.0.1", port=free_port(), cache_dir=tmp_path / f"cache{i}", n_threads=1,
-                  log_path=tmp_path / f"rpc{i}.log", on_event=events, backoff_cap=1.0)
+        RpcWorker(
+            host="127.0.0.1",
+            port=free_port(),
+            cache_dir=tmp_path / f"cache{i}",
+            n_threads=1,
+            log_path=tmp_path / f"rpc{i}.log",
+            on_event=events,
+            backoff_cap=1.0,
+        )
         for i in range(2)
     ]
     try:
@@ -70,8 +77,14 @@ def local_reference() -> str:
         f"out = llm.create_chat_completion(messages={PROMPT!r}, temperature=0.0, top_p=1.0, max_tokens={MAX_TOKENS})\n"
         "print(json.dumps(out['choices'][0]['message']['content']))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return str(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -85,13 +98,26 @@ def test_a_split_across_two_rpc_workers_generates_what_a_local_run_does(
     assert all(e[2]["memory_total"] > 0 and e[2]["devices"][0]["type"] == "cpu" for e in started)
     finished: list[dict[str, Any]] = []
     plan = {
-        "deployment_id": "dep-" + uuid.uuid4().hex[:8], "model_name": "smollm2", "sha256": "0" * 64,
-        "rpc_endpoints": [w.endpoint for w in ws], "tensor_split": [1.0, 1.0, 0.0],
-        "n_gpu_layers": -1, "n_ctx": 512, "n_parallel": 1, "n_threads": 1,
+        "deployment_id": "dep-" + uuid.uuid4().hex[:8],
+        "model_name": "smollm2",
+        "sha256": "0" * 64,
+        "rpc_endpoints": [w.endpoint for w in ws],
+        "tensor_split": [1.0, 1.0, 0.0],
+        "n_gpu_layers": -1,
+        "n_ctx": 512,
+        "n_parallel": 1,
+        "n_threads": 1,
     }
-    primary = PrimaryProcess(plan=plan, model_path=MODEL, redis_client=redis_client, redis_url=REDIS_URL,  # type: ignore[arg-type]
-                             log_path=tmp_path / "primary.log", on_event=events,
-                             on_job_finished=finished.append, on_exit=lambda d: None)
+    primary = PrimaryProcess(
+        plan=plan,
+        model_path=MODEL,
+        redis_client=redis_client,
+        redis_url=REDIS_URL,  # type: ignore[arg-type]
+        log_path=tmp_path / "primary.log",
+        on_event=events,
+        on_job_finished=finished.append,
+        on_exit=lambda d: None,
+    )
     try:
         loaded = primary.load()
         by_device = {a["device"]: a for a in loaded["assignment"]}
@@ -99,14 +125,27 @@ def test_a_split_across_two_rpc_workers_generates_what_a_local_run_does(
         assert by_device["RPC0"]["endpoint"] == ws[0].endpoint
         assert by_device["RPC1"]["endpoint"] == ws[1].endpoint
         assert by_device["RPC0"]["n_layers"] >= 10 and by_device["RPC1"]["n_layers"] >= 10
-        assert by_device["RPC0"]["model_buffer_mib"] > 0 and by_device["RPC1"]["model_buffer_mib"] > 0
+        assert (
+            by_device["RPC0"]["model_buffer_mib"] > 0 and by_device["RPC1"]["model_buffer_mib"] > 0
+        )
         assert any("assigned to device RPC0" in ln for ln in loaded["load_log"])
         assert any("assigned to device RPC1" in ln for ln in loaded["load_log"])
         assert loaded["n_layer"] == 30
         job_id = new_job_id(redis_client)
-        primary.submit({"job_id": job_id, "deployment_id": plan["deployment_id"], "kind": "chat",
-                        "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "top_p": 1.0,
-                        "stop": [], "presence_penalty": 0.0, "frequency_penalty": 0.0})
+        primary.submit(
+            {
+                "job_id": job_id,
+                "deployment_id": plan["deployment_id"],
+                "kind": "chat",
+                "messages": PROMPT,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "stop": [],
+                "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
+            }
+        )
         deadline = time.monotonic() + 60
         while not finished and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -123,16 +162,36 @@ def test_a_split_across_two_rpc_workers_generates_what_a_local_run_does(
     assert text.strip()
 
 
-def test_a_plan_naming_an_unreachable_worker_fails_to_load_cleanly(redis_client: Any, tmp_path: Path) -> None:
+def test_a_plan_naming_an_unreachable_worker_fails_to_load_cleanly(
+    redis_client: Any, tmp_path: Path
+) -> None:
     _need_llama()
     plan = {
-        "deployment_id": "dep-x", "model_name": "smollm2", "sha256": "0" * 64,
-        "rpc_endpoints": [f"127.0.0.1:{free_port()}"], "tensor_split": [1.0, 0.0],
-        "n_gpu_layers": -1, "n_ctx": 256, "n_parallel": 1, "n_threads": 1,
+        "deployment_id": "dep-x",
+        "model_name": "smollm2",
+        "sha256": "0" * 64,
+        "rpc_endpoints": [f"127.0.0.1:{free_port()}"],
+        "tensor_split": [1.0, 0.0],
+        "n_gpu_layers": -1,
+        "n_ctx": 256,
+        "n_parallel": 1,
+        "n_threads": 1,
     }
-    primary = PrimaryProcess(plan=plan, model_path=MODEL, redis_client=redis_client, redis_url=REDIS_URL,  # type: ignore[arg-type]
-                             log_path=tmp_path / "p.log", on_event=Events(),
-                             on_job_finished=lambda p: None, on_exit=lambda d: None, load_timeout=60)
+    primary = PrimaryProcess(
+        plan=plan,
+        model_path=MODEL,
+        redis_client=redis_client,
+        redis_url=REDIS_URL,  # type: ignore[arg-type]
+        log_path=tmp_path / "p.log",
+        on_event=Events(),
+        on_job_finished=lambda p: None,
+        on_exit=lambda d: None,
+        load_timeout=60,
+    )
+    events = primary.on_event
     with pytest.raises(LoadFailed, match="unreachable"):
         primary.load()
     assert not primary.alive
+    assert primary._reader is not None
+    primary._reader.join(10)  # it has handled the child's exit
+    assert events.named("RUNTIME_FAILED") == []  # type: ignore[attr-defined]

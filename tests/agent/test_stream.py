@@ -8,10 +8,18 @@ from agent.protocol import job_cancel_key, job_stream_key
 from agent.runtime.stream import StreamWriter, append_error, last_seq
 from tests.agent.conftest import read_stream
 
-USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "ttft_ms": 1.0, "tokens_per_s": 9.0}
+USAGE = {
+    "prompt_tokens": 3,
+    "completion_tokens": 2,
+    "total_tokens": 5,
+    "ttft_ms": 1.0,
+    "tokens_per_s": 9.0,
+}
 
 
-def test_chunks_and_done_are_written_in_seq_order_with_a_ttl(redis_client: Any, job_id: str) -> None:
+def test_chunks_and_done_are_written_in_seq_order_with_a_ttl(
+    redis_client: Any, job_id: str
+) -> None:
     w = StreamWriter(redis_client, job_id, threading.Event())
     for t in ("Hel", "lo", "!"):
         w.chunk(t)
@@ -25,7 +33,9 @@ def test_chunks_and_done_are_written_in_seq_order_with_a_ttl(redis_client: Any, 
     assert 0 < redis_client.ttl(job_stream_key(job_id)) <= 3600
 
 
-def test_the_cancel_key_sets_the_cancel_event_on_the_next_write(redis_client: Any, job_id: str) -> None:
+def test_the_cancel_key_sets_the_cancel_event_on_the_next_write(
+    redis_client: Any, job_id: str
+) -> None:
     cancel = threading.Event()
     w = StreamWriter(redis_client, job_id, cancel)
     w.chunk("a")
@@ -35,7 +45,9 @@ def test_the_cancel_key_sets_the_cancel_event_on_the_next_write(redis_client: An
     assert cancel.is_set()
 
 
-def test_append_error_continues_the_seq_and_never_writes_a_second_end(redis_client: Any, job_id: str) -> None:
+def test_append_error_continues_the_seq_and_never_writes_a_second_end(
+    redis_client: Any, job_id: str
+) -> None:
     w = StreamWriter(redis_client, job_id, threading.Event())
     w.chunk("x")
     w.close()

@@ -47,8 +47,13 @@ def plan_for(layers: list[tuple[Node, int]], *, primary: Node | None = None) -> 
     for node, n in layers:
         devices.append(
             {
-                "node_id": str(node.pk), "device": "CPU", "kind": "cpu", "layer_start": start, "layer_end": start + n,
-                "n_layers": n, "memory_bytes": n * 100_000_000,
+                "node_id": str(node.pk),
+                "device": "CPU",
+                "kind": "cpu",
+                "layer_start": start,
+                "layer_end": start + n,
+                "n_layers": n,
+                "memory_bytes": n * 100_000_000,
                 "endpoint": None if node.pk == primary.pk else f"{node.address}:50052",
             }
         )
@@ -56,34 +61,55 @@ def plan_for(layers: list[tuple[Node, int]], *, primary: Node | None = None) -> 
     return {"primary_node_id": str(primary.pk), "devices": devices}
 
 
-def deployment_for(layers: list[tuple[Node, int]], *, model: Model | None = None, primary: Node | None = None) -> Deployment:
+def deployment_for(
+    layers: list[tuple[Node, int]], *, model: Model | None = None, primary: Node | None = None
+) -> Deployment:
     model = model or ModelFactory()
     mf = ModelFileFactory(model=model)
     primary = primary or layers[0][0]
     dep = Deployment.objects.create(
-        model=model, model_file=mf, state=DeploymentState.READY, primary=primary, plan=plan_for(layers, primary=primary)
+        model=model,
+        model_file=mf,
+        state=DeploymentState.READY,
+        primary=primary,
+        plan=plan_for(layers, primary=primary),
     )
     dep.nodes.set([n for n, _ in layers])
     return dep
 
 
 def job_for(
-    *, account: Account | None, model: Model, deployment: Deployment | None = None, max_tokens: int = 100,
+    *,
+    account: Account | None,
+    model: Model,
+    deployment: Deployment | None = None,
+    max_tokens: int = 100,
     queued_at: datetime | None = None,
 ) -> Job:
     return Job.objects.create(
-        model=model, deployment=deployment, account=account, max_tokens=max_tokens,
-        queued_at=queued_at or timezone.now(), state=JobState.QUEUED,
+        model=model,
+        deployment=deployment,
+        account=account,
+        max_tokens=max_tokens,
+        queued_at=queued_at or timezone.now(),
+        state=JobState.QUEUED,
     )
 
 
 def job_finish(
-    job: Job, *, state: str = JobState.COMPLETED, prompt: int = 0, completion: int = 0,
+    job: Job,
+    *,
+    state: str = JobState.COMPLETED,
+    prompt: int = 0,
+    completion: int = 0,
     device_seconds: dict[str, float] | None = None,
 ) -> Job:
     """Move a job to a terminal state with usage, as the jobs app does before settlement."""
     Job.objects.filter(pk=job.pk).update(
-        state=state, prompt_tokens=prompt, completion_tokens=completion, device_seconds=device_seconds or {},
+        state=state,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        device_seconds=device_seconds or {},
         finished_at=timezone.now(),
     )
     job.refresh_from_db()

@@ -29,7 +29,9 @@ def balances(*accts: Account) -> list[int]:
 
 def test_ledger_post_writes_a_balanced_entry_and_updates_cached_balances(now: Any) -> None:
     a, b = AccountFactory(), AccountFactory(floor=None)
-    entry = ledger_post(key="t:1", kind=EntryKind.ADJUST, postings=[(b.pk, -500), (a.pk, 500)], memo="move", now=now)
+    entry = ledger_post(
+        key="t:1", kind=EntryKind.ADJUST, postings=[(b.pk, -500), (a.pk, 500)], memo="move", now=now
+    )
     assert sorted(p.amount for p in entry.postings.all()) == [-500, 500]
     assert balances(a, b) == [500, -500]
     assert ledger_verify().ok
@@ -37,8 +39,12 @@ def test_ledger_post_writes_a_balanced_entry_and_updates_cached_balances(now: An
 
 def test_same_key_twice_returns_the_first_entry_and_moves_nothing_more(now: Any) -> None:
     a, b = AccountFactory(), AccountFactory(floor=None)
-    first = ledger_post(key="t:dup", kind=EntryKind.ADJUST, postings=[(b.pk, -5), (a.pk, 5)], memo="", now=now)
-    second = ledger_post(key="t:dup", kind=EntryKind.ADJUST, postings=[(b.pk, -5), (a.pk, 5)], memo="", now=now)
+    first = ledger_post(
+        key="t:dup", kind=EntryKind.ADJUST, postings=[(b.pk, -5), (a.pk, 5)], memo="", now=now
+    )
+    second = ledger_post(
+        key="t:dup", kind=EntryKind.ADJUST, postings=[(b.pk, -5), (a.pk, 5)], memo="", now=now
+    )
     assert first.pk == second.pk
     assert Entry.objects.filter(idempotency_key="t:dup").count() == 1
     assert balances(a, b) == [5, -5]
@@ -46,15 +52,21 @@ def test_same_key_twice_returns_the_first_entry_and_moves_nothing_more(now: Any)
 
 def test_a_key_reused_for_another_kind_is_refused(now: Any) -> None:
     a, b = AccountFactory(), AccountFactory(floor=None)
-    ledger_post(key="t:k", kind=EntryKind.ADJUST, postings=[(b.pk, -5), (a.pk, 5)], memo="", now=now)
+    ledger_post(
+        key="t:k", kind=EntryKind.ADJUST, postings=[(b.pk, -5), (a.pk, 5)], memo="", now=now
+    )
     with pytest.raises(ValueError, match="already names"):
-        ledger_post(key="t:k", kind=EntryKind.GRANT, postings=[(b.pk, -5), (a.pk, 5)], memo="", now=now)
+        ledger_post(
+            key="t:k", kind=EntryKind.GRANT, postings=[(b.pk, -5), (a.pk, 5)], memo="", now=now
+        )
 
 
 def test_postings_that_do_not_sum_to_zero_are_refused_and_nothing_is_written(now: Any) -> None:
     a, b = AccountFactory(), AccountFactory(floor=None)
     with pytest.raises(ValueError, match="sum to 1"):
-        ledger_post(key="t:bad", kind=EntryKind.ADJUST, postings=[(b.pk, -5), (a.pk, 6)], memo="", now=now)
+        ledger_post(
+            key="t:bad", kind=EntryKind.ADJUST, postings=[(b.pk, -5), (a.pk, 6)], memo="", now=now
+        )
     assert not Entry.objects.filter(idempotency_key="t:bad").exists()
     assert balances(a, b) == [0, 0]
 
@@ -63,7 +75,13 @@ def test_postings_that_do_not_sum_to_zero_are_refused_and_nothing_is_written(now
 def test_zero_fractional_and_overflowing_posting_amounts_are_refused(now: Any, amount: Any) -> None:
     a, b = AccountFactory(), AccountFactory(floor=None)
     with pytest.raises(ValueError):
-        ledger_post(key="t:amt", kind=EntryKind.ADJUST, postings=[(b.pk, amount), (a.pk, amount)], memo="", now=now)
+        ledger_post(
+            key="t:amt",
+            kind=EntryKind.ADJUST,
+            postings=[(b.pk, amount), (a.pk, amount)],
+            memo="",
+            now=now,
+        )
     assert not Entry.objects.exists() and not Posting.objects.exists()
 
 
@@ -86,7 +104,13 @@ def test_a_posting_below_the_floor_raises_insufficient_credits_and_writes_nothin
     acct = funded_account(100)
     sink = AccountFactory(floor=None)
     with pytest.raises(InsufficientCredits) as info:
-        ledger_post(key="t:floor", kind=EntryKind.ADJUST, postings=[(acct.pk, -101), (sink.pk, 101)], memo="", now=now)
+        ledger_post(
+            key="t:floor",
+            kind=EntryKind.ADJUST,
+            postings=[(acct.pk, -101), (sink.pk, 101)],
+            memo="",
+            now=now,
+        )
     assert info.value.needed == 101 and info.value.available == 100
     assert not Entry.objects.filter(idempotency_key="t:floor").exists()
     assert balances(acct, sink) == [100, 0]
@@ -95,9 +119,21 @@ def test_a_posting_below_the_floor_raises_insufficient_credits_and_writes_nothin
 def test_a_custom_floor_allows_overdraft_down_to_it(now: Any) -> None:
     acct = AccountFactory(floor=-50)
     sink = AccountFactory(floor=None)
-    ledger_post(key="t:od", kind=EntryKind.ADJUST, postings=[(acct.pk, -50), (sink.pk, 50)], memo="", now=now)
+    ledger_post(
+        key="t:od",
+        kind=EntryKind.ADJUST,
+        postings=[(acct.pk, -50), (sink.pk, 50)],
+        memo="",
+        now=now,
+    )
     with pytest.raises(InsufficientCredits):
-        ledger_post(key="t:od2", kind=EntryKind.ADJUST, postings=[(acct.pk, -1), (sink.pk, 1)], memo="", now=now)
+        ledger_post(
+            key="t:od2",
+            kind=EntryKind.ADJUST,
+            postings=[(acct.pk, -1), (sink.pk, 1)],
+            memo="",
+            now=now,
+        )
     assert balances(acct) == [-50]
 
 
@@ -160,7 +196,9 @@ def test_system_accounts_are_unbounded_except_holds_and_escrow() -> None:
     assert account_system(name="system:escrow").floor == 0
 
 
-def test_credits_check_passes_on_a_sound_ledger_and_fails_on_a_tampered_cache(now: Any, capsys: Any) -> None:
+def test_credits_check_passes_on_a_sound_ledger_and_fails_on_a_tampered_cache(
+    now: Any, capsys: Any
+) -> None:
     acct = funded_account(1_000)
     call_command("credits_check")
     assert "ledger OK" in capsys.readouterr().out
@@ -173,7 +211,9 @@ def test_credits_check_passes_on_a_sound_ledger_and_fails_on_a_tampered_cache(no
 
 def test_ledger_verify_reports_an_entry_that_does_not_sum_to_zero(now: Any) -> None:
     acct = AccountFactory()
-    entry = Entry.objects.create(idempotency_key="t:raw", kind=EntryKind.ADJUST, created_at=timezone.now())
+    entry = Entry.objects.create(
+        idempotency_key="t:raw", kind=EntryKind.ADJUST, created_at=timezone.now()
+    )
     Posting.objects.create(entry=entry, account=acct, amount=3)  # bypasses ledger_post on purpose
     report = ledger_verify()
     assert not report.ok

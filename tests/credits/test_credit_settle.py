@@ -19,7 +19,13 @@ from apps.credits.services import (
 )
 from apps.credits.tasks import settle_job
 from apps.jobs.states import JobState
-from tests.credits.factories import ModelFactory, deployment_for, funded_account, job_for, job_finish
+from tests.credits.factories import (
+    ModelFactory,
+    deployment_for,
+    funded_account,
+    job_finish,
+    job_for,
+)
 from tests.factories import AccountFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -34,7 +40,9 @@ def bal(acct: Account) -> int:
 
 def test_split_follows_layers_gives_the_primary_its_bonus_and_the_rounding_remainder() -> None:
     work = [NodeWork("a", 7), NodeWork("b", 5), NodeWork("c", 3)]
-    shares = settlement_split(value=100_001, work=work, primary_node_id="a", tokens=100, primary_share_permille=100)
+    shares = settlement_split(
+        value=100_001, work=work, primary_node_id="a", tokens=100, primary_share_permille=100
+    )
     # bonus 10_000; the other 90_001 by 7:5:3 is 42_000.4 / 30_000.3 / 18_000.2, rounded down;
     # the 1 left over goes to the primary.
     assert shares == {"a": 10_000 + 42_000 + 1, "b": 30_000, "c": 18_000}
@@ -42,8 +50,14 @@ def test_split_follows_layers_gives_the_primary_its_bonus_and_the_rounding_remai
 
 
 def test_split_weights_layers_by_measured_compute_time_when_reported() -> None:
-    work = [NodeWork("a", 10, device_ms=2_000), NodeWork("b", 10, device_ms=6_000), NodeWork("c", 10)]
-    shares = settlement_split(value=90_000, work=work, primary_node_id="a", tokens=10, primary_share_permille=0)
+    work = [
+        NodeWork("a", 10, device_ms=2_000),
+        NodeWork("b", 10, device_ms=6_000),
+        NodeWork("c", 10),
+    ]
+    shares = settlement_split(
+        value=90_000, work=work, primary_node_id="a", tokens=10, primary_share_permille=0
+    )
     # c was not measured: it counts as the mean of the measured (4_000 ms), so 2:6:4.
     assert shares == {"a": 15_000, "b": 45_000, "c": 30_000}
 
@@ -51,7 +65,9 @@ def test_split_weights_layers_by_measured_compute_time_when_reported() -> None:
 @pytest.mark.parametrize("value", [0, 1, 7, 999_999_937])
 def test_split_always_sums_exactly_and_never_goes_negative(value: int) -> None:
     work = [NodeWork("a", 3, 1_234), NodeWork("b", 1), NodeWork("c", 0)]
-    shares = settlement_split(value=value, work=work, primary_node_id="b", tokens=3, primary_share_permille=333)
+    shares = settlement_split(
+        value=value, work=work, primary_node_id="b", tokens=3, primary_share_permille=333
+    )
     assert sum(shares.values()) == value and min(shares.values()) >= 0
 
 
@@ -86,10 +102,21 @@ def three_node_setup(*, consumer_funds: int = 1_000_000) -> dict[str, Any]:
     return {"owners": owners, "nodes": nodes, "model": model, "dep": dep, "consumer": consumer}
 
 
-def test_reserve_then_settle_charges_tokens_used_releases_the_rest_and_pays_each_node_its_share(price: Any, now: Any) -> None:
+def test_reserve_then_settle_charges_tokens_used_releases_the_rest_and_pays_each_node_its_share(
+    price: Any, now: Any
+) -> None:
     s = three_node_setup()
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=200)
-    assert credit_reserve(account_id=s["consumer"].pk, job_id=job.pk, max_tokens=200, model_price_permille=1000, now=now) == 200_000
+    assert (
+        credit_reserve(
+            account_id=s["consumer"].pk,
+            job_id=job.pk,
+            max_tokens=200,
+            model_price_permille=1000,
+            now=now,
+        )
+        == 200_000
+    )
     assert bal(s["consumer"]) == 800_000 and account_system(name="system:holds").balance == 200_000
 
     job_finish(job, prompt=20, completion=80)
@@ -115,7 +142,13 @@ def test_reserve_then_settle_charges_tokens_used_releases_the_rest_and_pays_each
 def test_settling_the_same_job_twice_makes_exactly_one_entry(price: Any, now: Any) -> None:
     s = three_node_setup()
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=50)
-    credit_reserve(account_id=s["consumer"].pk, job_id=job.pk, max_tokens=50, model_price_permille=1000, now=now)
+    credit_reserve(
+        account_id=s["consumer"].pk,
+        job_id=job.pk,
+        max_tokens=50,
+        model_price_permille=1000,
+        now=now,
+    )
     job_finish(job, completion=10)
     first = credit_settle_job(job_id=job.pk, now=now)
     again = credit_settle_job(job_id=job.pk, now=timezone.now())
@@ -128,7 +161,13 @@ def test_settling_the_same_job_twice_makes_exactly_one_entry(price: Any, now: An
 def test_the_celery_task_settles_once_however_often_it_is_delivered(price: Any, now: Any) -> None:
     s = three_node_setup()
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=50)
-    credit_reserve(account_id=s["consumer"].pk, job_id=job.pk, max_tokens=50, model_price_permille=1000, now=now)
+    credit_reserve(
+        account_id=s["consumer"].pk,
+        job_id=job.pk,
+        max_tokens=50,
+        model_price_permille=1000,
+        now=now,
+    )
     job_finish(job, completion=10)
     settle_job.delay(job_id=str(job.pk))
     settle_job.delay(job_id=str(job.pk))
@@ -145,10 +184,18 @@ def test_a_job_that_is_still_running_is_not_settled(price: Any, now: Any) -> Non
 
 
 @pytest.mark.parametrize("state", [JobState.FAILED, JobState.CANCELLED])
-def test_failed_or_cancelled_jobs_charge_only_what_was_delivered(price: Any, now: Any, state: str) -> None:
+def test_failed_or_cancelled_jobs_charge_only_what_was_delivered(
+    price: Any, now: Any, state: str
+) -> None:
     s = three_node_setup()
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=500)
-    credit_reserve(account_id=s["consumer"].pk, job_id=job.pk, max_tokens=500, model_price_permille=1000, now=now)
+    credit_reserve(
+        account_id=s["consumer"].pk,
+        job_id=job.pk,
+        max_tokens=500,
+        model_price_permille=1000,
+        now=now,
+    )
     job_finish(job, state=state, prompt=12, completion=3)
     credit_settle_job(job_id=job.pk, now=now)
     assert bal(s["consumer"]) == 1_000_000 - 15_000
@@ -156,10 +203,18 @@ def test_failed_or_cancelled_jobs_charge_only_what_was_delivered(price: Any, now
     assert account_system(name="system:holds").balance == 0
 
 
-def test_a_job_that_delivered_nothing_is_fully_refunded_with_zero_credit_receipts(price: Any, now: Any) -> None:
+def test_a_job_that_delivered_nothing_is_fully_refunded_with_zero_credit_receipts(
+    price: Any, now: Any
+) -> None:
     s = three_node_setup()
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=500)
-    credit_reserve(account_id=s["consumer"].pk, job_id=job.pk, max_tokens=500, model_price_permille=1000, now=now)
+    credit_reserve(
+        account_id=s["consumer"].pk,
+        job_id=job.pk,
+        max_tokens=500,
+        model_price_permille=1000,
+        now=now,
+    )
     job_finish(job, state=JobState.FAILED)
     credit_settle_job(job_id=job.pk, now=now)
     assert bal(s["consumer"]) == 1_000_000
@@ -167,11 +222,21 @@ def test_a_job_that_delivered_nothing_is_fully_refunded_with_zero_credit_receipt
     assert ledger_verify().ok
 
 
-def test_usage_beyond_the_hold_is_charged_from_free_credits_but_never_below_the_floor(price: Any, now: Any) -> None:
+def test_usage_beyond_the_hold_is_charged_from_free_credits_but_never_below_the_floor(
+    price: Any, now: Any
+) -> None:
     s = three_node_setup(consumer_funds=30_000)
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=20)
-    credit_reserve(account_id=s["consumer"].pk, job_id=job.pk, max_tokens=20, model_price_permille=1000, now=now)
-    job_finish(job, prompt=40, completion=20)  # 60 tokens = 60_000 µ, but the account only ever had 30_000
+    credit_reserve(
+        account_id=s["consumer"].pk,
+        job_id=job.pk,
+        max_tokens=20,
+        model_price_permille=1000,
+        now=now,
+    )
+    job_finish(
+        job, prompt=40, completion=20
+    )  # 60 tokens = 60_000 µ, but the account only ever had 30_000
     entry = credit_settle_job(job_id=job.pk, now=now)
     assert entry.data["cost"] == 60_000 and entry.data["charged"] == 30_000
     assert bal(s["consumer"]) == 0
@@ -184,7 +249,16 @@ def test_model_price_weight_scales_the_charge(price: Any, now: Any) -> None:
     pricey = ModelFactory(price_weight_permille=2500)
     dep = deployment_for([(s["nodes"][0], 10)], model=pricey)
     job = job_for(account=s["consumer"], model=pricey, deployment=dep, max_tokens=10)
-    assert credit_reserve(account_id=s["consumer"].pk, job_id=job.pk, max_tokens=10, model_price_permille=2500, now=now) == 25_000
+    assert (
+        credit_reserve(
+            account_id=s["consumer"].pk,
+            job_id=job.pk,
+            max_tokens=10,
+            model_price_permille=2500,
+            now=now,
+        )
+        == 25_000
+    )
     job_finish(job, completion=4)
     credit_settle_job(job_id=job.pk, now=now)
     assert bal(s["owners"][0]) == 10_000 and bal(s["consumer"]) == 990_000
@@ -194,7 +268,13 @@ def test_a_broke_account_is_refused_a_reservation_and_nothing_is_held(price: Any
     s = three_node_setup(consumer_funds=999)
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=1)
     with pytest.raises(InsufficientCredits) as info:
-        credit_reserve(account_id=s["consumer"].pk, job_id=job.pk, max_tokens=1, model_price_permille=1000, now=now)
+        credit_reserve(
+            account_id=s["consumer"].pk,
+            job_id=job.pk,
+            max_tokens=1,
+            model_price_permille=1000,
+            now=now,
+        )
     assert info.value.needed == 1_000 and info.value.available == 999
     assert bal(s["consumer"]) == 999 and account_system(name="system:holds").balance == 0
 
@@ -203,7 +283,16 @@ def test_the_operator_account_is_never_blocked_by_credits(price: Any, now: Any) 
     s = three_node_setup()
     operator = account_system(name="system:operator")
     job = job_for(account=operator, model=s["model"], deployment=s["dep"], max_tokens=10**6)
-    assert credit_reserve(account_id=operator.pk, job_id=job.pk, max_tokens=10**6, model_price_permille=1000, now=now) == 10**9
+    assert (
+        credit_reserve(
+            account_id=operator.pk,
+            job_id=job.pk,
+            max_tokens=10**6,
+            model_price_permille=1000,
+            now=now,
+        )
+        == 10**9
+    )
     job_finish(job, completion=100)
     credit_settle_job(job_id=job.pk, now=now)
     assert bal(operator) == -100_000
@@ -215,24 +304,38 @@ def test_the_operator_account_is_never_blocked_by_credits(price: Any, now: Any) 
 def test_reservations_for_non_positive_token_counts_are_refused(now: Any, max_tokens: Any) -> None:
     acct = funded_account(10**6)
     with pytest.raises(ValueError):
-        credit_reserve(account_id=acct.pk, job_id="00000000-0000-0000-0000-000000000000", max_tokens=max_tokens,
-                       model_price_permille=1000, now=now)
+        credit_reserve(
+            account_id=acct.pk,
+            job_id="00000000-0000-0000-0000-000000000000",
+            max_tokens=max_tokens,
+            model_price_permille=1000,
+            now=now,
+        )
 
 
 def test_a_reservation_that_would_overflow_is_refused(now: Any) -> None:
     acct = funded_account(10**6)
     with pytest.raises(ValueError, match="overflow"):
-        credit_reserve(account_id=acct.pk, job_id="00000000-0000-0000-0000-000000000000", max_tokens=2**40,
-                       model_price_permille=2**40, now=now)
+        credit_reserve(
+            account_id=acct.pk,
+            job_id="00000000-0000-0000-0000-000000000000",
+            max_tokens=2**40,
+            model_price_permille=2**40,
+            now=now,
+        )
 
 
-def test_a_node_owner_running_on_its_own_node_pays_and_earns_in_one_entry(price: Any, now: Any) -> None:
+def test_a_node_owner_running_on_its_own_node_pays_and_earns_in_one_entry(
+    price: Any, now: Any
+) -> None:
     owner = funded_account(100_000)
     node = NodeFactory(account=owner)
     model = ModelFactory()
     dep = deployment_for([(node, 10)], model=model)
     job = job_for(account=owner, model=model, deployment=dep, max_tokens=50)
-    credit_reserve(account_id=owner.pk, job_id=job.pk, max_tokens=50, model_price_permille=1000, now=now)
+    credit_reserve(
+        account_id=owner.pk, job_id=job.pk, max_tokens=50, model_price_permille=1000, now=now
+    )
     job_finish(job, completion=30)
     credit_settle_job(job_id=job.pk, now=now)
     assert bal(owner) == 100_000  # paid 30_000 and earned it back
@@ -243,14 +346,22 @@ def test_a_fee_setting_sends_its_part_to_the_fees_account(price: Any, now: Any) 
     price.CREDITS_FEE_PERMILLE = 50
     s = three_node_setup()
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=100)
-    credit_reserve(account_id=s["consumer"].pk, job_id=job.pk, max_tokens=100, model_price_permille=1000, now=now)
+    credit_reserve(
+        account_id=s["consumer"].pk,
+        job_id=job.pk,
+        max_tokens=100,
+        model_price_permille=1000,
+        now=now,
+    )
     job_finish(job, completion=100)
     credit_settle_job(job_id=job.pk, now=now)
     assert account_system(name="system:fees").balance == 5_000
     assert sum(bal(o) for o in s["owners"]) == 95_000
 
 
-def test_escrow_holds_a_new_contributors_earnings_until_the_trust_threshold_then_releases(price: Any, now: Any) -> None:
+def test_escrow_holds_a_new_contributors_earnings_until_the_trust_threshold_then_releases(
+    price: Any, now: Any
+) -> None:
     price.CREDITS_ESCROW_ENABLED = True
     price.CREDITS_ESCROW_TRUST_THRESHOLD = 150_000
     owner = AccountFactory()
@@ -262,7 +373,13 @@ def test_escrow_holds_a_new_contributors_earnings_until_the_trust_threshold_then
 
     def run(tokens: int) -> None:
         job = job_for(account=consumer, model=model, deployment=dep, max_tokens=tokens)
-        credit_reserve(account_id=consumer.pk, job_id=job.pk, max_tokens=tokens, model_price_permille=1000, now=now)
+        credit_reserve(
+            account_id=consumer.pk,
+            job_id=job.pk,
+            max_tokens=tokens,
+            model_price_permille=1000,
+            now=now,
+        )
         job_finish(job, completion=tokens)
         credit_settle_job(job_id=job.pk, now=now)
 

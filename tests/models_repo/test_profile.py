@@ -222,6 +222,36 @@ def test_mixture_of_experts_flops_count_only_the_active_experts(tmp_path: Path) 
     assert p.layer_params[0] < experts // 2
 
 
+def test_skimming_reader_gives_the_same_profile_as_the_package_reader(tmp_path: Path) -> None:
+    from gguf import GGUFReader
+
+    from apps.models_repo.profile import _profile_from_reader
+
+    path = tmp_path / "tok.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_name("with-tokenizer")
+    w.add_block_count(3)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv([1, 2, 4])  # per-layer KV heads: the worst case counts
+    w.add_feed_forward_length(128)
+    w.add_token_list([f"tok{i}" for i in range(300)])
+    w.add_token_types([1] * 300)
+    w.add_token_merges([f"t o{i}" for i in range(200)])
+    rng = np.random.default_rng(2)
+    w.add_tensor("token_embd.weight", rng.standard_normal((300, 64)).astype(np.float32))
+    for i in range(3):
+        w.add_tensor(f"blk.{i}.attn_q.weight", rng.standard_normal((64, 64)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    skimmed = read_gguf_profile(path)
+    plain = _profile_from_reader(GGUFReader(path, "r"), path.name, path.stat().st_size)
+    assert skimmed == plain
+    assert (skimmed.n_vocab, skimmed.n_head_kv, skimmed.name) == (300, 4, "with-tokenizer")
+
+
 @pytest.mark.parametrize(
     "content",
     [b"", b"not a gguf at all, just text", b"GGUF" + b"\xff" * 64],
@@ -260,6 +290,22 @@ def test_gguf_without_block_count_is_refused(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ModelFileError, match="llama.block_count is missing"):
         read_gguf_profile(tmp_path / "meta.gguf")
+
+
+def test_shard_of_a_split_gguf_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "m-00001-of-00002.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_uint16("split.count", 2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="2-file split GGUF"):
+        read_gguf_profile(path)
 
 
 # --- hashing ----------------------------------------------------------------------------------

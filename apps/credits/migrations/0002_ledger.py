@@ -9,82 +9,195 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('credits', '0001_initial'),
-        ('jobs', '0002_initial'),
-        ('nodes', '0001_initial'),
+        ("credits", "0001_initial"),
+        ("jobs", "0002_initial"),
+        ("nodes", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Entry',
+            name="Entry",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('idempotency_key', models.CharField(max_length=200, unique=True)),
-                ('kind', models.CharField(choices=[('GRANT', 'Grant'), ('ADJUST', 'Adjust'), ('RESERVE', 'Reserve'), ('SETTLE', 'Settle'), ('STANDBY', 'Standby'), ('ESCROW_RELEASE', 'Escrow Release')], db_index=True, max_length=16)),
-                ('memo', models.CharField(blank=True, help_text='reason, shown in the ledger', max_length=500)),
-                ('data', models.JSONField(blank=True, default=dict, help_text='how the amounts were computed')),
-                ('created_at', models.DateTimeField(db_index=True)),
-                ('job', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='ledger_entries', to='jobs.job')),
-                ('node', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='ledger_entries', to='nodes.node')),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                ("idempotency_key", models.CharField(max_length=200, unique=True)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("GRANT", "Grant"),
+                            ("ADJUST", "Adjust"),
+                            ("RESERVE", "Reserve"),
+                            ("SETTLE", "Settle"),
+                            ("STANDBY", "Standby"),
+                            ("ESCROW_RELEASE", "Escrow Release"),
+                        ],
+                        db_index=True,
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "memo",
+                    models.CharField(
+                        blank=True, help_text="reason, shown in the ledger", max_length=500
+                    ),
+                ),
+                (
+                    "data",
+                    models.JSONField(
+                        blank=True, default=dict, help_text="how the amounts were computed"
+                    ),
+                ),
+                ("created_at", models.DateTimeField(db_index=True)),
+                (
+                    "job",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="ledger_entries",
+                        to="jobs.job",
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="ledger_entries",
+                        to="nodes.node",
+                    ),
+                ),
             ],
             options={
-                'verbose_name_plural': 'entries',
-                'ordering': ['-created_at', '-id'],
+                "verbose_name_plural": "entries",
+                "ordering": ["-created_at", "-id"],
             },
         ),
         migrations.CreateModel(
-            name='Posting',
+            name="Posting",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('amount', models.BigIntegerField(help_text='micro-credits; positive credits the account')),
-                ('account', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='postings', to='credits.account')),
-                ('beneficiary', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='beneficiary_postings', to='credits.account')),
-                ('entry', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='postings', to='credits.entry')),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                (
+                    "amount",
+                    models.BigIntegerField(help_text="micro-credits; positive credits the account"),
+                ),
+                (
+                    "account",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="postings",
+                        to="credits.account",
+                    ),
+                ),
+                (
+                    "beneficiary",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="beneficiary_postings",
+                        to="credits.account",
+                    ),
+                ),
+                (
+                    "entry",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="postings",
+                        to="credits.entry",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-entry_id', 'id'],
+                "ordering": ["-entry_id", "id"],
             },
         ),
         migrations.CreateModel(
-            name='Receipt',
+            name="Receipt",
             fields=[
-                ('id', models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
-                ('model_name', models.CharField(max_length=200)),
-                ('tokens', models.PositiveIntegerField()),
-                ('layers', models.PositiveIntegerField()),
-                ('share_ppm', models.PositiveIntegerField(help_text="the node's part of the job's value, parts per million")),
-                ('credits', models.BigIntegerField()),
-                ('escrowed', models.BooleanField(default=False)),
-                ('is_primary', models.BooleanField(default=False)),
-                ('issued_at', models.DateTimeField(db_index=True)),
-                ('payload', models.JSONField()),
-                ('signature', models.CharField(max_length=200)),
-                ('key_id', models.CharField(max_length=32)),
-                ('account', models.ForeignKey(help_text="the node's owner", on_delete=django.db.models.deletion.PROTECT, related_name='receipts', to='credits.account')),
-                ('entry', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='receipts', to='credits.entry')),
-                ('job', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='receipts', to='jobs.job')),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='receipts', to='nodes.node')),
+                (
+                    "id",
+                    models.UUIDField(
+                        default=uuid.uuid4, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                ("model_name", models.CharField(max_length=200)),
+                ("tokens", models.PositiveIntegerField()),
+                ("layers", models.PositiveIntegerField()),
+                (
+                    "share_ppm",
+                    models.PositiveIntegerField(
+                        help_text="the node's part of the job's value, parts per million"
+                    ),
+                ),
+                ("credits", models.BigIntegerField()),
+                ("escrowed", models.BooleanField(default=False)),
+                ("is_primary", models.BooleanField(default=False)),
+                ("issued_at", models.DateTimeField(db_index=True)),
+                ("payload", models.JSONField()),
+                ("signature", models.CharField(max_length=200)),
+                ("key_id", models.CharField(max_length=32)),
+                (
+                    "account",
+                    models.ForeignKey(
+                        help_text="the node's owner",
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="receipts",
+                        to="credits.account",
+                    ),
+                ),
+                (
+                    "entry",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="receipts",
+                        to="credits.entry",
+                    ),
+                ),
+                (
+                    "job",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="receipts",
+                        to="jobs.job",
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="receipts",
+                        to="nodes.node",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-issued_at', 'id'],
+                "ordering": ["-issued_at", "id"],
             },
         ),
         migrations.AddIndex(
-            model_name='entry',
-            index=models.Index(fields=['kind', 'node', 'created_at'], name='credits_entry_kind_node'),
+            model_name="entry",
+            index=models.Index(
+                fields=["kind", "node", "created_at"], name="credits_entry_kind_node"
+            ),
         ),
         migrations.AddIndex(
-            model_name='posting',
-            index=models.Index(fields=['account', '-entry'], name='credits_posting_account_entry'),
+            model_name="posting",
+            index=models.Index(fields=["account", "-entry"], name="credits_posting_account_entry"),
         ),
         migrations.AddConstraint(
-            model_name='posting',
-            constraint=models.CheckConstraint(condition=models.Q(('amount', 0), _negated=True), name='credits_posting_amount_nonzero'),
+            model_name="posting",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("amount", 0), _negated=True),
+                name="credits_posting_amount_nonzero",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='receipt',
-            constraint=models.UniqueConstraint(fields=('job', 'node'), name='credits_one_receipt_per_job_node'),
+            model_name="receipt",
+            constraint=models.UniqueConstraint(
+                fields=("job", "node"), name="credits_one_receipt_per_job_node"
+            ),
         ),
     ]

@@ -20,20 +20,26 @@ class Command(BaseCommand):
 
         report = ledger_verify()
         if options["json"]:
-            self.stdout.write(json.dumps({**asdict(report), "ok": report.ok}, indent=2, default=str))
+            self.stdout.write(
+                json.dumps({**asdict(report), "ok": report.ok}, indent=2, default=str)
+            )
         else:
             self.stdout.write(
                 f"{report.entries} entries, {report.postings} postings, {report.accounts} accounts; "
                 f"total minted {report.total_minted} micro-credits"
             )
             for row in report.unbalanced_entries:
-                self.stderr.write(f"UNBALANCED entry {row['entry_id']}: postings sum to {row['sum']}")
+                self.stderr.write(
+                    f"UNBALANCED entry {row['entry_id']}: postings sum to {row['sum']}"
+                )
             for row in report.balance_mismatches:
                 self.stderr.write(
                     f"MISMATCH {row['name']} ({row['account_id']}): cached {row['cached']} != replay {row['replayed']}"
                 )
             for row in report.below_floor:
-                self.stderr.write(f"BELOW FLOOR {row['name']}: balance {row['balance']} < floor {row['floor']}")
+                self.stderr.write(
+                    f"BELOW FLOOR {row['name']}: balance {row['balance']} < floor {row['floor']}"
+                )
             if report.holds_mismatch:
                 self.stderr.write(f"HOLDS {report.holds_mismatch}")
         if not report.ok:

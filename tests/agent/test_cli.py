@@ -1,0 +1,184 @@
+"""The `node-agent` command as a real process: foreground + SIGTERM, detached + status/stop, doctor."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.identity import Identity, save_identity
+from tests.agent.conftest import REDIS_URL, REPO, FakeController, fake_profile, free_port
+
+
+def node_agent(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=kw.pop("timeout", 60),
+        **kw,
+    )
+
+
+@pytest.fixture
+def run_flags(controller: FakeController, tmp_path: Path) -> list[str]:
+    (tmp_path / "models").mkdir()
+    return [
+        "--controller-url",
+        controller.url,
+        "--enrollment-token",
+        controller.token,
+        "--node-name",
+        "cli-node",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--models-dir",
+        str(tmp_path / "models"),
+        "--hardware-profile",
+        str(fake_profile(tmp_path)),
+        "--advertise-address",
+        "127.0.0.1",
+        "--rpc-port",
+        str(free_port()),
+        "--no-rpc-worker",
+        "--no-benchmark",
+        "--drain-seconds",
+        "2",
+    ]
+
+
+@pytest.fixture
+def reaper(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Whatever a test starts is stopped when it ends, detached agents included."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    pid_file = tmp_path / "state" / "agent.pid"
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def _forget_nodes(controller: FakeController, redis_client: Any) -> None:
+    for nid in controller.node_ids:
+        redis_client.test_keys.append(f"racon:node:{nid}:*")
+
+
+def test_foreground_agent_becomes_ready_and_sigterm_drains_and_exits_zero(
+    controller: FakeController,
+    run_flags: list[str],
+    reaper: list[Any],
+    redis_client: Any,
+    tmp_path: Path,
+) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "--foreground", *run_flags],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    reaper.append(proc)
+    controller.wait_for(lambda c: [b for b in c.heartbeats if b["state"] == "READY"], timeout=60)
+    _forget_nodes(controller, redis_client)
+    assert (tmp_path / "state" / "agent.pid").read_text().strip() == str(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out.decode()[-3000:]
+    assert controller.events("NODE_DRAINED")
+    assert controller.heartbeats[-1]["state"] == "DRAINING"
+    assert not (tmp_path / "state" / "agent.pid").exists()
+    assert b"state READY" in out and b"agent stopped (exit 0)" in out
+
+
+def test_detached_agent_reports_status_and_stops(
+    controller: FakeController,
+    run_flags: list[str],
+    reaper: list[Any],
+    redis_client: Any,
+    tmp_path: Path,
+) -> None:
+    state = str(tmp_path / "state")
+    started = node_agent(*run_flags)
+    assert started.returncode == 0, started.stderr
+    assert "node-agent started (pid" in started.stdout
+    controller.wait_for(lambda c: [b for b in c.heartbeats if b["state"] == "READY"], timeout=60)
+    _forget_nodes(controller, redis_client)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        status = node_agent("status", "--state-dir", state)
+        if "state: READY" in status.stdout:
+            break
+        time.sleep(0.3)
+    assert status.returncode == 0
+    assert "process: running" in status.stdout and controller.node_ids[0] in status.stdout
+    second = node_agent(*run_flags)  # one agent per state dir
+    assert second.returncode == 2 and "already running" in second.stderr
+    stop = node_agent("stop", "--state-dir", state)
+    assert stop.returncode == 0 and "stopped" in stop.stdout
+    after = node_agent("status", "--state-dir", state)
+    assert after.returncode == 1 and "not running" in after.stdout
+    assert "agent stopped (exit 0)" in (tmp_path / "state" / "agent.log").read_text()
+
+
+def test_doctor_checks_the_pieces_and_writes_a_bundle_without_the_credential(
+    controller: FakeController, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    save_identity(state, Identity("node-doc", "TOPSECRETCRED", controller.url, REDIS_URL, "doc"))
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "m.gguf").write_bytes(b"GGUF0000")
+    bundle = tmp_path / "out" / "bundle.tar.gz"
+    out = node_agent(
+        "doctor",
+        "--state-dir",
+        str(state),
+        "--models-dir",
+        str(models),
+        "--hardware-profile",
+        str(fake_profile(tmp_path)),
+        "--bundle",
+        str(bundle),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "cpu: Test CPU 9000 (8 cores / 16 threads)" in out.stdout
+    for name in ("controller", "redis", "llama.cpp rpc", "models"):
+        assert f"[ok] {name}:" in out.stdout, out.stdout
+    assert "1 GGUF file(s)" in out.stdout
+    with tarfile.open(bundle) as tar:
+        names = tar.getnames()
+        report = json.loads(tar.extractfile("doctor.json").read())  # type: ignore[union-attr]
+        blob = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())  # type: ignore[union-attr]
+    assert "doctor.json" in names and "identity.json" not in names
+    assert b"TOPSECRETCRED" not in blob
+    assert report["ok"] is True
+
+
+def test_doctor_fails_when_the_controller_is_down(tmp_path: Path) -> None:
+    out = node_agent(
+        "doctor",
+        "--state-dir",
+        str(tmp_path),
+        "--controller-url",
+        f"http://127.0.0.1:{free_port()}",
+        "--hardware-profile",
+        str(fake_profile(tmp_path)),
+    )
+    assert out.returncode == 1
+    assert "[FAIL] controller:" in out.stdout
+    assert "[skip] redis:" in out.stdout

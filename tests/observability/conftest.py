@@ -1,0 +1,248 @@
+"""Fixtures for the observability tests: model rows, jobs in given states, and one live run.
+
+The live run (``live_run``) starts the real controller (daphne + Celery) and one real agent with
+SmolLM2, enrolls, deploys, serves one chat for a user with a starting grant, drains the node, and
+captures what the tests assert on: /metrics scrapes, the agent's /metrics, both logs, a bundle.
+Every process is stopped before the tests look at the captures, so the database flush of the
+transactional tests can never race a live process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import tarfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import pytest
+
+from apps.jobs.models import Deployment, Job
+from apps.models_repo.models import Model, ModelFile
+
+
+@pytest.fixture
+def model_file(db: None) -> ModelFile:
+    model = Model.objects.create(name="tiny-model")
+    return ModelFile.objects.create(
+        model=model, file_name="tiny.gguf", sha256=hashlib.sha256(b"tiny").hexdigest(), size=1234
+    )
+
+
+def make_deployment(
+    model_file: ModelFile,
+    *,
+    state: str = "READY",
+    primary: Any = None,
+    nodes: list[Any] | None = None,
+) -> Deployment:
+    dep = Deployment.objects.create(
+        model=model_file.model, model_file=model_file, state=state, primary=primary
+    )
+    if nodes:
+        dep.nodes.set(nodes)
+    return dep
+
+
+def make_job(
+    model_file: ModelFile,
+    *,
+    state: str = "QUEUED",
+    now: datetime,
+    deployment: Deployment | None = None,
+    nodes: list[Any] | None = None,
+    **fields: Any,
+) -> Job:
+    job = Job.objects.create(
+        model=model_file.model,
+        state=state,
+        deployment=deployment,
+        queued_at=fields.pop("queued_at", now),
+        **fields,
+    )
+    if nodes:
+        job.nodes.set(nodes)
+    return job
+
+
+# --- the live run --------------------------------------------------------------------------------
+
+
+@dataclass
+class LiveRun:
+    """What one real request through the real controller and agent left behind."""
+
+    job_id: str
+    request_id: str
+    node_id: str
+    deployment_id: str
+    model: str
+    completion_tokens: int
+    charged: int
+    starting_grant: int
+    metrics_before_drain: str
+    metrics_after_drain: str
+    unauthorized_status: int
+    wrong_token_status: int
+    agent_metrics: str
+    controller_log: str
+    agent_log: str
+    bundle: bytes
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+METRICS_TOKEN = "live-metrics-token-" + "m" * 24
+
+
+@pytest.fixture(scope="session")
+def live_run(
+    django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveRun]:
+    """One real chat on one real node, a drain, and everything captured (all processes stopped)."""
+    import time
+
+    import httpx
+    import openai
+    from django.conf import settings
+    from django.utils import timezone
+
+    from apps.api.auth import api_key_create
+    from apps.credits.models import Entry
+    from apps.credits.services import account_for_user
+    from apps.nodes.diagnostics import node_diagnostics_bundle
+    from tests.e2e.harness import (
+        free_port,
+        run_controller,
+        smollm2_path,
+        start_agent,
+        stop_agent,
+        wait_for,
+    )
+    from tests.factories import UserFactory
+
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    model_path = smollm2_path()
+    work = tmp_path_factory.mktemp("observability-live")
+    with (
+        django_db_blocker.unblock(),
+        run_controller(work / "controller", METRICS_TOKEN=METRICS_TOKEN) as ctl,
+    ):
+        timings["controller_up"] = time.monotonic() - t0
+        # A user with an account: its starting grant is minted, and its chat is charged.
+        user = UserFactory()
+        account = account_for_user(user=user)
+        _, user_key = api_key_create(
+            name="observability", account_id=account.id, scopes=["inference"], user_id=user.pk
+        )
+        tok = ctl.post("/api/admin/tokens", {"label": "observability"}).json()
+        models_dir = work / "models"
+        models_dir.mkdir()
+        shutil.copy(model_path, models_dir / model_path.name)
+        metrics_port = free_port()
+        agent = start_agent(
+            ctl,
+            tok["token"],
+            "obs-1",
+            work,
+            models_dir=models_dir,
+            extra=["--metrics-port", str(metrics_port)],
+        )
+        try:
+            node = wait_for(
+                lambda: [
+                    n
+                    for n in ctl.get("/api/admin/nodes?state=READY").json()
+                    if n["name"] == "obs-1"
+                ],
+                60,
+                "the node to be READY",
+            )[0]
+            timings["node_ready"] = time.monotonic() - t0
+            reg = ctl.post("/api/admin/models", {"path": str(model_path), "name": "smollm2"})
+            assert reg.status_code == 201, reg.text
+            dep = ctl.post("/api/admin/deployments", {"model": "smollm2", "n_ctx": 512})
+            assert dep.status_code == 202, dep.text
+            dep_id = dep.json()["id"]
+
+            def ready() -> Any:
+                d = ctl.get(f"/api/admin/deployments/{dep_id}").json()
+                assert d["state"] not in ("FAILED", "STOPPED"), d
+                return d if d["state"] == "READY" else None
+
+            wait_for(ready, 120, "the deployment to be READY")
+            timings["deployment_ready"] = time.monotonic() - t0
+            client = openai.OpenAI(base_url=ctl.url + "/v1", api_key=user_key)
+            raw = client.chat.completions.with_raw_response.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "Say hello."}],
+                max_tokens=8,
+                temperature=0,
+                extra_headers={"X-Request-Id": "obs" + uuid.uuid4().hex},
+            )
+            resp = raw.parse()
+            job_id = raw.headers["X-Racon-Job-Id"]
+            request_id = raw.headers["X-Request-Id"]
+            assert resp.usage is not None
+            timings["chat_done"] = time.monotonic() - t0
+            # Settlement runs in Celery after the job's commit: wait for its ledger entry.
+            entry = wait_for(
+                lambda: Entry.objects.filter(idempotency_key=f"settle:{job_id}").first(),
+                30,
+                "the job's settlement",
+            )
+            auth = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+            before = httpx.get(ctl.url + "/metrics", headers=auth, timeout=10)
+            assert before.status_code == 200, before.text
+            agent_metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+            drained = ctl.post(f"/api/admin/nodes/{node['id']}/drain")
+            assert drained.status_code == 200, drained.text
+            wait_for(
+                lambda: ctl.get(f"/api/admin/nodes/{node['id']}").json()["state"] == "DRAINING",
+                15,
+                "the node to be DRAINING",
+            )
+            after = httpx.get(ctl.url + "/metrics", headers=auth, timeout=10)
+            unauthorized = httpx.get(ctl.url + "/metrics", timeout=10).status_code
+            wrong = httpx.get(
+                ctl.url + "/metrics", headers={"Authorization": "Bearer not-the-token"}, timeout=10
+            ).status_code
+            bundle = node_diagnostics_bundle(node_id=node["id"], now=timezone.now())
+        finally:
+            stop_agent(agent)
+        agent_log = agent.log()
+    timings["total"] = time.monotonic() - t0
+    yield LiveRun(
+        job_id=job_id,
+        request_id=request_id,
+        node_id=node["id"],
+        deployment_id=dep_id,
+        model="smollm2",
+        completion_tokens=resp.usage.completion_tokens,
+        charged=int(entry.data["charged"]),
+        starting_grant=int(settings.CREDITS_STARTING_GRANT),
+        metrics_before_drain=before.text,
+        metrics_after_drain=after.text,
+        unauthorized_status=unauthorized,
+        wrong_token_status=wrong,
+        agent_metrics=agent_metrics,
+        controller_log=ctl.logs(),
+        agent_log=agent_log,
+        bundle=bundle,
+        timings=timings,
+    )
+
+
+def unpack(data: bytes) -> dict[str, bytes]:
+    """A bundle's files by their name inside its top folder."""
+    out: dict[str, bytes] = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            fh = tar.extractfile(member)
+            if fh is not None:
+                out[member.name.split("/", 1)[1]] = fh.read()
+    return out
