@@ -1,8 +1,15 @@
-"""ASGI entry point: Django over HTTP, Channels consumers over WebSocket (served by daphne)."""
+"""ASGI entry point: Django over HTTP, Channels consumers over WebSocket (served by daphne).
+
+Agent heartbeats are the hottest path (thousands of nodes every few seconds) and need neither
+sessions, CSRF, auth middleware nor templates: they are answered here, before Django's request
+machinery, by the same function the Django view calls.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "racon.settings")
 
@@ -13,12 +20,50 @@ django_asgi = get_asgi_application()
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
 
 from apps.api.routing import websocket_urlpatterns  # noqa: E402
+from apps.nodes.api import heartbeat_handle  # noqa: E402
+
+HEARTBEAT_PATH = "/api/agent/heartbeat"
+
+
+async def _read_body(receive: Any, limit: int) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body = message.get("body", b"")
+        size += len(body)
+        if size <= limit + 1:
+            chunks.append(body)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def http_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope.get("path") != HEARTBEAT_PATH:
+        await django_asgi(scope, receive, send)
+        return
+    auth = ""
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            auth = value.decode("latin-1")
+            break
+    body = await _read_body(receive, settings.MAX_AGENT_BODY_BYTES)
+    if body is None:
+        return
+    status, payload = await heartbeat_handle(method=scope.get("method", ""), authorization=auth, body=body)
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi,
+        "http": http_app,
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

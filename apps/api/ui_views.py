@@ -20,6 +20,7 @@ from django.contrib.staticfiles.views import serve as staticfiles_serve
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.shortcuts import redirect, render
+from django.template.loader import render_to_string
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
@@ -103,7 +104,11 @@ def _node_action(request: HttpRequest, node_id: str, action: Callable[..., Node]
     ui_render.node_for(ui_render.viewer_for(request.user), node_id)  # 404 before anything moves
     node = action(node_id=node_id, now=timezone.now())
     if getattr(request, "htmx", False):
-        return render(request, "ui/nodes/list.html#node-actions", {"node": node, "is_staff": True})
+        # The new buttons, plus the badge out of band: the page shows the change even before the
+        # dashboard socket's broadcast arrives.
+        ctx = {"node": node, "is_staff": True}
+        html = render_to_string("ui/nodes/list.html#node-actions", ctx, request) + render_to_string("ui/nodes/list.html#node-badge", {**ctx, "oob": True})
+        return HttpResponse(html)
     return _back(request, f"/nodes/{node_id}/")
 
 

@@ -160,32 +160,43 @@ class AgentEnrollApi(APIView):
         return Response(body, status=status.HTTP_201_CREATED if enrollment.created else status.HTTP_200_OK)
 
 
-@csrf_exempt
-async def agent_heartbeat(request: HttpRequest) -> JsonResponse:
-    """Authenticated by the node credential; costs no database write unless the state changes."""
-    if request.method != "POST":
-        return _agent_error("method not allowed", 405)
-    creds = _node_credentials(request)
-    if creds is None:
-        return _agent_error("missing or malformed 'Authorization: Node <id>:<credential>'", 401)
-    if len(request.body) > settings.MAX_AGENT_BODY_BYTES:
-        return _agent_error("heartbeat body too large", 400)
+async def heartbeat_handle(*, method: str, authorization: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    """The heartbeat endpoint's logic, shared by the Django view and the ASGI fast path."""
+    if method != "POST":
+        return 405, {"error": {"message": "method not allowed"}}
+    scheme, _, rest = authorization.partition(" ")
+    if scheme != "Node" or ":" not in rest:
+        return 401, {"error": {"message": "missing or malformed 'Authorization: Node <id>:<credential>'"}}
+    node_id, _, credential = rest.strip().partition(":")
+    if len(body) > settings.MAX_AGENT_BODY_BYTES:
+        return 400, {"error": {"message": "heartbeat body too large"}}
     try:
-        payload = json.loads(request.body or b"{}")
+        payload = json.loads(body or b"{}")
     except ValueError as exc:
-        return _agent_error(f"malformed JSON: {exc}", 400)
+        return 400, {"error": {"message": f"malformed JSON: {exc}"}}
     if not isinstance(payload, dict) or not isinstance(payload.get("telemetry", {}), dict):
-        return _agent_error("heartbeat must be an object with a 'telemetry' object", 400, fields={"telemetry": ["must be an object"]})
+        return 400, {"error": {"message": "heartbeat must be an object with a 'telemetry' object", "fields": {"telemetry": ["must be an object"]}}}
     wanted = payload.get("state")
     if wanted is not None and wanted not in NodeState.values:
-        return _agent_error(f"unknown state {wanted!r}", 400, fields={"state": [f"not one of {NodeState.values}"]})
+        return 400, {"error": {"message": f"unknown state {wanted!r}", "fields": {"state": [f"not one of {NodeState.values}"]}}}
     try:
-        state = await services.node_heartbeat(
-            node_id=creds[0], credential=creds[1], payload=payload, now=timezone.now()
-        )
+        state = await services.node_heartbeat(node_id=node_id, credential=credential, payload=payload, now=timezone.now())
     except services.NodeAuthError as exc:
-        return _agent_error(str(exc), 401, code="node_revoked" if "revoked" in str(exc) else "invalid_credential")
-    return JsonResponse({"state": state, "heartbeat_interval": settings.HEARTBEAT_INTERVAL})
+        code = "node_revoked" if "revoked" in str(exc) else "invalid_credential"
+        return 401, {"error": {"message": str(exc), "code": code}}
+    return 200, {"state": state, "heartbeat_interval": settings.HEARTBEAT_INTERVAL}
+
+
+@csrf_exempt
+async def agent_heartbeat(request: HttpRequest) -> JsonResponse:
+    """Authenticated by the node credential; costs no database write unless the state changes.
+
+    Under daphne, racon.asgi answers this path before Django's request machinery (same logic).
+    """
+    status_code, body = await heartbeat_handle(
+        method=request.method or "", authorization=request.headers.get("Authorization", ""), body=request.body
+    )
+    return JsonResponse(body, status=status_code)
 
 
 class AgentReportsApi(APIView):

@@ -336,52 +336,68 @@ def heartbeat_target(*, current: str, wanted: str | None, busy: bool, drain_requ
     return target if target != current else None
 
 
+# One round trip per heartbeat: check the credential hash against the mirror, record the time and
+# telemetry, and return the mirrored state. Returns {} when the mirror is missing (rebuild it).
+# The hashes compared are SHA-256 of 256-bit random credentials, so a plain comparison leaks nothing useful.
+_HEARTBEAT_LUA = """
+local meta = redis.call('HGETALL', KEYS[1])
+if #meta == 0 then return {} end
+local m = {}
+for i = 1, #meta, 2 do m[meta[i]] = meta[i + 1] end
+if m['cred'] == nil or m['cred'] == '' then return {'revoked'} end
+if m['cred'] ~= ARGV[1] then return {'bad'} end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HSET', KEYS[3], 'at', ARGV[2], 'cpu_percent', ARGV[4], 'mem_available', ARGV[5], 'gpu_free', ARGV[6],
+  'rpc_worker', ARGV[7], 'jobs', ARGV[8], 'telemetry', ARGV[9])
+return {'ok', m['state'] or '', m['drain'] or '0', m['drained'] or '0'}
+"""
+
+
+_scripts: dict[int, Any] = {}
+
+
+def _heartbeat_script(r: Any) -> Any:
+    """The registered script (EVALSHA after the first call), one per client."""
+    script = _scripts.get(id(r))
+    if script is None:
+        script = _scripts[id(r)] = r.register_script(_HEARTBEAT_LUA)
+    return script
+
+
 async def node_heartbeat(*, node_id: str, credential: str, payload: dict[str, Any], now: datetime) -> str:
     """Record a heartbeat in Redis; touch the database only when the state must change.
 
     The controller's clock decides: the agent's ``sent_at`` is stored as telemetry only.
     """
     r = get_async_redis()
-    meta = await r.hgetall(_meta_key(node_id))
-    if not meta:
-        # Redis lost the mirror (restart or flush): rebuild it from the database once.
-        meta = await sync_to_async(_meta_from_db)(node_id)
-        if meta is None:
-            raise NodeAuthError("unknown node")
-    if not meta.get("cred"):
-        raise NodeAuthError("node has been revoked")
-    if not hmac.compare_digest(meta["cred"], credential_hash(credential)):
-        raise NodeAuthError("invalid node credential")
     telemetry = payload.get("telemetry") or {}
     ts = now.timestamp()
     jobs = telemetry.get("jobs") or []
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.zadd(HEARTBEATS_ZSET, {node_id: ts})
-        pipe.hset(
-            heartbeat_key(node_id),
-            mapping={
-                "at": ts,
-                "cpu_percent": float(telemetry.get("cpu_percent") or 0.0),
-                "mem_available": int(telemetry.get("mem_available") or 0),
-                "gpu_free": ",".join(str(int(x)) for x in telemetry.get("gpu_free") or []),
-                "rpc_worker": int(bool((telemetry.get("rpc_worker") or {}).get("running"))),
-                "jobs": len(jobs),
-                "telemetry": _json_dumps(telemetry),
-            },
-        )
-        await pipe.execute()
-    current = meta.get("state", "")
-    target = heartbeat_target(
-        current=current,
-        wanted=payload.get("state"),
-        busy=bool(jobs),
-        drain_requested=meta.get("drain") == "1",
-    )
+    args = [
+        credential_hash(credential), ts, node_id,
+        float(telemetry.get("cpu_percent") or 0.0), int(telemetry.get("mem_available") or 0),
+        ",".join(str(int(x)) for x in telemetry.get("gpu_free") or []),
+        int(bool((telemetry.get("rpc_worker") or {}).get("running"))), len(jobs), _json_dumps(telemetry),
+    ]
+    keys = [_meta_key(node_id), HEARTBEATS_ZSET, heartbeat_key(node_id)]
+    script = _heartbeat_script(r)
+    result = await script(keys=keys, args=args)
+    if not result:
+        # Redis lost the mirror (restart or flush): rebuild it from the database once, then retry.
+        if await sync_to_async(_meta_from_db)(node_id) is None:
+            raise NodeAuthError("unknown node")
+        result = await script(keys=keys, args=args)
+    if not result or result[0] == "revoked":
+        raise NodeAuthError("node has been revoked")
+    if result[0] != "ok":
+        raise NodeAuthError("invalid node credential")
+    _, current, drain, drained = result
+    target = heartbeat_target(current=current, wanted=payload.get("state"), busy=bool(jobs), drain_requested=drain == "1")
     if target is not None:
         moved = await sync_to_async(_heartbeat_transition)(node_id, current, target, now, telemetry)
         if moved:
             current = target
-    if current == S.DRAINING and not jobs and meta.get("drained") != "1":
+    if current == S.DRAINING and not jobs and drained != "1":
         await sync_to_async(node_mark_drained)(node_id=node_id, now=now)
     return current
 

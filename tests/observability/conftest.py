@@ -212,6 +212,12 @@ def live_run(
                 ctl.url + "/metrics", headers={"Authorization": "Bearer not-the-token"}, timeout=10
             ).status_code
             bundle = node_diagnostics_bundle(node_id=node["id"], now=timezone.now())
+        except Exception as exc:
+            # A live run that breaks says why: the tails of both logs travel with the error.
+            raise RuntimeError(
+                f"live run failed: {exc!r}\n--- controller log ---\n{ctl.logs()[-6000:]}"
+                f"\n--- agent log ---\n{agent.log()[-4000:]}"
+            ) from exc
         finally:
             stop_agent(agent)
         agent_log = agent.log()

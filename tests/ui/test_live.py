@@ -75,13 +75,16 @@ def smollm2(db: Any, settings: Any, tmp_path: Path) -> Any:
 
 
 def test_the_placement_preview_draws_every_layer_with_the_prediction_and_explanation(smollm2: Any, world: Any, staff_client: Client) -> None:
-    resp = staff_client.post("/deployments/preview", {"model": "smollm2", "n_ctx": "1024", "nodes": [str(world.staff_node.id), str(world.own_node.id)], "spread": "on"}, **HTMX)
+    # Fresh nodes: the world's own deployment already holds its nodes' RPC workers.
+    a, b = NodeFactory(name="box-a"), NodeFactory(name="box-b")
+    resp = staff_client.post("/deployments/preview", {"model": "smollm2", "n_ctx": "1024", "nodes": [str(a.id), str(b.id)], "spread": "on"}, **HTMX)
     body = resp.content.decode()
     assert resp.status_code == 200, body
     assert body.lstrip().startswith('<div id="preview"')
     assert body.count('class="cell"') == smollm2.n_layer == 30
     assert "tok/s predicted" in body and 'class="explanation"' in body
-    assert "ops-box" in body and "carls-laptop" in body  # spread over both pinned nodes
+    assert "box-a" in body and "box-b" in body  # spread over both pinned nodes
+    assert str(a.id) not in body.split('class="explanation"')[1]  # reasons name nodes, not ids
 
 
 def test_deploying_from_the_ui_creates_a_deployment_row(smollm2: Any, world: Any, staff_client: Client) -> None:
@@ -97,5 +100,7 @@ def test_deploying_from_the_ui_creates_a_deployment_row(smollm2: Any, world: Any
 
 
 def test_a_refused_placement_shows_the_reason(smollm2: Any, world: Any, staff_client: Client) -> None:
-    resp = staff_client.post("/deployments/preview", {"model": "smollm2", "n_ctx": "1048576", "nodes": [str(world.own_node.id)]}, **HTMX)
-    assert resp.status_code == 422 and "Placement refused" in resp.content.decode()
+    small = NodeFactory(name="small-box")
+    resp = staff_client.post("/deployments/preview", {"model": "smollm2", "n_ctx": "1048576", "nodes": [str(small.id)]}, **HTMX)
+    body = resp.content.decode()
+    assert resp.status_code == 422 and "Placement refused" in body and "unknown pinned" not in body

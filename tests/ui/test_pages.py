@@ -87,7 +87,9 @@ def test_node_detail_shows_hardware_telemetry_events_deployments_and_drain(staff
 def test_drain_and_undrain_from_the_ui_move_the_node_and_write_events(staff_client: Client, world: World) -> None:
     nid = world.staff_node.id
     resp = staff_client.post(f"/nodes/{nid}/drain", **HTMX)
-    assert resp.status_code == 200 and "Undrain" in resp.content.decode()
+    body = resp.content.decode()
+    assert resp.status_code == 200 and "Undrain" in body
+    assert f'id="node-badge-{nid}" class="badge big warn" hx-swap-oob="true">DRAINING<' in body
     node = Node.objects.get(pk=nid)
     assert node.state == NodeState.DRAINING and node.drain_requested
     assert Event.objects.filter(node=node, kind="NODE_DRAIN_REQUESTED").exists()
