@@ -12,7 +12,7 @@ $(PY):
 
 $(STAMP): pyproject.toml scripts/install-llama.sh | $(PY)
 	scripts/install-llama.sh $(VENV)
-	$(VENV)/bin/pip install -q -e '.[agent,test]'
+	$(VENV)/bin/pip install -q -e '.[controller,agent,cli,test]'
 	@touch $(STAMP)
 
 install: $(STAMP)

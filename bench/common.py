@@ -22,6 +22,7 @@ bench reads the cluster snapshot the controller's scheduler sees).
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -63,7 +64,6 @@ PRODUCTION_TIMINGS = {
     "HEALTH_SWEEP_SECONDS": "5",
     "HEARTBEAT_DEGRADED_AFTER": "3",
     "HEARTBEAT_OFFLINE_AFTER": "9",
-    "LOG_LEVEL": "WARNING",
 }
 
 Log = Callable[[str], None]
@@ -139,6 +139,8 @@ def bench_environment(workdir: Path) -> Iterator[BenchEnv]:
         from django.core.management import call_command
 
         django.setup()
+        for noisy in ("httpx", "httpcore"):  # one INFO line per request would drown the bench output
+            logging.getLogger(noisy).setLevel(logging.WARNING)
         call_command("migrate", verbosity=0, interactive=False)
         yield env
     finally:

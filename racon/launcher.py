@@ -77,22 +77,22 @@ class Supervisor:
         return proc
 
     def stop(self) -> None:
+        # SIGTERM to each main process only: an agent drains and stops its own llama.cpp children,
+        # Celery its pool. Whatever is left of a process group after the grace period is killed.
         for name, proc in reversed(self.procs):
             if proc.poll() is None:
                 print(f"[racon] stopping {name}", flush=True)
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 15
-        for _name, proc in self.procs:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for _name, proc in reversed(self.procs):
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self.redis is not None:
             print("[racon] stopping embedded Redis", flush=True)
             self.redis.stop()
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             for key in created:
                 print(f"  {key}={os.environ[key]}", flush=True)
             print("", flush=True)
-        sup.start("daphne", [str(bindir / "daphne"), "-b", args.bind, "-p", str(port), "racon.asgi:application"])
+        sup.start("daphne", [str(bindir / "daphne"), "-b", args.bind, "-p", str(port), "--access-log", str(var / "access.log"), "racon.asgi:application"])
         sup.start("celery-worker", [str(bindir / "celery"), "-A", "racon", "worker", "-l", "warning", "--concurrency", "4", "-n", "racon@%h"])
         sup.start("celery-beat", [str(bindir / "celery"), "-A", "racon", "beat", "-l", "warning", "-s", str(var / "celerybeat-schedule")])
         wait_health(url, sup)

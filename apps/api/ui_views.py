@@ -22,6 +22,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonRespons
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
 from django.utils import timezone
+from django.utils.cache import patch_vary_headers
 from django.views.decorators.http import require_GET, require_POST
 
 from apps.api import ui_render
@@ -39,10 +40,19 @@ from apps.nodes.selectors import agent_command_line
 log = logging.getLogger("racon.ui")
 
 
+def _wants_partial(request: HttpRequest) -> bool:
+    htmx = getattr(request, "htmx", None)
+    # A history restore (back button after hx-push-url) needs the whole page again.
+    return bool(htmx) and not htmx.history_restore_request
+
+
 def render_ui(request: HttpRequest, template: str, context: dict[str, Any], *, partial: str | None = None, status: int = 200) -> HttpResponse:
     """The one place that picks the page or, for an htmx request, just ``template#partial``."""
-    name = f"{template}#{partial}" if partial and getattr(request, "htmx", False) else template
-    return render(request, name, context, status=status)
+    name = f"{template}#{partial}" if partial and _wants_partial(request) else template
+    resp = render(request, name, context, status=status)
+    # The same URL answers a page or a fragment: caches must keep them apart.
+    patch_vary_headers(resp, ("HX-Request",))
+    return resp
 
 
 def staff_required(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
@@ -79,7 +89,7 @@ def static(request: HttpRequest, path: str) -> HttpResponseBase:
 @login_required
 @require_GET
 def dashboard(request: HttpRequest) -> HttpResponse:
-    if getattr(request, "htmx", False):
+    if _wants_partial(request):
         return render_ui(request, "ui/dashboard.html", ui_render.dashboard_stats(user=request.user, now=timezone.now()), partial="stats")
     return render_ui(request, "ui/dashboard.html", ui_render.dashboard_page(user=request.user, now=timezone.now()))
 

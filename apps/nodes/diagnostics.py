@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db.models import Q
 
 from agent.protocol import (
@@ -62,7 +63,7 @@ SECRET_SETTINGS = (
     "RECEIPT_SIGNING_KEY",
 )
 
-# Event kinds that report a failure (besides any kind naming one, see _is_error_event).
+# Event kinds that report a failure (besides any kind naming one, see _error_event_q).
 ERROR_KINDS = frozenset(
     {
         "COMMAND_FAILED",
@@ -127,7 +128,10 @@ def _nodes_by_id_prefix(prefix: str) -> list[Node]:
 
 def node_diagnostics(*, node_id: Any, now: datetime) -> NodeDiagnostics:
     """Collect, scrub and pack a node's bundle (UnknownNode when the id names no node)."""
-    node = Node.objects.filter(pk=node_id).first()
+    try:
+        node = Node.objects.filter(pk=node_id).first()
+    except (ValueError, ValidationError):
+        node = None
     if node is None:
         raise UnknownNode(f"no node with id {node_id}")
     files = _collect(node=node, now=now)

@@ -195,7 +195,7 @@ class FakeController:
 
     # --- test helpers ---------------------------------------------------------------------------
 
-    def wait_for(self, predicate: Any, timeout: float = 10.0) -> Any:
+    def wait_for(self, predicate: Any, timeout: float = 30.0) -> Any:
         """Wait until predicate(self) is truthy; return its value or fail the test."""
         import time
 
@@ -217,7 +217,7 @@ class FakeController:
             if r["kind"] == "command_result" and r.get("command_id") == command_id
         ]
 
-    def result(self, command_id: str, timeout: float = 15.0) -> dict[str, Any]:
+    def result(self, command_id: str, timeout: float = 40.0) -> dict[str, Any]:
         reports = self.wait_for(lambda c: c.results_for(command_id), timeout)
         return dict(reports[0]["payload"])
 

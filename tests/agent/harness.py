@@ -123,7 +123,7 @@ class Harness:
             t.join(20)
 
 
-def wait(predicate: Any, timeout: float = 10.0) -> Any:
+def wait(predicate: Any, timeout: float = 30.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from apps.nodes.models import Node
 from apps.nodes.states import NodeState
 from racon_cli.client import EXIT_API, EXIT_CONFIG, EXIT_UNREACHABLE
 from tests.credits.factories import ModelFactory, deployment_for, job_finish, job_for
-from tests.e2e.harness import Controller, free_port, smollm2_path
+from tests.e2e.harness import Controller, smollm2_path
 from tests.factories import NodeFactory, UserFactory
 
 from .conftest import Run, one_error_line
@@ -81,7 +82,9 @@ def test_an_unknown_node_is_one_404_line(racon: Run, two_nodes: tuple[Node, Node
 
 
 def test_an_unreachable_controller_is_one_line_and_exit_3(racon: Run) -> None:
-    res = racon("nodes", "ls", url=f"http://127.0.0.1:{free_port()}")
+    with socket.socket() as held:  # bound, not listening: connections are refused
+        held.bind(("127.0.0.1", 0))
+        res = racon("nodes", "ls", url=f"http://127.0.0.1:{held.getsockname()[1]}")
     assert res.exit_code == EXIT_UNREACHABLE
     assert "cannot reach the controller" in one_error_line(res)
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import os
 import shutil
+import subprocess
 import tarfile
 import uuid
 from collections.abc import Iterator
@@ -92,6 +95,8 @@ class LiveRun:
     controller_log: str
     agent_log: str
     bundle: bytes
+    doctor_bundle: bytes
+    node_secrets: list[str]
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -115,6 +120,7 @@ def live_run(
     from apps.credits.services import account_for_user
     from apps.nodes.diagnostics import node_diagnostics_bundle
     from tests.e2e.harness import (
+        BIN,
         free_port,
         run_controller,
         smollm2_path,
@@ -221,6 +227,32 @@ def live_run(
         finally:
             stop_agent(agent)
         agent_log = agent.log()
+        # The node-side half: `node-agent doctor --bundle` over the stopped agent's state dir.
+        identity = json.loads((agent.state_dir / "identity.json").read_text())
+        doctor_path = work / "doctor.tar.gz"
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")
+        }
+        doctor = subprocess.run(
+            [
+                str(BIN / "node-agent"),
+                "doctor",
+                "--state-dir",
+                str(agent.state_dir),
+                "--models-dir",
+                str(models_dir),
+                "--bundle",
+                str(doctor_path),
+                "--no-benchmark",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert doctor_path.is_file(), doctor.stdout + doctor.stderr
     timings["total"] = time.monotonic() - t0
     yield LiveRun(
         job_id=job_id,
@@ -238,6 +270,14 @@ def live_run(
         agent_metrics=agent_metrics,
         controller_log=ctl.logs(),
         agent_log=agent_log,
+        doctor_bundle=doctor_path.read_bytes(),
+        node_secrets=[
+            identity["credential"],
+            tok["token"],
+            user_key,
+            METRICS_TOKEN,
+            ctl.env["SECRET_KEY"],
+        ],
         bundle=bundle,
         timings=timings,
     )

@@ -324,3 +324,10 @@ def test_the_admin_api_serves_the_bundle_to_staff_only(
     )
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "not_found"
+
+
+def test_a_malformed_node_id_is_an_unknown_node(db: None, now: Any) -> None:
+    from apps.nodes.diagnostics import UnknownNode
+
+    with pytest.raises(UnknownNode):
+        node_diagnostics_bundle(node_id="not-a-uuid", now=now)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +18,11 @@ from apps.nodes.models import Node
 from apps.nodes.states import NodeState
 from racon_cli.top import Confirm, TopApp
 from tests.credits.factories import ModelFactory, job_for
-from tests.e2e.harness import Controller, free_port
+from tests.e2e.harness import ROOT, Controller
 from tests.factories import NodeFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+SHOTS = ROOT / "test-artifacts" / "screenshots"
 
 
 async def until(pilot: Pilot[Any], check: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
@@ -62,9 +64,12 @@ def test_top_shows_nodes_and_drains_the_selected_one_after_confirmation(live: Co
 
             await pilot.press("d")
             await until(pilot, lambda: isinstance(app.screen, Confirm), "the confirmation dialog")
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            app.save_screenshot(filename="top-confirm.svg", path=str(SHOTS))
             await pilot.press("y")
             await until(pilot, lambda: cell(app, "nodes", beta, "state") == "DRAINING", "beta to show DRAINING")
 
+            app.save_screenshot(filename="top.svg", path=str(SHOTS))
             await pilot.press("u", "y")
             await until(pilot, lambda: cell(app, "nodes", beta, "state") == "READY", "beta to show READY again")
 
@@ -94,10 +99,15 @@ def test_top_cancels_the_selected_job_after_confirmation(live: Controller) -> No
 
 
 def test_top_reports_an_unreachable_controller_in_its_status_line() -> None:
-    async def scenario() -> str:
-        app = TopApp(url=f"http://127.0.0.1:{free_port()}", key="k", interval=0.5)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await until(pilot, lambda: app.last_error, "an error in the status line")
-            return app.last_error
+    # A port held bound but not listening refuses every connection, and no one else can take it.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
 
-    assert "cannot refresh" in asyncio.run(scenario())
+        async def scenario() -> str:
+            app = TopApp(url=f"http://127.0.0.1:{port}", key="k", interval=0.5)
+            async with app.run_test(size=(120, 40)) as pilot:
+                await until(pilot, lambda: app.last_error, "an error in the status line", timeout=30)
+                return app.last_error
+
+        assert "cannot refresh" in asyncio.run(scenario())

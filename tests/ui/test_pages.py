@@ -76,6 +76,10 @@ def test_node_list_filters_by_state_as_an_htmx_partial(staff_client: Client, wor
     body = resp.content.decode()
     assert body.lstrip().startswith('<div id="node-table"') and "<html" not in body
     assert "carls-laptop" in body and "ops-box" not in body
+    assert "HX-Request" in resp["Vary"]
+    # Back button after hx-push-url: htmx asks for the whole page again.
+    restore = staff_client.get("/nodes/?state=OFFLINE", HTTP_HX_HISTORY_RESTORE_REQUEST="true", **HTMX)
+    assert "<html" in restore.content.decode()
 
 
 def test_node_detail_shows_hardware_telemetry_events_deployments_and_drain(staff_client: Client, world: World) -> None:

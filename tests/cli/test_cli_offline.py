@@ -1,0 +1,122 @@
+"""CLI paths that need a controller answer the live one cannot give on demand (httpx MockTransport)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from racon_cli import main as cli
+from racon_cli.client import EXIT_API
+
+from .conftest import one_error_line
+
+NODE = {
+    "id": "0b9c7f3e-1d2a-4c5b-8e9f-0a1b2c3d4e5f", "name": "gpu-box", "state": "READY", "address": "10.0.0.7", "rpc_port": 50052,
+}
+
+
+def _bundle() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, body in (("summary.json", b'{"node": "gpu-box"}'), ("events.jsonl", b"{}\n" * 3)):
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    return buf.getvalue()
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, handler: Callable[[httpx.Request], httpx.Response], *args: str) -> Any:
+    transport = httpx.MockTransport(handler)
+    real = cli.Client
+
+    class MockedClient(real):  # type: ignore[misc, valid-type]
+        def __init__(self, url: str, key: str, **kw: Any) -> None:
+            super().__init__(url, key, transport=transport, **{k: v for k, v in kw.items() if k != "transport"})
+
+    monkeypatch.setattr(cli, "Client", MockedClient)
+    monkeypatch.chdir(tmp_path)
+    env = {"RACON_URL": "http://controller.test", "RACON_API_KEY": "rk_test", "RACON_CONFIG": str(tmp_path / "c.json")}
+    return CliRunner().invoke(cli.app, list(args), env=env, catch_exceptions=False)
+
+
+def _nodes(request: httpx.Request) -> httpx.Response | None:
+    if request.url.path == "/api/admin/nodes":
+        return httpx.Response(200, json=[NODE])
+    if request.url.path == f"/api/admin/nodes/{NODE['id']}":
+        return httpx.Response(200, json=NODE)
+    return None
+
+
+def test_diagnose_saves_the_bundle_and_lists_its_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.headers["Authorization"] == "Bearer rk_test"
+        if request.url.path.endswith("/diagnostics"):
+            return httpx.Response(200, content=_bundle(), headers={"Content-Type": "application/gzip", "Content-Disposition": 'attachment; filename="racon-diagnose-x.tar.gz"'})
+        return _nodes(request) or httpx.Response(404)
+
+    res = _run(monkeypatch, tmp_path, handler, "diagnose", "gpu-box")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "racon-diagnose-x.tar.gz").read_bytes() == _bundle()
+    assert "Saved diagnostics of gpu-box" in res.stdout and "summary.json" in res.stdout and "events.jsonl" in res.stdout
+    res = _run(monkeypatch, tmp_path, handler, "diagnose", "gpu-box", "-o", str(tmp_path / "d.tgz"), "--json")
+    summary = json.loads(res.stdout)
+    assert summary["file"] == str(tmp_path / "d.tgz") and {m["name"] for m in summary["members"]} == {"summary.json", "events.jsonl"}
+
+
+def test_diagnose_on_a_controller_without_the_endpoint_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return _nodes(request) or httpx.Response(404, text="<html>Not found</html>", headers={"Content-Type": "text/html"})
+
+    res = _run(monkeypatch, tmp_path, handler, "diagnose", "gpu-box")
+    assert res.exit_code == EXIT_API
+    assert "no diagnostics endpoint" in one_error_line(res)
+
+
+def test_diagnose_of_a_node_the_endpoint_does_not_know_passes_the_reason_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/diagnostics"):
+            return httpx.Response(404, json={"error": {"message": "node vanished", "code": "not_found"}})
+        return _nodes(request) or httpx.Response(404)
+
+    res = _run(monkeypatch, tmp_path, handler, "diagnose", NODE["id"])
+    assert res.exit_code == EXIT_API and one_error_line(res) == "error: 404 not found: node vanished"
+
+
+def test_a_refused_placement_prints_the_schedulers_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(422, json={"error": {"message": "needs 3.1 GiB more memory than the cluster has free", "code": "placement_refused"}})
+
+    res = _run(monkeypatch, tmp_path, handler, "deploy", "big-model")
+    assert res.exit_code == EXIT_API
+    assert one_error_line(res) == "error: 422 refused: needs 3.1 GiB more memory than the cluster has free"
+
+
+def test_validation_errors_name_the_fields(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": "invalid request", "code": "invalid", "fields": {"n_ctx": ["Ensure this value is greater than or equal to 128."]}}})
+
+    res = _run(monkeypatch, tmp_path, handler, "deploy", "m", "--n-ctx", "5")
+    assert one_error_line(res) == "error: 400 bad request: invalid request: n_ctx: Ensure this value is greater than or equal to 128."
+
+
+def test_a_deployment_that_fails_while_loading_exits_non_zero(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    dep = {"id": "5f0c6a8e-0000-4000-8000-000000000001", "model": "m", "state": "PLANNING", "node_names": [], "plan": {}, "error": ""}
+    states = iter(["LOADING", "FAILED"])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(202, json=dep)
+        state = next(states)
+        return httpx.Response(200, json={**dep, "state": state, "error": "primary exited with 134" if state == "FAILED" else ""})
+
+    res = _run(monkeypatch, tmp_path, handler, "deploy", "m")
+    assert res.exit_code == EXIT_API
+    assert one_error_line(res) == "error: deployment 5f0c6a8e FAILED: primary exited with 134"
