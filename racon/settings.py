@@ -66,7 +66,8 @@ SECRET_KEY = envsecret("SECRET_KEY")
 if not SECRET_KEY:
     if not DEBUG and envbool("RACON_REQUIRE_SECRETS", False):
         raise ImproperlyConfigured("SECRET_KEY must be set in production")
-    SECRET_KEY = "racon-dev-insecure-" + "x" * 40  # noqa: S105 - development only; check --deploy flags it
+    # The "django-insecure-" prefix makes `check --deploy` flag it (security.W009).
+    SECRET_KEY = "django-insecure-racon-development-only-" + "x" * 20  # noqa: S105
 
 ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
 CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS")
@@ -249,6 +250,11 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Reciprocal Agentic Compute Network: admin, agent and OpenAI-compatible APIs.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "ENUM_NAME_OVERRIDES": {
+        "NodeStateEnum": "apps.nodes.states.NodeState",
+        "JobStateEnum": "apps.jobs.states.JobState",
+        "DeploymentStateEnum": "apps.jobs.states.DeploymentState",
+    },
 }
 
 # --- Auth, security ---

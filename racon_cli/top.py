@@ -45,6 +45,9 @@ class Confirm(ModalScreen[bool]):
             yield Button("Yes (y)", variant="warning", id="yes")
             yield Button("No (n)", variant="primary", id="no")
 
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()  # Enter alone must not change the cluster
+
     @on(Button.Pressed)
     def pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")
@@ -193,7 +196,7 @@ class TopApp(App[None]):
         for key, values in rows.items():
             if key in existing:
                 for col, value in zip(keys, values, strict=True):
-                    table.update_cell(key, col, value)
+                    table.update_cell(key, col, value, update_width=True)
             else:
                 table.add_row(*values, key=key)
 

@@ -232,7 +232,7 @@ class ReceiptDetailApi(APIView):
 
     permission_classes = [IsAuthenticatedAccount]
 
-    @extend_schema(responses=ReceiptOut)
+    @extend_schema(responses=ReceiptOut, operation_id="credits_receipt_detail")
     def get(self, request: Request, receipt_id: str) -> Response:
         account_id = None if _is_staff(request, self) else _target_account(request, self, None)
         receipt = get_object_or_404(selectors.receipt_list(account_id=account_id), pk=receipt_id)

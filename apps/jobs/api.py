@@ -133,7 +133,7 @@ class DeploymentListCreateApi(APIView):
 
 
 class DeploymentDetailApi(APIView):
-    class DetailOut(DeploymentOut):
+    class DeploymentDetailOut(DeploymentOut):
         events = serializers.SerializerMethodField()
 
         class Meta(DeploymentOut.Meta):
@@ -142,9 +142,9 @@ class DeploymentDetailApi(APIView):
         def get_events(self, obj: Deployment) -> list[dict[str, Any]]:
             return EventOut(Event.objects.filter(deployment=obj)[:100], many=True).data
 
-    @extend_schema(responses=DetailOut)
+    @extend_schema(responses=DeploymentDetailOut)
     def get(self, request: Request, deployment_id: str) -> Response:
-        return Response(self.DetailOut(get_object_or_404(Deployment, pk=deployment_id)).data)
+        return Response(self.DeploymentDetailOut(get_object_or_404(Deployment, pk=deployment_id)).data)
 
 
 class DeploymentStopApi(APIView):
@@ -198,7 +198,7 @@ class JobListApi(APIView):
 
 
 class JobDetailApi(APIView):
-    class DetailOut(JobOut):
+    class JobDetailOut(JobOut):
         events = serializers.SerializerMethodField()
         timings = serializers.SerializerMethodField()
 
@@ -220,9 +220,9 @@ class JobDetailApi(APIView):
                 "tokens_per_s": obj.tokens_per_s,
             }
 
-    @extend_schema(responses=DetailOut)
+    @extend_schema(responses=JobDetailOut)
     def get(self, request: Request, job_id: str) -> Response:
-        return Response(self.DetailOut(get_object_or_404(Job, pk=job_id)).data)
+        return Response(self.JobDetailOut(get_object_or_404(Job, pk=job_id)).data)
 
 
 class JobCancelApi(APIView):

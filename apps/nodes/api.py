@@ -265,7 +265,7 @@ class NodeListApi(APIView):
 
 
 class NodeDetailApi(APIView):
-    class DetailOut(NodeOut):
+    class NodeDetailOut(NodeOut):
         hardware = serializers.JSONField()
         events = serializers.SerializerMethodField()
         telemetry = serializers.SerializerMethodField()
@@ -283,11 +283,11 @@ class NodeDetailApi(APIView):
         def get_deployments(self, obj: Node) -> list[dict[str, Any]]:
             return [{"id": str(d.id), "model": d.model.name, "state": d.state} for d in obj.deployments.select_related("model")]
 
-    @extend_schema(responses=DetailOut)
+    @extend_schema(responses=NodeDetailOut)
     def get(self, request: Request, node_id: str) -> Response:
         node = get_object_or_404(Node, pk=node_id)
         ages = selectors.heartbeat_ages([str(node.id)], now=timezone.now())
-        return Response(self.DetailOut(node, context={"ages": ages}).data)
+        return Response(self.NodeDetailOut(node, context={"ages": ages}).data)
 
 
 class NodeDrainApi(APIView):
