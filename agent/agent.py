@@ -231,6 +231,7 @@ class Agent:
             "jobs_finished_total": 0,
             "completion_tokens_total": 0,
         }
+        self.last_job: dict[str, Any] = {}
         self._state = AgentState.UNINITIALIZED
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -664,6 +665,9 @@ class Agent:
     def _job_finished(self, payload: JobFinishedPayload) -> None:
         with self._lock:
             self.jobs.pop(payload["job_id"], None)
+            self.last_job = {
+                k: payload.get(k) for k in ("job_id", "status", "tokens_per_s", "ttft_ms", "completion_tokens")
+            }
         self.counters["jobs_finished_total"] += 1
         self.counters["completion_tokens_total"] += int(payload.get("completion_tokens") or 0)
         log.info(
@@ -995,7 +999,16 @@ class Agent:
 
     def snapshot(self) -> dict[str, Any]:
         t = self.telemetry()
+        with self._lock:
+            models_loaded = [
+                {"deployment_id": d, "model": dep.plan.get("model_name", "")}
+                for d, dep in self.deployments.items()
+                if dep.state == "loaded"
+            ]
+            last_job = dict(self.last_job)
         return {
+            "models_loaded": models_loaded,
+            "last_job": last_job,
             "state": self._state.value,
             "controller_state": self.controller_state,
             "node_id": self.node_id,
@@ -1018,17 +1031,19 @@ class Agent:
     def _start_metrics(self) -> None:
         if self.config.metrics_port is None:
             return
-        from agent.metrics import MetricsServer
+        from agent.metrics import start_metrics_server
 
-        try:
-            # Same rule as ggml-rpc: never listen on a public address.
-            host = self.config.advertise_address
-            host = host if is_private_address(host) else "127.0.0.1"
-            self._metrics = MetricsServer(host, self.config.metrics_port, self.snapshot)
-            self._metrics.start()
-            log.info("metrics on http://%s:%d/metrics", host, self.config.metrics_port)
-        except OSError as exc:
-            self._fault(f"metrics port {self.config.metrics_port} unavailable: {exc}", fatal=False)
+        # Same rule as ggml-rpc: never listen on a public address.
+        host = self.config.advertise_address
+        host = host if is_private_address(host) else "127.0.0.1"
+        # A taken port is reported and the agent runs on without metrics (not a node fault).
+        self._metrics, problem = start_metrics_server(host, self.config.metrics_port, self.snapshot)
+        if problem:
+            self._event(
+                "METRICS_UNAVAILABLE",
+                f"metrics port {self.config.metrics_port} not served: {problem}",
+                {"port": self.config.metrics_port},
+            )
 
     # --- drain and shutdown -------------------------------------------------------------------
 

@@ -157,8 +157,26 @@ def bench_environment(workdir: Path) -> Iterator[BenchEnv]:
 # --- agents -----------------------------------------------------------------------------------------
 
 
-def start_bench_agent(ctl: Controller, token: str, name: str, workdir: Path, *, models_dir: Path, benchmark: bool = True) -> AgentProc:
-    """tests/e2e/harness.start_agent, but the agent measures its compute and memory bandwidth."""
+def host_profile(models_dir: Path, cores: int) -> dict[str, Any]:
+    """This machine as the agent detects it, posing with `cores` CPU cores (the plan's n_threads)."""
+    from agent.hardware import psutil_detector as hw
+
+    cpu = dict(hw.detect_cpu())
+    cpu["physical_cores"] = cpu["logical_cores"] = cores
+    return {
+        "cpu": cpu, "memory": hw.detect_memory(), "swap": hw.detect_swap(),
+        "disk": hw.detect_disk(models_dir), "network": hw.detect_network(), "gpus": [],
+    }
+
+
+def start_bench_agent(
+    ctl: Controller, token: str, name: str, workdir: Path, *, models_dir: Path, benchmark: bool = True, cores: int | None = None,
+) -> AgentProc:
+    """tests/e2e/harness.start_agent, but the agent measures its compute and memory bandwidth.
+
+    cores: pose as a machine with that many cores (a hardware profile built from the real
+    detection), which sets the plan's n_threads; None keeps the real detection.
+    """
     state = workdir / "agents" / name
     state.mkdir(parents=True, exist_ok=True)
     rpc_port = free_port()
@@ -172,6 +190,12 @@ def start_bench_agent(ctl: Controller, token: str, name: str, workdir: Path, *, 
     ]
     if not benchmark:
         argv.append("--no-benchmark")
+    if cores is not None:
+        import json
+
+        profile = state / "hardware-profile.json"
+        profile.write_text(json.dumps(host_profile(models_dir, cores)))
+        argv += ["--hardware-profile", str(profile)]
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     return AgentProc(name=name, proc=proc, state_dir=state, rpc_port=rpc_port, log_path=log_path)
@@ -270,6 +294,7 @@ def local_cluster(
     keep: bool = False,
     log: Log = _quiet,
     name_prefix: str = "bench",
+    cores: int | None = None,
 ) -> Iterator[Cluster]:
     """Redis, database, controller, n_agents READY agents and the registered model; torn down on exit."""
     own_tmp = workdir is None
@@ -300,7 +325,7 @@ def local_cluster(
                         if tok.status_code != 201:
                             raise RuntimeError(f"token refused: {tok.status_code} {tok.text[:300]}")
                         t1 = time.monotonic()
-                        agents.append(start_bench_agent(ctl, tok.json()["token"], name, root, models_dir=models_dir, benchmark=benchmark))
+                        agents.append(start_bench_agent(ctl, tok.json()["token"], name, root, models_dir=models_dir, benchmark=benchmark, cores=cores))
 
                         def is_ready(name: str = name) -> bool:
                             agent = agents[-1]

@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="warm-up requests on each side, not measured")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=None, help="pose the node as having N cores, so the plan (and both sides) use N threads; default: as detected")
     ap.add_argument("--gap", type=float, default=0.3, help="seconds between requests (lets settlement finish)")
     ap.add_argument("--operator-key", action="store_true", help="use AI_API_KEY instead of an account's key (no credit hold)")
     ap.add_argument("--quick", action="store_true", help="tiny run for smoke tests: 2 pairs, 1 warm-up, 16 tokens")
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = "before: " + load_average()
     print(f"gateway bench: starting a local controller, one agent and SmolLM2 ({load_average()})", flush=True)
     t_start = time.monotonic()
-    with local_cluster(1, keep=args.keep, log=lambda s: print(s, flush=True)) as cl:
+    with local_cluster(1, keep=args.keep, log=lambda s: print(s, flush=True), cores=args.threads) as cl:
         logging.getLogger("httpx").setLevel(logging.WARNING)
         dep = cl.deploy([cl.node_names[0]], n_ctx=args.n_ctx)
         plan = dep["plan"]
@@ -407,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             "n_batch": int(plan["n_batch"]), "flash_attn": bool(plan.get("flash_attn", False)),
             "n_gpu_layers": int(plan.get("n_gpu_layers") or 0),
         }
-        print(f"  direct worker: {cfg['n_threads']} threads, n_ctx {cfg['n_ctx']}, n_batch {cfg['n_batch']} (from the plan); RACoN with {key_kind}", flush=True)
+        posed = f" (node posed with {args.threads} core(s))" if args.threads else " (node's detected cores)"
+        print(f"  both sides: {cfg['n_threads']} threads{posed}, n_ctx {cfg['n_ctx']}, n_batch {cfg['n_batch']} (from the plan); RACoN with {key_kind}", flush=True)
         direct = Direct(cfg, cl.workdir / "direct-worker.log")
         rds = cl.env.redis()
         pairs: list[Pair] = []

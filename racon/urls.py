@@ -5,6 +5,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.api import openai
+from apps.api.diagnostics_api import NodeDiagnosticsApi
 from apps.api.health import health
 from apps.api.metrics_view import metrics
 from apps.jobs import api as jobs_api
@@ -24,6 +25,7 @@ admin_urls = [
     path("nodes/<uuid:node_id>/drain", nodes_api.NodeDrainApi.as_view(), name="admin-node-drain"),
     path("nodes/<uuid:node_id>/undrain", nodes_api.NodeUndrainApi.as_view(), name="admin-node-undrain"),
     path("nodes/<uuid:node_id>/revoke", nodes_api.NodeRevokeApi.as_view(), name="admin-node-revoke"),
+    path("nodes/<uuid:node_id>/diagnostics", NodeDiagnosticsApi.as_view(), name="admin-node-diagnostics"),
     path("tokens", nodes_api.TokenListCreateApi.as_view(), name="admin-tokens"),
     path("tokens/<uuid:token_id>/revoke", nodes_api.TokenRevokeApi.as_view(), name="admin-token-revoke"),
     path("events", nodes_api.EventListApi.as_view(), name="admin-events"),

@@ -217,11 +217,14 @@ class AgentReportsApi(APIView):
         data = ReportSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         from apps.jobs.reports import report_accept  # noqa: PLC0415
+        from racon.logging import log_context  # noqa: PLC0415
 
-        try:
-            result = report_accept(node_id=node.id, report=data.validated_data, now=timezone.now())
-        except ValueError as exc:
-            return Response({"error": {"message": str(exc), "code": "invalid_report"}}, status=400)
+        payload = data.validated_data["payload"]
+        with log_context(node_id=node.id, job_id=payload.get("job_id"), deployment_id=payload.get("deployment_id")):
+            try:
+                result = report_accept(node_id=node.id, report=data.validated_data, now=timezone.now())
+            except ValueError as exc:
+                return Response({"error": {"message": str(exc), "code": "invalid_report"}}, status=400)
         return Response({"accepted": True, **(result or {})}, status=202)
 
 

@@ -543,11 +543,16 @@ def node_drain(*, node_id: Any, now: datetime) -> Node:
     node = Node.objects.get(pk=node_id)
     with transaction.atomic():
         Node.objects.filter(pk=node_id).update(drain_requested=True, drained_at=None)
-        if node.state in (S.READY, S.BUSY, S.DEGRADED, S.REGISTERING):
-            node_transition(
-                node_id=node_id, to=S.DRAINING, expected=node.state, now=now, kind="NODE_DRAIN_REQUESTED",
+        # A heartbeat may move BUSY ⇄ READY between our read and the guarded update: re-read and retry.
+        for _ in range(3):
+            state = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
+            if state not in (S.READY, S.BUSY, S.DEGRADED, S.REGISTERING):
+                break
+            if node_transition(
+                node_id=node_id, to=S.DRAINING, expected=state, now=now, kind="NODE_DRAIN_REQUESTED",
                 category=EventCategory.MANAGEMENT, message="drain requested",
-            )
+            ):
+                break
     node.refresh_from_db()
     _cache_node(node)
     if not _node_has_running_jobs(node_id):
