@@ -1,0 +1,199 @@
+"""Deployments and jobs on the real database and Redis; the agents' side is played at the Redis edge."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from agent.protocol import job_stream_key, node_queue_key
+from apps.jobs import services
+from apps.jobs.models import Deployment, Job
+from apps.jobs.reports import report_accept
+from apps.jobs.states import DeploymentState, JobState
+from apps.models_repo.models import Model, ModelFile
+from apps.models_repo.profile import read_gguf_profile
+from apps.nodes.models import Event
+from apps.nodes.states import NodeState
+from racon.redis import get_redis
+from tests.e2e.harness import smollm2_path
+from tests.factories import NodeFactory
+
+pytestmark = pytest.mark.django_db
+GiB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def profile_dict() -> dict[str, Any]:
+    return read_gguf_profile(smollm2_path()).to_dict()
+
+
+@pytest.fixture
+def model(profile_dict: dict[str, Any]) -> Model:
+    m = Model.objects.create(name="smol")
+    ModelFile.objects.create(model=m, file_name="smol.gguf", sha256="b" * 64, size=98_000_000, n_layer=30, profile=profile_dict)
+    return m
+
+
+class FakeAgents:
+    """Answers commands on the nodes' Redis queues the way agents do (command_result reports)."""
+
+    def __init__(self, node_ids: list[str], fail_load_on: set[str] | None = None) -> None:
+        self.node_ids = node_ids
+        self.fail_load_on = fail_load_on or set()
+        self.seen: list[tuple[str, str]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        r = get_redis()
+        while not self.stop.is_set():
+            got = r.blpop([node_queue_key(n) for n in self.node_ids], timeout=1)
+            if got is None:
+                continue
+            node_id = got[0].split(":")[2]
+            cmd = json.loads(got[1])
+            self.seen.append((node_id, cmd["kind"]))
+            ok = not (cmd["kind"] == "load_primary" and node_id in self.fail_load_on)
+            payload = {"ok": ok, "command": cmd["kind"]}
+            if not ok:
+                payload["error"] = "RPC worker 127.0.0.1:1 unreachable"
+            if cmd["kind"] == "load_primary" and ok:
+                payload["assignment"] = [{"device": "CPU", "n_layers": 30}]
+            report_accept(node_id=node_id, report={"id": f"r-{time.time_ns()}", "kind": "command_result", "command_id": cmd["id"], "payload": payload}, now=timezone.now())
+        from django.db import connection
+
+        connection.close()  # this thread's own connection
+
+    def __enter__(self) -> FakeAgents:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+def nodes_with_replicas(model: Model, n: int) -> list[Any]:
+    from apps.models_repo.models import Replica
+
+    out = []
+    for i in range(n):
+        node = NodeFactory(name=f"n{i}", state=NodeState.READY, ram_available=8 * GiB, gflops=50 + i)
+        Replica.objects.create(node=node, model_file=model.files.get(), path=f"/models/{i}.gguf", verified_at=timezone.now())
+        out.append(node)
+    return out
+
+
+@pytest.mark.django_db(transaction=True)
+def test_node_lost_before_execution_triggers_a_revised_plan(model: Model, settings: Any) -> None:
+    settings.DEPLOYMENT_RPC_TIMEOUT = 5
+    settings.DEPLOYMENT_LOAD_TIMEOUT = 5
+    a, b = nodes_with_replicas(model, 2)
+    dep = Deployment.objects.create(model=model, model_file=model.files.get(), request={"n_ctx": 512})
+    first_choice = services.deployment_preview(model_file=model.files.get(), request=services.placement_request_from({"n_ctx": 512})).primary_node_id
+    with FakeAgents([str(a.id), str(b.id)], fail_load_on={first_choice}):
+        result = services.deployment_place(deployment_id=dep.id)
+    assert result.state == DeploymentState.READY, result.error
+    assert str(result.primary_id) != first_choice
+    kinds = list(Event.objects.filter(deployment=dep).order_by("created_at", "id").values_list("kind", flat=True))
+    assert kinds.index("PLAN_CHOSEN") < kinds.index("NODE_LOST_BEFORE_EXECUTION") < kinds.index("PLAN_REVISED") < kinds.index("DEPLOYMENT_READY")
+
+
+def test_impossible_placement_fails_with_the_refusal(model: Model) -> None:
+    NodeFactory(state=NodeState.READY, ram_available=10 * 1024**2)
+    dep = Deployment.objects.create(model=model, model_file=model.files.get(), request={"n_ctx": 512})
+    result = services.deployment_place(deployment_id=dep.id)
+    assert result.state == DeploymentState.FAILED
+    assert "more memory" in result.error or "memory" in result.error
+    assert Event.objects.filter(deployment=dep, kind="PLACEMENT_REFUSED").exists()
+
+
+def ready_deployment(model: Model, node: Any) -> Deployment:
+    dep = Deployment.objects.create(
+        model=model, model_file=model.files.get(), state=DeploymentState.READY, primary=node, request={"n_ctx": 512},
+        plan={"primary_node_id": str(node.id), "devices": [{"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30, "memory_bytes": GiB, "endpoint": None}]},
+    )
+    dep.nodes.set([node])
+    return dep
+
+
+def test_member_lost_after_ready_fails_the_deployment_its_jobs_and_replaces_it(model: Model) -> None:
+    node = NodeFactory(state=NodeState.READY)
+    dep = ready_deployment(model, node)
+    job = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now())
+    services.deployments_on_node_state(node_id=str(node.id), state=NodeState.OFFLINE, now=timezone.now())
+    dep.refresh_from_db()
+    job.refresh_from_db()
+    assert dep.state == DeploymentState.FAILED
+    assert job.state == JobState.FAILED and job.failed_during_execution is True
+    assert Deployment.objects.filter(model=model, state=DeploymentState.PLANNING).count() == 1
+    assert Event.objects.filter(deployment=dep, kind="DEPLOYMENT_REPLACED").exists()
+
+
+def test_member_degraded_then_recovered_moves_the_deployment_with_it(model: Model) -> None:
+    node = NodeFactory(state=NodeState.READY)
+    dep = ready_deployment(model, node)
+    services.deployments_on_node_state(node_id=str(node.id), state=NodeState.DEGRADED, now=timezone.now())
+    assert Deployment.objects.get(pk=dep.pk).state == DeploymentState.DEGRADED
+    services.deployments_on_node_state(node_id=str(node.id), state=NodeState.READY, now=timezone.now())
+    assert Deployment.objects.get(pk=dep.pk).state == DeploymentState.READY
+
+
+def test_routing_prefers_ready_deployments_with_less_work_in_flight(model: Model) -> None:
+    from apps.jobs.selectors import deployment_route
+
+    d1 = ready_deployment(model, NodeFactory())
+    d2 = ready_deployment(model, NodeFactory())
+    get_redis().set(f"racon:dep:{d1.id}:inflight", 3)
+    assert deployment_route(model_id=model.id) == d2
+    Deployment.objects.filter(pk=d2.pk).update(state=DeploymentState.DEGRADED)
+    assert deployment_route(model_id=model.id) == d1
+
+
+def test_a_stream_that_ended_finishes_its_job_and_a_silent_one_fails(model: Model, settings: Any) -> None:
+    settings.STREAM_IDLE_TIMEOUT_SECONDS = 1
+    node = NodeFactory()
+    dep = ready_deployment(model, node)
+    now = timezone.now()
+    ended = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=now, dispatched_at=now)
+    silent = Job.objects.create(model=model, deployment=dep, state=JobState.DISPATCHED, queued_at=now - timedelta(minutes=5), dispatched_at=now - timedelta(minutes=5))
+    get_redis().xadd(job_stream_key(str(ended.id)), {"seq": "0", "type": "done", "text": "", "finish_reason": "stop", "usage": json.dumps({"prompt_tokens": 3, "completion_tokens": 7})})
+    counts = services.jobs_fail_stale(now=now + timedelta(seconds=30))
+    assert counts["finished_from_stream"] == 1 and counts["silent"] == 1
+    ended.refresh_from_db()
+    silent.refresh_from_db()
+    assert ended.state == JobState.COMPLETED and ended.completion_tokens == 7
+    assert silent.state == JobState.FAILED
+
+
+def test_a_duplicate_report_is_applied_once() -> None:
+    node = NodeFactory()
+    report = {"id": "same-id", "kind": "event", "payload": {"event": "RPC_WORKER_STARTED", "message": "up", "data": {}}}
+    report_accept(node_id=node.id, report=report, now=timezone.now())
+    assert report_accept(node_id=node.id, report=report, now=timezone.now()) == {"duplicate": True}
+    assert Event.objects.filter(kind="RPC_WORKER_STARTED").count() == 1
+
+
+def test_malformed_reports_are_refused_and_leave_nothing() -> None:
+    node = NodeFactory()
+    for payload in ({"kind": "models", "payload": {"models": "x"}}, {"kind": "job_finished", "payload": {}}, {"kind": "event", "payload": {}}):
+        with pytest.raises(ValueError):
+            report_accept(node_id=node.id, report={"id": f"r{time.time_ns()}", **payload}, now=timezone.now())
+    assert not Event.objects.exists()
+
+
+def test_job_terminal_states_are_final(model: Model) -> None:
+    job = Job.objects.create(model=model, state=JobState.QUEUED, queued_at=timezone.now())
+    assert services.job_fail(job_id=job.id, now=timezone.now(), error="x")
+    assert not services.job_complete(job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now())
+    assert Job.objects.get(pk=job.id).state == JobState.FAILED
+
+
+_ = Path
