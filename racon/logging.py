@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from typing import Any
 
 CONTEXT_FIELDS = ("request_id", "job_id", "node_id", "deployment_id")
-_context: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("racon_log_context", default={})
+# The default is never mutated: every change sets a new dict.
+_context: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("racon_log_context", default={})  # noqa: B039
 
 
 @contextmanager

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.contrib.auth.models import AnonymousUser
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
@@ -105,7 +104,6 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         principal = principal_for_key(bearer_from_header(header))
         if principal is None:
             raise exceptions.AuthenticationFailed("invalid API key")
-        user = principal.user or AnonymousUser()
         request._racon_principal = principal
         return (principal if principal.user is None else _UserWithPrincipal(principal.user, principal)), principal
 

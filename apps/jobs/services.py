@@ -11,7 +11,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
 from django.utils import timezone
 
 from agent.protocol import job_cancel_key, new_id, node_queue_key
@@ -25,7 +24,7 @@ from racon.redis import get_redis, get_redis_blocking
 
 from . import selectors
 from .models import Deployment, Job
-from .scheduler import Plan, PlacementRefused, PlacementRequest, plan_placement
+from .scheduler import PlacementRefused, PlacementRequest, Plan, plan_placement
 from .states import (
     DEPLOYMENT_ACTIVE,
     DEPLOYMENT_TRANSITIONS,
@@ -541,11 +540,6 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
         job_cancel(job_id=job_id, now=now, reason=str(payload.get("error") or "cancelled on the node"), usage=usage)
     else:
         raise ValueError(f"unknown job status {status!r}")
-
-
-def job_count_tokens(*, job_id: Any, chunks: int) -> None:
-    """TOKEN_STREAM_CHUNK is counted on the job row, never one event row per token."""
-    Job.objects.filter(pk=job_id).update(stream_chunks=F("stream_chunks") + chunks)
 
 
 def jobs_fail_stale(*, now: datetime) -> dict[str, int]:

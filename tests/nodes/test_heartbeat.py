@@ -106,7 +106,7 @@ def test_single_silent_node_among_many_goes_offline(client: Client, settings: An
         nodes.append(enroll(client, name=f"m{i}"))
         beat(client, *nodes[-1], state="READY")
     later = timezone.now() + timedelta(seconds=60)
-    for node_id, cred in nodes[1:]:
+    for node_id, _cred in nodes[1:]:
         get_redis().zadd("racon:hb:last", {node_id: later.timestamp()})
     result = node_health_sweep(now=later)
     assert result.offline == [nodes[0][0]]

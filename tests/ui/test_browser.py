@@ -41,7 +41,7 @@ def operator(transactional_db: None) -> str:
 
 @pytest.fixture
 def browser_page(live: Controller, operator: str) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
@@ -52,7 +52,9 @@ def browser_page(live: Controller, operator: str) -> Iterator[Any]:
         try:
             context = browser.new_context(viewport={"width": 1366, "height": 820}, base_url=live.url)
             page = context.new_page()
-            page.set_default_timeout(20_000)
+            # Generous: these machines run other suites alongside (load well above the core count).
+            page.set_default_timeout(30_000)
+            expect.set_options(timeout=30_000)
             page.on("dialog", lambda d: d.accept())  # hx-confirm / confirm(): the operator says yes
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))

@@ -14,7 +14,11 @@ from django.utils import timezone
 
 from apps.credits.services import account_for_user
 from apps.models_repo.models import ModelFile
-from apps.models_repo.services import ModelRegistrationError, model_register_file, model_register_from_pypi
+from apps.models_repo.services import (
+    ModelRegistrationError,
+    model_register_file,
+    model_register_from_pypi,
+)
 from apps.nodes.services import enrollment_token_issue
 
 

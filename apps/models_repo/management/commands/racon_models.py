@@ -9,7 +9,11 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from apps.models_repo.models import Model
-from apps.models_repo.services import ModelRegistrationError, model_register_file, model_register_from_pypi
+from apps.models_repo.services import (
+    ModelRegistrationError,
+    model_register_file,
+    model_register_from_pypi,
+)
 
 
 class Command(BaseCommand):

@@ -1,0 +1,80 @@
+"""ws/jobs/<id>/ streams a job's tokens to users allowed to see that job."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.utils import timezone
+
+from agent.protocol import job_stream_key
+from apps.credits.services import account_for_user
+from apps.jobs.models import Job
+from apps.jobs.states import JobState
+from apps.models_repo.models import Model
+from racon.asgi import application
+from racon.redis import get_redis
+from tests.factories import UserFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def make_job(owner) -> Job:  # type: ignore[no-untyped-def]
+    model = Model.objects.create(name=f"m-{timezone.now().timestamp()}")
+    return Job.objects.create(model=model, account=account_for_user(user=owner), state=JobState.RUNNING, queued_at=timezone.now())
+
+
+def session_headers(user) -> list[tuple[bytes, bytes]]:  # type: ignore[no-untyped-def]
+    from django.test import Client
+
+    c = Client()
+    c.force_login(user)
+    cookie = c.cookies["sessionid"].value
+    return [(b"cookie", f"sessionid={cookie}".encode()), (b"origin", b"http://localhost"), (b"host", b"localhost")]
+
+
+async def _connect(path: str, headers: list[tuple[bytes, bytes]]) -> tuple[WebsocketCommunicator, bool, int | None]:
+    comm = WebsocketCommunicator(application, path, headers=headers)
+    connected, code = await comm.connect(timeout=5)
+    return comm, connected, code
+
+
+def test_owner_receives_the_stream_in_order_until_it_ends() -> None:
+    import asyncio
+
+    owner = UserFactory()
+    job = make_job(owner)
+    r = get_redis()
+    for i, text in enumerate(["Hel", "lo"]):
+        r.xadd(job_stream_key(str(job.id)), {"seq": str(i), "type": "chunk", "text": text, "finish_reason": "", "usage": ""})
+    r.xadd(job_stream_key(str(job.id)), {"seq": "2", "type": "done", "text": "", "finish_reason": "stop", "usage": "{}"})
+    headers = session_headers(owner)
+
+    async def run() -> list[dict[str, object]]:
+        comm, connected, _ = await _connect(f"/ws/jobs/{job.id}/", headers)
+        assert connected
+        got = [json.loads(await comm.receive_from(timeout=5)) for _ in range(3)]
+        await comm.disconnect()
+        return got
+
+    got = asyncio.run(run())
+    assert [m["text"] for m in got] == ["Hel", "lo", ""]
+    assert got[-1]["type"] == "done" and [m["seq"] for m in got] == [0, 1, 2]
+
+
+def test_another_user_cannot_watch_the_job() -> None:
+    import asyncio
+
+    job = make_job(UserFactory())
+    stranger = UserFactory()
+    headers = session_headers(stranger)
+
+    async def run() -> bool:
+        comm, connected, _ = await _connect(f"/ws/jobs/{job.id}/", headers)
+        await comm.disconnect()
+        return connected
+
+    assert asyncio.run(run()) is False
+    _ = sync_to_async
