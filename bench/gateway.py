@@ -155,7 +155,8 @@ class RaconResult:
     headers_s: float  # seconds from send, client clock
     first_s: float | None
     last_s: float | None
-    done_s: float
+    done_s: float  # [DONE] received
+    closed_s: float  # response body ended
     chunks: int
     text: str
     usage: dict[str, Any] | None
@@ -171,6 +172,7 @@ def racon_request(client: Any, url: str, key: str, messages: list[dict[str, str]
     times: list[float] = []
     parts: list[str] = []
     usage = None
+    done_s = float("nan")
     t0_wall, p0 = time.time(), time.perf_counter()
     with client.stream("POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
         headers_s = time.perf_counter() - p0
@@ -183,7 +185,9 @@ def racon_request(client: Any, url: str, key: str, messages: list[dict[str, str]
                 continue
             data = line[6:]
             if data == "[DONE]":
-                break
+                # Keep reading: the response ends when RACoN's bookkeeping is done (closed_s).
+                done_s = time.perf_counter() - p0
+                continue
             obj = json.loads(data)
             if "error" in obj:
                 raise RuntimeError(f"stream error: {obj['error']}")
@@ -194,10 +198,10 @@ def racon_request(client: Any, url: str, key: str, messages: list[dict[str, str]
                 if text:
                     times.append(time.perf_counter() - p0)
                     parts.append(text)
-        done_s = time.perf_counter() - p0
+        closed_s = time.perf_counter() - p0
     return RaconResult(
         job_id=job_id, t0=t0_wall, headers_s=headers_s, first_s=times[0] if times else None,
-        last_s=times[-1] if times else None, done_s=done_s, chunks=len(times), text="".join(parts), usage=usage,
+        last_s=times[-1] if times else None, done_s=done_s, closed_s=closed_s, chunks=len(times), text="".join(parts), usage=usage,
     )
 
 
@@ -252,7 +256,7 @@ class Pair:
 def breakdown(pairs: list[Pair]) -> list[tuple[str, list[float | None]]]:
     """Per-request segments (ms) that add up to RACoN's client-side time to first token."""
     rows: dict[str, list[float | None]] = {k: [] for k in (
-        "a", "b", "c", "d", "e", "f", "ttft", "direct", "rt_minus_direct", "tail_stream", "tail_done", "finish_db",
+        "a", "b", "c", "d", "e", "f", "ttft", "direct", "rt_minus_direct", "tail_stream", "tail_done", "tail_closed", "finish_db",
     )}
     for p in pairs:
         r, j, s = p.racon, p.racon.job, p.racon.stream_ms
@@ -266,6 +270,7 @@ def breakdown(pairs: list[Pair]) -> list[tuple[str, list[float | None]]]:
         c_first = t0 + r.first_s * 1000 if r.first_s is not None else None
         c_last = t0 + r.last_s * 1000 if r.last_s is not None else None
         c_done = t0 + r.done_s * 1000
+        c_closed = t0 + r.closed_s * 1000
         rt = j.get("ttft_ms")
         s_first = s.get("first_chunk")
 
@@ -284,6 +289,7 @@ def breakdown(pairs: list[Pair]) -> list[tuple[str, list[float | None]]]:
         rows["rt_minus_direct"].append(rt - p.direct["ttft_ms"] if rt is not None and p.direct.get("ttft_ms") is not None else None)
         rows["tail_stream"].append(d(s.get("last_chunk"), c_last))
         rows["tail_done"].append(d(s.get("end"), c_done))
+        rows["tail_closed"].append(d(s.get("end"), c_closed))
         rows["finish_db"].append(d(s.get("end"), finished))
     labels = {
         "a": "client send -> job queued_at      (HTTP, daphne, auth x2, validation, model lookup)",
@@ -299,7 +305,8 @@ def breakdown(pairs: list[Pair]) -> list[tuple[str, list[float | None]]]:
         ("  runtime ttft_ms - direct TTFT  (work inside the primary beyond llama.cpp's)", rows["rt_minus_direct"]),
         ("tail: last chunk in Redis -> client's last text", rows["tail_stream"]),
         ("tail: final entry in Redis -> job finished_at (completion write)", rows["finish_db"]),
-        ("tail: final entry in Redis -> client [DONE]", rows["tail_done"]),
+        ("tail: final entry in Redis -> client [DONE]  (job COMPLETED write, settlement publish, metrics)", rows["tail_done"]),
+        ("tail: final entry in Redis -> response closed", rows["tail_closed"]),
     ]
 
 
@@ -319,7 +326,7 @@ def report(pairs: list[Pair], args: argparse.Namespace, plan: dict[str, Any], lo
         if dt and rt:
             ratio_rt.append(rt / dt)
         e2e_d.append(d["chunks"] / d["total_s"] if d["total_s"] else None)
-        e2e_r.append(r.chunks / r.done_s if r.done_s else None)
+        e2e_r.append(r.chunks / r.closed_s if r.closed_s else None)
         if r.first_s is not None and d.get("ttft_ms") is not None:
             added.append(r.first_s * 1000 - d["ttft_ms"])
         same += int(d["text"] == r.text)
@@ -337,7 +344,7 @@ def report(pairs: list[Pair], args: argparse.Namespace, plan: dict[str, Any], lo
     print(f"TTFT RACoN / direct: p50 {med([r.racon.first_s * 1000 / r.direct['ttft_ms'] for r in pairs if r.racon.first_s and r.direct.get('ttft_ms')]):.2f}x")
     print(f"primary's own decode tokens/s (runtime) / direct: median {med(ratio_rt):.3f}   "
           f"(separates generation speed inside the primary from delivery)")
-    print(f"end-to-end tokens/s RACoN / direct (send -> [DONE], TTFT and stream close included): median {med(e2e_ratio):.3f}")
+    print(f"end-to-end tokens/s RACoN / direct (send -> response closed, TTFT and bookkeeping included): median {med(e2e_ratio):.3f}")
     print(f"identical output text in {same}/{n} pairs; chunks per request: RACoN {med([p.racon.chunks for p in pairs]):.0f}, "
           f"direct {med([p.direct['chunks'] for p in pairs]):.0f}")
     print(f"  (medians: direct decode {med(direct_tps):.1f} tok/s, RACoN decode {med(racon_tps):.1f} tok/s, "
@@ -370,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None, help="pose the node as having N cores, so the plan (and both sides) use N threads; default: as detected")
     ap.add_argument("--gap", type=float, default=0.3, help="seconds between requests (lets settlement finish)")
+    ap.add_argument("--budget-s", type=float, default=600, help="stop starting new pairs after this many seconds of measuring (at least 3 pairs)")
     ap.add_argument("--operator-key", action="store_true", help="use AI_API_KEY instead of an account's key (no credit hold)")
     ap.add_argument("--quick", action="store_true", help="tiny run for smoke tests: 2 pairs, 1 warm-up, 16 tokens")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory with the logs")
@@ -418,7 +426,11 @@ def main(argv: list[str] | None = None) -> int:
                     racon_request(client, cl.ctl.url, key, prompt(1000 + w), args.max_tokens)
                     direct.run(prompt(1000 + w), args.max_tokens)
                 print(f"  warm-up done ({args.warmup} request(s) each side); measuring {args.requests} pairs", flush=True)
+                t_measure = time.monotonic()
                 for i in range(args.requests):
+                    if i >= 3 and time.monotonic() - t_measure > args.budget_s:
+                        print(f"  time budget of {args.budget_s:.0f} s spent: stopping after {i} of {args.requests} pairs", flush=True)
+                        break
                     messages = prompt(i)
                     order = "DR" if i % 4 in (0, 3) else "RD"
                     d_res: dict[str, Any] = {}
@@ -439,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
             direct.stop()
             rds.close()
         report(pairs, args, plan, load_before)
+        one_min = os.getloadavg()[0]
+        if int(plan["n_threads"]) >= (os.cpu_count() or 1) and one_min >= (os.cpu_count() or 1) - 0.5:
+            print(f"note: n_threads {plan['n_threads']} uses every CPU of a machine whose load average is {one_min:.1f}; llama.cpp's "
+                  "thread barriers then stall on the neighbours and both sides measure mostly noise (try --threads 1)")
     print(f"(whole run {time.monotonic() - t_start:.0f} s, every process it started is stopped)")
     return 0
 
