@@ -353,18 +353,45 @@ def cmd_doctor(argv: Sequence[str]) -> int:
 
 
 def _write_bundle(path: Path, state_dir: Path, report: dict[str, Any]) -> Path:
-    """Report + log tails, never the credential: bundles get attached to bug reports."""
+    """Report + log tails, never the credential: bundles get attached to bug reports.
+
+    Files are scrubbed as they are copied: the stored credential and any URL password are
+    replaced, so a secret that slipped into a log line still never leaves the machine.
+    """
+    import re
+
+    from agent.identity import IdentityError, load_identity
+
+    secrets: list[str] = []
+    try:
+        ident = load_identity(state_dir)
+        if ident is not None:
+            secrets.append(ident.credential)
+    except IdentityError:
+        pass
+    url_password = re.compile(r"(://[^:/@\s]+:)[^@\s]+@")
+
+    def scrub(text: str) -> str:
+        for secret in secrets:
+            text = text.replace(secret, "[redacted]")
+        return url_password.sub(r"\1[redacted]@", text)
+
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w:gz") as tar, tempfile.TemporaryDirectory() as tmp:
         rp = Path(tmp) / "doctor.json"
-        rp.write_text(json.dumps(report, indent=2, default=str))
+        rp.write_text(scrub(json.dumps(report, indent=2, default=str)))
         tar.add(rp, arcname="doctor.json")
-        for name in ("agent.log", "status.json", "logs/rpc-worker.log"):
+        names = ["agent.log", "status.json", "logs/rpc-worker.log"]
+        logs = state_dir / "logs"
+        if logs.is_dir():
+            # The primaries' logs hold llama.cpp's own errors behind failures during execution.
+            names += [f"logs/{p.name}" for p in sorted(logs.glob("primary-*.log"))[-5:]]
+        for name in names:
             src = state_dir / name
             if src.is_file():
                 tail = Path(tmp) / name.replace("/", "_")
-                data = src.read_bytes()[-1_000_000:]
-                tail.write_bytes(data)
+                data = src.read_bytes()[-1_000_000:].decode("utf-8", errors="replace")
+                tail.write_text(scrub(data))
                 tar.add(tail, arcname=name)
     return path
 

@@ -21,13 +21,18 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from apps.jobs.scheduler import (  # noqa: E402
+    DEFAULT_COST,
+    DEFAULT_LINK,
     ClusterSnapshot,
+    CostModel,
     DeviceSnapshot,
     Link,
     NodeSnapshot,
@@ -259,17 +264,181 @@ def bench_decision_time(n_nodes: int, decisions: int, seed: int) -> tuple[list[f
 
 # --- part 3: predicted vs measured on real loopback deployments --------------------------------
 
+# One real cluster (controller + 3 loopback agents, started without --no-benchmark so the plans
+# use the figures the agents measured) serves the 1-, 2- and 3-node measurements in turn; it is
+# started on first use and stopped by close_loopback().
+LOOPBACK_N_CTX = 1024
+LOOPBACK_AGENTS = 3
+_LOOPBACK: dict[str, Any] = {"requests": 5, "warmup": 2, "max_tokens": 128, "results": {}}
+
+
+def _loopback_cluster() -> Any:
+    if "cluster" not in _LOOPBACK:
+        from bench.common import local_cluster  # noqa: PLC0415 - Django and processes only when used
+
+        stack = ExitStack()
+        _LOOPBACK["stack"] = stack
+        print(f"  starting a controller and {LOOPBACK_AGENTS} loopback agents (agents run their benchmark)", flush=True)
+        _LOOPBACK["cluster"] = stack.enter_context(
+            local_cluster(LOOPBACK_AGENTS, log=lambda m: print(m, flush=True), name_prefix="loop")
+        )
+    return _LOOPBACK["cluster"]
+
+
+def close_loopback() -> None:
+    stack = _LOOPBACK.pop("stack", None)
+    _LOOPBACK.pop("cluster", None)
+    if stack is not None:
+        stack.close()
+
+
+def _scaled_snapshot(snap: ClusterSnapshot, *, compute: float = 1.0, link: Link | None = None) -> ClusterSnapshot:
+    """The snapshot with every device's gflops and bandwidth times `compute`, every link `link`."""
+    nodes = tuple(
+        replace(n, devices=tuple(replace(d, gflops=d.gflops * compute, mem_bandwidth_gbps=d.mem_bandwidth_gbps * compute) for d in n.devices))
+        for n in snap.nodes
+    )
+    if link is None:
+        return replace(snap, nodes=nodes)
+    return replace(snap, nodes=nodes, links={}, default_link=link)
+
+
+def _solve(fn: Callable[[float], float], target: float, lo: float, hi: float) -> float | None:
+    """x in [lo, hi] with fn(x) == target for a monotone fn (bisection), None when out of range."""
+    f_lo, f_hi = fn(lo) - target, fn(hi) - target
+    if f_lo * f_hi > 0:
+        return None
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        f_mid = fn(mid) - target
+        if f_lo * f_mid <= 0:
+            hi = mid
+        else:
+            lo, f_lo = mid, f_mid
+    return (lo + hi) / 2
+
 
 def measure_loopback(n_nodes: int) -> tuple[float, float] | None:
-    """Hook for the deployment code: (predicted tok/s, measured tok/s) for a real deployment of
-    SmolLM2 spread over ``n_nodes`` loopback agents, or None when it cannot run here.
+    """(predicted tok/s, measured tok/s) for a real deployment of SmolLM2 spread over ``n_nodes``
+    loopback agents, or None when it cannot run here (the reason is kept for the report).
 
-    To fill in: start n loopback RPC workers, benchmark them as agents do (gflops, bandwidth),
-    build the ClusterSnapshot, call plan_placement with PlacementRequest(spread=True,
-    pin_nodes=...), load the primary with the plan's rpc_endpoints / tensor_split /
-    n_gpu_layers, generate ~128 tokens at temperature 0, and return both figures.
+    Predicted: the deployed plan's predicted_tokens_per_s. Measured: the primary's own decode rate
+    (the job's tokens_per_s, what the prediction models), median over a few streamed requests at
+    temperature 0 after warm-up requests.
     """
-    return None
+    import httpx  # noqa: PLC0415
+
+    try:
+        cl = _loopback_cluster()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: parts 1 and 2 still stand
+        _LOOPBACK["error"] = f"{type(exc).__name__}: {exc}"
+        return None
+    from apps.jobs.selectors import cluster_snapshot  # noqa: PLC0415
+    from apps.models_repo.models import Model  # noqa: PLC0415
+    from bench.gateway import prompt, racon_request  # noqa: PLC0415
+
+    names = cl.node_names[:n_nodes]
+    mf = Model.objects.get(name="smollm2").files.order_by("-created_at").first()
+    profile = ModelProfile.from_dict(mf.profile)
+    snap = cluster_snapshot(model_file=mf)  # what the controller's scheduler sees right now
+    dep = cl.deploy(names, spread=True, n_ctx=LOOPBACK_N_CTX)
+    plan = dep["plan"]
+    runtime: list[float] = []
+    client: list[float] = []
+    try:
+        key = cl.ctl.api_key
+        with httpx.Client(timeout=httpx.Timeout(180.0, connect=10.0)) as http:
+            for i in range(_LOOPBACK["warmup"] + _LOOPBACK["requests"]):
+                r = racon_request(http, cl.ctl.url, key, prompt(i), _LOOPBACK["max_tokens"])
+                if i < _LOOPBACK["warmup"]:
+                    continue
+                job = cl.job(r.job_id)
+                if job.get("tokens_per_s"):
+                    runtime.append(float(job["tokens_per_s"]))
+                if r.first_s is not None and r.last_s and r.last_s > r.first_s:
+                    client.append((r.chunks - 1) / (r.last_s - r.first_s))
+    finally:
+        cl.stop_deployment(dep["id"])
+    by_id = {n.node_id: n for n in snap.nodes}
+    pins = tuple(n.node_id for n in snap.nodes if n.name in names)
+    request = PlacementRequest(n_ctx=LOOPBACK_N_CTX, pin_nodes=pins, spread=True)
+    _LOOPBACK["results"][n_nodes] = {
+        "plan": plan,
+        "runtime": runtime,
+        "client": client,
+        "snap": snap,
+        "profile": profile,
+        "request": request,
+        "figures": sorted({(by_id[p].devices[0].gflops, by_id[p].devices[0].mem_bandwidth_gbps) for p in pins}),
+        "layers": [(d.get("node_id"), d.get("n_layers")) for d in plan.get("devices", [])],
+    }
+    if not runtime:
+        _LOOPBACK["error"] = f"{n_nodes} node(s): no request reported tokens/s"
+        return None
+    return float(plan["predicted_tokens_per_s"]), statistics.median(runtime)
+
+
+def loopback_report() -> None:
+    """Which constant or node figure would have to change, and by how much, for the predictions to
+    match: the compute figures from the 1-node run, then the per-hop cost from the 2-node run
+    (links as measured on loopback), checked against the 3-node run."""
+    res = _LOOPBACK["results"]
+    if 1 not in res or not res[1]["runtime"]:
+        return
+    from agent.links import LOOPBACK_MBPS, tcp_rtt_ms  # noqa: PLC0415
+
+    cl = _LOOPBACK.get("cluster")
+    rtt = LOOPBACK_RTT_MS
+    if cl is not None:
+        host_port = cl.ctl.url.rsplit("//", 1)[1]
+        host, port = host_port.split(":")
+        try:
+            rtt = tcp_rtt_ms(host, int(port), samples=9)
+        except OSError:
+            pass
+    loop = Link(rtt_ms=rtt, bandwidth_mbps=LOOPBACK_MBPS)
+
+    def pred(n: int, *, compute: float = 1.0, link: Link | None = None, cost: CostModel = DEFAULT_COST) -> float:
+        r = res[n]
+        return plan_placement(r["profile"], _scaled_snapshot(r["snap"], compute=compute, link=link), r["request"], cost=cost).predicted_tokens_per_s
+
+    meas = {n: statistics.median(r["runtime"]) for n, r in res.items() if r["runtime"]}
+    f = _solve(lambda x: pred(1, compute=x), meas[1], 1e-3, 1e3)
+    gf, bw = res[1]["figures"][0]
+    print("  cost-model check (what would have to change for predicted == measured):")
+    if f is None:
+        print("    1 node: no scaling of the node's compute figures reproduces the measurement")
+        return
+    print(
+        f"    1 node: the node figures would need x{f:.2f}: gflops {gf:.1f} -> {gf * f:.1f}, "
+        f"mem_bandwidth_gbps {bw:.1f} -> {bw * f:.1f} (decode is bandwidth-bound: the agent's numpy benchmark "
+        f"{'under' if f > 1 else 'over'}states what llama.cpp gets)"
+    )
+    for n in sorted(k for k in meas if k > 1):
+        as_deployed = float(res[n]["plan"]["predicted_tokens_per_s"])
+        with_loop = pred(n, link=loop)
+        calibrated = pred(n, compute=f, link=loop)
+        print(
+            f"    {n} nodes: links unprobed -> scheduler default {DEFAULT_LINK.rtt_ms:g} ms RTT / {DEFAULT_LINK.bandwidth_mbps:g} Mbps; "
+            f"with loopback probed ({rtt:.3f} ms, {LOOPBACK_MBPS:g} Mbps) predicted/measured {with_loop / meas[n]:.2f} "
+            f"(deployed {as_deployed / meas[n]:.2f}); with the 1-node compute calibration too {calibrated / meas[n]:.2f}"
+        )
+    if 2 in meas:
+        oh = _solve(lambda x: -pred(2, compute=f, link=loop, cost=replace(DEFAULT_COST, rpc_overhead_ms=x)), -meas[2], 0.0, 200.0)
+        if oh is None:
+            print(f"    rpc_overhead_ms: no value in [0, 200] ms matches 2 nodes (it is {DEFAULT_COST.rpc_overhead_ms} ms now)")
+        else:
+            line = f"    rpc_overhead_ms would need {oh:.2f} ms per remote node per token (now {DEFAULT_COST.rpc_overhead_ms} ms), from the 2-node run"
+            if 3 in meas:
+                check = pred(3, compute=f, link=loop, cost=replace(DEFAULT_COST, rpc_overhead_ms=oh))
+                line += f"; with it, 3 nodes predicted/measured {check / meas[3]:.2f}"
+            print(line)
+            lo = _solve(lambda x: -pred(2, compute=f, link=loop, cost=replace(DEFAULT_COST, layer_overhead_ms=x)), -meas[2], 0.0, 50.0)
+            if lo is not None:
+                print(f"    (or layer_overhead_ms {lo:.3f} ms instead of {DEFAULT_COST.layer_overhead_ms} ms, if the extra cost is per layer rather than per hop)")
+
+
+LOOPBACK_RTT_MS = 0.05
 
 
 def percentile(values: list[float], q: float) -> float:

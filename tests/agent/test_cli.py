@@ -140,6 +140,10 @@ def test_doctor_checks_the_pieces_and_writes_a_bundle_without_the_credential(
 ) -> None:
     state = tmp_path / "state"
     save_identity(state, Identity("node-doc", "TOPSECRETCRED", controller.url, REDIS_URL, "doc"))
+    # A secret that slipped into the logs must still never leave the machine.
+    (state / "logs").mkdir(parents=True)
+    (state / "agent.log").write_text("debug: Authorization: Node node-doc:TOPSECRETCRED\nredis://u:hunter2@10.0.0.1/0\n")
+    (state / "logs" / "primary-dep1.log").write_text("llama.cpp: RPC worker crashed\n")
     models = tmp_path / "models"
     models.mkdir()
     (models / "m.gguf").write_bytes(b"GGUF0000")
@@ -165,7 +169,9 @@ def test_doctor_checks_the_pieces_and_writes_a_bundle_without_the_credential(
         report = json.loads(tar.extractfile("doctor.json").read())  # type: ignore[union-attr]
         blob = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())  # type: ignore[union-attr]
     assert "doctor.json" in names and "identity.json" not in names
-    assert b"TOPSECRETCRED" not in blob
+    assert "agent.log" in names and "logs/primary-dep1.log" in names
+    assert b"TOPSECRETCRED" not in blob and b"hunter2" not in blob
+    assert b"[redacted]" in blob
     assert report["ok"] is True
 
 
