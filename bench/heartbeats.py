@@ -17,7 +17,6 @@ import asyncio
 import hashlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -220,6 +219,8 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--connections", type=int, default=64)
+    ap.add_argument("--processes", type=int, default=1, help="daphne processes sharing the listening socket")
+    ap.add_argument("--compare-processes", type=int, default=2, help="also measure with this many processes, side by side (0: skip)")
     ap.add_argument("--quick", action="store_true", help="a few seconds, for the smoke test")
     args = ap.parse_args()
     if args.quick:
@@ -230,45 +231,55 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="racon-hb-") as tmpdir:
         tmp = Path(tmpdir)
         env, redis = setup_env(tmp)
-        daphne = None
         try:
             nodes = seed_nodes(args.nodes)
-            from racon.embedded import free_port
-
-            port = free_port()
-            daphne = subprocess.Popen(
-                [str(Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p", str(port), "racon.asgi:application"],
-                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
-            import httpx
-
-            for _ in range(100):
-                try:
-                    httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                    break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
-            # Warm up: every node's first beat after seeding (and the interpreter's caches).
-            asyncio.run(closed_loop(port, nodes[: min(len(nodes), 500)], 1.0, 16))
-            writes_before = db_write_counter()
-            lat, errors, achieved = asyncio.run(paced(port, nodes, target, args.seconds, args.connections))
-            closed_rate, closed_errors, closed_lat = asyncio.run(closed_loop(port, nodes, min(args.seconds, 5.0), args.connections))
-            writes = db_write_counter() - writes_before
-            total = len(lat) + len(closed_lat)
             load = os.getloadavg()[0]
-            print(f"== heartbeats: {args.nodes} nodes at a {args.interval:g} s interval (target {target:.0f}/s), {args.seconds:g} s, load avg {load:.1f} on {os.cpu_count()} CPUs ==")
-            print(f"paced at the target: achieved {achieved}/s = {achieved / target:.2f}x the target; p50 {pct(lat, 0.5):.1f} ms, p99 {pct(lat, 0.99):.1f} ms = {pct(lat, 0.99) / 100:.2f}x the 100 ms limit; errors {errors}")
-            print(f"closed loop ({args.connections} connections): sustained {closed_rate}/s = {closed_rate / 1000:.2f}x the 1,000/s target; p50 {pct(closed_lat, 0.5):.1f} ms, p99 {pct(closed_lat, 0.99):.1f} ms; errors {closed_errors}")
-            print(f"database writes per heartbeat: {writes / max(total, 1):.4f} ({writes} rows over {total} heartbeats)")
-            if statistics and errors + closed_errors:
-                return 1
-            return 0
+            print(f"== heartbeats: {args.nodes} nodes at a {args.interval:g} s interval (target {target:.0f}/s), {args.seconds:g} s per phase, load avg {load:.1f} on {os.cpu_count()} CPUs ==")
+            counts = [args.processes] + ([args.compare_processes] if args.compare_processes and args.compare_processes != args.processes else [])
+            results = {n: run_phase(env, nodes, args, target, n) for n in counts}
+            if len(results) == 2:
+                a, b = counts
+                print(f"{b} vs {a} daphne process(es): closed-loop throughput {results[b] / max(results[a], 1):.2f}x")
+            return 0 if all(v >= 0 for v in results.values()) else 1
         finally:
-            if daphne is not None:
-                daphne.terminate()
-                daphne.wait(timeout=10)
             if redis is not None:
                 redis.stop()  # type: ignore[attr-defined]
+
+
+def run_phase(env: dict[str, str], nodes: list[tuple[str, str]], args: argparse.Namespace, target: float, processes: int) -> int:
+    """Paced then closed-loop load against `processes` daphne processes; returns the closed-loop rate."""
+    import httpx
+
+    from racon.serve import bind_listener, start_daphnes
+
+    sock = bind_listener("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    daphnes = start_daphnes(sock, processes, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        # Warm up every process (imports, caches, connections).
+        asyncio.run(closed_loop(port, nodes[: min(len(nodes), 500)], 1.5, 16 * processes))
+        writes_before = db_write_counter()
+        lat, errors, achieved = asyncio.run(paced(port, nodes, target, args.seconds, args.connections))
+        closed_rate, closed_errors, closed_lat = asyncio.run(closed_loop(port, nodes, min(args.seconds, 5.0), args.connections))
+        writes = db_write_counter() - writes_before
+        total = len(lat) + len(closed_lat)
+        label = f"[{processes} daphne process{'es' if processes > 1 else ''}]"
+        print(f"{label} paced at the target: achieved {achieved}/s = {achieved / target:.2f}x the target; p50 {pct(lat, 0.5):.1f} ms, p99 {pct(lat, 0.99):.1f} ms = {pct(lat, 0.99) / 100:.2f}x the 100 ms limit; errors {errors}")
+        print(f"{label} closed loop ({args.connections} connections): sustained {closed_rate}/s = {closed_rate / 1000:.2f}x the 1,000/s target; p50 {pct(closed_lat, 0.5):.1f} ms, p99 {pct(closed_lat, 0.99):.1f} ms; errors {closed_errors}")
+        print(f"{label} database writes per heartbeat: {writes / max(total, 1):.4f} ({writes} rows over {total} heartbeats)")
+        return closed_rate if errors + closed_errors == 0 else -1
+    finally:
+        for d in daphnes:
+            d.terminate()
+        for d in daphnes:
+            d.wait(timeout=10)
+        sock.close()
 
 
 if __name__ == "__main__":

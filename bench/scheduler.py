@@ -1,13 +1,14 @@
 """Scheduler benchmark: plan quality against brute force and the exo rule, and decision time.
 
-Run: ``python bench/scheduler.py [--clusters 1000] [--seed 1]``. Prints, in one run:
+Run: ``python bench/scheduler.py [--clusters 1000] [--seed 1] [--no-loopback] [--quick]``. Prints, in one run:
 
 1. plan quality on N random heterogeneous clusters (2–8 nodes): predicted tokens/s of
    ``plan_placement`` as a fraction of ``exhaustive_best`` (targets: mean ≥ 98%, worst ≥ 90%),
    and against ``memory_proportional_plan`` (the exo rule);
 2. decision time on a 1,000-node cluster, p50/p99 as a fraction of the 50 ms target;
-3. predicted against measured tokens/s on real loopback deployments: a hook left for the
-   deployment code (``measure_loopback``), reported as "not run" until it is filled in.
+3. predicted against measured tokens/s on real loopback deployments of SmolLM2 over 1, 2 and 3
+   agents (``measure_loopback``; target within +-30%), and which cost-model constant or node
+   figure would have to change, and by how much, for the two to agree. ``--no-loopback`` skips it.
 
 Every figure compares things measured side by side in this run; absolute times are secondary.
 """
@@ -455,7 +456,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--big-nodes", type=int, default=1000)
     ap.add_argument("--decisions", type=int, default=50)
+    ap.add_argument("--no-loopback", action="store_true", help="skip part 3 (real loopback deployments)")
+    ap.add_argument("--loopback-requests", type=int, default=5)
+    ap.add_argument("--loopback-warmup", type=int, default=2)
+    ap.add_argument("--loopback-max-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="tiny run for smoke tests (100 clusters, 200-node decisions, 2 loopback requests of 32 tokens)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.clusters, args.big_nodes, args.decisions = min(args.clusters, 100), min(args.big_nodes, 200), min(args.decisions, 10)
+        args.loopback_requests, args.loopback_warmup, args.loopback_max_tokens = 2, 1, 32
 
     t0 = time.perf_counter()
     q = bench_quality(args.clusters, args.seed)
@@ -505,17 +514,51 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     print("== predicted vs measured tokens/s, loopback deployments ==")
-    for n in (1, 2, 3):
-        m = measure_loopback(n)
-        if m is None:
-            print(f"{n} node(s): not run (measure_loopback is a hook for the deployment code)")
-        else:
-            pred, meas = m
-            print(
-                f"{n} node(s): predicted/measured {pred / meas:.2f} (error {pred / meas - 1:+.0%})"
-            )
+    if args.no_loopback:
+        print("not run (--no-loopback)")
+    else:
+        _LOOPBACK.update(requests=args.loopback_requests, max_tokens=args.loopback_max_tokens, warmup=args.loopback_warmup)
+        print(
+            f"SmolLM2 spread over 1, 2 and 3 real agents on loopback; measured = the primary's decode tokens/s, "
+            f"median of {args.loopback_requests} streamed requests ({args.loopback_max_tokens} tokens, temperature 0) "
+            f"after {args.loopback_warmup} warm-up; target error within +-{LOOPBACK_TARGET:.0%}  ({_load()})",
+            flush=True,
+        )
+        try:
+            for n in (1, 2, 3):
+                m = measure_loopback(n)
+                if m is None:
+                    print(f"{n} node(s): not run ({_LOOPBACK.get('error', 'unavailable')})")
+                    continue
+                pred, meas = m
+                r = _LOOPBACK["results"][n]
+                err = pred / meas - 1
+                figures = ", ".join(f"{g:.1f} GFLOPS / {b:.1f} GB/s" for g, b in r["figures"])
+                split = "+".join(str(c) for _, c in r["layers"])
+                print(
+                    f"{n} node(s): predicted/measured {pred / meas:.2f} (error {err:+.0%})  "
+                    f"{'PASS' if abs(err) <= LOOPBACK_TARGET else 'FAIL'}  "
+                    f"[predicted {pred:.1f} tok/s, measured {meas:.1f} tok/s (client side {statistics.median(r['client']) if r['client'] else float('nan'):.1f}); "
+                    f"layers {split}; n_threads {r['plan'].get('n_threads')}; node figures {figures}]",
+                    flush=True,
+                )
+            loopback_report()
+        finally:
+            close_loopback()
+        print(f"  ({_load()})")
     print(f"(quality part took {t_quality:.1f} s)")
     return 0
+
+
+LOOPBACK_TARGET = 0.30
+
+
+def _load() -> str:
+    try:
+        one, five, _ = os.getloadavg()
+    except OSError:
+        return "load average n/a"
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} CPUs"
 
 
 if __name__ == "__main__":
