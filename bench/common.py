@@ -7,7 +7,8 @@
 What it starts, all on loopback, all stopped on exit (also on errors and Ctrl-C):
 
 - its own Redis: the embedded redis-server (FACTS.md) when REDIS_URL is unset, else REDIS_URL with
-  dedicated database numbers (11 for the app, 12 for Celery's broker; only those two are flushed);
+  dedicated database numbers (11 for the app, 10 for Celery's broker; only those two are flushed,
+  so two runs against one REDIS_URL at once would disturb each other);
 - its own SQLite database file in a temporary directory (migrated here);
 - the controller (daphne + a Celery worker with beat) through tests/e2e/harness.run_controller,
   with production heartbeat timings so background chatter is what a real deployment has;
@@ -54,8 +55,8 @@ from tests.e2e.harness import (  # noqa: E402
 )
 
 MODEL_NAME = "smollm2"
-APP_REDIS_DB = 11
-BROKER_REDIS_DB = 12
+APP_REDIS_DB = 11  # 12 is bench/heartbeats.py's, 13-15 the test suites'
+BROKER_REDIS_DB = 10
 
 # The settings' defaults (racon/settings.py), not the e2e harness's 1 s sweeps: a benchmark should
 # see the background work a real controller does, no more.
@@ -144,6 +145,12 @@ def bench_environment(workdir: Path) -> Iterator[BenchEnv]:
         call_command("migrate", verbosity=0, interactive=False)
         yield env
     finally:
+        try:
+            from django.db import connections
+
+            connections.close_all()  # this process's handle on the bench database
+        except Exception:  # noqa: BLE001 - Django may not have been set up
+            pass
         for r in flush:
             try:
                 r.flushdb()

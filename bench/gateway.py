@@ -1,6 +1,6 @@
 """Gateway benchmark: RACoN's streamed chat against llama-cpp-python called directly, in one run.
 
-Run: ``python bench/gateway.py [--requests 20] [--max-tokens 64] [--quick]``.
+Run: ``python bench/gateway.py [--requests 20] [--max-tokens 64] [--threads N] [--quick]``.
 
 Both sides use the same model (SmolLM2), prompts, max_tokens, sampling (temperature 0), n_ctx,
 n_threads, n_batch and flash-attention setting; the direct side reads them from the deployed
@@ -14,6 +14,11 @@ Printed: RACoN tokens/s / direct tokens/s (goal >= 0.95), the added time to firs
 minus direct, same run; goal <= 15 ms at p50), and where RACoN's extra time goes, from the job's
 recorded timestamps, the Redis stream's entry ids (the server's clock, 1 ms resolution) and the
 client's own clock. Everything runs on loopback and is stopped at the end.
+
+Threads: by default the node reports its real cores and the plan (so both sides) uses all of them.
+On a small shared machine that oversubscribes the CPUs and llama.cpp's thread barriers measure the
+neighbours more than RACoN; ``--threads N`` poses the node with N cores (a hardware profile built
+from the real detection) so the plan, and with it both sides, use N threads.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ def run_bench(script: str, args: list[str], tmp_path: Path, timeout: float = 840
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     env.pop("DJANGO_SETTINGS_MODULE", None)  # the bench configures its own Django, database and Redis
     env.pop("DATABASE_URL", None)
+    # Each bench starts its own embedded Redis: nothing shared is flushed, runs cannot collide.
+    env.pop("REDIS_URL", None)
+    env.pop("CELERY_BROKER_URL", None)
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
