@@ -177,7 +177,8 @@ class Admission:
     dispatched: bool = False
     nodes: list[str] = field(default_factory=list)
     n_parallel: int = 1
-    priority: float = 0.0
+    account_id: Any = None
+    queued_ts: float = 0.0
 
 
 def _try_slot(deployment_id: str, job_id: str, cap: int) -> bool:
@@ -200,9 +201,18 @@ def _principal(header: str) -> KeyPrincipal:
     return principal
 
 
-def _admit(*, header: str, kind: str, v: dict[str, Any], request_id: str) -> Admission:
-    """Authenticate, find the model, reserve credits, create the job; dispatch when a slot is free."""
+def _authorize_and_admit(*, header: str, kind: str, body: Any, request_id: str) -> tuple[dict[str, Any], Admission]:
+    """One thread hop for the whole synchronous front of a request.
+
+    Authentication comes before validation, as with OpenAI: a bad key is 401 whatever the body.
+    """
     principal = _principal(header)
+    v = _validate(ChatCompletionIn if kind == "chat" else CompletionIn, body)
+    return v, _admit(principal=principal, kind=kind, v=v, request_id=request_id)
+
+
+def _admit(*, principal: KeyPrincipal, kind: str, v: dict[str, Any], request_id: str) -> Admission:
+    """Find the model, reserve credits, create the job; dispatch when a slot is free."""
     model = Model.objects.filter(name=v["model"]).first()
     if model is None or not model.files.exists():
         raise ApiError(f"The model '{v['model']}' does not exist", status_code=404, param="model", code="model_not_found", type_="invalid_request_error")
@@ -230,7 +240,7 @@ def _admit(*, header: str, kind: str, v: dict[str, Any], request_id: str) -> Adm
         raise ApiError(
             f"You exceeded your current quota: {exc}", status_code=429, type_="insufficient_quota", code="insufficient_quota"
         ) from exc
-    adm = Admission(job_id=str(job.id), model_name=model.name, priority=_priority_score(principal.account_id, now.timestamp()))
+    adm = Admission(job_id=str(job.id), model_name=model.name, account_id=principal.account_id, queued_ts=now.timestamp())
     if deployment is None:
         deployment = job_services.deployment_ensure(model=model, now=now)
     adm.deployment_id = str(deployment.id)
@@ -254,15 +264,20 @@ def _priority_score(account_id: Any, queued_ts: float) -> float:
 
 
 def _dispatch_if_free(adm: Admission, deployment: Deployment) -> bool:
+    """Take a slot and dispatch, or join the deployment's waiting queue (ordered by priority)."""
     r = get_redis()
-    waiting_key = f"racon:dep:{deployment.id}:waiting"
-    if r.zscore(waiting_key, adm.job_id) is None:
+    # Fast path: a free slot and nobody waiting ahead of us (the script checks both atomically).
+    if not _try_slot(str(deployment.id), adm.job_id, deployment.n_parallel):
+        waiting_key = f"racon:dep:{deployment.id}:waiting"
+        if r.zscore(waiting_key, adm.job_id) is not None:
+            return False
         if r.zcard(waiting_key) >= settings.JOB_QUEUE_MAX:
             job_services.job_fail(job_id=adm.job_id, now=timezone.now(), error="no capacity: queue full", during_execution=False)
             raise ApiError("The server is at capacity; retry shortly.", status_code=503, type_="server_error", code="no_capacity", headers={"Retry-After": "2"})
-        r.zadd(waiting_key, {adm.job_id: adm.priority})
-    if not _try_slot(str(deployment.id), adm.job_id, deployment.n_parallel):
-        return False
+        # Standing is only worth computing when there is a queue to be ordered.
+        r.zadd(waiting_key, {adm.job_id: _priority_score(adm.account_id, adm.queued_ts)})
+        if not _try_slot(str(deployment.id), adm.job_id, deployment.n_parallel):
+            return False
     try:
         out = job_services.job_dispatch(job_id=adm.job_id, deployment=deployment, now=timezone.now())
     except Exception:
@@ -454,10 +469,7 @@ async def _completion(request: HttpRequest, *, kind: str) -> HttpResponse:
         except ValueError as exc:
             raise ApiError(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
         header = request.headers.get("Authorization", "")
-        # Authenticate before validating, as OpenAI does: a bad key is 401 whatever the body.
-        await sync_to_async(_principal)(header)
-        v = _validate(ChatCompletionIn if kind == "chat" else CompletionIn, body)
-        adm = await sync_to_async(_admit)(header=header, kind=kind, v=v, request_id=request_id)
+        v, adm = await sync_to_async(_authorize_and_admit)(header=header, kind=kind, body=body, request_id=request_id)
         with log_context(job_id=adm.job_id, deployment_id=adm.deployment_id):
             if not adm.dispatched:
                 await _wait_for_dispatch(adm)
@@ -477,12 +489,13 @@ async def _completion(request: HttpRequest, *, kind: str) -> HttpResponse:
                 if failure.code == "context_length_exceeded":
                     raise ApiError(failure.message, param="messages", code="context_length_exceeded")
                 raise ApiError(failure.message, status_code=502, type_="server_error", code=failure.code)
-            await sync_to_async(job_services.job_mark_running)(job_id=adm.job_id, now=timezone.now())
+            first_at = timezone.now()
             if stream:
-                resp = StreamingHttpResponse(_sse_body(adm, kind, first, entries, include_usage), content_type="text/event-stream")
+                resp = StreamingHttpResponse(_sse_body(adm, kind, first, entries, include_usage, first_at), content_type="text/event-stream")
                 resp["Cache-Control"] = "no-cache"
                 resp["X-Accel-Buffering"] = "no"
                 return _headers(resp, adm)
+            await sync_to_async(job_services.job_mark_running)(job_id=adm.job_id, now=first_at)
             return _headers(await _collect(adm, kind, first, entries), adm)
     except ApiError as exc:
         if adm is not None and exc.status_code >= 500:
@@ -522,10 +535,13 @@ async def _wait_for_dispatch(adm: Admission) -> None:
         delay = min(0.25, delay * 1.5)
 
 
-async def _sse_body(adm: Admission, kind: str, first: dict[str, str], entries: AsyncIterator[dict[str, str]], include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse_body(
+    adm: Admission, kind: str, first: dict[str, str], entries: AsyncIterator[dict[str, str]], include_usage: bool, first_at: Any
+) -> AsyncIterator[bytes]:
     created = int(time.time())
     chunks = 0
     finished = False
+    marked_running = False
     try:
         if kind == "chat":
             yield _sse(_chat_chunk(adm, created, {"role": "assistant", "content": ""}, None, None, include_usage))
@@ -539,6 +555,10 @@ async def _sse_body(adm: Admission, kind: str, first: dict[str, str], entries: A
                     yield _sse(_chat_chunk(adm, created, {"content": text}, None, None, include_usage))
                 else:
                     yield _sse(_text_chunk(adm, created, text, None, None, include_usage))
+                if not marked_running:
+                    # Recorded after the first token is on the wire, not in front of it.
+                    marked_running = True
+                    await sync_to_async(job_services.job_mark_running)(job_id=adm.job_id, now=first_at)
             elif etype == "done":
                 usage = _usage(entry)
                 fr = entry.get("finish_reason") or "stop"
@@ -557,8 +577,11 @@ async def _sse_body(adm: Admission, kind: str, first: dict[str, str], entries: A
                     final["choices"] = []
                     yield _sse(final)
                 finished = True
-                await sync_to_async(_finish_sync)(adm, "completed", usage=usage, finish_reason=fr, chunks=chunks)
+                # The client has everything: send [DONE] first, then record the job (settlement
+                # and metrics) before the response closes, so a client that reads to the end
+                # still finds the job COMPLETED.
                 yield b"data: [DONE]\n\n"
+                await sync_to_async(_finish_sync)(adm, "completed", usage=usage, finish_reason=fr, chunks=chunks)
                 return
             elif etype == "error":
                 failure = _error_for_stream(entry)

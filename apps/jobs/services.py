@@ -432,9 +432,18 @@ def job_create(
 
 
 def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[str, Any]:
-    """QUEUED → DISPATCHED: record the plan's nodes and push run_job onto the primary's queue."""
-    job = Job.objects.get(pk=job_id)
+    """QUEUED → DISPATCHED: push run_job onto the primary's queue, then record the plan's nodes.
+
+    The push goes first: the primary starts on the prompt while the transition is written. If the
+    job stopped being QUEUED meanwhile (cancelled), the primary is told to cancel it.
+    """
+    job = Job.objects.only("id", "kind", "max_tokens", "params").get(pk=job_id)
     plan = deployment.plan or {}
+    payload = {
+        "job_id": str(job.id), "deployment_id": str(deployment.id), "kind": job.kind,
+        "max_tokens": job.max_tokens, **job.params,
+    }
+    command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
     placement = [
         {"node_id": d["node_id"], "node": selectors.node_name(d["node_id"]), "device": d["device"], "layers": [d["layer_start"], d["layer_end"]]}
         for d in plan.get("devices", [])
@@ -446,14 +455,11 @@ def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[
             fields={"deployment_id": deployment.id, "dispatched_at": now, "placement": {"devices": placement, "primary": plan.get("primary_node_id")}},
             kind="JOB_DISPATCHED", message=f"to deployment {deployment.id}", data={"nodes": node_ids},
         )
-        if not moved:
-            raise DeploymentError("job is no longer queued")
-        job.nodes.set(node_ids)
-    payload = {
-        "job_id": str(job.id), "deployment_id": str(deployment.id), "kind": job.kind,
-        "max_tokens": job.max_tokens, **job.params,
-    }
-    command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
+        if moved:
+            job.nodes.set(node_ids)
+    if not moved:
+        get_redis().set(job_cancel_key(str(job.id)), 1, ex=3600)
+        raise DeploymentError("job is no longer queued")
     return {"nodes": node_ids, "primary": str(deployment.primary_id)}
 
 
