@@ -86,6 +86,8 @@ def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: s
         for link in links:
             if not isinstance(link, dict) or "node_id" not in link:
                 raise ValueError("each link needs node_id, rtt_ms and bandwidth_mbps")
+            if link.get("error") or not link.get("rtt_ms") and not link.get("bandwidth_mbps"):
+                continue  # a failed probe measures nothing; the scheduler keeps its default
             mapping[f"{node_id}|{link['node_id']}"] = json.dumps(
                 {"rtt_ms": float(link.get("rtt_ms", 0)), "bandwidth_mbps": float(link.get("bandwidth_mbps", 0)), "at": now.timestamp()}
             )

@@ -83,8 +83,11 @@ def cluster_snapshot(*, model_file: ModelFile | None = None) -> ClusterSnapshot:
         ram_free = max(0, n.ram_available - reserved.get(nid, 0))
         if live is not None and reserved.get(nid, 0) == 0:
             ram_free = min(ram_free, int(live)) if int(live) > 0 else ram_free
-        gflops = n.gflops or DEFAULT_GFLOPS
-        bw = n.mem_bandwidth_gbps or DEFAULT_BANDWIDTH_GBPS
+        # The agent measures with numpy (matmul, array copy); llama.cpp's quantized decode reaches a
+        # fraction of that, measured by bench/scheduler.py part 3 (SCHEDULER_MEASURED_EFFICIENCY).
+        eff = float(settings.SCHEDULER_MEASURED_EFFICIENCY)
+        gflops = n.gflops * eff if n.gflops else DEFAULT_GFLOPS
+        bw = n.mem_bandwidth_gbps * eff if n.mem_bandwidth_gbps else DEFAULT_BANDWIDTH_GBPS
         devices = [DeviceSnapshot(node_id=nid, device="CPU", kind="cpu", free_bytes=ram_free, gflops=gflops, mem_bandwidth_gbps=bw)]
         for gpu in (n.hardware or {}).get("gpus") or []:
             devices.append(
@@ -161,5 +164,3 @@ def job_list(
         qs = qs.filter(account_id=account_id)
     return qs.distinct()
 
-
-_ = settings

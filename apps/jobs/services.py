@@ -24,7 +24,7 @@ from racon.redis import get_redis, get_redis_blocking
 
 from . import selectors
 from .models import Deployment, Job
-from .scheduler import PlacementRefused, PlacementRequest, Plan, plan_placement
+from .scheduler import CostModel, PlacementRefused, PlacementRequest, Plan, plan_placement
 from .states import (
     DEPLOYMENT_ACTIVE,
     DEPLOYMENT_TRANSITIONS,
@@ -140,7 +140,7 @@ def deployment_preview(*, model_file: ModelFile, request: PlacementRequest) -> P
     snapshot = selectors.cluster_snapshot(model_file=model_file)
     t0 = time.perf_counter()
     try:
-        return plan_placement(profile, snapshot, request)
+        return plan_placement(profile, snapshot, request, cost=scheduler_cost_model())
     finally:
         _record_placement_latency(time.perf_counter() - t0)
 
@@ -151,6 +151,11 @@ def _record_placement_latency(seconds: float) -> None:
         pipe.incr("racon:metrics:placements")
         pipe.incrbyfloat("racon:metrics:placement_seconds", seconds)
         pipe.execute()
+
+
+def scheduler_cost_model() -> CostModel:
+    """The cost model's constants, calibrated by bench/scheduler.py part 3 (settings)."""
+    return CostModel(rpc_overhead_ms=float(settings.SCHEDULER_RPC_OVERHEAD_MS))
 
 
 def deployment_create(*, model: Model, request: PlacementRequest, now: datetime, auto: bool = False) -> Deployment:
@@ -371,6 +376,17 @@ def deployment_runtime_failed(*, deployment_id: Any, node_id: Any, message: str,
     replacement = deployment_create(model=dep.model, request=PlacementRequest(**_request_of(dep)), now=now, auto=True)
     event_record(kind="DEPLOYMENT_REPLACED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=node_id, message=f"replaced by {replacement.id}", data={"replacement": str(replacement.id)})
     return True
+
+
+def links_probe_request(*, node_id: Any, max_peers: int = 32) -> str | None:
+    """Ask a node that just became READY to measure its links to the other live nodes."""
+    peers = [
+        {"node_id": str(n.id), "address": n.address, "rpc_port": n.rpc_port}
+        for n in Node.objects.filter(state__in=[NodeState.READY, NodeState.BUSY]).exclude(pk=node_id).only("id", "address", "rpc_port")[:max_peers]
+    ]
+    if not peers:
+        return None
+    return command_send(node_id=node_id, kind="probe_links", payload={"peers": peers})
 
 
 def _request_of(dep: Deployment) -> dict[str, Any]:

@@ -14,6 +14,8 @@ def node_state_changed(*, node_id: str, state: str, **kwargs: Any) -> None:
     from . import services
 
     services.deployments_on_node_state(node_id=node_id, state=state, now=timezone.now())
+    if state == "READY":
+        services.links_probe_request(node_id=node_id)
 
 
 @shared_task(name="racon.jobs.place_deployment", ignore_result=True)
