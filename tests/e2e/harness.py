@@ -115,6 +115,8 @@ def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
         "LOG_FORMAT": "json",
         "LOG_LEVEL": "INFO",
         "SECRET_KEY": "e2e-secret-key-" + "k" * 40,
+        # Live controllers of one test session share the test Redis: each gets its own task queue.
+        "CELERY_TASK_DEFAULT_QUEUE": f"racon-e2e-{port}",
         **overrides,
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)
