@@ -160,16 +160,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {key}={os.environ[key]}", flush=True)
             print("", flush=True)
         processes = int(os.environ.get("DAPHNE_PROCESSES", "1"))
-        if processes > 1:
-            # Several daphne processes accepting on one socket (racon/serve.py): for controllers
-            # with cores to spare. On 2 cores one process is faster (bench/heartbeats.py).
-            from racon.serve import bind_listener, daphne_argv
+        access_log = os.environ.get("RACON_ACCESS_LOG") or None
+        # Several daphne processes can accept on one socket (racon/serve.py): for controllers
+        # with cores to spare. On 2 cores one process is faster (bench/heartbeats.py).
+        from racon.serve import bind_listener, daphne_argv
 
-            listener = bind_listener(args.bind, port)
-            for i in range(processes):
-                sup.start(f"daphne-{i + 1}", daphne_argv(listener.fileno(), str(var / "access.log")), pass_fds=(listener.fileno(),))
-        else:
-            sup.start("daphne", [str(bindir / "daphne"), "-b", args.bind, "-p", str(port), "--access-log", str(var / "access.log"), "racon.asgi:application"])
+        listener = bind_listener(args.bind, port)
+        for i in range(max(1, processes)):
+            name = "daphne" if processes <= 1 else f"daphne-{i + 1}"
+            sup.start(name, daphne_argv(listener.fileno(), access_log), pass_fds=(listener.fileno(),))
         sup.start("celery-worker", [str(bindir / "celery"), "-A", "racon", "worker", "-l", "warning", "--concurrency", "4", "-n", "racon@%h"])
         sup.start("celery-beat", [str(bindir / "celery"), "-A", "racon", "beat", "-l", "warning", "-s", str(var / "celerybeat-schedule")])
         wait_health(url, sup)

@@ -26,9 +26,10 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 
 def daphne_argv(fd: int, access_log: str | None = None) -> list[str]:
+    """daphne on an inherited socket; without access_log, no per-request access line at all
+    (thousands of heartbeats a second would otherwise each cost a formatted write)."""
     argv = [str(Path(sys.executable).parent / "daphne"), "--fd", str(fd)]
-    if access_log:
-        argv += ["--access-log", access_log]
+    argv += ["--access-log", access_log] if access_log else ["-v", "0"]
     return [*argv, "racon.asgi:application"]
 
 
