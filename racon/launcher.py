@@ -77,18 +77,17 @@ class Supervisor:
         return proc
 
     def stop(self) -> None:
-        # SIGTERM to each main process only: an agent drains and stops its own llama.cpp children,
-        # Celery its pool. Whatever is left of a process group after the grace period is killed.
+        # One at a time in reverse start order, SIGTERM to the main process only: an agent drains
+        # (and reports) while the controller is still up, then stops its own llama.cpp children;
+        # Celery stops its pool. Whatever is left of a process group after its grace period is killed.
         for name, proc in reversed(self.procs):
             if proc.poll() is None:
                 print(f"[racon] stopping {name}", flush=True)
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for _name, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+                try:
+                    proc.wait(timeout=20 if name.startswith("node-agent") else 10)
+                except subprocess.TimeoutExpired:
+                    pass
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
