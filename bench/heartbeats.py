@@ -219,8 +219,8 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--connections", type=int, default=64)
-    ap.add_argument("--processes", type=int, default=1, help="daphne processes sharing the listening socket")
-    ap.add_argument("--compare-processes", type=int, default=2, help="also measure with this many processes, side by side (0: skip)")
+    ap.add_argument("--processes", type=int, default=2, help="daphne processes sharing the listening socket (make run's default on 2+ cores)")
+    ap.add_argument("--compare-processes", type=int, default=1, help="also measure with this many processes, side by side (0: skip)")
     ap.add_argument("--quick", action="store_true", help="a few seconds, for the smoke test")
     args = ap.parse_args()
     if args.quick:

