@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -231,10 +232,40 @@ def _admit(*, principal: KeyPrincipal, kind: str, v: dict[str, Any], request_id:
         )
     from apps.credits.services import InsufficientCredits  # noqa: PLC0415
 
+    stream = bool(v.get("stream"))
+    job_id = uuid.uuid4()
+    fast = deployment if deployment is not None and deployment.state in (DeploymentState.READY, DeploymentState.DEGRADED) else None
+    # Fast path: a free slot with nobody waiting. Push run_job first, then write the job row,
+    # its credit hold and the dispatch in one transaction while the primary evaluates the prompt.
+    # If the credits are short, the primary is told to cancel before any token reaches anyone.
+    if fast is not None and _try_slot(str(fast.id), str(job_id), fast.n_parallel):
+        job_services.command_send(
+            node_id=fast.primary_id, kind="run_job",
+            payload=job_services.job_run_payload(job_id=job_id, deployment_id=fast.id, kind=kind, max_tokens=max_tokens, params=params),
+        )
+        try:
+            job_services.job_create(
+                model=model, account_id=principal.account_id, api_key_id=principal.key_id, kind=kind, params=params,
+                max_tokens=max_tokens, stream=stream, request_id=request_id, now=now, job_id=job_id, dispatched_to=fast,
+            )
+        except BaseException as exc:
+            r = get_redis()
+            r.set(job_cancel_key(str(job_id)), 1, ex=3600)
+            r.decr(f"racon:dep:{fast.id}:inflight")
+            if isinstance(exc, InsufficientCredits):
+                raise ApiError(
+                    f"You exceeded your current quota: {exc}", status_code=429, type_="insufficient_quota", code="insufficient_quota"
+                ) from exc
+            raise
+        return Admission(
+            job_id=str(job_id), model_name=model.name, deployment_id=str(fast.id), dispatched=True,
+            nodes=[job_selectors.node_name(n) for n in job_services.dispatch_node_ids(fast)], n_parallel=fast.n_parallel,
+            account_id=principal.account_id, queued_ts=now.timestamp(),
+        )
     try:
         job = job_services.job_create(
             model=model, account_id=principal.account_id, api_key_id=principal.key_id, kind=kind, params=params,
-            max_tokens=max_tokens, stream=bool(v.get("stream")), request_id=request_id, now=now,
+            max_tokens=max_tokens, stream=stream, request_id=request_id, now=now, job_id=job_id,
         )
     except InsufficientCredits as exc:
         raise ApiError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -432,34 +433,36 @@ def job_transition(
 
 def job_create(
     *, model: Model, account_id: Any, api_key_id: Any, kind: str, params: dict[str, Any], max_tokens: int,
-    stream: bool, request_id: str, now: datetime,
+    stream: bool, request_id: str, now: datetime, job_id: Any = None, dispatched_to: Deployment | None = None,
 ) -> Job:
-    """Record a QUEUED job and reserve credits for it (InsufficientCredits propagates; nothing stays)."""
+    """Record a QUEUED job and reserve credits for it (InsufficientCredits propagates; nothing stays).
+
+    With dispatched_to, the job's run_job was already pushed to that deployment's primary (the
+    fast path): the same transaction records the dispatch, so the row, the hold and
+    JOB_DISPATCHED are written while the primary evaluates the prompt.
+    """
     from apps.credits.services import credit_reserve  # noqa: PLC0415
 
     with transaction.atomic():
         job = Job.objects.create(
-            model=model, account_id=account_id, api_key_id=api_key_id, kind=kind, params=params,
+            id=job_id or uuid.uuid4(), model=model, account_id=account_id, api_key_id=api_key_id, kind=kind, params=params,
             max_tokens=max_tokens, stream=stream, request_id=request_id, queued_at=now, state=J.QUEUED,
         )
         if account_id is not None:
             credit_reserve(account_id=account_id, job_id=job.id, max_tokens=max_tokens, model_price_permille=model.price_weight_permille, now=now)
+        if dispatched_to is not None and not _record_dispatch(job=job, deployment=dispatched_to, now=now):
+            raise DeploymentError("job is no longer queued")
     return job
 
 
-def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[str, Any]:
-    """QUEUED → DISPATCHED: push run_job onto the primary's queue, then record the plan's nodes.
+def job_run_payload(*, job_id: Any, deployment_id: Any, kind: str, max_tokens: int, params: dict[str, Any]) -> dict[str, Any]:
+    """The run_job command's payload (protocol.RunJobPayload)."""
+    return {"job_id": str(job_id), "deployment_id": str(deployment_id), "kind": kind, "max_tokens": max_tokens, **params}
 
-    The push goes first: the primary starts on the prompt while the transition is written. If the
-    job stopped being QUEUED meanwhile (cancelled), the primary is told to cancel it.
-    """
-    job = Job.objects.only("id", "kind", "max_tokens", "params").get(pk=job_id)
+
+def _record_dispatch(*, job: Job, deployment: Deployment, now: datetime) -> bool:
+    """QUEUED → DISPATCHED with the plan's nodes and layers (the JOB_DISPATCHED event)."""
     plan = deployment.plan or {}
-    payload = {
-        "job_id": str(job.id), "deployment_id": str(deployment.id), "kind": job.kind,
-        "max_tokens": job.max_tokens, **job.params,
-    }
-    command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
     placement = [
         {"node_id": d["node_id"], "node": selectors.node_name(d["node_id"]), "device": d["device"], "layers": [d["layer_start"], d["layer_end"]]}
         for d in plan.get("devices", [])
@@ -473,10 +476,26 @@ def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[
         )
         if moved:
             job.nodes.set(node_ids)
-    if not moved:
+    return moved
+
+
+def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[str, Any]:
+    """QUEUED → DISPATCHED: push run_job onto the primary's queue, then record the plan's nodes.
+
+    The push goes first: the primary starts on the prompt while the transition is written. If the
+    job stopped being QUEUED meanwhile (cancelled), the primary is told to cancel it.
+    """
+    job = Job.objects.only("id", "kind", "max_tokens", "params").get(pk=job_id)
+    payload = job_run_payload(job_id=job.id, deployment_id=deployment.id, kind=job.kind, max_tokens=job.max_tokens, params=job.params)
+    command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
+    if not _record_dispatch(job=job, deployment=deployment, now=now):
         get_redis().set(job_cancel_key(str(job.id)), 1, ex=3600)
         raise DeploymentError("job is no longer queued")
-    return {"nodes": node_ids, "primary": str(deployment.primary_id)}
+    return {"nodes": dispatch_node_ids(deployment), "primary": str(deployment.primary_id)}
+
+
+def dispatch_node_ids(deployment: Deployment) -> list[str]:
+    return list(dict.fromkeys(d["node_id"] for d in (deployment.plan or {}).get("devices", [])))
 
 
 def job_mark_running(*, job_id: Any, now: datetime) -> bool:
