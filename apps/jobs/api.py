@@ -169,6 +169,32 @@ class JobOut(serializers.ModelSerializer):
     def get_node_names(self, obj: Job) -> list[str]:
         return [n.name for n in obj.nodes.all()]
 
+    def to_representation(self, obj: Job) -> dict[str, Any]:
+        data = super().to_representation(obj)
+        live = (self.context.get("live") or {}).get(str(obj.id))
+        if live is not None:
+            # A running job's figures come from its token stream: the row is written at the end.
+            tokens, started = live
+            data["completion_tokens"] = tokens
+            elapsed = (timezone.now() - started).total_seconds() if started else 0
+            data["tokens_per_s"] = round(tokens / elapsed, 2) if elapsed > 0 and tokens else None
+        return data
+
+
+def live_job_figures(jobs: list[Job]) -> dict[str, tuple[int, Any]]:
+    """Tokens streamed so far by each running job (one Redis round trip for the whole page)."""
+    from agent.protocol import job_stream_key  # noqa: PLC0415
+    from racon.redis import get_redis  # noqa: PLC0415
+
+    active = [j for j in jobs if j.state in (JobState.DISPATCHED, JobState.RUNNING)]
+    if not active:
+        return {}
+    with get_redis().pipeline(transaction=False) as pipe:
+        for j in active:
+            pipe.xlen(job_stream_key(str(j.id)))
+        lengths = pipe.execute()
+    return {str(j.id): (int(n), j.first_token_at or j.dispatched_at) for j, n in zip(active, lengths, strict=True)}
+
 
 class JobListApi(APIView):
     """GET /api/admin/jobs?state=&model=&node=&since=&until="""
@@ -193,8 +219,8 @@ class JobListApi(APIView):
             limit = min(int(q.get("limit", 100)), 1000)
         except ValueError:
             return _error("limit must be an integer", 400, "invalid")
-        qs = selectors.job_list(state=state, model=q.get("model"), node_id=node, since=since, until=until).prefetch_related("nodes")[:limit]
-        return Response(JobOut(qs, many=True).data)
+        jobs = list(selectors.job_list(state=state, model=q.get("model"), node_id=node, since=since, until=until).prefetch_related("nodes")[:limit])
+        return Response(JobOut(jobs, many=True, context={"live": live_job_figures(jobs)}).data)
 
 
 class JobDetailApi(APIView):
@@ -222,7 +248,8 @@ class JobDetailApi(APIView):
 
     @extend_schema(responses=JobDetailOut)
     def get(self, request: Request, job_id: str) -> Response:
-        return Response(self.JobDetailOut(get_object_or_404(Job, pk=job_id)).data)
+        job = get_object_or_404(Job, pk=job_id)
+        return Response(self.JobDetailOut(job, context={"live": live_job_figures([job])}).data)
 
 
 class JobCancelApi(APIView):

@@ -197,3 +197,17 @@ def test_job_terminal_states_are_final(model: Model) -> None:
 
 
 _ = Path
+
+
+def test_a_running_job_shows_its_tokens_and_rate_from_the_stream(model: Model, client: Any) -> None:
+    node = NodeFactory()
+    dep = ready_deployment(model, node)
+    started = timezone.now() - timedelta(seconds=10)
+    job = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=started, dispatched_at=started, first_token_at=started)
+    for i in range(10):
+        get_redis().xadd(job_stream_key(str(job.id)), {"seq": str(i), "type": "chunk", "text": "x", "finish_reason": "", "usage": ""})
+    row = client.get("/api/admin/jobs?state=RUNNING", headers={"Authorization": "Bearer test-operator-key"}).json()[0]
+    assert row["completion_tokens"] == 10
+    assert 0 < row["tokens_per_s"] <= 1.0  # 10 tokens over at least 10 s
+    detail = client.get(f"/api/admin/jobs/{job.id}", headers={"Authorization": "Bearer test-operator-key"}).json()
+    assert detail["completion_tokens"] == 10
