@@ -112,6 +112,11 @@ class TopApp(App[None]):
         yield Static("connecting…", id="status")
         yield Footer()
 
+    @property
+    def _main(self) -> Any:
+        """The main screen: a poll may land while a confirmation dialog is the active screen."""
+        return self.screen_stack[0]
+
     def on_mount(self) -> None:
         self.sub_title = self.url
         self.http = httpx.AsyncClient(
@@ -125,10 +130,10 @@ class TopApp(App[None]):
             "events": [("time", "TIME"), ("kind", "EVENT"), ("node", "NODE"), ("message", "MESSAGE")],
         }
         for table_id, columns in cols.items():
-            table = self.query_one(f"#{table_id}", DataTable)
+            table = self._main.query_one(f"#{table_id}", DataTable)
             for key, label in columns:
                 table.add_column(label, key=key)
-        self.query_one("#nodes", DataTable).focus()
+        self._main.query_one("#nodes", DataTable).focus()
         self.set_interval(self.interval, self.poll)
         self.poll()
 
@@ -188,7 +193,7 @@ class TopApp(App[None]):
 
     def _sync(self, table_id: str, rows: dict[str, tuple[Any, ...]]) -> None:
         """Update rows in place (the cursor stays on the same item), add new ones, drop gone ones."""
-        table = self.query_one(f"#{table_id}", DataTable)
+        table = self._main.query_one(f"#{table_id}", DataTable)
         keys = [c.key for c in table.columns.values()]
         existing = {rk.value for rk in table.rows}
         for gone in existing - set(rows):
@@ -201,7 +206,7 @@ class TopApp(App[None]):
                 table.add_row(*values, key=key)
 
     def _selected(self, table_id: str) -> str | None:
-        table = self.query_one(f"#{table_id}", DataTable)
+        table = self._main.query_one(f"#{table_id}", DataTable)
         if not table.row_count:
             return None
         try:
@@ -211,7 +216,7 @@ class TopApp(App[None]):
 
     async def _show_selected_node(self) -> None:
         node_id = self._selected("nodes")
-        detail = self.query_one("#node-detail", Static)
+        detail = self._main.query_one("#node-detail", Static)
         if node_id is None:
             detail.update("No nodes yet. Create a token with `racon tokens create`.")
             return
@@ -244,7 +249,7 @@ class TopApp(App[None]):
         detail.update(text)
 
     def _status(self, message: str, *, error: bool = False) -> None:
-        status = self.query_one("#status", Static)
+        status = self._main.query_one("#status", Static)
         status.update(message)
         status.set_class(error, "error")
         self.last_error = message if error else ""
