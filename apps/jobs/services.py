@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -188,13 +189,12 @@ def deployment_place(*, deployment_id: Any, clock: Callable[[], datetime] = time
     dep = Deployment.objects.select_related("model", "model_file").get(pk=deployment_id)
     if dep.state != D.PLANNING:
         return dep  # a retried task: another run already took it
-    request = PlacementRequest(**{**dep.request, "pin_nodes": tuple(dep.request["pin_nodes"]) if dep.request.get("pin_nodes") else None, "exclude_nodes": tuple(dep.request.get("exclude_nodes") or ())})
+    request = PlacementRequest(**_request_of(dep))
     excluded: list[str] = list(request.exclude_nodes)
     with log_context(deployment_id=dep.id):
         for revision in range(max_revisions + 1):
-            req = PlacementRequest(**{**request.to_dict(), "exclude_nodes": tuple(excluded), "pin_nodes": request.pin_nodes})
-            if request.pin_nodes:
-                req = PlacementRequest(**{**req.to_dict(), "pin_nodes": tuple(p for p in request.pin_nodes if p not in excluded) or None, "exclude_nodes": tuple(excluded)})
+            pins = (tuple(p for p in request.pin_nodes if p not in excluded) or None) if request.pin_nodes else None
+            req = dataclasses.replace(request, exclude_nodes=tuple(excluded), pin_nodes=pins)
             try:
                 plan = deployment_preview(model_file=dep.model_file, request=req)
             except PlacementRefused as exc:

@@ -90,13 +90,13 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 
 def model_file_download(request: HttpRequest, sha256: str) -> HttpResponse:
     """Serve a registered file to an authenticated node, with HTTP Range for resumable transfers."""
-    header = request.headers.get("Authorization", "")
-    scheme, _, rest = header.partition(" ")
-    node_id, _, credential = rest.partition(":")
+    from apps.nodes.api import parse_node_auth  # noqa: PLC0415
+
+    creds = parse_node_auth(request.headers.get("Authorization", ""))
     try:
-        if scheme != "Node":
+        if creds is None:
             raise NodeAuthError("missing node credential")
-        node_authenticate(node_id=node_id, credential=credential)
+        node_authenticate(node_id=creds[0], credential=creds[1])
     except (NodeAuthError, ValueError) as exc:
         return JsonResponse({"error": {"message": str(exc)}}, status=401)
     mf = ModelFile.objects.filter(sha256=sha256).first()

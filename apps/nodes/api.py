@@ -108,13 +108,17 @@ class ReportSerializer(serializers.Serializer):
     payload = serializers.DictField()
 
 
-def _node_credentials(request: Any) -> tuple[str, str] | None:
-    header = request.headers.get("Authorization", "") if hasattr(request, "headers") else ""
+def parse_node_auth(header: str) -> tuple[str, str] | None:
+    """(node_id, credential) from 'Node <id>:<credential>', or None when malformed."""
     scheme, _, rest = header.partition(" ")
     if scheme != "Node" or ":" not in rest:
         return None
     node_id, _, credential = rest.strip().partition(":")
     return node_id, credential
+
+
+def _node_credentials(request: Any) -> tuple[str, str] | None:
+    return parse_node_auth(request.headers.get("Authorization", "") if hasattr(request, "headers") else "")
 
 
 def _agent_error(message: str, status_code: int, **extra: Any) -> JsonResponse:
@@ -164,10 +168,10 @@ async def heartbeat_handle(*, method: str, authorization: str, body: bytes) -> t
     """The heartbeat endpoint's logic, shared by the Django view and the ASGI fast path."""
     if method != "POST":
         return 405, {"error": {"message": "method not allowed"}}
-    scheme, _, rest = authorization.partition(" ")
-    if scheme != "Node" or ":" not in rest:
+    creds = parse_node_auth(authorization)
+    if creds is None:
         return 401, {"error": {"message": "missing or malformed 'Authorization: Node <id>:<credential>'"}}
-    node_id, _, credential = rest.strip().partition(":")
+    node_id, credential = creds
     if len(body) > settings.MAX_AGENT_BODY_BYTES:
         return 400, {"error": {"message": "heartbeat body too large"}}
     try:

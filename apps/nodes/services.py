@@ -164,7 +164,6 @@ def _refresh_cache(node_id: Any) -> None:
 
 
 def _after_transition(node_id: Any, src: str, to: str) -> None:
-    _refresh_cache(node_id)
     from apps.api.broadcast import broadcast  # noqa: PLC0415 - avoids an import cycle at load
 
     broadcast("nodes.dashboard", {"type": "node.changed", "node_id": str(node_id), "state": to})
@@ -291,7 +290,6 @@ def node_enroll(
 
             replicas_sync(node_id=node.id, files=models, now=now)
     node.refresh_from_db()
-    transaction.on_commit(lambda: _cache_node(node))
     _cache_node(node)
     return Enrollment(node=node, credential=credential, created=created)
 
