@@ -10,7 +10,7 @@ $(PY):
 	"$$(scripts/find-python.sh)" -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip wheel setuptools
 
-$(STAMP): pyproject.toml scripts/install-llama.sh | $(PY)
+$(STAMP): pyproject.toml scripts/install-llama.sh scripts/build-llama.sh | $(PY)
 	scripts/install-llama.sh $(VENV)
 	$(VENV)/bin/pip install -q -e '.[controller,agent,cli,test]'
 	@touch $(STAMP)

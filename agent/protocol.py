@@ -127,6 +127,7 @@ class RunJobPayload(TypedDict):
     seed: NotRequired[int | None]
     presence_penalty: float
     frequency_penalty: float
+    attempt: NotRequired[int]  # the job attempt (1 first; failover adds one); stamped on entries
 
 
 class FetchModelPayload(TypedDict):
@@ -204,6 +205,10 @@ class StreamEntry(TypedDict):
     text: str
     finish_reason: str
     usage: str
+    attempt: NotRequired[str]  # the job attempt this entry belongs to ("1" when absent)
+    ids: NotRequired[str]  # chunk: JSON list of the token ids it carries
+    n: NotRequired[str]  # chunk: number of tokens (len(ids)); the controller sums these
+    code: NotRequired[str]  # error: machine-readable ("context_length_exceeded", "runtime_error")
 
 
 class StreamUsage(TypedDict):

@@ -266,7 +266,7 @@ class Cluster:
                 cmd = (pid_dir / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"agent.runtime.primary_main" in cmd and needle in cmd:
+            if b"llama-server" in cmd and needle in cmd:
                 return True
         return False
 

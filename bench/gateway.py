@@ -80,7 +80,7 @@ def direct_worker(cfg: dict[str, Any]) -> int:
         flash_attn=bool(cfg.get("flash_attn", False)),
         verbose=False,
     )
-    # The primary's warm-up (agent/runtime/primary_main.py Child.warm_up).
+    # The primary's warm-up (agent/runtime/server.py ServerPrimary._warm_up).
     llm.create_chat_completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0.0)
     llm.reset()
     out = sys.stdout

@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# Install llama-cpp-python built with ggml-rpc into the venv, reusing a wheel built once per machine.
-# pip's own wheel cache can hand back a build made without RPC (FACTS.md), so we keep our own
-# wheelhouse and always verify llama_supports_rpc() after installing.
+# Install llama-cpp-python with ggml-rpc into the venv from the one cached llama.cpp build
+# (scripts/build-llama.sh): the Python package is installed without compiling (LLAMA_BUILD=OFF)
+# and the build's shared libraries are placed in its llama_cpp/lib, where it loads them from.
+# The same build provides bin/llama-server, the primary runtime (docs/design/serving.md).
+# pip's own wheel cache can hand back a build made without RPC (FACTS.md), so we always verify
+# llama_supports_rpc() after installing.
 set -euo pipefail
 VENV=${1:-.venv}
 VERSION=${LLAMA_CPP_VERSION:-0.3.36}
-WHEELHOUSE=${RACON_WHEELHOUSE:-$HOME/.cache/racon/wheels}
+here=$(cd "$(dirname "$0")" && pwd)
 check() { "$VENV/bin/python" -c 'import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_rpc() else 1)' >/dev/null 2>&1; }
-if check; then exit 0; fi
-mkdir -p "$WHEELHOUSE"
-wheel=$(ls "$WHEELHOUSE"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -n1 || true)
-if [ -z "$wheel" ]; then
-  echo "building llama-cpp-python $VERSION with GGML_RPC=ON (a few minutes on 2 cores)..."
-  CMAKE_ARGS="-DGGML_RPC=ON ${CMAKE_ARGS:-}" "$VENV/bin/pip" wheel --no-deps --no-cache-dir -w "$WHEELHOUSE" "llama-cpp-python==$VERSION"
-  wheel=$(ls "$WHEELHOUSE"/llama_cpp_python-"$VERSION"-*.whl | head -n1)
+prefix=$(PIP="$VENV/bin/pip" "$here/build-llama.sh" | tail -n1)
+pkg=$("$VENV/bin/python" -c 'import importlib.util as u, os; s = u.find_spec("llama_cpp"); print(os.path.dirname(s.origin) if s else "")' 2>/dev/null || true)
+same() { for f in "$prefix"/lib/*.so*; do cmp -s "$f" "$pkg/lib/$(basename "$f")" || return 1; done; }
+if [ -n "$pkg" ] && check && same; then
+  ln -sfn "$prefix" "$VENV/llama.cpp"
+  exit 0
 fi
-"$VENV/bin/pip" install -q --force-reinstall --no-deps "$wheel"
+src="${RACON_CACHE:-$HOME/.cache/racon}/src/llama_cpp_python-$VERSION"
+CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$VENV/bin/pip" install -q --no-deps --no-cache-dir --force-reinstall "$src"
 "$VENV/bin/pip" install -q "numpy>=1.20" "typing-extensions>=4.5" "diskcache>=5.6.1" "jinja2>=2.11.3"
+pkg=$("$VENV/bin/python" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("llama_cpp").origin))')
+mkdir -p "$pkg/lib"
+cp -f "$prefix"/lib/*.so* "$pkg/lib/"
+# The venv names the build it uses: the agent finds llama-server at .venv/llama.cpp/bin.
+ln -sfn "$prefix" "$VENV/llama.cpp"
 if ! check; then
-  echo "error: the installed llama-cpp-python has no RPC support; remove $wheel and run again" >&2
+  echo "error: the installed llama-cpp-python has no RPC support; remove $prefix and run again" >&2
   exit 1
 fi
-echo "llama-cpp-python $VERSION with RPC support is installed"
+echo "llama-cpp-python $VERSION with RPC support is installed; llama-server is $prefix/bin/llama-server"

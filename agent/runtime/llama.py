@@ -1,4 +1,4 @@
-"""The real runtime: ggml-rpc worker and llama.cpp primary through llama-cpp-python."""
+"""The real runtime: the ggml-rpc worker (llama-cpp-python's libraries) and llama-server primaries."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import redis
 
 from agent.protocol import LoadPrimaryPayload
-from agent.runtime import EventSink, JobFinishedSink
-from agent.runtime.primary import PrimaryProcess
+from agent.runtime import EventSink, JobFinishedSink, RuntimeErrorReport
 from agent.runtime.rpc_worker import RpcWorker
+from agent.runtime.server import ServerPrimary, find_llama_server
 
 
 def llama_rpc_support() -> tuple[bool, str]:
@@ -42,7 +42,16 @@ class LlamaRuntime:
         self.ready_timeout = ready_timeout
 
     def check(self) -> tuple[bool, str]:
-        return llama_rpc_support()
+        ok, detail = llama_rpc_support()
+        if not ok:
+            return ok, detail
+        try:
+            server = find_llama_server()
+        except RuntimeErrorReport as exc:
+            return False, str(exc)
+        if not server.is_file():
+            return False, f"llama-server not found at {server}"
+        return True, f"{detail}; llama-server {server}"
 
     def rpc_worker(
         self,
@@ -75,8 +84,8 @@ class LlamaRuntime:
         on_event: EventSink,
         on_job_finished: JobFinishedSink,
         on_exit: Callable[[str], None],
-    ) -> PrimaryProcess:
-        return PrimaryProcess(
+    ) -> ServerPrimary:
+        return ServerPrimary(
             plan=plan,
             model_path=model_path,
             redis_client=redis_client,

@@ -1,41 +1,27 @@
-"""The llama.cpp primary, agent side: plan checks, and one supervised child process per plan.
+"""The llama.cpp primary, agent side: plan checks, and reading where a load put every layer.
 
-Why a child: the ggml backend registry is process-wide and cannot be undone (a new plan needs a
-new process), and when an RPC peer dies llama.cpp aborts the whole process (exit 134). The agent
-must survive that, end the running job's stream with an error, and report.
-
-Agent → child: JSON lines on the child's stdin ({"op": "run_job" | "cancel" | "shutdown"}).
-Child → agent: JSON lines on a dedicated pipe (stdout/stderr go to the log file, and C code
-writes there too, so they cannot carry messages).
+The primary itself is a supervised llama-server process (agent/runtime/server.py): the ggml
+backend registry is process-wide and cannot be undone (a new plan needs a new process), and when
+an RPC peer dies llama.cpp aborts the whole process (exit 134). The agent must survive that.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
+import re
 import signal
-import subprocess
-import threading
-from collections.abc import Callable
-from pathlib import Path
-from typing import IO, Any
-
-import redis
+from typing import Any
 
 from agent.protocol import (
-    JobFinishedPayload,
     LoadPrimaryPayload,
     PublicAddressError,
     is_private_address,
     split_endpoint,
 )
-from agent.runtime import EventSink, JobFinishedSink, LoadFailed
-from agent.runtime.child import log_tail, spawn, stop_process
-from agent.runtime.stream import append_error, last_seq
 
-log = logging.getLogger("agent.runtime.primary")
-
+LAYER_RE = re.compile(r"layer\s+(\d+) assigned to device (\S+?),")
+BUFFER_RE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s*([\d.]+) MiB")
+N_LAYER_RE = re.compile(r"n_layer\s*=\s*(\d+)")
 RPC_CRASH_MARKERS = ("Remote RPC server crashed", "Failed to connect to", "RPC handshake failed")
 MAX_DEVICES = 16  # llama.cpp's LLAMA_MAX_DEVICES
 
@@ -104,236 +90,52 @@ def check_memory(plan: LoadPrimaryPayload, memory_total: int) -> None:
         )
 
 
-class PrimaryProcess:
-    """One loaded plan. Thread-safe; callbacks run on its reader thread."""
+def buffer_device(buffer: str, devices: list[dict[str, Any]]) -> str:
+    """The device a buffer belongs to.
 
-    def __init__(
-        self,
-        *,
-        plan: LoadPrimaryPayload,
-        model_path: Path,
-        redis_client: redis.Redis,
-        redis_url: str,
-        log_path: Path,
-        on_event: EventSink,
-        on_job_finished: JobFinishedSink,
-        on_exit: Callable[[str], None],
-        load_timeout: float = 600.0,
-    ) -> None:
-        self.plan = plan
-        self.deployment_id = plan["deployment_id"]
-        self.model_path = model_path
-        self.r = redis_client
-        self.redis_url = redis_url
-        self.log_path = log_path
-        self.on_event = on_event
-        self.on_job_finished = on_job_finished
-        self.on_exit = on_exit
-        self.load_timeout = load_timeout
-        self.loaded: dict[str, Any] | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._msg: IO[str] | None = None
-        self._lock = threading.Lock()  # guards _jobs, _running, stdin writes
-        self._jobs: dict[str, dict[str, Any]] = {}  # submitted, not finished, in order
-        self._running: str | None = None
-        self._loaded_evt = threading.Event()
-        self._load_result: dict[str, Any] = {}
-        self._stopping = threading.Event()
-        self._reader: threading.Thread | None = None
-
-    # --- lifecycle ----------------------------------------------------------------------------
-
-    @property
-    def alive(self) -> bool:
-        p = self._proc
-        return p is not None and p.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
-
-    def load(self) -> dict[str, Any]:
-        """Start the child and wait for the model to be loaded. Raises LoadFailed."""
-        proc, msg = spawn(
-            "agent.runtime.primary_main",
-            [
-                "--plan",
-                json.dumps(self.plan),
-                "--model-path",
-                str(self.model_path),
-                "--redis-url",
-                self.redis_url,
-            ],
-            log_path=self.log_path,
-            with_stdin=True,
-        )
-        self._proc, self._msg = proc, msg
-        self._reader = threading.Thread(
-            target=self._read, name=f"primary-{self.deployment_id[:8]}", daemon=True
-        )
-        self._reader.start()
-        if not self._loaded_evt.wait(self.load_timeout):
-            self._stopping.set()  # a failed load is reported by load(), not as a runtime crash
-            stop_process(proc, 2)
-            raise LoadFailed(
-                f"deployment {self.deployment_id}: model load timed out after "
-                f"{self.load_timeout:.0f}s (is an RPC worker busy serving another primary?)",
-                data={"deployment_id": self.deployment_id},
-            )
-        result = self._load_result
-        if result.get("op") != "loaded":
-            self._stopping.set()  # a failed load is reported by load(), not as a runtime crash
-            stop_process(proc, 2)
-            error = result.get("error") or self._death_reason(proc.returncode)
-            raise LoadFailed(
-                f"deployment {self.deployment_id}: model load failed: {error}",
-                data={"deployment_id": self.deployment_id, "exit_code": proc.returncode},
-            )
-        self.loaded = result
-        return result
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stopping.set()
-        proc = self._proc
-        if proc is None:
-            return
-        self._send({"op": "shutdown"})
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            stop_process(proc, 2)
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(timeout)
-
-    # --- jobs ---------------------------------------------------------------------------------
-
-    def submit(self, job: dict[str, Any]) -> None:
-        with self._lock:
-            self._jobs[job["job_id"]] = job
-        if not self._send({"op": "run_job", "job": job}):
-            raise LoadFailed(f"deployment {self.deployment_id}: primary process is not running")
-
-    def cancel(self, job_id: str) -> bool:
-        with self._lock:
-            known = job_id in self._jobs
-        if known:
-            self._send({"op": "cancel", "job_id": job_id})
-        return known
-
-    def jobs(self) -> list[str]:
-        with self._lock:
-            return list(self._jobs)
-
-    def running_job(self) -> str | None:
-        return self._running
-
-    # --- internals ----------------------------------------------------------------------------
-
-    def _send(self, obj: dict[str, Any]) -> bool:
-        proc = self._proc
-        if proc is None or proc.stdin is None or proc.poll() is not None:
-            return False
-        data = (json.dumps(obj) + "\n").encode()
-        with self._lock:
-            try:
-                proc.stdin.write(data)
-                proc.stdin.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                return False
-        return True
-
-    def _read(self) -> None:
-        assert self._msg is not None
-        for line in self._msg:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            op = msg.get("op")
-            if op in ("loaded", "load_failed"):
-                self._load_result = msg
-                self._loaded_evt.set()
-            elif op == "job_started":
-                self._running = msg.get("job_id")
-            elif op == "job_finished":
-                payload: JobFinishedPayload = msg["payload"]
-                with self._lock:
-                    self._jobs.pop(payload["job_id"], None)
-                    if self._running == payload["job_id"]:
-                        self._running = None
-                self._safe(self.on_job_finished, payload)
-        # EOF: the child is gone.
-        proc = self._proc
-        code = proc.wait() if proc is not None else None
-        self._msg.close()
-        if not self._loaded_evt.is_set():
-            self._loaded_evt.set()  # load() reads the death from the exit code
-            return
-        if self._stopping.is_set():  # we stopped it (unload, drain, failed load): not a crash
-            self._fail_jobs("primary runtime stopped (deployment unloaded)", cancelled=True)
-            return
-        reason = self._death_reason(code)
-        log.error("deployment %s: %s", self.deployment_id, reason)
-        self._fail_jobs(reason, cancelled=False)
-        self._safe(
-            self.on_event,
-            "RUNTIME_FAILED",
-            f"deployment {self.deployment_id}: {reason}",
-            {
-                "deployment_id": self.deployment_id,
-                "exit_code": code,
-                "log_tail": log_tail(self.log_path, 8),
-            },
-        )
-        self._safe(self.on_exit, self.deployment_id)
-
-    def _death_reason(self, code: int | None) -> str:
-        tail = log_tail(self.log_path, 30)
-        how = _describe_exit(code)
-        crash = next((ln for ln in reversed(tail) if any(m in ln for m in RPC_CRASH_MARKERS)), None)
-        if crash is not None:
-            # ggml prefixes its source path ("/tmp/.../ggml-rpc.cpp:35: ..."); keep the words.
-            said = next(crash[crash.index(m) :] for m in RPC_CRASH_MARKERS if m in crash).strip()
-            return f"RPC worker disconnected: the primary process {how}; ggml-rpc: {said}"
-        last = tail[-1].strip() if tail else "no output"
-        if code in (134, -6):
-            return f"the primary process {how}: {last}"
-        return f"the primary process exited unexpectedly ({how}): {last}"
-
-    def _fail_jobs(self, reason: str, *, cancelled: bool) -> None:
-        with self._lock:
-            jobs = list(self._jobs)
-            self._jobs.clear()
-            self._running = None
-        for job_id in jobs:
-            streamed = 0
-            try:
-                # Chunks already streamed are the tokens this job got before the failure.
-                streamed = last_seq(self.r, job_id) + 1
-                append_error(self.r, job_id, reason)
-            except redis.RedisError as exc:
-                log.error("job %s: cannot write the error to its stream: %s", job_id, exc)
-            self._safe(
-                self.on_job_finished,
-                JobFinishedPayload(
-                    job_id=job_id,
-                    status="cancelled" if cancelled else "failed",
-                    finish_reason=None,
-                    prompt_tokens=0,
-                    completion_tokens=streamed,
-                    error=reason,
-                ),
-            )
-
-    @staticmethod
-    def _safe(fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            log.exception("callback %r failed", fn)
+    RPC buffer names carry the server-local device index and the endpoint ("RPC0[10.0.0.5:50052]"
+    for the first device of *every* server), while device names are numbered across servers
+    (RPC0, RPC1, ...); match by endpoint, then by position within that server.
+    """
+    name, _, rest = buffer.partition("[")
+    if not rest or not name.startswith("RPC"):
+        return "CPU" if name.startswith("CPU") else name
+    endpoint = rest.rstrip("]")
+    local = int(name[3:]) if name[3:].isdigit() else 0
+    same_server = [d["name"] for d in devices if d.get("description") == endpoint]
+    return same_server[local] if local < len(same_server) else name
 
 
-def _describe_exit(code: int | None) -> str:
+def summarize_assignment(
+    layers: dict[int, str], devices: list[dict[str, Any]], buffers: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per device: which layers it holds, and its model/KV/compute buffers (MiB)."""
+    by_dev: dict[str, list[int]] = {}
+    for layer, dev in sorted(layers.items()):
+        by_dev.setdefault(dev, []).append(layer)
+    desc = {d["name"]: d for d in devices}
+    out: list[dict[str, Any]] = []
+    for dev, ls in by_dev.items():
+        info = desc.get(dev, {})
+        entry: dict[str, Any] = {
+            "device": dev,
+            "description": info.get("description", ""),
+            # RPC device descriptions are the worker endpoint ("host:port").
+            "endpoint": info.get("description") if dev.startswith("RPC") else None,
+            "layers": ls,
+            "first_layer": ls[0],
+            "last_layer": ls[-1],
+            "n_layers": len(ls),
+        }
+        for b in buffers:
+            if buffer_device(b["buffer"], devices) == dev:
+                key = f"{b['kind'].lower()}_buffer_mib"
+                entry[key] = round(entry.get(key, 0.0) + b["mib"], 2)
+        out.append(entry)
+    return out
+
+
+def describe_exit(code: int | None) -> str:
     if code is None:
         return "vanished"
     if code < 0:

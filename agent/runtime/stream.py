@@ -23,15 +23,31 @@ _STOP = object()
 
 
 def entry(
-    seq: int, type_: str, text: str = "", finish_reason: str = "", usage: Any = None
+    seq: int,
+    type_: str,
+    text: str = "",
+    finish_reason: str = "",
+    usage: Any = None,
+    *,
+    ids: list[int] | None = None,
+    attempt: int = 1,
+    code: str = "",
 ) -> dict[str, str]:
-    return {
+    """One stream entry (protocol.StreamEntry; docs/design/serving.md, the stream protocol)."""
+    out = {
         "seq": str(seq),
+        "attempt": str(attempt),
         "type": type_,
         "text": text,
         "finish_reason": finish_reason,
         "usage": json.dumps(usage) if usage is not None else "",
     }
+    if type_ == "chunk":
+        out["ids"] = json.dumps(ids or [])
+        out["n"] = str(len(ids) if ids is not None else 1)
+    if code:
+        out["code"] = code
+    return out
 
 
 class StreamWriter:
@@ -44,7 +60,9 @@ class StreamWriter:
         cancel: threading.Event,
         *,
         ttl: int = STREAM_TTL_SECONDS,
+        attempt: int = 1,
     ) -> None:
+        self.attempt = attempt
         self.r = client
         self.job_id = job_id
         self.key = job_stream_key(job_id)
@@ -60,16 +78,20 @@ class StreamWriter:
 
     # --- generator side -----------------------------------------------------------------------
 
-    def chunk(self, text: str) -> None:
-        if text:
-            self._q.put(entry(self._next(), "chunk", text))
+    def chunk(self, text: str, ids: list[int] | None = None) -> None:
+        """Text and the token ids it came from; a chunk with ids but no text yet (an incomplete
+        UTF-8 sequence) is still written, so every token is counted and kept for failover."""
+        if text or ids:
+            self._q.put(entry(self._next(), "chunk", text, ids=ids, attempt=self.attempt))
 
     def done(self, finish_reason: str, usage: StreamUsage) -> None:
-        self._q.put(entry(self._next(), "done", "", finish_reason, usage))
+        self._q.put(entry(self._next(), "done", "", finish_reason, usage, attempt=self.attempt))
         self.close()
 
-    def fail(self, message: str, usage: StreamUsage | None = None) -> None:
-        self._q.put(entry(self._next(), "error", message, "error", usage))
+    def fail(self, message: str, usage: StreamUsage | None = None, *, code: str = "") -> None:
+        self._q.put(
+            entry(self._next(), "error", message, "error", usage, attempt=self.attempt, code=code)
+        )
         self.close()
 
     def close(self, timeout: float = 5.0) -> None:

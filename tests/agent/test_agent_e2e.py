@@ -72,9 +72,10 @@ def test_three_agents_split_a_model_and_survive_a_worker_dying_mid_generation(h:
     assert done["status"] == "completed" and done["completion_tokens"] > 0
     assert done["ttft_ms"] > 0
 
-    # A long generation, then worker B dies under it.
+    # A long generation (inside the 1,024-token slot: a longer request is refused), then
+    # worker B dies under it.
     long = h.job(
-        plan["deployment_id"], kind="completion", prompt="1, 2, 3, 4, 5, 6, 7,", max_tokens=2000
+        plan["deployment_id"], kind="completion", prompt="1, 2, 3, 4, 5, 6, 7,", max_tokens=900
     )
     del long["messages"]
     h.send(c, "run_job", long)

@@ -11,7 +11,7 @@ def test_importing_the_agent_loads_no_django() -> None:
         "import sys\n"
         "import agent, agent.cli, agent.agent, agent.queue, agent.client, agent.hardware\n"
         "import agent.runtime.primary, agent.runtime.rpc_worker, agent.runtime.fake\n"
-        "import agent.runtime.primary_main, agent.runtime.rpc_worker_main, agent.runtime.llama\n"
+        "import agent.runtime.server, agent.runtime.rpc_worker_main, agent.runtime.llama\n"
         "bad = sorted(m for m in sys.modules if m == 'django' or m.startswith('django.'))\n"
         "print('DJANGO' if bad else 'CLEAN', bad)\n"
     )
