@@ -229,9 +229,13 @@ class Cluster:
         resp.raise_for_status()
         return list(resp.json())
 
-    def deploy(self, nodes: list[str], *, spread: bool = True, n_ctx: int = 512, timeout: float = 300) -> dict[str, Any]:
+    def deploy(
+        self, nodes: list[str], *, spread: bool = True, n_ctx: int = 512, timeout: float = 300, n_parallel: int | None = None, **extra: Any
+    ) -> dict[str, Any]:
         """A deployment of SmolLM2 pinned to `nodes`; returns its detail once READY."""
-        body = {"model": MODEL_NAME, "nodes": nodes, "spread": spread, "n_ctx": n_ctx}
+        body: dict[str, Any] = {"model": MODEL_NAME, "nodes": nodes, "spread": spread, "n_ctx": n_ctx, **extra}
+        if n_parallel is not None:
+            body["n_parallel"] = n_parallel
         resp = self.ctl.post("/api/admin/deployments", body)
         if resp.status_code != 202:
             raise RuntimeError(f"deployment refused ({resp.status_code}): {resp.text[:500]}")

@@ -1,0 +1,260 @@
+"""Concurrency benchmark: RACoN against llama.cpp's own llama-server, side by side in one run.
+
+Run: ``python bench/concurrency.py [--threads 2] [--slots 16] [--max-tokens 64] [--quick]``.
+
+Both sides serve the same GGUF (SmolLM2) with the same llama-server build (the one the agent
+runs), the same slot count (-np), per-slot context, threads and batch size. RACoN runs as in
+production: OpenAI request -> daphne -> admission -> Redis -> node agent -> llama-server ->
+Redis stream -> SSE. The anchor is a bare llama-server started here, called on its own
+/v1/chat/completions. Clients are threads streaming chat completions through httpx with
+`stream_options.include_usage`, so both sides count completion tokens the same way.
+
+For each concurrency level (1, 4, 8, 16 streams) the two sides take turns A/B/B/A, each turn
+running `2 x streams` requests with `streams` at a time; aggregate tokens/s is completion tokens
+over the turn's wall time. Printed: the single-stream decode ratio, aggregate ratios, TTFT p50
+and p99 of both sides, and (with two agents) how routing by free slots spread 32 requests over
+two replicas. Everything runs on loopback, is bounded in count and time, and is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import MODEL_NAME, load_average, local_cluster  # noqa: E402
+from tests.e2e.harness import free_port, wait_for  # noqa: E402
+
+GOAL_SINGLE = 0.9
+GOAL_AGGREGATE = 0.9
+GOAL_TTFT_EXTRA_MS = 50.0
+GOAL_SPREAD = 0.30
+TOPICS = [
+    "a lighthouse keeper", "a robot painter", "a city on a turtle", "two rival bakers",
+    "a self-drawing map", "a weather violinist", "the last library on the moon", "a cat postmaster",
+]  # fmt: skip
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."}]
+
+
+@dataclass
+class Result:
+    ttft_ms: float
+    tokens: int
+    seconds: float
+    deployment: str = ""
+
+
+@dataclass
+class Turn:
+    results: list[Result] = field(default_factory=list)
+    wall: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def aggregate(self) -> float:
+        return sum(r.tokens for r in self.results) / self.wall if self.wall else 0.0
+
+
+def stream_once(client: httpx.Client, url: str, key: str, i: int, max_tokens: int, model: str) -> Result:
+    body = {
+        "model": model, "messages": messages(i), "max_tokens": max_tokens, "temperature": 0.0,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    tokens = 0
+    with client.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
+        dep = resp.headers.get("X-Racon-Deployment-Id", "")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(f"stream error: {obj['error']}")
+            choices = obj.get("choices") or []
+            if ttft is None and choices and (choices[0].get("delta") or {}).get("content"):
+                ttft = (time.perf_counter() - t0) * 1000
+            if obj.get("usage"):
+                tokens = int(obj["usage"]["completion_tokens"])
+    return Result(ttft_ms=ttft or 0.0, tokens=tokens, seconds=time.perf_counter() - t0, deployment=dep)
+
+
+def run_turn(url: str, key: str, *, streams: int, requests: int, max_tokens: int, model: str, offset: int) -> Turn:
+    """`requests` streamed chats, `streams` at a time; bounded by count and by a 300 s deadline."""
+    turn = Turn()
+    lock = threading.Lock()
+    next_i = [0]
+    deadline = time.monotonic() + 300
+
+    def worker() -> None:
+        while time.monotonic() < deadline:
+            with lock:
+                i = next_i[0]
+                if i >= requests:
+                    return
+                next_i[0] += 1
+            try:
+                # A connection per request on both sides: llama-server closes idle keep-alive
+                # connections, and a reused dead one would count as an error.
+                with httpx.Client(timeout=120) as client:
+                    r = stream_once(client, url, key, offset + i, max_tokens, model)
+            except Exception as exc:  # noqa: BLE001 - counted and printed, never hidden
+                with lock:
+                    turn.errors.append(str(exc)[:200])
+                continue
+            with lock:
+                turn.results.append(r)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(330)
+    turn.wall = time.perf_counter() - t0
+    return turn
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def start_anchor(server: Path, model: Path, *, slots: int, n_ctx: int, threads: int, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A bare llama-server with RACoN's engine settings: same slots, per-slot context, threads."""
+    port = free_port()
+    argv = [
+        str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "-np", str(slots), "-c", str(n_ctx * slots), "--no-kv-unified", "-t", str(threads), "-tb", str(threads),
+        "-ngl", "0", "-b", "512", "--jinja", "--no-webui", "--cont-batching", "-fa", "off",
+        "--fit", "off", "--cache-ram", "0",
+    ]  # fmt: skip
+    logf = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            return httpx.get(base + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, 120, "llama-server (anchor) to load", interval=0.2)
+    return proc, base
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--n-ctx", type=int, default=512, help="context per slot")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--levels", default="1,4,8,16")
+    p.add_argument("--quick", action="store_true", help="one A/B pair per level, no replica part")
+    p.add_argument("--no-replicas", action="store_true")
+    args = p.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    from agent.runtime.server import find_llama_server
+
+    server = find_llama_server()
+    n_agents = 1 if (args.quick or args.no_replicas) else 2
+    print(f"== concurrency: RACoN vs llama-server ({server.parent.parent.name}), SmolLM2, {args.slots} slots x {args.n_ctx} ctx, "
+          f"{args.threads} threads, {args.max_tokens}-token streamed chats; {load_average()} ==", flush=True)  # fmt: skip
+    with local_cluster(n_agents, benchmark=False, cores=args.threads, log=lambda s: print(s, flush=True)) as cl:
+        dep = cl.deploy([cl.node_names[0]], n_ctx=args.n_ctx, n_parallel=args.slots)
+        racon_url = cl.ctl.url + "/v1/chat/completions"
+        anchor, base = start_anchor(server, cl.model_path, slots=args.slots, n_ctx=args.n_ctx, threads=args.threads, log_path=cl.workdir / "anchor.log")
+        anchor_url = base + "/v1/chat/completions"
+        try:
+            # Warm both (first requests page weights in and compile the template).
+            run_turn(racon_url, cl.ctl.api_key, streams=2, requests=4, max_tokens=8, model=MODEL_NAME, offset=0)
+            run_turn(anchor_url, "none", streams=2, requests=4, max_tokens=8, model=MODEL_NAME, offset=0)
+            rows: dict[int, dict[str, list[Turn]]] = {}
+            for streams in levels:
+                n_req = 2 * streams if streams > 1 else 6
+                sides: dict[str, list[Turn]] = {"racon": [], "llama-server": []}
+                order = ["racon", "llama-server", "llama-server", "racon"]
+                if args.quick:
+                    order = order[:2]
+                for k, side in enumerate(order):
+                    url, key = (racon_url, cl.ctl.api_key) if side == "racon" else (anchor_url, "none")
+                    sides[side].append(run_turn(url, key, streams=streams, requests=n_req, max_tokens=args.max_tokens, model=MODEL_NAME, offset=100 * k))
+                rows[streams] = sides
+                report_level(streams, sides)
+            if n_agents == 2:
+                spread(cl, dep, args)
+        finally:
+            anchor.terminate()
+            try:
+                anchor.wait(10)
+            except subprocess.TimeoutExpired:
+                anchor.kill()
+    return 0
+
+
+def report_level(streams: int, sides: dict[str, list[Turn]]) -> None:
+    def agg(side: str) -> float:
+        return statistics.median(t.aggregate for t in sides[side])
+
+    def ttfts(side: str) -> list[float]:
+        return [r.ttft_ms for t in sides[side] for r in t.results]
+
+    errors = sum(len(t.errors) for s in sides.values() for t in s)
+    ratio = agg("racon") / agg("llama-server") if agg("llama-server") else float("nan")
+    rt, lt = ttfts("racon"), ttfts("llama-server")
+    goal = GOAL_SINGLE if streams == 1 else GOAL_AGGREGATE
+    verdict = "PASS" if ratio >= goal else "FAIL"
+    label = "single stream decode" if streams == 1 else f"{streams:>2} streams aggregate"
+    print(f"[{label}] RACoN {agg('racon'):6.1f} tok/s, llama-server {agg('llama-server'):6.1f} tok/s: {ratio:.2f}x  [goal >= {goal}]  {verdict}")
+    extra = pct(rt, 0.5) - pct(lt, 0.5)
+    line = (f"    TTFT p50 RACoN {pct(rt, 0.5):7.1f} ms vs {pct(lt, 0.5):7.1f} ms (+{extra:.1f} ms); "
+            f"p99 {pct(rt, 0.99):7.1f} ms vs {pct(lt, 0.99):7.1f} ms")  # fmt: skip
+    if streams == 8:
+        line += f"  [goal p50 <= llama-server + {GOAL_TTFT_EXTRA_MS:.0f} ms]  {'PASS' if extra <= GOAL_TTFT_EXTRA_MS else 'FAIL'}"
+    if streams == 1:
+        line += "  (added TTFT at one stream; issue goal <= 10 ms)"
+    print(line + (f"  errors: {errors}" if errors else ""), flush=True)
+    for side in sides:
+        for t in sides[side]:
+            for e in t.errors[:2]:
+                print(f"    {side} error: {e}")
+
+
+def spread(cl: Any, dep: dict[str, Any], args: argparse.Namespace) -> None:
+    """A second replica on the other agent; 32 requests, 8 at a time: who served what."""
+    second = cl.deploy([cl.node_names[1]], n_ctx=args.n_ctx, n_parallel=args.slots // 2 or 1, allow_same_node=False)
+    url = cl.ctl.url + "/v1/chat/completions"
+    turn = run_turn(url, cl.ctl.api_key, streams=8, requests=32, max_tokens=args.max_tokens // 2 or 8, model=MODEL_NAME, offset=500)
+    counts = Counter(r.deployment for r in turn.results)
+    shares = {d: counts.get(d, 0) / max(1, len(turn.results)) for d in (dep["id"], second["id"])}
+    worst = min(shares.values())
+    print(f"[two replicas] 32 requests, 8 at a time: {' / '.join(f'{v:.0%}' for v in shares.values())} "
+          f"[goal each >= {GOAL_SPREAD:.0%}]  {'PASS' if worst >= GOAL_SPREAD else 'FAIL'}"
+          + (f"  errors: {len(turn.errors)}" if turn.errors else ""), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
