@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from agent.runtime import LoadFailed
-from agent.runtime.server import ServerPrimary
 from agent.runtime.rpc_worker import RpcWorker
+from agent.runtime.server import ServerPrimary
 from tests.agent.conftest import MODEL, REDIS_URL, REPO, free_port, new_job_id, read_stream
 
 pytestmark = pytest.mark.e2e
