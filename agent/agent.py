@@ -691,7 +691,18 @@ class Agent:
     # --- commands -----------------------------------------------------------------------------
 
     def _cmd_rpc_start(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Start (or confirm) the worker and let the plan's primary through its tunnel."""
+        dep_id, key, primary = (payload.get(k) for k in ("deployment_id", "tunnel_key", "primary_address"))
+        if key is not None and not (isinstance(dep_id, str) and dep_id and isinstance(key, str)):
+            raise CommandError("malformed rpc_start: 'tunnel_key' needs 'deployment_id'")
+        if primary is not None and not (isinstance(primary, str) and is_private_address(primary)):
+            raise CommandError(f"malformed rpc_start: 'primary_address' {primary!r} is not a private address")
         status = self._start_rpc_worker()
+        if key is not None and self.rpc_worker is not None:
+            try:
+                self.rpc_worker.authorize(dep_id, key, primary)
+            except ValueError as exc:
+                raise CommandError(f"malformed rpc_start: {exc}") from None
         if self._state in (AgentState.DEGRADED,):
             self._set_state(AgentState.READY, "RPC worker started")
         return {"rpc_worker": status}

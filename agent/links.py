@@ -1,9 +1,9 @@
-"""Link probes to peer RPC workers: TCP connect RTT and a throughput estimate.
+"""Link probes to peer RPC workers: application-level RTT and a timed, bounded bulk transfer.
 
-ggml-rpc serves one client at a time and has no echo command, so we cannot push bulk data through
-a peer's port without risking the peer (it parses whatever arrives as RPC commands). RTT is
-measured for real (TCP handshake, median of several); throughput is estimated from the speed of
-the local interface that routes to the peer, reported with how it was obtained.
+The peer's RPC port is its tunnel (agent/tunnel.py), whose probe mode echoes pings and
+acknowledges a bulk transfer without ever touching ggml-rpc, on the very path the RPC traffic
+takes. A peer without probe mode (an older agent) falls back to the TCP connect time and the
+speed of the local interface that routes to it, reported with how it was obtained.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from agent.protocol import is_private_address
+from agent.tunnel import probe as tunnel_probe
 
 LOOPBACK_MBPS = 100_000.0  # memory-to-memory; faster than any NIC, slower than a device bus
 ASSUMED_MBPS = 1_000.0  # gigabit Ethernet: the common home/office link when the NIC won't say
@@ -78,7 +79,16 @@ def probe_peer(peer: dict[str, Any], *, samples: int = 5) -> dict[str, Any]:
         out["public"] = True
         return out
     try:
+        measured = tunnel_probe(host, port, pings=samples)
+        out.update(measured)
+        out["rtt_method"] = "tunnel-echo"
+        out["bandwidth_method"] = "measured"
+        return out
+    except (OSError, ConnectionError):
+        pass
+    try:
         out["rtt_ms"] = tcp_rtt_ms(host, port, samples=samples)
+        out["rtt_method"] = "tcp-connect"
     except OSError as exc:
         out["error"] = f"unreachable: {exc}"
         return out

@@ -112,6 +112,7 @@ class LoadPrimaryPayload(TypedDict):
     memory_bytes: NotRequired[int]  # predicted memory on the primary; refused when it exceeds RAM
     n_batch: NotRequired[int]  # llama.cpp n_batch the plan's memory estimate assumed
     flash_attn: NotRequired[bool]
+    rpc_tunnel_key: NotRequired[str]  # hex; the deployment's key for its workers' RPC tunnels
 
 
 class RunJobPayload(TypedDict):

@@ -47,6 +47,8 @@ class RpcWorkerHandle(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
+    def authorize(self, deployment_id: str, key_hex: str, peer_host: str | None) -> None: ...
+
 
 class PrimaryHandle(Protocol):
     deployment_id: str

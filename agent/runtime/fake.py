@@ -7,7 +7,6 @@ public-address and port checks) so Agent tests exercise the Agent, not a mock of
 from __future__ import annotations
 
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -26,22 +25,29 @@ from agent.protocol import (
 from agent.runtime import EventSink, JobFinishedSink, LoadFailed, PortInUse, RuntimeErrorReport
 from agent.runtime.rpc_worker import check_port_free, format_endpoint
 from agent.runtime.stream import StreamWriter, append_error
+from agent.tunnel import TunnelServer
 
 FAKE_TOKENS = ("Hello", " from", " the", " fake", " runtime", ".")
 
 
 class FakeRpcWorker:
-    """Holds a real listening socket on the port, so port checks and link probes see it."""
+    """Holds a real RPC tunnel on the port (no ggml-rpc behind it), so port checks, link probes
+    and tunnel authorization behave as with the real worker."""
 
     def __init__(self, *, host: str, port: int, on_event: EventSink) -> None:
         self.host, self.port = host, port
         self.endpoint = format_endpoint(host, port)
         self.on_event = on_event
-        self._sock: socket.socket | None = None
+        self._sock: TunnelServer | None = None
 
     @property
     def running(self) -> bool:
         return self._sock is not None
+
+    def authorize(self, deployment_id: str, key_hex: str, peer_host: str | None) -> None:
+        if self._sock is None:
+            raise ValueError("the RPC worker is not running behind its tunnel")
+        self._sock.authorize(deployment_id, key_hex, peer_host)
 
     def status(self) -> dict[str, Any]:
         return {"running": self.running, "endpoint": self.endpoint, "devices": [], "restarts": 0}
@@ -60,10 +66,8 @@ class FakeRpcWorker:
         except PortInUse as exc:
             self.on_event("RPC_WORKER_FAILED", str(exc), {"endpoint": self.endpoint, **exc.data})
             raise
-        s = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((self.host, self.port))
-        s.listen(16)
+        s = TunnelServer(host=self.host, port=self.port, target_port=0)
+        s.start()
         self._sock = s
         devices = [{"name": "CPU", "type": "cpu", "memory_total": 8 << 30, "memory_free": 6 << 30}]
         self.on_event(
@@ -80,7 +84,7 @@ class FakeRpcWorker:
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._sock is not None:
-            self._sock.close()
+            self._sock.stop()
             self._sock = None
 
 

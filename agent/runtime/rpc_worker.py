@@ -1,7 +1,9 @@
 """Supervised ggml-rpc worker: a child process lending this machine's CPU and GPUs to the pool.
 
-ggml-rpc has no authentication (and a CVE history), so it binds only to the node's private
-advertise address; anything else is refused as a "Public IP security violation".
+ggml-rpc has no authentication (and a CVE history), so the child binds 127.0.0.1 on a port of
+its own, and an authenticated tunnel (agent/tunnel.py) listens on the node's private advertise
+address in front of it: only the primary of a plan, holding that deployment's key, gets a byte
+through. A public advertise address is refused as a "Public IP security violation".
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from agent.client import backoff_delay
 from agent.protocol import PublicAddressError, is_private_address
 from agent.runtime import EventSink, PortInUse, RuntimeErrorReport
 from agent.runtime.child import log_tail, readline_timeout, spawn, stop_process
+from agent.tunnel import TunnelServer
 
 log = logging.getLogger("agent.runtime.rpc_worker")
 
@@ -58,6 +61,12 @@ def check_port_free(host: str, port: int) -> None:
         s.close()
 
 
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def wait_listening(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes]) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -84,6 +93,7 @@ class RpcWorker:
         ready_timeout: float = 30.0,
         restart: bool = True,
         backoff_cap: float = 30.0,
+        tunnel: bool = True,
     ) -> None:
         self.host = host
         self.port = port
@@ -102,6 +112,10 @@ class RpcWorker:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._monitor: threading.Thread | None = None
+        # tunnel=False binds ggml-rpc itself to host:port (only bench/rpc_tunnel.py's direct arm).
+        self.tunnel: TunnelServer | None = None
+        self._use_tunnel = tunnel
+        self.listen_port = port
 
     # --- public -------------------------------------------------------------------------------
 
@@ -120,7 +134,14 @@ class RpcWorker:
             "endpoint": self.endpoint,
             "devices": self.devices,
             "restarts": self.restarts,
+            "tunnel": self._use_tunnel,
         }
+
+    def authorize(self, deployment_id: str, key_hex: str, peer_host: str | None) -> None:
+        """Let that deployment's primary (from peer_host) through the tunnel; ValueError if the key is bad."""
+        if self.tunnel is None:
+            raise ValueError("the RPC worker is not running behind its tunnel")
+        self.tunnel.authorize(deployment_id, key_hex, peer_host)
 
     def start(self) -> dict[str, Any]:
         """Start and wait until it listens. Reports RPC_WORKER_STARTED or a failure event.
@@ -159,6 +180,9 @@ class RpcWorker:
             if self._msg is not None:
                 self._msg.close()
                 self._msg = None
+            if self.tunnel is not None:
+                self.tunnel.stop()
+                self.tunnel = None
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout)
 
@@ -167,13 +191,16 @@ class RpcWorker:
     def _start_once(self) -> None:
         if not is_private_address(self.host):
             raise PublicAddressError(self.host)
-        check_port_free(self.host, self.port)
+        if self.tunnel is None:
+            check_port_free(self.host, self.port)
+        listen_host = "127.0.0.1" if self._use_tunnel else self.host
+        self.listen_port = _free_loopback_port() if self._use_tunnel else self.port
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         proc, msg = spawn(
             "agent.runtime.rpc_worker_main",
             [
                 "--endpoint",
-                self.endpoint,
+                format_endpoint(listen_host, self.listen_port),
                 "--cache-dir",
                 str(self.cache_dir),
                 "--threads",
@@ -197,7 +224,7 @@ class RpcWorker:
                 f"RPC worker on {self.endpoint} failed to start (exit {proc.returncode}): {reason}",
                 data={"exit_code": proc.returncode},
             )
-        if not wait_listening(self.host, self.port, self.ready_timeout, proc):
+        if not wait_listening(listen_host, self.listen_port, self.ready_timeout, proc):
             stop_process(proc, 2)
             tail = "; ".join(log_tail(self.log_path, 5))
             raise RuntimeErrorReport(
@@ -205,6 +232,21 @@ class RpcWorker:
                 data={"exit_code": proc.returncode},
             )
         self.devices = list(hello.get("devices", []))
+        if self._use_tunnel:
+            if self.tunnel is None:
+                self.tunnel = TunnelServer(
+                    host=self.host,
+                    port=self.port,
+                    target_port=self.listen_port,
+                    on_refused=lambda msg, data: self.on_event("RPC_TUNNEL_REFUSED", msg, data),
+                )
+                try:
+                    self.tunnel.start()
+                except OSError as exc:
+                    self.tunnel = None
+                    stop_process(proc, 2)
+                    raise PortInUse(f"cannot open the RPC tunnel on {self.endpoint}: {exc}") from None
+            self.tunnel.target_port = self.listen_port  # a restarted worker has a new port
         log.info("RPC worker listening on %s (pid %s)", self.endpoint, proc.pid)
         self.on_event(
             "RPC_WORKER_STARTED",

@@ -45,6 +45,7 @@ from agent.runtime.primary import (
     summarize_assignment,
 )
 from agent.runtime.stream import StreamWriter, append_error, last_seq
+from agent.tunnel import TunnelClient
 
 log = logging.getLogger("agent.runtime.server")
 
@@ -169,6 +170,16 @@ class ServerPrimary:
         self._jobs: dict[str, _Job] = {}
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
+        self._tunnels: list[TunnelClient] = []
+        self._local_endpoints: dict[str, str] = {}  # tunnel client's 127.0.0.1 endpoint → worker
+
+    def _engine_plan(self) -> LoadPrimaryPayload:
+        """The plan as llama-server sees it: workers behind their tunnels are local endpoints."""
+        if not self._local_endpoints:
+            return self.plan
+        plan = dict(self.plan)
+        plan["rpc_endpoints"] = list(self._local_endpoints)
+        return plan  # type: ignore[return-value]  # the same TypedDict, one field rewritten
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -195,12 +206,23 @@ class ServerPrimary:
                     f"deployment {self.deployment_id}: RPC worker {ep} is unreachable: {exc}",
                     data={"deployment_id": self.deployment_id},
                 ) from None
+        endpoints = list(self.plan.get("rpc_endpoints") or [])
+        key = self.plan.get("rpc_tunnel_key")
+        if key and endpoints:
+            # llama-server dials 127.0.0.1 here; each TunnelClient does the worker's handshake.
+            for ep in endpoints:
+                host, _, port = ep.rpartition(":")
+                client = TunnelClient(
+                    remote_host=host.strip("[]"), remote_port=int(port), deployment_id=self.deployment_id, key_hex=str(key)
+                )
+                self._tunnels.append(client)
+                self._local_endpoints[client.local_endpoint] = ep
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         start_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as logf:
             self._proc = subprocess.Popen(
-                [str(exe), *server_args(self.plan, self.model_path, self.port)],
+                [str(exe), *server_args(self._engine_plan(), self.model_path, self.port)],
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -211,6 +233,7 @@ class ServerPrimary:
         deadline = time.monotonic() + self.load_timeout
         while True:
             if self._proc.poll() is not None:
+                self._close_tunnels()
                 raise LoadFailed(
                     f"deployment {self.deployment_id}: model load failed: {self._death_reason(self._proc.returncode)}",
                     data={"deployment_id": self.deployment_id, "exit_code": self._proc.returncode},
@@ -220,6 +243,7 @@ class ServerPrimary:
             if time.monotonic() > deadline:
                 self._stopping.set()
                 stop_process(self._proc, 2)
+                self._close_tunnels()
                 raise LoadFailed(
                     f"deployment {self.deployment_id}: model load timed out after "
                     f"{self.load_timeout:.0f}s (is an RPC worker busy serving another primary?)",
@@ -256,6 +280,7 @@ class ServerPrimary:
         proc = self._proc
         if proc is not None:
             stop_process(proc, timeout)
+        self._close_tunnels()
         for j in jobs:
             if j.thread is not None and j.thread is not threading.current_thread():
                 j.thread.join(timeout)
@@ -455,6 +480,11 @@ class ServerPrimary:
         finally:
             conn.close()
 
+    def _close_tunnels(self) -> None:
+        for t in self._tunnels:
+            t.close()
+        self._tunnels.clear()
+
     def _exited_within(self, timeout: float) -> bool:
         proc = self._proc
         if proc is None:
@@ -503,6 +533,8 @@ class ServerPrimary:
         lines: list[str] = []
         n_layer: int | None = None
         devices: list[dict[str, Any]] = []
+        for local, remote in self._local_endpoints.items():
+            text = text.replace(local, remote)  # the log names the tunnel's end; report the worker
         for raw in text.splitlines():
             line = raw.strip()
             if m := LAYER_RE.search(line):
@@ -533,6 +565,7 @@ class ServerPrimary:
         proc = self._proc
         assert proc is not None
         code = proc.wait()
+        self._close_tunnels()
         if self._stopping.is_set():
             self._fail_jobs("primary runtime stopped (deployment unloaded)", cancelled=True)
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 from typing import Any
 
@@ -55,7 +56,12 @@ def test_three_agents_split_a_model_and_survive_a_worker_dying_mid_generation(h:
         n_ctx=1024,
         tensor_split=[1.0, 1.0, 0.0],
         rpc_endpoints=[a.config.rpc_endpoint, b.config.rpc_endpoint],
+        rpc_tunnel_key=secrets.token_hex(32),
     )
+    # As the controller does: each worker lets this deployment's primary through its tunnel.
+    for worker in (a, b):
+        grant = {"deployment_id": plan["deployment_id"], "tunnel_key": plan["rpc_tunnel_key"], "primary_address": "127.0.0.1"}
+        assert h.controller.result(h.send(worker, "rpc_start", grant))["ok"]
     loaded = h.controller.result(h.send(c, "load_primary", plan), timeout=120)
     assert loaded["ok"], loaded
     devices = {x["device"]: x for x in loaded["assignment"]}

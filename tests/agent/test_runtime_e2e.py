@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -69,6 +70,14 @@ def workers(tmp_path: Path) -> Iterator[tuple[list[RpcWorker], Events]]:
             w.stop()
 
 
+def _grant(ws: list[RpcWorker], deployment_id: str) -> str:
+    """What the controller does at placement: a fresh key, accepted by every worker of the plan."""
+    key = secrets.token_hex(32)
+    for w in ws:
+        w.authorize(deployment_id, key, "127.0.0.1")
+    return key
+
+
 def local_reference() -> str:
     """The same prompt in one plain process, all layers on the local CPU."""
     code = (
@@ -107,7 +116,9 @@ def test_a_split_across_two_rpc_workers_generates_what_a_local_run_does(
         "n_ctx": 512,
         "n_parallel": 1,
         "n_threads": 1,
+        "rpc_tunnel_key": _grant(ws, "dep-split"),
     }
+    plan["deployment_id"] = "dep-split"
     primary = ServerPrimary(
         plan=plan,
         model_path=MODEL,
@@ -280,7 +291,10 @@ def test_two_sequences_at_once_give_the_text_each_gives_alone_on_a_split_plan(
 ) -> None:
     ws, _ = workers
     finished: list[dict[str, Any]] = []
-    split = {"rpc_endpoints": [w.endpoint for w in ws], "tensor_split": [1.0, 1.0], "n_gpu_layers": -1, "n_parallel": 2}
+    split = {
+        "rpc_endpoints": [w.endpoint for w in ws], "tensor_split": [1.0, 1.0], "n_gpu_layers": -1, "n_parallel": 2,
+        "rpc_tunnel_key": _grant(ws, "dep-batch"),
+    }  # fmt: skip
     primary = _batching_primary(split, redis_client, tmp_path, finished)
     try:
         loaded = primary.load()
