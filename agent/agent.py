@@ -737,6 +737,7 @@ class Agent:
                 raise CommandError("Redis is not connected")
             primary = self.runtime.primary(
                 plan=plan,
+                node_id=str(self.node_id),
                 model_path=model,
                 redis_client=self.redis,
                 redis_url=self.redis_url,
@@ -859,9 +860,10 @@ class Agent:
                             "ttft_ms": None,
                             "tokens_per_s": None,
                         },
+                        node_id=str(self.node_id),
                     )
                 else:
-                    append_error(self.redis, job_id, reason)
+                    append_error(self.redis, job_id, reason, node_id=str(self.node_id))
             except redis.RedisError as exc:
                 log.error("job %s: cannot write to its stream: %s", job_id, exc)
         self._job_finished(
@@ -881,7 +883,7 @@ class Agent:
             raise CommandError("malformed cancel_job: missing 'job_id'")
         if self.redis is not None:
             try:  # the primary also polls this key, which covers a job queued inside the child
-                self.redis.set(job_cancel_key(job_id), "1", ex=3600)
+                self.redis.set(job_cancel_key(job_id, str(self.node_id)), "1", ex=3600)
             except redis.RedisError:
                 pass
         with self._lock:

@@ -11,8 +11,9 @@ Transport:
 - Controller → agent: the node's own Redis list ``node_queue_key(node_id)`` holding JSON Commands.
   The agent moves each command atomically into ``node_processing_key(node_id)`` (BLMOVE) and removes
   it once the controller has accepted the command's report, so a crash never loses a command.
-- Token streaming: the primary appends StreamEntry fields to the Redis stream ``job_stream_key``.
-  A cancel is the key ``job_cancel_key`` being set; the primary checks it between tokens.
+- Token streaming: the primary appends StreamEntry fields to the Redis stream
+  ``job_stream_key(job_id, node_id)`` under its own node prefix. A cancel is the key
+  ``job_cancel_key(job_id, node_id)`` being set; the primary checks it between tokens.
 """
 
 from __future__ import annotations
@@ -25,27 +26,40 @@ from typing import Any, Literal, NotRequired, TypedDict
 PROTOCOL_VERSION = 1
 
 # --- Redis keys -------------------------------------------------------------------------------
+# Every key a node may touch lives under its own prefix ``racon:n:{node_id}:`` so that its Redis
+# ACL user can be given exactly ``~racon:n:{node_id}:*`` (docs/design/serving.md, the key layout).
+# Controller-only keys (``racon:node:{id}:meta``, heartbeats, admission) never use that prefix.
+
+NODE_PREFIX = "racon:n:"
+STREAM_MAXLEN = 8192  # entries per job stream (a chunk holds one token or more); XADD caps at it
+
+
+def node_key_pattern(node_id: str) -> str:
+    """The ACL key pattern of a node's own keys."""
+    return f"{NODE_PREFIX}{node_id}:*"
 
 
 def node_queue_key(node_id: str) -> str:
-    return f"racon:node:{node_id}:commands"
+    return f"{NODE_PREFIX}{node_id}:commands"
 
 
 def node_processing_key(node_id: str) -> str:
-    return f"racon:node:{node_id}:processing"
+    return f"{NODE_PREFIX}{node_id}:processing"
 
 
 def node_seen_key(node_id: str) -> str:
     """Set of command ids already handled (duplicate detection), with a TTL."""
-    return f"racon:node:{node_id}:seen"
+    return f"{NODE_PREFIX}{node_id}:seen"
 
 
-def job_stream_key(job_id: str) -> str:
-    return f"racon:job:{job_id}:stream"
+def job_stream_key(job_id: str, node_id: str) -> str:
+    """The token stream of a job attempt run by `node_id` (the primary of its plan)."""
+    return f"{NODE_PREFIX}{node_id}:job:{job_id}"
 
 
-def job_cancel_key(job_id: str) -> str:
-    return f"racon:job:{job_id}:cancel"
+def job_cancel_key(job_id: str, node_id: str) -> str:
+    """Set by the controller when the job is cancelled; the node reads it between tokens."""
+    return f"{NODE_PREFIX}{node_id}:cancel:{job_id}"
 
 
 def heartbeat_key(node_id: str) -> str:
@@ -193,7 +207,7 @@ class LinkProbe(TypedDict):
 
 
 class StreamEntry(TypedDict):
-    """Fields of one entry of ``job_stream_key(job_id)`` (added by the agent). Redis stores strings.
+    """Fields of one entry of ``job_stream_key(job_id, node_id)`` (added by the agent). Redis stores strings.
 
     seq: "0", "1", ... in append order for the job. type: "chunk" (text is generated text),
     "done" (finish_reason is "stop" | "length" | "cancelled"; usage is set) or "error" (text is the

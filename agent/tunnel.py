@@ -317,6 +317,13 @@ def dial(host: str, port: int, *, deployment_id: str, key: bytes, timeout: float
 # --- link probes over the tunnel's probe mode ---------------------------------------------------
 
 
+def reachable(host: str, port: int, *, timeout: float = 5.0) -> None:
+    """Raise OSError unless a tunnel answers at host:port (a probe that closes at once)."""
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        _recv_exact(sock, NONCE_BYTES)
+        sock.sendall(MAGIC_PROBE + b"q")
+
+
 def probe(host: str, port: int, *, pings: int = 5, bulk_bytes: int = 2 * 2**20, timeout: float = 5.0) -> dict[str, float]:
     """Application-level RTT (median of `pings` echoes) and a timed bulk transfer's Mbit/s."""
     sock = socket.create_connection((host, port), timeout=timeout)

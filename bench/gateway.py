@@ -212,9 +212,8 @@ def racon_request(client: Any, url: str, key: str, messages: list[dict[str, str]
 
 def stream_times(redis_client: Any, job_id: str) -> dict[str, float]:
     """Epoch ms at which the primary's writer added the first/last chunk and the final entry."""
-    from agent.protocol import job_stream_key
-
-    rows = redis_client.xrange(job_stream_key(job_id))
+    keys = list(redis_client.scan_iter(match=f"racon:n:*:job:{job_id}"))  # under its primary's prefix
+    rows = redis_client.xrange(keys[0]) if keys else []
     out: dict[str, float] = {}
     for entry_id, fields in rows:
         ms = float(entry_id.split("-")[0])

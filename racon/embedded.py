@@ -8,6 +8,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -48,8 +49,12 @@ class EmbeddedRedis:
                 self.process.wait()
 
 
-def start_redis(*, data_dir: Path, port: int | None = None) -> EmbeddedRedis:
-    """Start redis-server on a loopback port; no persistence. Waits until it answers PING."""
+def start_redis(*, data_dir: Path, port: int | None = None, password: str | None = None) -> EmbeddedRedis:
+    """Start redis-server on a loopback port; no persistence. Waits until it answers PING.
+
+    With a password the default user (the controller's) needs it, so nodes, which get users of
+    their own (racon/redis_acl.py), never hold the controller's access.
+    """
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     proc = subprocess.Popen(
@@ -61,6 +66,7 @@ def start_redis(*, data_dir: Path, port: int | None = None) -> EmbeddedRedis:
             "--appendonly", "no",
             "--dir", str(data_dir),
             "--protected-mode", "yes",
+            *(["--requirepass", password] if password else []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -71,9 +77,16 @@ def start_redis(*, data_dir: Path, port: int | None = None) -> EmbeddedRedis:
             raise RuntimeError(f"embedded redis-server exited with {proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return EmbeddedRedis(proc, port, f"redis://127.0.0.1:{port}/0")
+                if password:
+                    s.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+                    reply = s.recv(64)
+                    ok = b"+PONG" in reply or (reply.startswith(b"+OK") and b"+PONG" in reply + s.recv(16))
+                else:
+                    s.sendall(b"PING\r\n")
+                    ok = s.recv(16).startswith(b"+PONG")
+                if ok:
+                    auth = f":{quote(password, safe='')}@" if password else ""
+                    return EmbeddedRedis(proc, port, f"redis://{auth}127.0.0.1:{port}/0")
         except OSError:
             time.sleep(0.05)
     proc.kill()

@@ -23,7 +23,7 @@ import httpx
 from racon.embedded import EmbeddedRedis, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = ("SECRET_KEY", "NODE_ENROLLMENT_SECRET", "AI_API_KEY", "RACON_ADMIN_PASSWORD")
+GENERATED = ("SECRET_KEY", "NODE_ENROLLMENT_SECRET", "AI_API_KEY", "RACON_ADMIN_PASSWORD", "RACON_REDIS_PASSWORD")
 
 
 def load_env_file(path: Path) -> dict[str, str]:
@@ -118,6 +118,15 @@ def wait_health(url: str, sup: Supervisor, timeout: float = 90) -> None:
     raise SystemExit(f"error: the controller at {url} did not become healthy within {timeout:.0f}s")
 
 
+def env_defaults(url: str) -> None:
+    """The environment `make run` gives its processes unless the operator set it."""
+    os.environ.setdefault("RACON_CONTROLLER_URL", url)
+    # A controller that others' machines join is never in debug mode unless asked (DEBUG=true):
+    # debug pages show settings and tracebacks to anyone.
+    os.environ.setdefault("DEBUG", "false")
+    os.environ.setdefault("LOG_FORMAT", "text")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="racon-run", description=__doc__)
     parser.add_argument("--agents", type=int, default=int(os.environ.get("RACON_LOCAL_AGENTS", "1")), help="local node agents to start (0 for none)")
@@ -132,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     created = ensure_secrets(var / ".env.local")
     port = int(os.environ.get("PORT", "8000"))
     url = f"http://127.0.0.1:{port}"
-    os.environ.setdefault("RACON_CONTROLLER_URL", url)
-    os.environ.setdefault("DEBUG", "true")
-    os.environ.setdefault("LOG_FORMAT", "text")
+    env_defaults(url)
     py = sys.executable
     bindir = Path(py).parent
     sup = Supervisor()
@@ -145,9 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         if not os.environ.get("REDIS_URL"):
-            sup.redis = start_redis(data_dir=var / "redis")
+            # The controller's user needs the password; each node gets a user of its own at
+            # enrollment that reaches only its keys (racon/redis_acl.py).
+            sup.redis = start_redis(data_dir=var / "redis", password=os.environ["RACON_REDIS_PASSWORD"])
             os.environ["REDIS_URL"] = sup.redis.url
-            print(f"[racon] embedded Redis on {sup.redis.url}", flush=True)
+            print(f"[racon] embedded Redis on 127.0.0.1:{sup.redis.port} (password in var/.env.local)", flush=True)
         subprocess.run([py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, check=True)
         boot = subprocess.run(
             [py, "manage.py", "racon_bootstrap", "--agents", str(max(1, args.agents))], cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True
@@ -220,9 +229,15 @@ def deploy_default(url: str, model: str, sup: Supervisor) -> None:
     if any(d["state"] in ("PLANNING", "LOADING", "READY", "DEGRADED") for d in active):
         print(f"[racon] {model} is already deployed", flush=True)
         return
+    # A first request may have deployed it meanwhile (deployment_ensure); the scheduler then
+    # refuses a second replica on the same node, which is no failure of make run.
     resp = httpx.post(f"{url}/api/admin/deployments", headers=headers, json={"model": model}, timeout=30)
     if resp.status_code >= 400:
-        print(f"[racon] could not deploy {model}: {resp.text}", flush=True)
+        active = httpx.get(f"{url}/api/admin/deployments?model={model}", headers=headers, timeout=10).json()
+        if any(d["state"] in ("PLANNING", "LOADING", "READY", "DEGRADED") for d in active):
+            print(f"[racon] {model} is already deployed", flush=True)
+        else:
+            print(f"[racon] could not deploy {model}: {resp.text}", flush=True)
         return
     print(f"[racon] deploying {model} (deployment {resp.json()['id']})", flush=True)
 

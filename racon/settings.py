@@ -94,6 +94,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "apps.api.middleware.RequestIdMiddleware",
+    "apps.api.middleware.BodyLimitMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -153,6 +154,10 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 REDIS_URL = env("REDIS_URL", "redis://127.0.0.1:6379/0")
 # The Redis address agents on other machines should use (the controller's LAN address).
 AGENT_REDIS_URL = env("RACON_AGENT_REDIS_URL", REDIS_URL)
+# Each enrolled node gets a Redis user of its own that reaches only racon:n:<node>:* (its queue,
+# its job streams, its cancel flags). false hands nodes AGENT_REDIS_URL itself: trusted,
+# single-owner clusters only (racon/redis_acl.py).
+NODE_REDIS_ACL = envbool("NODE_REDIS_ACL", True)
 
 CHANNEL_LAYERS = {
     "default": {
@@ -193,6 +198,20 @@ MASS_FAILURE_MIN_NODES = envint("MASS_FAILURE_MIN_NODES", 3)
 HEALTH_SWEEP_SECONDS = envfloat("HEALTH_SWEEP_SECONDS", 5.0)
 ENROLLMENT_TOKEN_TTL_HOURS = envint("ENROLLMENT_TOKEN_TTL_HOURS", 24)
 MAX_AGENT_BODY_BYTES = envint("MAX_AGENT_BODY_BYTES", 256 * 1024)
+# A machine already enrolled is taken over only with its node's credential, or within this window
+# after an operator's allow-reenroll (POST /api/admin/nodes/<id>/allow-reenroll).
+NODE_REENROLL_WINDOW_SECONDS = envint("NODE_REENROLL_WINDOW_SECONDS", 3600)
+# Plausibility bounds on what a node says of itself (compute-plane trust). Enrollment over a bound
+# is refused with 400 naming the field; a heartbeat over one is clamped (TELEMETRY_CLAMPED event).
+NODE_MAX_MEMORY_BYTES = envint("NODE_MAX_MEMORY_BYTES", 4 * 1024**4)  # 4 TiB of RAM
+NODE_MAX_CORES = envint("NODE_MAX_CORES", 1024)
+NODE_MAX_VRAM_BYTES = envint("NODE_MAX_VRAM_BYTES", 1024**4)  # 1 TiB per GPU
+NODE_MAX_DISK_BYTES = envint("NODE_MAX_DISK_BYTES", 1024**5)  # 1 PiB
+NODE_MAX_GFLOPS = envfloat("NODE_MAX_GFLOPS", 10_000.0)  # CPU benchmark; a GPU's own figure: 100x
+NODE_MAX_BANDWIDTH_GBPS = envfloat("NODE_MAX_BANDWIDTH_GBPS", 2_000.0)  # a GPU's own figure: 5x
+# Login attempts: this many failures per client address and username within the window → 429.
+LOGIN_MAX_FAILURES = envint("LOGIN_MAX_FAILURES", 5)
+LOGIN_FAILURE_WINDOW_SECONDS = envint("LOGIN_FAILURE_WINDOW_SECONDS", 300)
 DATA_UPLOAD_MAX_MEMORY_SIZE = envint("DATA_UPLOAD_MAX_MEMORY_SIZE", 2 * 1024 * 1024)
 
 MODEL_STORE_DIR = Path(env("RACON_MODEL_STORE", str(VAR_DIR / "models")))
@@ -203,7 +222,22 @@ JOB_QUEUE_MAX = envint("JOB_QUEUE_MAX", 64)  # queued + running jobs per deploym
 JOB_QUEUE_WAIT_SECONDS = envfloat("JOB_QUEUE_WAIT_SECONDS", 30.0)
 DEPLOYMENT_WAIT_SECONDS = envfloat("DEPLOYMENT_WAIT_SECONDS", 120.0)
 STREAM_IDLE_TIMEOUT_SECONDS = envfloat("STREAM_IDLE_TIMEOUT_SECONDS", 60.0)
+# In-process caches of the API-key principal, the model by name and the route (racon/cache.py):
+# a change is broadcast at once; this bounds a lost broadcast. 0 turns the caches off.
+API_CACHE_SECONDS = envfloat("API_CACHE_SECONDS", 10.0)
 DEFAULT_N_CTX = envint("DEFAULT_N_CTX", 2048)
+# Slots per deployment when the request leaves n_parallel open: as many as memory allows on every
+# device of the plan (each slot's KV at n_ctx), at most this many.
+DEFAULT_N_PARALLEL_MAX = envint("DEFAULT_N_PARALLEL_MAX", 16)
+# Replicas follow load (apps/jobs/autoscale.py, beat every REPLICA_AUTOSCALE_SECONDS): one more
+# when the model's queue wait stays above REPLICA_SCALE_UP_WAIT_SECONDS for
+# REPLICA_SCALE_UP_SUSTAIN_SECONDS, up to REPLICA_MAX_PER_MODEL; an added replica idle (no slot in
+# use, no queue) for REPLICA_IDLE_SECONDS is stopped, never the model's last one.
+REPLICA_AUTOSCALE_SECONDS = envfloat("REPLICA_AUTOSCALE_SECONDS", 10.0)
+REPLICA_SCALE_UP_WAIT_SECONDS = envfloat("REPLICA_SCALE_UP_WAIT_SECONDS", 2.0)
+REPLICA_SCALE_UP_SUSTAIN_SECONDS = envfloat("REPLICA_SCALE_UP_SUSTAIN_SECONDS", 30.0)
+REPLICA_MAX_PER_MODEL = envint("REPLICA_MAX_PER_MODEL", 4)
+REPLICA_IDLE_SECONDS = envfloat("REPLICA_IDLE_SECONDS", 300.0)
 DEFAULT_MAX_TOKENS = envint("DEFAULT_MAX_TOKENS", 256)
 
 # Scheduler calibration (bench/scheduler.py part 3 measures both on real loopback deployments)
@@ -219,6 +253,11 @@ CREDITS_ESCROW_TRUST_THRESHOLD = envint("CREDITS_ESCROW_TRUST_THRESHOLD", 10_000
 CREDITS_MICRO_PER_TOKEN = envint("CREDITS_MICRO_PER_TOKEN", 1_000)
 CREDITS_FEE_PERMILLE = envint("CREDITS_FEE_PERMILLE", 0)  # cut of each job to system:fees
 CREDITS_STANDBY_PERIOD_SECONDS = envint("CREDITS_STANDBY_PERIOD_SECONDS", 600)
+# Standby pay per node per period, at most (a node's figures are claims; 0 turns the cap off).
+CREDITS_STANDBY_CAP_PER_PERIOD = envint("CREDITS_STANDBY_CAP_PER_PERIOD", 10_000)
+# Memory paid for standby beyond what the node was seen to hold (buffers another node's primary
+# loaded onto it, in a deployment's load report): this much is paid unseen, the rest only once seen.
+CREDITS_STANDBY_UNSEEN_BYTES = envint("CREDITS_STANDBY_UNSEEN_BYTES", 16 * 1024**3)
 CREDITS_STANDING_WINDOW_SECONDS = envint("CREDITS_STANDING_WINDOW_SECONDS", 86_400)
 CREDITS_STANDING_EARN_WEIGHT = envint("CREDITS_STANDING_EARN_WEIGHT", 1)
 RACON_RECEIPT_KEY = envsecret("RACON_RECEIPT_KEY")  # base64 raw Ed25519 key; else VAR_DIR/receipt-signing.key
@@ -238,6 +277,14 @@ CELERY_BEAT_SCHEDULE = {
         "task": "racon.jobs.stale_jobs_sweep",
         "schedule": 30.0,
     },
+    "replica-autoscale": {
+        "task": "racon.jobs.autoscale",
+        "schedule": REPLICA_AUTOSCALE_SECONDS,
+    },
+    "admission-sweep": {
+        "task": "racon.jobs.admission_sweep",
+        "schedule": 15.0,
+    },
 }
 
 # --- DRF / OpenAPI ---
@@ -247,7 +294,7 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["apps.api.permissions.IsStaff"],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "apps.api.schema.RaconAutoSchema",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "apps.api.errors.exception_handler",
@@ -257,6 +304,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Reciprocal Agentic Compute Network: admin, agent and OpenAI-compatible APIs.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Request and response components apart: a request's CharField that refuses "" says so
+    # (minLength 1), and read-only fields are not asked of clients.
+    "COMPONENT_SPLIT_REQUEST": True,
     "ENUM_NAME_OVERRIDES": {
         "NodeStateEnum": "apps.nodes.states.NodeState",
         "JobStateEnum": "apps.jobs.states.JobState",
@@ -271,13 +321,19 @@ AUTH_PASSWORD_VALIDATORS = [
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/login/"
+# Served over TLS (RACON_TLS=1, or the controller URL is https://), normally behind a reverse
+# proxy that terminates it (README "TLS behind a reverse proxy"): cookies are sent only over TLS,
+# browsers are told to keep to https (HSTS), and the proxy's X-Forwarded-Proto is trusted.
+RACON_TLS = envbool("RACON_TLS", CONTROLLER_PUBLIC_URL.startswith("https://"))
 SECURE_SSL_REDIRECT = envbool("SECURE_SSL_REDIRECT", False)
-SESSION_COOKIE_SECURE = envbool("SESSION_COOKIE_SECURE", False)
-CSRF_COOKIE_SECURE = envbool("CSRF_COOKIE_SECURE", False)
-SECURE_HSTS_SECONDS = envint("SECURE_HSTS_SECONDS", 0)
+SECURE_REDIRECT_EXEMPT = [r"^health$"]
+SESSION_COOKIE_SECURE = envbool("SESSION_COOKIE_SECURE", RACON_TLS)
+CSRF_COOKIE_SECURE = envbool("CSRF_COOKIE_SECURE", RACON_TLS)
+SECURE_HSTS_SECONDS = envint("SECURE_HSTS_SECONDS", 31_536_000 if RACON_TLS else 0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = envbool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
 SECURE_HSTS_PRELOAD = envbool("SECURE_HSTS_PRELOAD", False)
-SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if envbool("BEHIND_PROXY") else None
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if envbool("BEHIND_PROXY", RACON_TLS) else None
+SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
 
 LANGUAGE_CODE = "en-us"

@@ -31,4 +31,7 @@ os.environ.setdefault("NODE_ENROLLMENT_SECRET", "test-enrollment-secret")
 os.environ.setdefault("AI_API_KEY", "test-operator-key")
 os.environ.setdefault("CELERY_TASK_ALWAYS_EAGER", "true")
 os.environ.setdefault("DEBUG", "false")
+# The suite shares 127.0.0.1:6379 in CI, whose ACLs are not ours to change: tests that exercise
+# per-node Redis users start a private redis-server and turn this on (tests/trust/).
+os.environ.setdefault("NODE_REDIS_ACL", "false")
 os.environ.setdefault("LOG_FORMAT", "text")

@@ -25,6 +25,7 @@ admin_urls = [
     path("nodes/<uuid:node_id>/drain", nodes_api.NodeDrainApi.as_view(), name="admin-node-drain"),
     path("nodes/<uuid:node_id>/undrain", nodes_api.NodeUndrainApi.as_view(), name="admin-node-undrain"),
     path("nodes/<uuid:node_id>/revoke", nodes_api.NodeRevokeApi.as_view(), name="admin-node-revoke"),
+    path("nodes/<uuid:node_id>/allow-reenroll", nodes_api.NodeAllowReenrollApi.as_view(), name="admin-node-allow-reenroll"),
     path("nodes/<uuid:node_id>/diagnostics", NodeDiagnosticsApi.as_view(), name="admin-node-diagnostics"),
     path("tokens", nodes_api.TokenListCreateApi.as_view(), name="admin-tokens"),
     path("tokens/<uuid:token_id>/revoke", nodes_api.TokenRevokeApi.as_view(), name="admin-token-revoke"),

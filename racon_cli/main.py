@@ -395,7 +395,7 @@ def _print_plan(plan: dict[str, Any]) -> None:
     for d in plan.get("devices", []):
         t.add_row(d.get("node_name") or render.short_id(d["node_id"]), d["device"], f"{d['layer_start']}-{d['layer_end'] - 1}" if d["layer_end"] > d["layer_start"] else "-", render.human_bytes(d.get("memory_bytes")), d.get("endpoint") or "(primary)")
     con.print(t)
-    con.print(f"Predicted: {render.num(plan.get('predicted_tokens_per_s'))} tokens/s, {render.num(plan.get('predicted_ttft_ms'), 0)} ms to first token (n_ctx {plan.get('n_ctx')}, {plan.get('n_threads')} threads)")
+    con.print(f"Predicted: {render.num(plan.get('predicted_tokens_per_s'))} tokens/s, {render.num(plan.get('predicted_ttft_ms'), 0)} ms to first token (n_ctx {plan.get('n_ctx')} × {plan.get('n_parallel')} slots, {plan.get('n_threads')} threads)")
     for line in plan.get("explanation") or []:
         con.print(f"  • {line}")
 
@@ -408,7 +408,8 @@ def deploy(
     nodes: Annotated[str | None, typer.Option("--nodes", help="Pin to these nodes (names or ids, comma-separated).")] = None,
     spread: Annotated[bool, typer.Option("--spread", help="Use every pinned node even when one would do.")] = False,
     n_ctx: Annotated[int | None, typer.Option("--n-ctx", help="Context length (server default 2048).")] = None,
-    n_parallel: Annotated[int | None, typer.Option("--n-parallel", help="Parallel slots.")] = None,
+    n_parallel: Annotated[int | None, typer.Option("--n-parallel", help="Parallel slots (default: as many as memory allows, up to 16).")] = None,
+    allow_same_node: Annotated[bool, typer.Option("--allow-same-node", help="Allow another replica on a node that already serves this model.")] = False,
     wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until READY or FAILED.")] = True,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for READY.")] = 600.0,
     as_json: JsonOpt = False,
@@ -421,6 +422,8 @@ def deploy(
         body["n_ctx"] = n_ctx
     if n_parallel is not None:
         body["n_parallel"] = n_parallel
+    if allow_same_node:
+        body["allow_same_node"] = True
     with client() as c:
         if preview:
             plan = c.post("/api/admin/deployments/preview", body)
@@ -467,10 +470,28 @@ def deployments_ls(
         deps = c.get("/api/admin/deployments", params=params or None)
     if as_json:
         return render.emit_json(deps)
-    t = render.table("ID", "MODEL", "STATE", "NODES", "CTX", "TOK/S", "CREATED")
+    active = ("PLANNING", "LOADING", "READY", "DEGRADED")
+    t = render.table("ID", "MODEL", "STATE", "NODES", "CTX", "SLOTS", "QUEUE", "TOK/S", "CREATED")
     for d in deps:
-        t.add_row(render.short_id(d["id"]), d["model"], render.state(d["state"]), ", ".join(d.get("node_names") or []) or "-", str(d["n_ctx"]), render.num((d.get("plan") or {}).get("predicted_tokens_per_s")), render.when(d["created_at"]))
+        live = d["state"] in active
+        slots = f"{d.get('slots_in_use', 0)}/{d['n_parallel']}" if live else "-"
+        t.add_row(
+            render.short_id(d["id"]), d["model"], render.state(d["state"]), ", ".join(d.get("node_names") or []) or "-", str(d["n_ctx"]),
+            slots, str(d.get("queue_depth", 0)) if live else "-", render.num((d.get("plan") or {}).get("predicted_tokens_per_s")), render.when(d["created_at"]),
+        )
     out().print(t if deps else "No deployments.")
+    # Per model: its replicas and queue (every row of a model carries the model's figures).
+    models: dict[str, dict[str, Any]] = {}
+    for d in deps:
+        if d["state"] in active:
+            m = models.setdefault(d["model"], {"replicas": d.get("replicas", 0), "in_use": 0, "slots": 0, "queue": d.get("model_queue_depth", 0), "wait": d.get("model_queue_wait_seconds", 0.0)})
+            m["in_use"] += int(d.get("slots_in_use") or 0)
+            m["slots"] += int(d["n_parallel"]) if d["state"] in ("READY", "DEGRADED") else 0
+    if models:
+        s = render.table("MODEL", "REPLICAS", "SLOTS IN USE", "WAITING", "QUEUE WAIT")
+        for name, m in sorted(models.items()):
+            s.add_row(name, str(m["replicas"]), f"{m['in_use']}/{m['slots']}", str(m["queue"]), f"{render.num(m['wait'])} s")
+        out().print(s)
 
 
 @deployments_app.command("stop")

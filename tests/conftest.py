@@ -12,10 +12,13 @@ def _clean_redis(request: pytest.FixtureRequest) -> Iterator[None]:
     if "tests/agent" in str(request.node.path):
         yield  # agent tests manage their own keys and must not need Django
         return
+    from racon import cache
     from racon.redis import get_redis
 
     r = get_redis()
     r.flushdb()
+    # The in-process caches (principal, model, route) outlive a test's rolled-back rows.
+    cache.clear_local(cache.ALL)
     yield
     r.flushdb()
 

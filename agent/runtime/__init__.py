@@ -89,6 +89,7 @@ class Runtime(Protocol):
         self,
         *,
         plan: LoadPrimaryPayload,
+        node_id: str,
         model_path: Path,
         redis_client: redis.Redis,
         redis_url: str,

@@ -93,6 +93,7 @@ class FakePrimary:
         self,
         *,
         plan: LoadPrimaryPayload,
+        node_id: str,
         redis_client: redis.Redis,
         on_event: EventSink,
         on_job_finished: JobFinishedSink,
@@ -101,6 +102,7 @@ class FakePrimary:
         token_delay: float,
         fail_load: str | None,
     ) -> None:
+        self.node_id = node_id
         self.plan = plan
         self.deployment_id = plan["deployment_id"]
         self.r = redis_client
@@ -211,7 +213,7 @@ class FakePrimary:
             if j is not None and j["job_id"] not in pending:
                 pending.append(j["job_id"])
         for jid in pending:
-            append_error(self.r, jid, reason)
+            append_error(self.r, jid, reason, node_id=self.node_id)
             self.on_job_finished(
                 JobFinishedPayload(
                     job_id=jid, status="failed", prompt_tokens=0, completion_tokens=0, error=reason
@@ -226,7 +228,7 @@ class FakePrimary:
 
     def _run(self, job: dict[str, Any], cancel: threading.Event) -> JobFinishedPayload | None:
         job_id = job["job_id"]
-        writer = StreamWriter(self.r, job_id, cancel)
+        writer = StreamWriter(self.r, job_id, cancel, node_id=self.node_id)
         t0 = time.time()
         max_tokens = int(job.get("max_tokens") or 0) or len(self.tokens)
         n, finish = 0, "stop"
@@ -245,7 +247,7 @@ class FakePrimary:
             n += 1
         if self._crashed:
             writer.close()
-            append_error(self.r, job_id, self._crashed)
+            append_error(self.r, job_id, self._crashed, node_id=self.node_id)
             return JobFinishedPayload(
                 job_id=job_id,
                 status="failed",
@@ -311,6 +313,7 @@ class FakeRuntime:
         self,
         *,
         plan: LoadPrimaryPayload,
+        node_id: str,
         model_path: Path,
         redis_client: redis.Redis,
         redis_url: str,
@@ -320,6 +323,7 @@ class FakeRuntime:
         on_exit: Callable[[str], None],
     ) -> FakePrimary:
         p = FakePrimary(
+            node_id=node_id,
             plan=plan,
             redis_client=redis_client,
             on_event=on_event,

@@ -77,6 +77,7 @@ class LlamaRuntime:
         self,
         *,
         plan: LoadPrimaryPayload,
+        node_id: str,
         model_path: Path,
         redis_client: redis.Redis,
         redis_url: str,
@@ -86,6 +87,7 @@ class LlamaRuntime:
         on_exit: Callable[[str], None],
     ) -> ServerPrimary:
         return ServerPrimary(
+            node_id=node_id,
             plan=plan,
             model_path=model_path,
             redis_client=redis_client,

@@ -46,6 +46,7 @@ from agent.runtime.primary import (
 )
 from agent.runtime.stream import StreamWriter, append_error, last_seq
 from agent.tunnel import TunnelClient
+from agent.tunnel import reachable as tunnel_reachable
 
 log = logging.getLogger("agent.runtime.server")
 
@@ -148,9 +149,11 @@ class ServerPrimary:
         on_event: EventSink,
         on_job_finished: JobFinishedSink,
         on_exit: Callable[[str], None],
+        node_id: str,
         load_timeout: float = 600.0,
         server_path: Path | None = None,
     ) -> None:
+        self.node_id = node_id
         self.plan = plan
         self.deployment_id = plan["deployment_id"]
         self.model_path = model_path
@@ -198,10 +201,15 @@ class ServerPrimary:
         exe = self.server_path or find_llama_server()
         for ep in self.plan.get("rpc_endpoints") or []:
             host, _, port = ep.rpartition(":")
-            # ggml aborts the process on an unreachable worker; fail cleanly first.
+            # ggml aborts the process on an unreachable worker; fail cleanly first. A worker
+            # behind its tunnel is asked through the tunnel's probe mode (a bare connect that
+            # says nothing would be logged there as a refused handshake).
             try:
-                socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
-            except OSError as exc:
+                if self.plan.get("rpc_tunnel_key"):
+                    tunnel_reachable(host.strip("[]"), int(port))
+                else:
+                    socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+            except (OSError, ConnectionError) as exc:
                 raise LoadFailed(
                     f"deployment {self.deployment_id}: RPC worker {ep} is unreachable: {exc}",
                     data={"deployment_id": self.deployment_id},
@@ -321,7 +329,7 @@ class ServerPrimary:
         job = j.job
         job_id: str = job["job_id"]
         attempt = int(job.get("attempt") or 1)
-        writer = StreamWriter(self.r, job_id, j.cancel, attempt=attempt)
+        writer = StreamWriter(self.r, job_id, j.cancel, node_id=self.node_id, attempt=attempt)
         received = float(job.get("_received_at") or time.time())
         first_chunk: float | None = None
         n_tokens = 0
@@ -330,7 +338,7 @@ class ServerPrimary:
         error: _RequestError | None = None
         timings: dict[str, Any] = {}
         try:
-            if self.r.exists(job_cancel_key(job_id)):
+            if self.r.exists(job_cancel_key(job_id, self.node_id)):
                 raise _Cancelled
             prompt = self._prompt(j)
             max_tokens = int(job.get("max_tokens") or 0)
@@ -595,8 +603,8 @@ class ServerPrimary:
         """End a job whose server went away: the error after what it streamed, and the report."""
         streamed = 0
         try:
-            streamed = last_seq(self.r, job_id) + 1
-            append_error(self.r, job_id, reason)
+            streamed = last_seq(self.r, job_id, self.node_id) + 1
+            append_error(self.r, job_id, reason, node_id=self.node_id)
         except redis.RedisError as exc:
             log.error("job %s: cannot write the error to its stream: %s", job_id, exc)
         self._safe(

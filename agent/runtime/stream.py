@@ -15,7 +15,13 @@ from typing import Any
 
 import redis
 
-from agent.protocol import STREAM_TTL_SECONDS, StreamUsage, job_cancel_key, job_stream_key
+from agent.protocol import (
+    STREAM_MAXLEN,
+    STREAM_TTL_SECONDS,
+    StreamUsage,
+    job_cancel_key,
+    job_stream_key,
+)
 
 log = logging.getLogger("agent.runtime.stream")
 
@@ -59,14 +65,15 @@ class StreamWriter:
         job_id: str,
         cancel: threading.Event,
         *,
+        node_id: str,
         ttl: int = STREAM_TTL_SECONDS,
         attempt: int = 1,
     ) -> None:
         self.attempt = attempt
         self.r = client
         self.job_id = job_id
-        self.key = job_stream_key(job_id)
-        self.cancel_key = job_cancel_key(job_id)
+        self.key = job_stream_key(job_id, node_id)
+        self.cancel_key = job_cancel_key(job_id, node_id)
         self.cancel = cancel
         self.ttl = ttl
         self.seq = 0
@@ -123,7 +130,7 @@ class StreamWriter:
             try:
                 pipe = self.r.pipeline(transaction=False)
                 for e in entries:
-                    pipe.xadd(self.key, e)
+                    pipe.xadd(self.key, e, maxlen=STREAM_MAXLEN, approximate=True)
                 if not self._expire_set or final:
                     # TTL from the first entry, renewed at the end so readers get the full window.
                     pipe.expire(self.key, self.ttl)
@@ -140,9 +147,9 @@ class StreamWriter:
                 self.cancel.set()
 
 
-def last_seq(client: redis.Redis, job_id: str) -> int:
+def last_seq(client: redis.Redis, job_id: str, node_id: str) -> int:
     """The seq of the newest entry of a job's stream, or -1 when there is none."""
-    rows = client.xrevrange(job_stream_key(job_id), count=1)
+    rows = client.xrevrange(job_stream_key(job_id, node_id), count=1)
     if not rows:
         return -1
     fields = rows[0][1] or {}
@@ -153,8 +160,8 @@ def last_seq(client: redis.Redis, job_id: str) -> int:
         return -1
 
 
-def stream_has_end(client: redis.Redis, job_id: str) -> bool:
-    rows = client.xrevrange(job_stream_key(job_id), count=1)
+def stream_has_end(client: redis.Redis, job_id: str, node_id: str) -> bool:
+    rows = client.xrevrange(job_stream_key(job_id, node_id), count=1)
     if not rows:
         return False
     fields = rows[0][1] or {}
@@ -164,25 +171,29 @@ def stream_has_end(client: redis.Redis, job_id: str) -> bool:
 
 
 def append_error(
-    client: redis.Redis, job_id: str, message: str, *, ttl: int = STREAM_TTL_SECONDS
+    client: redis.Redis, job_id: str, message: str, *, node_id: str, ttl: int = STREAM_TTL_SECONDS
 ) -> None:
     """End a job's stream with an error from outside the process that was writing it.
 
     Used when the writer died (primary aborted) or never started (bad deployment); continues the
     seq numbering so a reader that orders by seq sees one gap-free stream.
     """
-    if stream_has_end(client, job_id):
+    if stream_has_end(client, job_id, node_id):
         return  # the job ended before its process died; never write a second end
-    seq = last_seq(client, job_id) + 1
+    seq = last_seq(client, job_id, node_id) + 1
+    key = job_stream_key(job_id, node_id)
     pipe = client.pipeline(transaction=False)
-    pipe.xadd(job_stream_key(job_id), entry(seq, "error", message, "error"))  # type: ignore[arg-type]
-    pipe.expire(job_stream_key(job_id), ttl)
+    pipe.xadd(key, entry(seq, "error", message, "error"), maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]  # redis-py types fields too narrowly
+    pipe.expire(key, ttl)
     pipe.execute()
 
 
-def append_done(client: redis.Redis, job_id: str, finish_reason: str, usage: StreamUsage) -> None:
-    seq = last_seq(client, job_id) + 1
+def append_done(
+    client: redis.Redis, job_id: str, finish_reason: str, usage: StreamUsage, *, node_id: str
+) -> None:
+    seq = last_seq(client, job_id, node_id) + 1
+    key = job_stream_key(job_id, node_id)
     pipe = client.pipeline(transaction=False)
-    pipe.xadd(job_stream_key(job_id), entry(seq, "done", "", finish_reason, usage))  # type: ignore[arg-type]
-    pipe.expire(job_stream_key(job_id), STREAM_TTL_SECONDS)
+    pipe.xadd(key, entry(seq, "done", "", finish_reason, usage), maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]  # redis-py types fields too narrowly
+    pipe.expire(key, STREAM_TTL_SECONDS)
     pipe.execute()

@@ -9,4 +9,9 @@ class ApiConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import schema  # noqa: F401 - registers the OpenAPI authentication extension
+        from . import (
+            schema,  # noqa: F401 - registers the OpenAPI authentication extension
+            signals,
+        )
+
+        signals.connect()

@@ -12,9 +12,12 @@ from django.conf import settings
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
+from racon import cache
+
 from .models import ApiKey
 
 OPERATOR_ACCOUNT_NAME = "system:operator"
+PRINCIPAL_CACHE = "principal"  # racon/cache.py: invalidated by every ApiKey write (signals.py)
 
 
 def key_hash(key: str) -> str:
@@ -53,13 +56,15 @@ def api_key_create(*, name: str, account_id: Any, scopes: list[str], user_id: An
     key = ApiKey.objects.create(
         name=name, prefix=plaintext[:8], key_hash=key_hash(plaintext), account_id=account_id, scopes=sorted(set(scopes)), user_id=user_id
     )
-    return key, plaintext
+    return key, plaintext  # the post_save signal invalidates the principal cache
 
 
 def api_key_revoke(*, key_id: Any) -> ApiKey:
+    """Revoke a key; every process stops accepting it once this commits (the principal cache)."""
     key = ApiKey.objects.get(pk=key_id)
     if key.revoked_at is None:
         ApiKey.objects.filter(pk=key_id).update(revoked_at=timezone.now())
+        cache.invalidate(PRINCIPAL_CACHE)  # .update() sends no signal
         key.refresh_from_db()
     return key
 
@@ -71,9 +76,14 @@ def operator_account_id() -> Any:
 
 
 def principal_for_key(raw: str) -> KeyPrincipal | None:
-    """Resolve a bearer key, or None when it is unknown or revoked."""
+    """Resolve a bearer key, or None when it is unknown or revoked (cached for API_CACHE_SECONDS)."""
     if not raw:
         return None
+    # The operator key's hash is part of the cache key: a changed AI_API_KEY is never served stale.
+    return cache.cached(PRINCIPAL_CACHE, (key_hash(raw), key_hash(settings.AI_API_KEY or "")), lambda: _principal_load(raw))
+
+
+def _principal_load(raw: str) -> KeyPrincipal | None:
     if settings.AI_API_KEY and hmac.compare_digest(raw.encode(), settings.AI_API_KEY.encode()):
         return KeyPrincipal(
             key_id=None,

@@ -11,6 +11,7 @@ from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from agent.protocol import job_stream_key
+from apps.jobs.selectors import job_stream_node
 from racon.redis import get_async_redis
 
 log = logging.getLogger("racon.ws")
@@ -46,7 +47,8 @@ class JobStreamConsumer(AsyncWebsocketConsumer):
 
     async def _follow(self) -> None:
         r = get_async_redis()
-        key = job_stream_key(self.job_id)
+        node = await sync_to_async(job_stream_node)(self.job_id)
+        key = job_stream_key(self.job_id, node or "")
         last = "0-0"
         idle = 0
         try:

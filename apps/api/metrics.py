@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -126,6 +126,12 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "racon_jobs": ("gauge", ("state", "model")),
     "racon_jobs_finished": ("counter", ("state", "model")),
     "racon_queue_depth": ("gauge", ()),
+    "racon_replicas": ("gauge", ("model",)),
+    "racon_deployment_slots_in_use": ("gauge", ("deployment", "model")),
+    "racon_deployment_slots_free": ("gauge", ("deployment", "model")),
+    "racon_model_queue_depth": ("gauge", ("model",)),
+    "racon_model_queue_wait_seconds": ("gauge", ("model",)),
+    "racon_replica_tokens_per_second": ("gauge", ("deployment", "model")),
     "racon_queue_wait_seconds": ("histogram", ("model",)),
     "racon_ttft_seconds": ("histogram", ("model",)),
     "racon_tokens_per_second": ("histogram", ("model",)),
@@ -186,11 +192,12 @@ def _collect(*, now: float) -> Iterator[Metric]:
     from apps.jobs.states import DeploymentState, JobState  # noqa: PLC0415
     from apps.nodes.states import NodeState  # noqa: PLC0415
 
-    db = _read_database()
+    db = _read_database(now=now)
     rd = _read_redis(
         node_ids=[n["id"] for n in db["pool_nodes"]],
         watched_ids=db["watched_ids"],
         deployment_ids=db["active_deployments"],
+        model_ids=sorted({row["model_id"] for row in db["replicas"]}),
         now=now,
     )
 
@@ -245,6 +252,7 @@ def _collect(*, now: float) -> Iterator[Metric]:
     )
     depth.add_metric([], sum(int(n or 0) for n in rd["waiting"]))
     yield depth
+    yield from _replicas(db["replicas"], db["replica_tokens"], rd)
 
     yield _histogram(
         "racon_queue_wait_seconds",
@@ -309,7 +317,70 @@ def _collect(*, now: float) -> Iterator[Metric]:
     yield latency
 
 
-def _read_database() -> dict[str, Any]:
+# Tokens/s per replica: completion tokens of the jobs it finished within this window, per second.
+REPLICA_TOKENS_WINDOW_SECONDS = 60.0
+
+
+def _replicas(
+    rows: list[dict[str, Any]], tokens: dict[str, int], rd: dict[str, Any]
+) -> Iterator[Metric]:
+    """Replicas per model, slots per deployment, each model's queue, and tokens/s per replica."""
+    replicas = GaugeMetricFamily(
+        "racon_replicas", "Active deployments (replicas) of each model.", labels=["model"]
+    )
+    in_use = GaugeMetricFamily(
+        "racon_deployment_slots_in_use",
+        "Slots of an active deployment held by running jobs (live leases).",
+        labels=["deployment", "model"],
+    )
+    free = GaugeMetricFamily(
+        "racon_deployment_slots_free",
+        "Slots of an active deployment free for a new request (n_parallel minus in use).",
+        labels=["deployment", "model"],
+    )
+    tps = GaugeMetricFamily(
+        "racon_replica_tokens_per_second",
+        f"Completion tokens per second a replica delivered over the last "
+        f"{REPLICA_TOKENS_WINDOW_SECONDS:.0f} s (finished jobs).",
+        labels=["deployment", "model"],
+    )
+    per_model: dict[str, int] = {}
+    names: dict[str, str] = {}
+    for row in rows:
+        dep, model = row["id"], row["model"]
+        names[row["model_id"]] = model
+        per_model[model] = per_model.get(model, 0) + 1
+        used = rd["slots_in_use"].get(dep, 0)
+        in_use.add_metric([dep, model], used)
+        free.add_metric([dep, model], max(0, int(row["n_parallel"] or 1) - used))
+        tps.add_metric([dep, model], tokens.get(dep, 0) / REPLICA_TOKENS_WINDOW_SECONDS)
+    for model in sorted(per_model):
+        replicas.add_metric([model], per_model[model])
+    yield replicas
+    yield in_use
+    yield free
+    depth = GaugeMetricFamily(
+        "racon_model_queue_depth",
+        "Requests waiting for a slot, over every replica of the model (live waiters).",
+        labels=["model"],
+    )
+    wait = GaugeMetricFamily(
+        "racon_model_queue_wait_seconds",
+        "The model's recent queue wait (admission's EWMA), which the replica autoscaler follows.",
+        labels=["model"],
+    )
+    waiters: dict[str, int] = {}
+    for row in rows:
+        waiters[row["model"]] = waiters.get(row["model"], 0) + rd["waiters"].get(row["id"], 0)
+    for model_id, model in sorted(names.items(), key=lambda kv: kv[1]):
+        depth.add_metric([model], waiters.get(model, 0))
+        wait.add_metric([model], rd["model_wait"].get(model_id, 0.0))
+    yield depth
+    yield wait
+    yield tps
+
+
+def _read_database(*, now: float) -> dict[str, Any]:
     """The scrape's database reads: a fixed set of aggregate queries, none per node or per job."""
     from django.db.models import BigIntegerField, Case, Count, F, Q, Sum, When  # noqa: PLC0415
 
@@ -349,12 +420,23 @@ def _read_database() -> dict[str, Any]:
     out["deployments_by_state"] = dict(
         Deployment.objects.order_by().values_list("state").annotate(n=Count("id"))
     )
-    out["active_deployments"] = [
-        str(i)
-        for i in Deployment.objects.filter(state__in=list(DEPLOYMENT_ACTIVE)).values_list(
-            "id", flat=True
-        )
+    out["replicas"] = [
+        {"id": str(d), "model_id": str(m), "model": name, "n_parallel": n}
+        for d, m, name, n in Deployment.objects.filter(state__in=list(DEPLOYMENT_ACTIVE))
+        .order_by("created_at")
+        .values_list("id", "model_id", "model__name", "n_parallel")
     ]
+    out["active_deployments"] = [row["id"] for row in out["replicas"]]
+    since = datetime.fromtimestamp(now - REPLICA_TOKENS_WINDOW_SECONDS, tz=UTC)
+    out["replica_tokens"] = {
+        str(d): int(t or 0)
+        for d, t in Job.objects.filter(
+            state=JobState.COMPLETED, finished_at__gte=since, deployment_id__isnull=False
+        )
+        .order_by()
+        .values_list("deployment_id")
+        .annotate(t=Sum("completion_tokens"))
+    }
     active = [JobState.QUEUED, JobState.DISPATCHED, JobState.RUNNING]
     out["jobs_active"] = {
         (m, s): n
@@ -443,10 +525,16 @@ return out
 
 
 def _read_redis(
-    *, node_ids: list[str], watched_ids: list[str], deployment_ids: list[str], now: float
+    *,
+    node_ids: list[str],
+    watched_ids: list[str],
+    deployment_ids: list[str],
+    model_ids: list[str],
+    now: float,
 ) -> dict[str, Any]:
     """Everything the scrape needs from Redis, in one pipelined round trip."""
     from agent.protocol import HEARTBEATS_ZSET, heartbeat_key  # noqa: PLC0415
+    from apps.jobs import admission  # noqa: PLC0415
 
     r = get_redis()
     with r.pipeline(transaction=False) as pipe:
@@ -469,11 +557,27 @@ def _read_redis(
         # Only active deployments can have waiters: no SCAN over the whole keyspace.
         for dep_id in deployment_ids:
             pipe.zcard(f"racon:dep:{dep_id}:waiting")
+        # Admission's keys, read as admission.slots_in_use / queue_depth / model_queue_wait read
+        # them, folded into this round trip: live leases only, the wait decayed to now.
+        live = f"({now!r}"
+        for dep_id in deployment_ids:
+            pipe.zcount(admission.slots_key(dep_id), live, "+inf")
+            pipe.zcount(admission.waitlease_key(dep_id), live, "+inf")
+        for model_id in model_ids:
+            pipe.hmget(admission.model_wait_key(model_id), ["ewma", "updated"])
         got = pipe.execute()
     lag, jobs_finished, tokens, placements, placement_seconds = got[:5]
     n = len(_HIST_BUCKETS)
     hists = dict(zip(_HIST_BUCKETS, got[5 : 5 + n], strict=True))
     ram, vram, missing = got[5 + n]
+    k = 6 + n + len(deployment_ids)
+    per_dep = got[k : k + 2 * len(deployment_ids)]
+    waits = got[k + 2 * len(deployment_ids) :]
+    model_wait: dict[str, float] = {}
+    for model_id, (ewma, updated) in zip(model_ids, waits, strict=True):
+        if ewma is not None and updated is not None:
+            age = max(0.0, now - float(updated))
+            model_wait[model_id] = float(ewma) * 0.5 ** (age / admission.WAIT_HALF_LIFE_SECONDS)
     return {
         "lag": (int(lag[0]), float(lag[1]), float(lag[2]), [int(c) for c in lag[3:]]),
         "jobs_finished": jobs_finished,
@@ -482,7 +586,10 @@ def _read_redis(
         "placement_seconds": placement_seconds,
         "hist": hists,
         "live_free": (int(ram), int(vram), {node_ids[int(i)] for i in missing}),
-        "waiting": got[6 + n :],
+        "waiting": got[6 + n : k],
+        "slots_in_use": {d: int(c) for d, c in zip(deployment_ids, per_dep[0::2], strict=True)},
+        "waiters": {d: int(c) for d, c in zip(deployment_ids, per_dep[1::2], strict=True)},
+        "model_wait": model_wait,
     }
 
 

@@ -3,7 +3,9 @@
 A request's path (DESIGN.md): validate, authenticate, reserve credits and create the job, route to
 a READY deployment (or place one and wait, bounded), take a slot, push run_job onto the primary's
 queue, then read the job's Redis stream and write SSE. Every hop is latency: the sync part is one
-thread hop, the stream read is async.
+thread hop, the stream read is async. Slots and the queue are apps/jobs/admission.py's, the stream
+reading and token counts apps/jobs/streams.py's; this module validates, calls them and shapes
+OpenAI's responses.
 """
 
 from __future__ import annotations
@@ -26,14 +28,19 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers
 
-from agent.protocol import job_cancel_key, job_stream_key
+from agent.protocol import job_cancel_key
+from apps.credits.services import InsufficientCredits, account_standing
+from apps.jobs import admission
 from apps.jobs import selectors as job_selectors
 from apps.jobs import services as job_services
+from apps.jobs import streams as job_streams
 from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
+from apps.jobs.streams import StreamFailure
 from apps.models_repo.models import Model
+from racon import cache
 from racon.logging import log_context
-from racon.redis import get_async_redis, get_redis
+from racon.redis import get_redis
 
 from .auth import ApiKey, KeyPrincipal, bearer_from_header, principal_for_key
 from .errors import ApiError
@@ -159,32 +166,25 @@ def _sampling(v: dict[str, Any]) -> dict[str, Any]:
 
 # --- admission (one sync hop) ---------------------------------------------------------------------
 
-_SLOT_LUA = """
-local n = tonumber(redis.call('GET', KEYS[1]) or '0')
-if n >= tonumber(ARGV[1]) then return 0 end
-local top = redis.call('ZRANGE', KEYS[2], 0, 0)
-if top[1] and top[1] ~= ARGV[2] then return 0 end
-redis.call('INCR', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[2])
-return 1
-"""
+MODEL_CACHE = "model"  # racon/cache.py: invalidated by Model and ModelFile writes (apps.py)
 
 
 @dataclass
 class Admission:
     job_id: str
     model_name: str
+    model_id: Any = None
     deployment_id: str | None = None
+    primary_id: str | None = None  # the node that runs it: its stream and cancel keys are under it
     dispatched: bool = False
     nodes: list[str] = field(default_factory=list)
     n_parallel: int = 1
     account_id: Any = None
     queued_ts: float = 0.0
-
-
-def _try_slot(deployment_id: str, job_id: str, cap: int) -> bool:
-    r = get_redis()
-    return bool(r.eval(_SLOT_LUA, 2, f"racon:dep:{deployment_id}:inflight", f"racon:dep:{deployment_id}:waiting", cap, job_id))
+    prompt_bound: int | None = None
+    follower: job_streams.StreamFollower | None = None
+    handed_off: bool = False  # the streaming body owns the job from here
+    finished: bool = False  # a finish (or a cancel) was recorded
 
 
 def _principal(header: str) -> KeyPrincipal:
@@ -212,10 +212,24 @@ def _authorize_and_admit(*, header: str, kind: str, body: Any, request_id: str) 
     return v, _admit(principal=principal, kind=kind, v=v, request_id=request_id)
 
 
+def _model_by_name(name: str) -> Model | None:
+    """The servable model of this name (one with a file), through the process cache."""
+
+    def load() -> Model | None:
+        model = Model.objects.filter(name=name).first()
+        return model if model is not None and model.files.exists() else None
+
+    return cache.cached(MODEL_CACHE, name, load)
+
+
+def _quota_error(exc: InsufficientCredits) -> ApiError:
+    return ApiError(f"You exceeded your current quota: {exc}", status_code=429, type_="insufficient_quota", code="insufficient_quota")
+
+
 def _admit(*, principal: KeyPrincipal, kind: str, v: dict[str, Any], request_id: str) -> Admission:
-    """Find the model, reserve credits, create the job; dispatch when a slot is free."""
-    model = Model.objects.filter(name=v["model"]).first()
-    if model is None or not model.files.exists():
+    """Find the model, reserve credits, create the job; dispatch at once when a slot is free."""
+    model = _model_by_name(v["model"])
+    if model is None:
         raise ApiError(f"The model '{v['model']}' does not exist", status_code=404, param="model", code="model_not_found", type_="invalid_request_error")
     max_tokens = int(v.get("max_completion_tokens") or v.get("max_tokens") or settings.DEFAULT_MAX_TOKENS)
     params = _sampling(v)
@@ -224,207 +238,147 @@ def _admit(*, principal: KeyPrincipal, kind: str, v: dict[str, Any], request_id:
     else:
         params["prompt"] = v["prompt"]
     now = timezone.now()
-    deployment = job_selectors.deployment_route(model_id=model.id)
+    deployment = job_selectors.deployment_route(model_id=model.id, cached=True)
     if deployment is not None and max_tokens > deployment.n_ctx:
         raise ApiError(
             f"max_tokens is too large: {max_tokens}. This model's context length is {deployment.n_ctx} tokens.",
             param="max_tokens", code="context_length_exceeded",
         )
-    from apps.credits.services import InsufficientCredits  # noqa: PLC0415
-
     stream = bool(v.get("stream"))
     job_id = uuid.uuid4()
+    adm = Admission(
+        job_id=str(job_id), model_name=model.name, model_id=model.id, account_id=principal.account_id, queued_ts=now.timestamp(),
+        prompt_bound=job_streams.prompt_token_bound(kind=kind, params=params),
+    )
     fast = deployment if deployment is not None and deployment.state in (DeploymentState.READY, DeploymentState.DEGRADED) else None
     # Fast path: a free slot with nobody waiting. Push run_job first, then write the job row,
     # its credit hold and the dispatch in one transaction while the primary evaluates the prompt.
     # If the credits are short, the primary is told to cancel before any token reaches anyone.
-    if fast is not None and _try_slot(str(fast.id), str(job_id), fast.n_parallel):
-        job_services.command_send(
-            node_id=fast.primary_id, kind="run_job",
-            payload=job_services.job_run_payload(job_id=job_id, deployment_id=fast.id, kind=kind, max_tokens=max_tokens, params=params),
-        )
+    if fast is not None and admission.slot_try(deployment_id=fast.id, job_id=job_id, cap=fast.n_parallel):
         try:
+            job_services.command_send(
+                node_id=fast.primary_id, kind="run_job",
+                payload=job_services.job_run_payload(job_id=job_id, deployment_id=fast.id, kind=kind, max_tokens=max_tokens, params=params),
+            )
             job_services.job_create(
                 model=model, account_id=principal.account_id, api_key_id=principal.key_id, kind=kind, params=params,
                 max_tokens=max_tokens, stream=stream, request_id=request_id, now=now, job_id=job_id, dispatched_to=fast,
             )
         except BaseException as exc:
-            r = get_redis()
-            r.set(job_cancel_key(str(job_id)), 1, ex=3600)
-            r.decr(f"racon:dep:{fast.id}:inflight")
+            get_redis().set(job_cancel_key(str(job_id), str(fast.primary_id)), 1, ex=3600)
+            admission.slot_release(deployment_id=fast.id, job_id=job_id)
             if isinstance(exc, InsufficientCredits):
-                raise ApiError(
-                    f"You exceeded your current quota: {exc}", status_code=429, type_="insufficient_quota", code="insufficient_quota"
-                ) from exc
+                raise _quota_error(exc) from exc
             raise
-        return Admission(
-            job_id=str(job_id), model_name=model.name, deployment_id=str(fast.id), dispatched=True,
-            nodes=[job_selectors.node_name(n) for n in job_services.dispatch_node_ids(fast)], n_parallel=fast.n_parallel,
-            account_id=principal.account_id, queued_ts=now.timestamp(),
-        )
+        adm.deployment_id, adm.dispatched, adm.n_parallel = str(fast.id), True, fast.n_parallel
+        adm.primary_id = str(fast.primary_id)
+        adm.nodes = [job_selectors.node_name(n) for n in job_services.dispatch_node_ids(fast)]
+        return adm
     try:
-        job = job_services.job_create(
+        job_services.job_create(
             model=model, account_id=principal.account_id, api_key_id=principal.key_id, kind=kind, params=params,
             max_tokens=max_tokens, stream=stream, request_id=request_id, now=now, job_id=job_id,
         )
     except InsufficientCredits as exc:
-        raise ApiError(
-            f"You exceeded your current quota: {exc}", status_code=429, type_="insufficient_quota", code="insufficient_quota"
-        ) from exc
-    adm = Admission(job_id=str(job.id), model_name=model.name, account_id=principal.account_id, queued_ts=now.timestamp())
+        raise _quota_error(exc) from exc
     if deployment is None:
         deployment = job_services.deployment_ensure(model=model, now=now)
     adm.deployment_id = str(deployment.id)
     adm.n_parallel = deployment.n_parallel
-    if deployment.state in (DeploymentState.READY, DeploymentState.DEGRADED):
-        _dispatch_if_free(adm, deployment)
     return adm
 
 
 def _priority_score(account_id: Any, queued_ts: float) -> float:
     """Lower is served first: arrival time minus a standing bonus capped at the max wait (bounded starvation)."""
-    bonus = 0.0
-    try:
-        from apps.credits.services import account_standing  # noqa: PLC0415
-
-        standing = account_standing(account_ids=[account_id]).get(account_id, 0)
-        bonus = min(float(settings.PRIORITY_MAX_WAIT_SECONDS), max(0.0, float(standing)) / 1_000_000.0)
-    except ImportError:
-        bonus = 0.0
+    standing = account_standing(account_ids=[account_id]).get(account_id, 0)
+    bonus = min(float(settings.PRIORITY_MAX_WAIT_SECONDS), max(0.0, float(standing)) / 1_000_000.0)
     return queued_ts - bonus
 
 
-def _dispatch_if_free(adm: Admission, deployment: Deployment) -> bool:
-    """Take a slot and dispatch, or join the deployment's waiting queue (ordered by priority)."""
-    r = get_redis()
-    # Fast path: a free slot and nobody waiting ahead of us (the script checks both atomically).
-    if not _try_slot(str(deployment.id), adm.job_id, deployment.n_parallel):
-        waiting_key = f"racon:dep:{deployment.id}:waiting"
-        if r.zscore(waiting_key, adm.job_id) is not None:
-            return False
-        if r.zcard(waiting_key) >= settings.JOB_QUEUE_MAX:
-            job_services.job_fail(job_id=adm.job_id, now=timezone.now(), error="no capacity: queue full", during_execution=False)
-            raise ApiError("The server is at capacity; retry shortly.", status_code=503, type_="server_error", code="no_capacity", headers={"Retry-After": "2"})
-        # Standing is only worth computing when there is a queue to be ordered.
-        r.zadd(waiting_key, {adm.job_id: _priority_score(adm.account_id, adm.queued_ts)})
-        if not _try_slot(str(deployment.id), adm.job_id, deployment.n_parallel):
-            return False
+async def _wait_and_dispatch(adm: Admission) -> None:
+    """Wait (bounded) for a READY deployment and a slot, then dispatch; else 503 with Retry-After."""
     try:
-        out = job_services.job_dispatch(job_id=adm.job_id, deployment=deployment, now=timezone.now())
-    except Exception:
-        r.decr(f"racon:dep:{deployment.id}:inflight")
+        await admission.wait_for_slot(
+            deployment_id=adm.deployment_id, job_id=adm.job_id, model_id=adm.model_id, queued_at=adm.queued_ts,
+            priority=lambda: _priority_score(adm.account_id, adm.queued_ts),
+            load_timeout=max(settings.DEPLOYMENT_WAIT_SECONDS, settings.JOB_QUEUE_WAIT_SECONDS), slot_timeout=settings.JOB_QUEUE_WAIT_SECONDS,
+        )
+    except admission.DeploymentUnavailable as exc:
+        await sync_to_async(_give_up)(adm, f"no deployment could serve the request: {exc.reason}")
+        raise ApiError(f"No deployment of this model is available: {exc.reason}", status_code=503, type_="server_error", code="no_capacity", headers={"Retry-After": "30"}) from exc
+    except admission.QueueFull as exc:
+        await sync_to_async(_give_up)(adm, "no capacity: queue full")
+        raise ApiError("The server is at capacity; retry shortly.", status_code=503, type_="server_error", code="no_capacity", headers={"Retry-After": "2"}) from exc
+    except admission.WaitTimedOut as exc:
+        await sync_to_async(_give_up)(adm, "timed out waiting for capacity")
+        raise ApiError("The model is busy or still loading; retry shortly.", status_code=503, type_="server_error", code="no_capacity", headers={"Retry-After": "5"}) from exc
+    await sync_to_async(_dispatch)(adm)
+
+
+def _dispatch(adm: Admission) -> None:
+    """Push the job to the deployment whose slot it holds (job_dispatch gives the slot back on failure)."""
+    try:
+        deployment = Deployment.objects.get(pk=adm.deployment_id)
+    except Deployment.DoesNotExist:
+        admission.slot_release(deployment_id=adm.deployment_id, job_id=adm.job_id)
         raise
+    out = job_services.job_dispatch(job_id=adm.job_id, deployment=deployment, now=timezone.now())
     adm.dispatched = True
+    adm.n_parallel = deployment.n_parallel
+    adm.primary_id = out["primary"]
     adm.nodes = [job_selectors.node_name(n) for n in out["nodes"]]
-    return True
 
 
-def _wait_step(adm: Admission) -> str:
-    """One poll while waiting for a deployment or a slot: 'dispatched', 'wait' or 'failed:<reason>'."""
-    dep = Deployment.objects.filter(pk=adm.deployment_id).first()
-    if dep is None:
-        return "failed:deployment vanished"
-    if dep.state in (DeploymentState.FAILED, DeploymentState.STOPPED):
-        return f"failed:{dep.error or 'deployment ' + dep.state.lower()}"
-    if dep.state in (DeploymentState.READY, DeploymentState.DEGRADED):
-        return "dispatched" if _dispatch_if_free(adm, dep) else "wait"
-    return "wait"
-
-
-def _give_up(adm: Admission, reason: str, *, status_code: int = 503) -> None:
-    if adm.deployment_id:
-        get_redis().zrem(f"racon:dep:{adm.deployment_id}:waiting", adm.job_id)
+def _give_up(adm: Admission, reason: str) -> None:
+    adm.finished = True
     job_services.job_fail(job_id=adm.job_id, now=timezone.now(), error=reason, during_execution=False)
 
 
-# --- streaming --------------------------------------------------------------------------------
+# --- finishing --------------------------------------------------------------------------------
 
 
-class StreamFailure(Exception):
-    def __init__(self, message: str, *, code: str = "stream_error", during_execution: bool = True) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-        self.during_execution = during_execution
+def _usage_of(adm: Admission, entry: dict[str, str] | None = None, *, check: bool = True) -> dict[str, Any]:
+    return adm.follower.usage(entry, check=check) if adm.follower is not None else {}
 
 
-async def _entries(adm: Admission) -> AsyncIterator[dict[str, str]]:
-    """Yield the job's stream entries in order; a gap, an idle stream or a dead primary raises."""
-    r = get_async_redis()
-    key = job_stream_key(adm.job_id)
-    last_id = "0-0"
-    expected = 0
-    idle_limit = float(settings.STREAM_IDLE_TIMEOUT_SECONDS)
-    idle_since = time.monotonic()
-    while True:
-        got = await r.xread({key: last_id}, block=1000, count=256)
-        if not got:
-            if time.monotonic() - idle_since > idle_limit:
-                raise StreamFailure(f"no output from the primary for {idle_limit:.0f}s", code="primary_timeout")
-            if await _primary_gone(adm):
-                raise StreamFailure("the primary node of this deployment stopped responding", code="primary_lost")
-            continue
-        idle_since = time.monotonic()
-        for entry_id, fields in got[0][1]:
-            last_id = entry_id
-            try:
-                seq = int(fields.get("seq", -1))
-            except ValueError:
-                seq = -1
-            if seq != expected:
-                raise StreamFailure(f"token stream gap: expected chunk {expected}, got {seq}", code="stream_gap")
-            expected += 1
-            yield fields
-            if fields.get("type") in ("done", "error"):
-                return
-
-
-async def _primary_gone(adm: Admission) -> bool:
-    dep = await sync_to_async(lambda: Deployment.objects.filter(pk=adm.deployment_id).values("state", "primary_id").first())()
-    if dep is None or dep["state"] in (DeploymentState.FAILED, DeploymentState.STOPPED):
-        return True
-    state = await get_async_redis().hget(f"racon:node:{dep['primary_id']}:meta", "state")
-    return state in ("OFFLINE", "ERROR")
-
-
-def _error_for_stream(fields: dict[str, str]) -> StreamFailure:
-    text = fields.get("text") or "generation failed"
-    low = text.lower()
-    if "context" in low and ("exceed" in low or "too long" in low or "length" in low):
-        return StreamFailure(text, code="context_length_exceeded", during_execution=False)
-    return StreamFailure(text, code="runtime_error")
-
-
-def _usage(fields: dict[str, str]) -> dict[str, Any]:
-    try:
-        return json.loads(fields.get("usage") or "{}") or {}
-    except ValueError:
-        return {}
-
-
-def _finish_sync(adm: Admission, outcome: str, *, usage: dict[str, Any] | None = None, finish_reason: str = "stop", chunks: int = 0, error: str = "", during: bool | None = None) -> None:
+def _finish_sync(adm: Admission, outcome: str, *, entry: dict[str, str] | None = None, finish_reason: str = "stop", error: str = "", during: bool | None = None) -> None:
+    """Record the job's end with the controller's own counts (streams.StreamFollower)."""
+    adm.finished = True
     now = timezone.now()
+    chunks = adm.follower.chunks if adm.follower is not None else 0
     if outcome == "completed":
-        job_services.job_complete(job_id=adm.job_id, usage=usage or {}, finish_reason=finish_reason, chunks=chunks, now=now)
+        job_services.job_complete(job_id=adm.job_id, usage=_usage_of(adm, entry), finish_reason=finish_reason, chunks=chunks, now=now)
     elif outcome == "cancelled":
-        job_services.job_cancel(job_id=adm.job_id, now=now, reason=error or "client disconnected", usage=usage, chunks=chunks)
+        job_services.job_cancel(job_id=adm.job_id, now=now, reason=error or "client disconnected", usage=_usage_of(adm, entry, check=False), chunks=chunks)
     else:
-        job_services.job_fail(job_id=adm.job_id, now=now, error=error, during_execution=during, usage=usage, chunks=chunks)
+        job_services.job_fail(job_id=adm.job_id, now=now, error=error, during_execution=during, usage=_usage_of(adm, entry, check=False), chunks=chunks)
 
 
-def _cancel_in_background(adm: Admission, chunks: int) -> None:
-    """Client gone: flag the primary at once (Redis), record CANCELLED off the cancelled task."""
-    try:
-        get_redis().set(job_cancel_key(adm.job_id), 1, ex=3600)
-    except Exception:  # noqa: BLE001
-        log.warning("could not set the cancel flag", exc_info=True)
+def _finish_in_background(adm: Admission, outcome: str, **kw: Any) -> None:
+    """Record the job's end off a task that is being cancelled (no await is safe there)."""
+    if adm.finished:
+        return
+    adm.finished = True
+
     def run() -> None:
         try:
-            _finish_sync(adm, "cancelled", chunks=chunks, error="client disconnected")
+            _finish_sync(adm, outcome, **kw)
         finally:
             connections.close_all()  # this thread's own connection
 
     threading.Thread(target=run, daemon=True).start()
+
+
+def _cancel_in_background(adm: Admission) -> None:
+    """Client gone: flag the primary at once (Redis), record CANCELLED off the cancelled task."""
+    if adm.finished:
+        return
+    try:
+        if adm.primary_id:
+            get_redis().set(job_cancel_key(adm.job_id, adm.primary_id), 1, ex=3600)
+    except Exception:  # noqa: BLE001
+        log.warning("could not set the cancel flag", exc_info=True)
+    _finish_in_background(adm, "cancelled", error="client disconnected")
 
 
 # --- response shapes --------------------------------------------------------------------------
@@ -503,11 +457,14 @@ async def _completion(request: HttpRequest, *, kind: str) -> HttpResponse:
         v, adm = await sync_to_async(_authorize_and_admit)(header=header, kind=kind, body=body, request_id=request_id)
         with log_context(job_id=adm.job_id, deployment_id=adm.deployment_id):
             if not adm.dispatched:
-                await _wait_for_dispatch(adm)
+                await _wait_and_dispatch(adm)
             log.info("job dispatched to %s", ",".join(adm.nodes))
             stream = bool(v.get("stream"))
             include_usage = bool((v.get("stream_options") or {}).get("include_usage"))
-            entries = _entries(adm)
+            adm.follower = job_streams.StreamFollower(
+                job_id=adm.job_id, deployment_id=adm.deployment_id, node_id=adm.primary_id, prompt_bound=adm.prompt_bound
+            )
+            entries = adm.follower.entries()
             # Read the first entry before answering: an early error (context too long) is a 400.
             try:
                 first = await entries.__anext__()
@@ -515,8 +472,8 @@ async def _completion(request: HttpRequest, *, kind: str) -> HttpResponse:
                 await sync_to_async(_finish_sync)(adm, "failed", error=exc.message, during=True)
                 raise ApiError(exc.message, status_code=502, type_="server_error", code=exc.code) from exc
             if first.get("type") == "error":
-                failure = _error_for_stream(first)
-                await sync_to_async(_finish_sync)(adm, "failed", error=failure.message, during=failure.during_execution, usage=_usage(first))
+                failure = job_streams.error_for_entry(first)
+                await sync_to_async(_finish_sync)(adm, "failed", entry=first, error=failure.message, during=failure.during_execution)
                 if failure.code == "context_length_exceeded":
                     raise ApiError(failure.message, param="messages", code="context_length_exceeded")
                 raise ApiError(failure.message, status_code=502, type_="server_error", code=failure.code)
@@ -525,54 +482,36 @@ async def _completion(request: HttpRequest, *, kind: str) -> HttpResponse:
                 resp = StreamingHttpResponse(_sse_body(adm, kind, first, entries, include_usage, first_at), content_type="text/event-stream")
                 resp["Cache-Control"] = "no-cache"
                 resp["X-Accel-Buffering"] = "no"
+                adm.handed_off = True
                 return _headers(resp, adm)
             await sync_to_async(job_services.job_mark_running)(job_id=adm.job_id, now=first_at)
             return _headers(await _collect(adm, kind, first, entries), adm)
     except ApiError as exc:
-        if adm is not None and exc.status_code >= 500:
+        if adm is not None and exc.status_code >= 500 and not adm.finished:
             await sync_to_async(_finish_sync)(adm, "failed", error=exc.message, during=False)
         resp = exc.response()
         if adm is not None:
             _headers(resp, adm)
         return resp
+    except asyncio.CancelledError:
+        # The client went away before its response began (queued, dispatching, or before the
+        # first token): the wait already left the queue; the job is cancelled, its slot freed.
+        if adm is not None and not adm.handed_off:
+            _cancel_in_background(adm)
+        raise
     except Exception:
         log.exception("internal error in %s completion", kind)
-        if adm is not None:
+        if adm is not None and not adm.finished:
             await sync_to_async(_finish_sync)(adm, "failed", error="internal error", during=None)
         return ApiError("The server had an error while processing your request.", status_code=500, type_="server_error", code="internal_error").response()
-
-
-async def _wait_for_dispatch(adm: Admission) -> None:
-    """Wait (bounded) for the deployment to become READY and for a slot; else 503 with Retry-After."""
-    deadline = time.monotonic() + max(settings.DEPLOYMENT_WAIT_SECONDS, settings.JOB_QUEUE_WAIT_SECONDS)
-    slot_deadline: float | None = None
-    delay = 0.02
-    while True:
-        status = await sync_to_async(_wait_step)(adm)
-        if status == "dispatched":
-            return
-        if status.startswith("failed:"):
-            reason = status.split(":", 1)[1]
-            await sync_to_async(_give_up)(adm, f"no deployment could serve the request: {reason}")
-            raise ApiError(f"No deployment of this model is available: {reason}", status_code=503, type_="server_error", code="no_capacity", headers={"Retry-After": "30"})
-        now = time.monotonic()
-        dep_ready = await sync_to_async(lambda: Deployment.objects.filter(pk=adm.deployment_id, state__in=[DeploymentState.READY, DeploymentState.DEGRADED]).exists())()
-        if dep_ready and slot_deadline is None:
-            slot_deadline = now + settings.JOB_QUEUE_WAIT_SECONDS
-        if now > deadline or (slot_deadline is not None and now > slot_deadline):
-            await sync_to_async(_give_up)(adm, "timed out waiting for capacity")
-            raise ApiError("The model is busy or still loading; retry shortly.", status_code=503, type_="server_error", code="no_capacity", headers={"Retry-After": "5"})
-        await asyncio.sleep(delay)
-        delay = min(0.25, delay * 1.5)
 
 
 async def _sse_body(
     adm: Admission, kind: str, first: dict[str, str], entries: AsyncIterator[dict[str, str]], include_usage: bool, first_at: Any
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
-    chunks = 0
-    finished = False
     marked_running = False
+    done: dict[str, str] | None = None
     try:
         if kind == "chat":
             yield _sse(_chat_chunk(adm, created, {"role": "assistant", "content": ""}, None, None, include_usage))
@@ -580,7 +519,6 @@ async def _sse_body(
         while entry is not None:
             etype = entry.get("type")
             if etype == "chunk":
-                chunks += 1
                 text = entry.get("text", "")
                 if kind == "chat":
                     yield _sse(_chat_chunk(adm, created, {"content": text}, None, None, include_usage))
@@ -591,11 +529,9 @@ async def _sse_body(
                     marked_running = True
                     await sync_to_async(job_services.job_mark_running)(job_id=adm.job_id, now=first_at)
             elif etype == "done":
-                usage = _usage(entry)
                 fr = entry.get("finish_reason") or "stop"
                 if fr == "cancelled":
-                    finished = True
-                    await sync_to_async(_finish_sync)(adm, "cancelled", usage=usage, chunks=chunks, error="cancelled")
+                    await sync_to_async(_finish_sync)(adm, "cancelled", entry=entry, error="cancelled")
                     yield _sse({"error": {"message": "The request was cancelled.", "type": "server_error", "param": None, "code": "cancelled"}})
                     yield b"data: [DONE]\n\n"
                     return
@@ -604,20 +540,19 @@ async def _sse_body(
                 else:
                     yield _sse(_text_chunk(adm, created, "", fr, None, include_usage))
                 if include_usage:
-                    final = (_chat_chunk if kind == "chat" else _text_chunk)(adm, created, {} if kind == "chat" else "", None, _openai_usage(usage), True)  # type: ignore[operator]
+                    final = (_chat_chunk if kind == "chat" else _text_chunk)(adm, created, {} if kind == "chat" else "", None, _openai_usage(_usage_of(adm, entry, check=False)), True)  # type: ignore[operator]
                     final["choices"] = []
                     yield _sse(final)
-                finished = True
                 # The client has everything: send [DONE] first, then record the job (settlement
                 # and metrics) before the response closes, so a client that reads to the end
-                # still finds the job COMPLETED.
+                # still finds the job COMPLETED. One that leaves at [DONE] is recorded below.
+                done = entry
                 yield b"data: [DONE]\n\n"
-                await sync_to_async(_finish_sync)(adm, "completed", usage=usage, finish_reason=fr, chunks=chunks)
+                await sync_to_async(_finish_sync)(adm, "completed", entry=entry, finish_reason=fr)
                 return
             elif etype == "error":
-                failure = _error_for_stream(entry)
-                finished = True
-                await sync_to_async(_finish_sync)(adm, "failed", error=failure.message, during=True, usage=_usage(entry), chunks=chunks)
+                failure = job_streams.error_for_entry(entry)
+                await sync_to_async(_finish_sync)(adm, "failed", entry=entry, error=failure.message, during=True)
                 yield _sse({"error": {"message": failure.message, "type": "server_error", "param": None, "code": failure.code}})
                 yield b"data: [DONE]\n\n"
                 return
@@ -626,32 +561,30 @@ async def _sse_body(
             except StopAsyncIteration:
                 entry = None
     except StreamFailure as exc:
-        finished = True
-        await sync_to_async(_finish_sync)(adm, "failed", error=exc.message, during=True, chunks=chunks)
+        await sync_to_async(_finish_sync)(adm, "failed", error=exc.message, during=True)
         yield _sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
         yield b"data: [DONE]\n\n"
     finally:
-        if not finished:
-            _cancel_in_background(adm, chunks)
+        if done is not None:
+            _finish_in_background(adm, "completed", entry=done, finish_reason=done.get("finish_reason") or "stop")
+        _cancel_in_background(adm)  # both no-ops once the job's end was recorded
 
 
 async def _collect(adm: Admission, kind: str, first: dict[str, str], entries: AsyncIterator[dict[str, str]]) -> HttpResponse:
     parts: list[str] = []
-    chunks = 0
     entry: dict[str, str] | None = first
     try:
         while entry is not None:
             etype = entry.get("type")
             if etype == "chunk":
-                chunks += 1
                 parts.append(entry.get("text", ""))
             elif etype == "done":
-                usage = _usage(entry)
                 fr = entry.get("finish_reason") or "stop"
                 if fr == "cancelled":
-                    await sync_to_async(_finish_sync)(adm, "cancelled", usage=usage, chunks=chunks, error="cancelled")
+                    await sync_to_async(_finish_sync)(adm, "cancelled", entry=entry, error="cancelled")
                     raise ApiError("The request was cancelled.", status_code=499, type_="server_error", code="cancelled")
-                await sync_to_async(_finish_sync)(adm, "completed", usage=usage, finish_reason=fr, chunks=chunks)
+                usage = _openai_usage(_usage_of(adm, entry, check=False))
+                await sync_to_async(_finish_sync)(adm, "completed", entry=entry, finish_reason=fr)
                 text = "".join(parts)
                 created = int(time.time())
                 if kind == "chat":
@@ -659,26 +592,26 @@ async def _collect(adm: Admission, kind: str, first: dict[str, str], entries: As
                         "id": f"chatcmpl-{adm.job_id}", "object": "chat.completion", "created": created, "model": adm.model_name,
                         "system_fingerprint": None,
                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None, "finish_reason": fr}],
-                        "usage": _openai_usage(usage),
+                        "usage": usage,
                     }
                 else:
                     body = {
                         "id": f"cmpl-{adm.job_id}", "object": "text_completion", "created": created, "model": adm.model_name,
                         "system_fingerprint": None,
                         "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": fr}],
-                        "usage": _openai_usage(usage),
+                        "usage": usage,
                     }
                 return JsonResponse(body)
             elif etype == "error":
-                failure = _error_for_stream(entry)
-                await sync_to_async(_finish_sync)(adm, "failed", error=failure.message, during=True, usage=_usage(entry), chunks=chunks)
+                failure = job_streams.error_for_entry(entry)
+                await sync_to_async(_finish_sync)(adm, "failed", entry=entry, error=failure.message, during=True)
                 raise ApiError(failure.message, status_code=502, type_="server_error", code=failure.code)
             entry = await entries.__anext__()
     except StreamFailure as exc:
-        await sync_to_async(_finish_sync)(adm, "failed", error=exc.message, during=True, chunks=chunks)
+        await sync_to_async(_finish_sync)(adm, "failed", error=exc.message, during=True)
         raise ApiError(exc.message, status_code=502, type_="server_error", code=exc.code) from exc
     except (asyncio.CancelledError, GeneratorExit):
-        _cancel_in_background(adm, chunks)
+        _cancel_in_background(adm)
         raise
     raise StreamFailure("the stream ended without a final entry")
 

@@ -178,7 +178,7 @@ def dashboard_page(*, user: Any, now: datetime) -> dict[str, Any]:
     return {
         **stats,
         "rows": _node_rows(nodes, now=now),
-        "deployments": [deployment_row(d, viewer) for d in deployments],
+        "deployments": deployment_rows(deployments, viewer)[0],
         "events": node_selectors.event_list(limit=15, account_id=viewer.scope),
     }
 
@@ -195,7 +195,25 @@ def model_list_page() -> dict[str, Any]:
     return {"models": list(Model.objects.prefetch_related("files__replicas").order_by("name"))}
 
 
-def deployment_row(dep: Deployment, viewer: Viewer | None = None) -> dict[str, Any]:
+def deployment_rows(deps: list[Deployment], viewer: Viewer | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows for these deployments and a summary per model that has replicas (slots, queue),
+    from one read of admission's figures."""
+    load = job_selectors.replica_load(deployments=deps)
+    rows = [deployment_row(d, viewer, load=load) for d in deps]
+    names = {str(d.model_id): d.model.name for d in deps}
+    models = [
+        {"model": names[mid], **vars(m)}
+        for mid, m in sorted(load[2].items(), key=lambda kv: names.get(kv[0], ""))
+        if m.replicas and mid in names
+    ]
+    return rows, models
+
+
+def deployment_row(dep: Deployment, viewer: Viewer | None = None, load: Any = None) -> dict[str, Any]:
+    """One deployment's row: nodes (as this viewer may see them), prediction, slots and queue."""
+    if load is None:
+        load = job_selectors.replica_load(deployments=[dep])
+    in_use, waiting, _ = load
     plan = dep.plan or {}
     nodes = list(dep.nodes.all())
     names = [n.name for n in nodes]
@@ -210,13 +228,17 @@ def deployment_row(dep: Deployment, viewer: Viewer | None = None) -> dict[str, A
         "node_names": names,
         "predicted_tps": plan.get("predicted_tokens_per_s"),
         "active": dep.state in DEPLOYMENT_ACTIVE,
+        "slots_in_use": in_use.get(str(dep.id), 0),
+        "queue_depth": waiting.get(str(dep.id), 0),
     }
 
 
 def deployment_list_page(*, user: Any) -> dict[str, Any]:
     viewer = viewer_for(user)
+    rows, replicas = deployment_rows(list(_visible_deployments(viewer)[:200]), viewer)
     return {
-        "deployments": [deployment_row(d, viewer) for d in _visible_deployments(viewer)[:200]],
+        "deployments": rows,
+        "replicas": replicas,
         "models": list(Model.objects.filter(files__isnull=False).distinct().order_by("name")),
         "nodes": node_selectors.node_list(),
         "is_staff": viewer.is_staff,

@@ -6,9 +6,10 @@ from django.contrib.auth import views as auth_views
 from django.urls import path, re_path
 
 from . import ui_views as v
+from .login import ThrottledLoginView
 
 urlpatterns = [
-    path("login/", auth_views.LoginView.as_view(template_name="ui/login.html", redirect_authenticated_user=True), name="login"),
+    path("login/", ThrottledLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", v.dashboard, name="ui-dashboard"),
     path("nodes/", v.node_list, name="ui-nodes"),

@@ -27,6 +27,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from apps.api import ui_render
 from apps.api.auth import api_key_create, api_key_revoke
+from apps.api.login import safe_next
 from apps.api.models import ApiKey
 from apps.credits.services import account_for_user, receipt_check
 from apps.jobs import services as job_services
@@ -69,7 +70,8 @@ def staff_required(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpR
 
 
 def _back(request: HttpRequest, fallback: str) -> HttpResponse:
-    return redirect(request.POST.get("next") or fallback)
+    # Only back into this site: a posted next= must not send the operator elsewhere.
+    return redirect(safe_next(request, request.POST.get("next"), fallback))
 
 
 # --- static files ----------------------------------------------------------------------------------
@@ -217,10 +219,18 @@ def _placement_input(request: HttpRequest) -> tuple[Model | None, dict[str, Any]
         return model, {}, "n_ctx must be a whole number."
     if not 128 <= n_ctx <= 1_048_576:
         return model, {}, "n_ctx must be between 128 and 1048576."
+    data: dict[str, Any] = {"n_ctx": n_ctx}
+    if request.POST.get("n_parallel"):
+        try:
+            data["n_parallel"] = int(request.POST["n_parallel"])
+        except ValueError:
+            return model, {}, "n_parallel must be a whole number."
+        if not 1 <= data["n_parallel"] <= 64:
+            return model, {}, "n_parallel must be between 1 and 64 (leave it empty: as many as memory allows)."
     nodes = [n for n in request.POST.getlist("nodes") if n]
     if nodes and Node.objects.filter(pk__in=nodes).count() != len(set(nodes)):
         return model, {}, "Unknown node in the selection."
-    return model, {"n_ctx": n_ctx, "nodes": nodes, "spread": request.POST.get("spread") == "on"}, ""
+    return model, {**data, "nodes": nodes, "spread": request.POST.get("spread") == "on", "allow_same_node": request.POST.get("allow_same_node") == "on"}, ""
 
 
 @staff_required

@@ -129,6 +129,51 @@ def standby_amount(*, per_gib_hour: int, memory_bytes: int, elapsed_ms: int) -> 
     return per_gib_hour * memory_bytes * elapsed_ms // (GIB * MS_PER_HOUR)
 
 
+def standby_memory(*, claimed_bytes: int, seen_bytes: int, unseen_allowance: int) -> int:
+    """Memory standby pays for: what the node claims free, but beyond ``unseen_allowance`` only as
+    much as it was seen to hold (buffers another node's primary loaded onto it). A negative
+    allowance turns the rule off."""
+    claimed = max(claimed_bytes, 0)
+    if unseen_allowance < 0:
+        return claimed
+    return min(claimed, max(seen_bytes, 0, unseen_allowance))
+
+
+def standby_capped(amount: int, *, cap: int) -> int:
+    """Standby pay for one node and period, at most ``cap`` (0 or less: no cap)."""
+    return amount if cap <= 0 else min(amount, cap)
+
+
+MIB = 1024**2
+
+
+def seen_worker_bytes(*, plan: Mapping[str, Any], load_report: Mapping[str, Any]) -> dict[str, int]:
+    """Node → bytes of model, KV and compute buffers a primary reported loading onto that node's
+    RPC devices (the load report's assignment, matched to the plan by endpoint). The primary's
+    own devices are left out: a node cannot vouch for itself."""
+    primary = str(plan.get("primary_node_id") or "")
+    by_endpoint: dict[str, str] = {}
+    for d in plan.get("devices") or []:
+        node_id, endpoint = str(d.get("node_id") or ""), d.get("endpoint")
+        if node_id and endpoint and node_id != primary:
+            by_endpoint[str(endpoint)] = node_id
+    seen: dict[str, int] = {}
+    for entry in load_report.get("assignment") or []:
+        if not isinstance(entry, Mapping):
+            continue
+        node_id = by_endpoint.get(str(entry.get("endpoint") or ""))
+        if node_id is None:
+            continue
+        mib = 0.0
+        for key in ("model_buffer_mib", "kv_buffer_mib", "compute_buffer_mib"):
+            try:
+                mib += max(float(entry.get(key) or 0.0), 0.0)
+            except (TypeError, ValueError):
+                continue
+        seen[node_id] = seen.get(node_id, 0) + int(mib * MIB)
+    return seen
+
+
 def job_priority_order(
     jobs: Iterable[tuple[Hashable, int, datetime]], now: datetime, max_wait_s: float
 ) -> list[Hashable]:

@@ -33,9 +33,12 @@ from .rules import (
     MAX_AMOUNT,
     amount_check,
     plan_work,
+    seen_worker_bytes,
     settlement_split,
     share_ppm,
     standby_amount,
+    standby_capped,
+    standby_memory,
     token_cost,
 )
 from .selectors import (  # account_standing is re-exported: the /v1 API imports it from here
@@ -423,8 +426,8 @@ def _escrow_release_if_due(
 def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
     """Settle a terminal job exactly once: charge what was delivered, release the rest, pay the nodes.
 
-    Charges prompt + completion tokens at the model's price (from the hold first, then from what
-    the consumer has free above its floor; what neither covers is not charged), pays each node
+    Charges prompt + completion tokens at the model's price, never more than the hold (what the
+    hold does not cover is not charged, and the overrun is recorded), pays each node
     of the plan its share (settlement_split) to its owner or to escrow, releases the rest of the
     hold, and signs one receipt per participating node, all in one transaction. Completed, failed
     and cancelled jobs go through the same path. Repeated or concurrent calls return the one entry.
@@ -472,12 +475,9 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
         if existing is not None:
             return existing  # a concurrent settlement won while we waited for the locks
 
-        if consumer_id is None:
-            charge = 0
-        else:
-            consumer = accounts[consumer_id]
-            free = cost if consumer.floor is None else max(consumer.balance - consumer.floor, 0)
-            charge = min(cost, held + free)
+        # Never more than the hold: usage is a node's claim until counted, and a forged figure
+        # (2,000,000,000 tokens) must not reach into the consumer's whole balance.
+        charge = 0 if consumer_id is None else min(cost, held)
         fee = charge * fee_permille // 1000
         pool = charge - fee
         shares = settlement_split(
@@ -532,6 +532,7 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
                 "cost": cost,
                 "held": held,
                 "charged": charge,
+                "uncharged": cost - charge,
                 "fee": fee,
                 "value": pool,
                 "primary_node_id": primary,
@@ -552,7 +553,10 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
 
     Pay = CREDITS_STANDBY_PER_GIB_HOUR × GiB offered (free RAM + free VRAM) × hours, counted
     from the later of its last standby reward and its becoming READY, and at most one period
-    (CREDITS_STANDBY_PERIOD_SECONDS) back. Minted, to the owner or to escrow like any earning.
+    (CREDITS_STANDBY_PERIOD_SECONDS) back. The figures are the node's claims, so: memory past
+    CREDITS_STANDBY_UNSEEN_BYTES is paid only up to what the node was seen to hold (buffers another
+    node's primary loaded onto it), and one node's pay per period is at most
+    CREDITS_STANDBY_CAP_PER_PERIOD. Minted, to the owner or to escrow like any earning.
     """
     from apps.nodes.models import Node  # noqa: PLC0415
     from apps.nodes.states import NodeState  # noqa: PLC0415
@@ -561,8 +565,11 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
     period_s = int(getattr(settings, "CREDITS_STANDBY_PERIOD_SECONDS", 600))
     if rate <= 0 or period_s <= 0:
         return []
+    cap = int(getattr(settings, "CREDITS_STANDBY_CAP_PER_PERIOD", 0))
+    unseen = int(getattr(settings, "CREDITS_STANDBY_UNSEEN_BYTES", -1))
     period = int(now.timestamp()) // period_s
     mint, escrow = account_system(name=MINT), account_system(name=ESCROW)
+    seen = _seen_bytes_by_node() if unseen >= 0 else {}
     paid: list[Entry] = []
     for node in Node.objects.filter(state=NodeState.READY, revoked_at__isnull=True).order_by("pk"):
         key = f"standby:{node.pk}:{period}"
@@ -580,8 +587,10 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
             if t is not None
         )
         elapsed_ms = (now - start) // timedelta(milliseconds=1)
-        memory = max(node.ram_available, 0) + max(node.vram_free, 0)
-        amount = standby_amount(per_gib_hour=rate, memory_bytes=memory, elapsed_ms=elapsed_ms)
+        claimed = max(node.ram_available, 0) + max(node.vram_free, 0)
+        memory = standby_memory(claimed_bytes=claimed, seen_bytes=seen.get(str(node.pk), 0), unseen_allowance=unseen)
+        uncapped = standby_amount(per_gib_hour=rate, memory_bytes=memory, elapsed_ms=elapsed_ms)
+        amount = standby_capped(uncapped, cap=cap)
         if amount <= 0:
             continue
         try:
@@ -602,6 +611,9 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
                     node_id=node.pk,
                     data={
                         "memory_bytes": memory,
+                        "claimed_bytes": claimed,
+                        "seen_bytes": seen.get(str(node.pk), 0),
+                        "uncapped": uncapped,
                         "elapsed_ms": elapsed_ms,
                         "per_gib_hour": rate,
                         "period": period,
@@ -616,6 +628,19 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
             continue
         paid.append(entry)
     return paid
+
+
+def _seen_bytes_by_node() -> dict[str, int]:
+    """Node → the most memory it was ever seen to hold for another node's primary (load reports)."""
+    from apps.jobs.models import Deployment  # noqa: PLC0415 - jobs depends on credits, not the reverse
+
+    best: dict[str, int] = {}
+    for plan, report in Deployment.objects.exclude(load_report={}).values_list("plan", "load_report").iterator():
+        if not isinstance(plan, dict) or not isinstance(report, dict):
+            continue
+        for node_id, nbytes in seen_worker_bytes(plan=plan, load_report=report).items():
+            best[node_id] = max(best.get(node_id, 0), nbytes)
+    return best
 
 
 # --- receipts ---------------------------------------------------------------------------------------

@@ -30,10 +30,14 @@ def _error(message: str, status: int, code: str, **extra: Any) -> Response:
 class PlacementIn(serializers.Serializer):
     model = serializers.CharField(max_length=200)
     n_ctx = serializers.IntegerField(required=False, min_value=128, max_value=1_048_576)
-    n_parallel = serializers.IntegerField(required=False, min_value=1, max_value=64)
+    n_parallel = serializers.IntegerField(
+        required=False, min_value=1, max_value=64, help_text="slots; omitted: as many as memory allows, up to DEFAULT_N_PARALLEL_MAX",
+        error_messages={"min_value": "n_parallel must be at least 1", "max_value": "n_parallel is at most 64"},
+    )
     nodes = serializers.ListField(child=serializers.CharField(max_length=120), required=False, max_length=64, help_text="pin to these nodes (ids or names)")
     exclude_nodes = serializers.ListField(child=serializers.CharField(max_length=120), required=False, max_length=64)
     spread = serializers.BooleanField(required=False, default=False, help_text="use every pinned node even when one would do")
+    allow_same_node = serializers.BooleanField(required=False, default=False, help_text="place on nodes that already serve this model (one replica per node otherwise)")
 
 
 def _resolve(request_data: dict[str, Any]) -> tuple[Model, dict[str, Any]] | Response:
@@ -52,6 +56,13 @@ def _resolve(request_data: dict[str, Any]) -> tuple[Model, dict[str, Any]] | Res
     return model, out
 
 
+def _refused(exc: PlacementRefused) -> Response:
+    """400 when the request itself is wrong (n_parallel 0, more slots than fit), 422 otherwise."""
+    if exc.bad_input:
+        return _error(exc.reason, 400, exc.code, param="n_parallel" if exc.code == "n_parallel_too_large" else None, **exc.to_dict())
+    return _error(exc.reason, 422, "placement_refused", **exc.to_dict())
+
+
 def _looks_uuid(value: str) -> bool:
     import uuid
 
@@ -63,22 +74,65 @@ def _looks_uuid(value: str) -> bool:
 
 
 class DeploymentOut(serializers.ModelSerializer):
+    """A deployment; with a "load" context (deployment_load_context) also its slots in use, its
+    queue, and its model's replicas and queue."""
+
     model = serializers.CharField(source="model.name")
-    primary_name = serializers.CharField(source="primary.name", default=None)
+    primary_name = serializers.CharField(source="primary.name", default=None, allow_null=True)  # no primary until planned
     node_names = serializers.SerializerMethodField()
+    slots_in_use = serializers.SerializerMethodField(help_text="slots held by running jobs, of n_parallel")
+    queue_depth = serializers.SerializerMethodField(help_text="requests waiting for a slot of this deployment")
+    replicas = serializers.SerializerMethodField(help_text="active deployments of the model")
+    model_queue_depth = serializers.SerializerMethodField(help_text="requests waiting over every replica of the model")
+    model_queue_wait_seconds = serializers.SerializerMethodField(help_text="the model's recent queue wait (EWMA)")
 
     class Meta:
         model = Deployment
-        fields = ["id", "model", "state", "primary", "primary_name", "node_names", "n_ctx", "n_parallel", "plan", "request", "error", "revision", "created_at", "ready_at", "stopped_at"]
+        fields = [
+            "id", "model", "state", "primary", "primary_name", "node_names", "n_ctx", "n_parallel", "slots_in_use", "queue_depth",
+            "replicas", "model_queue_depth", "model_queue_wait_seconds", "plan", "request", "error", "revision", "created_at",
+            "ready_at", "stopped_at",
+        ]
 
     def get_node_names(self, obj: Deployment) -> list[str]:
         return [n.name for n in obj.nodes.all()]
+
+    def _load(self, obj: Deployment) -> tuple[dict[str, int], dict[str, int], dict[str, selectors.ModelLoad]]:
+        load = self.context.get("load")
+        if load is not None and str(obj.id) in load[0]:
+            return load
+        # No list-wide figures (a detail or an action): read this one deployment's, once.
+        own = self.context.setdefault("_own_load", {})
+        if str(obj.id) not in own:
+            own[str(obj.id)] = selectors.replica_load(deployments=[obj])
+        return own[str(obj.id)]
+
+    def get_slots_in_use(self, obj: Deployment) -> int:
+        return self._load(obj)[0].get(str(obj.id), 0)
+
+    def get_queue_depth(self, obj: Deployment) -> int:
+        return self._load(obj)[1].get(str(obj.id), 0)
+
+    def _model(self, obj: Deployment) -> selectors.ModelLoad | None:
+        return self._load(obj)[2].get(str(obj.model_id))
+
+    def get_replicas(self, obj: Deployment) -> int:
+        m = self._model(obj)
+        return m.replicas if m else 0
+
+    def get_model_queue_depth(self, obj: Deployment) -> int:
+        m = self._model(obj)
+        return m.queue_depth if m else 0
+
+    def get_model_queue_wait_seconds(self, obj: Deployment) -> float:
+        m = self._model(obj)
+        return m.queue_wait_seconds if m else 0.0
 
 
 class DeploymentPreviewApi(APIView):
     """The plan and its predictions, without loading anything. 422 with the reason when impossible."""
 
-    @extend_schema(request=PlacementIn, responses={200: dict, 422: dict})
+    @extend_schema(request=PlacementIn, responses={200: dict, 400: dict, 422: dict})
     def post(self, request: Request) -> Response:
         data = PlacementIn(data=request.data)
         data.is_valid(raise_exception=True)
@@ -92,7 +146,7 @@ class DeploymentPreviewApi(APIView):
         try:
             plan = services.deployment_preview(model_file=mf, request=services.placement_request_from(v))
         except PlacementRefused as exc:
-            return _error(exc.reason, 422, "placement_refused", **exc.to_dict())
+            return _refused(exc)
         body = plan.to_dict()
         for d in body["devices"]:
             d["node_name"] = selectors.node_name(d["node_id"])
@@ -108,10 +162,10 @@ class DeploymentListCreateApi(APIView):
         state = request.query_params.get("state")
         if state and state not in DeploymentState.values:
             return _error(f"unknown state {state!r}", 400, "invalid")
-        qs = selectors.deployment_list(state=state, model=request.query_params.get("model")).prefetch_related("nodes")[:500]
-        return Response(DeploymentOut(qs, many=True).data)
+        deps = list(selectors.deployment_list(state=state, model=request.query_params.get("model")).prefetch_related("nodes")[:500])
+        return Response(DeploymentOut(deps, many=True, context={"load": selectors.replica_load(deployments=deps)}).data)
 
-    @extend_schema(request=PlacementIn, responses={202: DeploymentOut, 422: dict})
+    @extend_schema(request=PlacementIn, responses={202: DeploymentOut, 400: dict, 422: dict})
     def post(self, request: Request) -> Response:
         data = PlacementIn(data=request.data)
         data.is_valid(raise_exception=True)
@@ -126,7 +180,7 @@ class DeploymentListCreateApi(APIView):
         try:
             services.deployment_preview(model_file=mf, request=req)  # refuse impossible constraints up front
         except PlacementRefused as exc:
-            return _error(exc.reason, 422, "placement_refused", **exc.to_dict())
+            return _refused(exc)
         dep = services.deployment_create(model=model, request=req, now=timezone.now())
         dep.refresh_from_db()
         return Response(DeploymentOut(dep).data, status=202)
@@ -189,9 +243,10 @@ def live_job_figures(jobs: list[Job]) -> dict[str, tuple[int, Any]]:
     active = [j for j in jobs if j.state in (JobState.DISPATCHED, JobState.RUNNING)]
     if not active:
         return {}
+    primaries = dict(Deployment.objects.filter(id__in={j.deployment_id for j in active}).values_list("id", "primary_id"))
     with get_redis().pipeline(transaction=False) as pipe:
         for j in active:
-            pipe.xlen(job_stream_key(str(j.id)))
+            pipe.xlen(job_stream_key(str(j.id), str(primaries.get(j.deployment_id))))
         lengths = pipe.execute()
     return {str(j.id): (int(n), j.first_token_at or j.dispatched_at) for j, n in zip(active, lengths, strict=True)}
 

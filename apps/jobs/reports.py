@@ -36,10 +36,29 @@ def report_accept(*, node_id: Any, report: dict[str, Any], now: datetime) -> dic
     payload = report["payload"]
     try:
         return _dispatch(node_id=node_id, kind=kind, payload=payload, command_id=report.get("command_id"), now=now)
-    except Exception:
-        # Let the agent retry: forget that we saw this report id.
+    except Exception as exc:
+        # Let the agent retry: forget that we saw this report id (a refusal is refused again).
         r.delete(f"racon:report:{report['id']}")
+        from apps.jobs.services import ReportRefused  # noqa: PLC0415
+
+        if isinstance(exc, ReportRefused):
+            _refusal_record(node_id=node_id, kind=kind, exc=exc, payload=payload, command_id=report.get("command_id"), now=now)
         raise
+
+
+REFUSAL_EVENT_WINDOW_SECONDS = 60
+
+
+def _refusal_record(*, node_id: Any, kind: str, exc: Any, payload: dict[str, Any], command_id: str | None, now: datetime) -> None:
+    """REPORT_REFUSED, at most one row per node, report kind and reason a minute (a hostile node
+    could send thousands)."""
+    if not get_redis().set(f"racon:report-refused:{node_id}:{kind}:{exc.code}", 1, nx=True, ex=REFUSAL_EVENT_WINDOW_SECONDS):
+        return
+    event_record(
+        kind="REPORT_REFUSED", category=EventCategory.SECURITY, now=now, node_id=node_id, message=f"{kind} refused: {exc}"[:500],
+        data={"report_kind": kind, "code": exc.code, "command_id": command_id, "job_id": str(payload.get("job_id") or "")[:64] or None,
+              "deployment_id": str((payload.get("data") or {}).get("deployment_id") or "")[:64] or None},
+    )
 
 
 def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: str | None, now: datetime) -> dict[str, Any] | None:
@@ -53,16 +72,29 @@ def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: s
             # Progress is frequent: keep the latest in Redis, not one row per step.
             get_redis().hset(f"racon:fetch:{node_id}", mapping={"data": json.dumps(payload.get("data") or {}), "at": now.timestamp()})
             return None
+        data = payload.get("data") or {}
+        if not isinstance(data, dict):
+            raise ValueError("event report needs payload.data as an object")
+        dep_id = data.get("deployment_id")
+        if dep_id and name == "RUNTIME_FAILED":
+            # It fails the deployment: only a member of its plan may say so.
+            jobs.deployment_member_check(deployment_id=dep_id, node_id=node_id)
+        elif dep_id:
+            try:
+                jobs.deployment_member_check(deployment_id=dep_id, node_id=node_id)
+            except (ValueError, jobs.ReportRefused):
+                # A late report from a node dropped from a revised plan is honest: keep it on the
+                # node, but never attach it to a deployment the node is not a member of.
+                dep_id = None
         event_record(
             kind=name,
             category=_EVENT_CATEGORIES.get(name, EventCategory.RUNTIME),
             now=now,
             node_id=node_id,
-            deployment_id=(payload.get("data") or {}).get("deployment_id"),
+            deployment_id=dep_id,
             message=str(payload.get("message", ""))[:500],
-            data=payload.get("data") or {},
+            data=data,
         )
-        dep_id = (payload.get("data") or {}).get("deployment_id")
         if name == "RUNTIME_FAILED" and dep_id:
             jobs.deployment_runtime_failed(deployment_id=dep_id, node_id=node_id, message=str(payload.get("message", "runtime failed")), now=now)
         return None

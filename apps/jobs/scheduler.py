@@ -36,6 +36,7 @@ second; n_gpu_layers=3, tensor_split=[1, 2]) loaded exactly there, and answered 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -89,6 +90,9 @@ class NodeSnapshot:
     devices: tuple[DeviceSnapshot, ...]
     threads: int = 1
     has_model_file: bool = False
+    # A member of an active deployment of the model being placed: one replica per node unless
+    # the request says allow_same_node.
+    serves_model: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -149,8 +153,11 @@ class ClusterSnapshot:
 class PlacementRequest:
     """What the deployment needs; pins, exclusions and spread constrain where it may go."""
 
-    n_ctx: int = 2048
-    n_parallel: int = 1
+    n_ctx: int = 2048  # each slot's context
+    # Slots (llama-server -np). None: as many as memory allows on every device of the plan, up
+    # to max_parallel. The dataclass default stays 1 for callers that never asked for slots.
+    n_parallel: int | None = 1
+    max_parallel: int = 16
     prompt_tokens: int = 128
     pin_nodes: tuple[str, ...] | None = None
     exclude_nodes: tuple[str, ...] = ()
@@ -160,6 +167,8 @@ class PlacementRequest:
     # llama-cpp-python's default is off; on, the attention scores are never materialised and
     # the compute buffers shrink a lot at long contexts. The runtime must pass the plan's value.
     flash_attn: bool = False
+    # Place on nodes that already serve this model (another replica on the same node).
+    allow_same_node: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -313,20 +322,43 @@ class Plan:
 
 
 class PlacementRefused(Exception):
-    """No plan satisfies the request; reason is meant for the operator as is."""
+    """No plan satisfies the request; reason is meant for the operator as is.
 
-    def __init__(self, reason: str, missing_bytes: int = 0, best_set: Sequence[str] = ()) -> None:
+    code tells callers the kind apart without reading the words: "no_capacity" (memory or
+    nodes), "invalid_request" (bad input) and "n_parallel_too_large" (limit: the slots that fit).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        missing_bytes: int = 0,
+        best_set: Sequence[str] = (),
+        *,
+        code: str = "no_capacity",
+        limit: int | None = None,
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.missing_bytes = int(missing_bytes)
         self.best_set = tuple(best_set)
+        self.code = code
+        self.limit = limit
+
+    @property
+    def bad_input(self) -> bool:
+        """The request itself is wrong (an HTTP 400), not the cluster too small (a 422)."""
+        return self.code in ("invalid_request", "n_parallel_too_large")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "reason": self.reason,
             "missing_bytes": self.missing_bytes,
             "best_set": list(self.best_set),
+            "refusal": self.code,
         }
+        if self.limit is not None:
+            d["limit"] = self.limit
+        return d
 
 
 # --- cost model -------------------------------------------------------------------------------
@@ -340,8 +372,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def kv_bytes_per_layer(profile: ModelProfile, request: PlacementRequest) -> int:
-    """KV cache of one layer for n_ctx tokens in each of n_parallel slots."""
-    return profile.kv_bytes_per_token_per_layer * request.n_ctx * request.n_parallel
+    """KV cache of one layer for n_ctx tokens in each of n_parallel slots (None counts as 1)."""
+    return profile.kv_bytes_per_token_per_layer * request.n_ctx * (request.n_parallel or 1)
 
 
 def compute_buffer_bytes(
@@ -391,7 +423,7 @@ def host_buffer_bytes(profile: ModelProfile, request: PlacementRequest) -> int:
     return (
         profile.embedding_bytes
         + profile.other_bytes
-        + profile.n_vocab * 4 * max(1, request.n_parallel)  # the output (logits) buffer
+        + profile.n_vocab * 4 * max(1, request.n_parallel or 1)  # the output (logits) buffer
     )
 
 
@@ -954,12 +986,28 @@ def _select_nodes(
                 0,
                 (),
             )
+        serving = [n for n in candidates if n.serves_model]
+        if serving and not request.allow_same_node:
+            raise PlacementRefused(
+                "pinned nodes already serve this model: "
+                + ", ".join(n.name or n.node_id for n in serving)
+                + " (one replica per node; allow_same_node places another copy there)",
+                0,
+                tuple(n.node_id for n in serving),
+                code="already_served",
+            )
     else:
         candidates = [n for n in cluster.nodes if n.node_id not in excluded]
         if excluded:
             gone = [e for e in request.exclude_nodes if e in by_id]
             if gone:
                 notes.append(f"excluded by request: {', '.join(gone)}")
+        serving = [n for n in candidates if n.serves_model]
+        if serving and not request.allow_same_node:
+            candidates = [n for n in candidates if not n.serves_model]
+            names = [n.name or n.node_id for n in serving]
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            notes.append(f"already serve this model (one replica per node): {shown}")
     ready = [n for n in candidates if n.state in ELIGIBLE_STATES]
     degraded = [n for n in candidates if n.state in FALLBACK_STATES]
     skipped = [n for n in candidates if n.state not in ELIGIBLE_STATES | FALLBACK_STATES]
@@ -1225,9 +1273,14 @@ def plan_placement(
     *,
     cost: CostModel = DEFAULT_COST,
 ) -> Plan:
-    """Place the model on the cluster or raise PlacementRefused saying what is missing."""
-    request = request or PlacementRequest()
-    _check_request(profile, request)
+    """Place the model on the cluster or raise PlacementRefused saying what is missing.
+
+    With request.n_parallel None the slots are chosen from memory (see _finish_plan); a fixed
+    n_parallel that does not fit, where fewer slots would, is refused naming how many fit.
+    """
+    asked = request or PlacementRequest()
+    _check_request(profile, asked)
+    request = _search_request(asked)
     ready, degraded, notes = _select_nodes(cluster, request)
     tiers = _tiers(request, ready, degraded)
     if not tiers or not any(t[0] for t in tiers):
@@ -1266,20 +1319,90 @@ def plan_placement(
                         + ", ".join(n.name or n.node_id for n in degraded[:5])
                         + (f" and {len(degraded) - 5} more" if len(degraded) > 5 else "")
                     )
-                return _build_plan(ctx, chosen, notes + search_notes)
+                return _finish_plan(ctx, chosen, notes + search_notes, asked)
             if attempt_ctx is None or (
                 tried is not None and (attempt is None or tried.unplaced <= attempt.unplaced)
             ):
                 attempt, attempt_ctx = tried, ctx
-        raise _refusal(attempt_ctx, attempt, notes)
+        refusal = _refusal(attempt_ctx, attempt, notes)
     finally:
         for c in contexts:
             c.release()
+    if asked.n_parallel is not None and asked.n_parallel > 1:
+        raise _too_many_slots(profile, cluster, asked, cost) or refusal
+    raise refusal
+
+
+def _search_request(asked: PlacementRequest) -> PlacementRequest:
+    """The request the search runs with: one slot when the slots are left to memory."""
+    return dataclasses.replace(asked, n_parallel=1) if asked.n_parallel is None else asked
+
+
+def _too_many_slots(
+    profile: ModelProfile, cluster: ClusterSnapshot, asked: PlacementRequest, cost: CostModel
+) -> PlacementRefused | None:
+    """The refusal for a fixed n_parallel that memory cannot hold while fewer slots fit, naming
+    the most that fit and the device that runs out; None when even one slot does not fit."""
+    n = int(asked.n_parallel or 1)
+    try:
+        fewer = plan_placement(
+            profile,
+            cluster,
+            dataclasses.replace(asked, n_parallel=None, max_parallel=n - 1),
+            cost=cost,
+        )
+    except PlacementRefused:
+        return None
+    best = fewer.n_parallel
+    # The layout chosen for one slot is not always the one that holds the most: bisect over
+    # full searches between what that layout holds and n - 1 (a handful of runs, refusals only).
+    lo, hi = best, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            plan_placement(profile, cluster, dataclasses.replace(asked, n_parallel=mid), cost=cost)
+        except PlacementRefused:
+            hi = mid - 1
+        else:
+            lo = mid
+    best = lo
+    kv_per_slot_layer = profile.kv_bytes_per_token_per_layer * asked.n_ctx
+    margin = 1.0 + max(0.0, asked.memory_margin)
+    names = {nd.node_id: nd.name or nd.node_id for nd in cluster.nodes}
+
+    def excess(d: PlanDevice) -> float:
+        return (
+            d.memory_bytes
+            + (n - fewer.n_parallel) * d.n_layers * kv_per_slot_layer * margin
+            - d.free_bytes
+        )
+
+    tight = max(fewer.devices, key=excess)
+    need = tight.n_layers * kv_per_slot_layer * n
+    return PlacementRefused(
+        f"n_parallel {n} needs {fmt_bytes(need)} of KV on {names.get(tight.node_id, tight.node_id)} "
+        f"{tight.device} ({fmt_bytes(tight.free_bytes)} free); at most {best} slots fit "
+        f"at n_ctx {asked.n_ctx}",
+        int(max(0.0, excess(tight))),
+        (tight.node_id,),
+        code="n_parallel_too_large",
+        limit=best,
+    )
 
 
 def _check_request(profile: ModelProfile, request: PlacementRequest) -> None:
-    if request.n_ctx <= 0 or request.n_parallel <= 0 or request.n_batch <= 0:
-        raise PlacementRefused("n_ctx, n_parallel and n_batch must be positive", 0, ())
+    bad = [
+        f"{name} must be at least 1 (got {value})"
+        for name, value in (
+            ("n_ctx", request.n_ctx),
+            ("n_parallel", request.n_parallel if request.n_parallel is not None else 1),
+            ("max_parallel", request.max_parallel),
+            ("n_batch", request.n_batch),
+        )
+        if value <= 0
+    ]
+    if bad:
+        raise PlacementRefused("; ".join(bad), 0, (), code="invalid_request")
     if profile.n_layer <= 0:
         raise PlacementRefused("the model has no layers", 0, ())
 
@@ -1366,8 +1489,10 @@ def _device_memory(
     holds_output: bool,
     is_primary_cpu: bool,
     copies: int,
+    request: PlacementRequest | None = None,
 ) -> int:
-    profile, request = ctx.profile, ctx.request
+    profile = ctx.profile
+    request = request or ctx.request
     n = end - start
     raw = sum(profile.layer_bytes[start:end]) + n * kv_bytes_per_layer(profile, request)
     if is_primary_cpu:
@@ -1421,18 +1546,80 @@ def _predict(ctx: _Ctx, ev: _Eval, order: list[tuple[_Dev, int]]) -> tuple[float
     return tg, pp
 
 
-def _build_plan(ctx: _Ctx, ev: _Eval, notes: list[str]) -> Plan:
-    profile = ctx.profile
-    primary = ev.primary
-    order = _ordered_devices(ev, ctx.nodes)
-    offload = [(d, c) for d, c in order[1:]]
-    copies = ctx.cost.pipeline_copies if ev.pipeline else 1
-    devices: list[PlanDevice] = []
+def _layout(ctx: _Ctx, ev: _Eval) -> list[tuple[_Dev, int, int, bool, bool]]:
+    """(device, layer_start, layer_end, holds_output, is_primary_cpu) in llama.cpp's order."""
+    out: list[tuple[_Dev, int, int, bool, bool]] = []
     start = 0
-    for i, (d, c) in enumerate(order):
+    for i, (d, c) in enumerate(_ordered_devices(ev, ctx.nodes)):
         is_primary_cpu = i == 0
         holds_output = (ev.out is d) or (ev.out is None and is_primary_cpu)
-        mem = _device_memory(ctx, ev, d, start, start + c, holds_output, is_primary_cpu, copies)
+        out.append((d, start, start + c, holds_output, is_primary_cpu))
+        start += c
+    return out
+
+
+def _overflowing_device(
+    ctx: _Ctx, ev: _Eval, layout: list[tuple[_Dev, int, int, bool, bool]], n_parallel: int
+) -> _Dev | None:
+    """The first device of the plan whose memory with n_parallel slots exceeds its free bytes."""
+    req = dataclasses.replace(ctx.request, n_parallel=n_parallel)
+    copies = ctx.cost.pipeline_copies if ev.pipeline else 1
+    for d, start, end, holds_output, is_primary_cpu in layout:
+        mem = _device_memory(ctx, ev, d, start, end, holds_output, is_primary_cpu, copies, req)
+        if mem > d.snap.free_bytes:
+            return d
+    return None
+
+
+def _slots_that_fit(ctx: _Ctx, ev: _Eval, limit: int) -> int:
+    """The most slots (1..limit) whose KV fits on every device of the plan as laid out.
+
+    Memory grows with the slot count on every device (KV per layer, the logits buffer), so the
+    largest fitting count is found by bisection. 0 when not even one slot fits.
+    """
+    layout = _layout(ctx, ev)
+    if _overflowing_device(ctx, ev, layout, 1) is not None:
+        return 0
+    lo, hi = 1, max(1, limit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _overflowing_device(ctx, ev, layout, mid) is None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _finish_plan(ctx: _Ctx, ev: _Eval, notes: list[str], asked: PlacementRequest) -> Plan:
+    """Build the plan; when the request left n_parallel open, with as many slots as fit.
+
+    The search ran with one slot (ctx.request): layers go where they run fastest, and the slots
+    take what memory is left on the devices chosen, capped at asked.max_parallel.
+    """
+    if asked.n_parallel is not None:
+        return _build_plan(ctx, ev, [*notes, f"slots: {asked.n_parallel} (set by the request)"])
+    fit = _slots_that_fit(ctx, ev, max(1, asked.max_parallel))
+    n = max(1, fit)
+    line = f"slots: {n} of {ctx.request.n_ctx} tokens each (the KV of every slot fits every device"
+    line += f"; capped at {asked.max_parallel})" if n >= asked.max_parallel else ")"
+    return _build_plan(
+        ctx, ev, [*notes, line], request=dataclasses.replace(ctx.request, n_parallel=n)
+    )
+
+
+def _build_plan(
+    ctx: _Ctx, ev: _Eval, notes: list[str], request: PlacementRequest | None = None
+) -> Plan:
+    profile = ctx.profile
+    request = request or ctx.request
+    primary = ev.primary
+    layout = _layout(ctx, ev)
+    order = [(d, end - start) for d, start, end, _, _ in layout]
+    offload = order[1:]
+    copies = ctx.cost.pipeline_copies if ev.pipeline else 1
+    devices: list[PlanDevice] = []
+    for d, start, end, holds_output, is_primary_cpu in layout:
+        mem = _device_memory(ctx, ev, d, start, end, holds_output, is_primary_cpu, copies, request)
         node = d.node.snap
         devices.append(
             PlanDevice(
@@ -1440,14 +1627,14 @@ def _build_plan(ctx: _Ctx, ev: _Eval, notes: list[str]) -> Plan:
                 device=d.snap.device,
                 kind=d.snap.kind,
                 layer_start=start,
-                layer_end=start + c,
+                layer_end=end,
                 memory_bytes=mem,
                 endpoint=None if d.node is primary else node.endpoint,
                 holds_output=holds_output,
                 free_bytes=d.snap.free_bytes,
             )
         )
-        start += c
+    start = layout[-1][2] if layout else 0
     assert start == profile.n_layer, "every layer is placed exactly once"
     k = order[0][1]
     if offload:
@@ -1464,10 +1651,10 @@ def _build_plan(ctx: _Ctx, ev: _Eval, notes: list[str]) -> Plan:
         tensor_split=tuple(split),
         n_gpu_layers=n_gpu_layers,
         n_threads=max(1, primary.snap.threads),
-        n_ctx=ctx.request.n_ctx,
-        n_parallel=ctx.request.n_parallel,
-        n_batch=min(ctx.request.n_batch, ctx.request.n_ctx),
-        flash_attn=ctx.request.flash_attn,
+        n_ctx=request.n_ctx,
+        n_parallel=request.n_parallel or 1,
+        n_batch=min(request.n_batch, request.n_ctx),
+        flash_attn=request.flash_attn,
         predicted_ttft_ms=round(pp * 1000, 3),
         predicted_tokens_per_s=round(1.0 / tg, 3) if tg > 0 else math.inf,
         explanation=tuple(explanation),
@@ -1546,23 +1733,24 @@ def exhaustive_best(
 ) -> Plan:
     """Fastest predicted plan over every primary and every subset of remote nodes (small
     clusters only); no preference for fewer nodes. Same eligibility rules as plan_placement."""
-    request = request or PlacementRequest()
-    _check_request(profile, request)
+    asked = request or PlacementRequest()
+    _check_request(profile, asked)
+    request = _search_request(asked)
     ready, degraded, notes = _select_nodes(cluster, request)
     for nodes, _ in _tiers(request, ready, degraded):
         if len(nodes) > max_nodes:
             raise ValueError(f"exhaustive search over {len(nodes)} nodes is too slow")
         ctx = _Ctx(profile, cluster, request, nodes, cost)
         try:
-            plan = _exhaustive_in(ctx, request, notes)
+            best = _exhaustive_in(ctx, request)
+            if best is not None:
+                return _finish_plan(ctx, best, notes + ["exhaustive search"], asked)
         finally:
             ctx.release()
-        if plan is not None:
-            return plan
     raise PlacementRefused("no feasible plan (exhaustive search)", 0, ())
 
 
-def _exhaustive_in(ctx: _Ctx, request: PlacementRequest, notes: list[str]) -> Plan | None:
+def _exhaustive_in(ctx: _Ctx, request: PlacementRequest) -> _Eval | None:
     """Every primary, every subset of the other nodes: the fastest feasible plan, or None."""
     best: _Eval | None = None
     for p in ctx.nodes:
@@ -1582,7 +1770,7 @@ def _exhaustive_in(ctx: _Ctx, request: PlacementRequest, notes: list[str]) -> Pl
                 continue  # a smaller subset covers this plan
             if best is None or ev.cost_s < best.cost_s:
                 best = ev
-    return _build_plan(ctx, best, notes + ["exhaustive search"]) if best else None
+    return best
 
 
 def memory_proportional_plan(
@@ -1597,18 +1785,21 @@ def memory_proportional_plan(
     The primary is the node with the most memory; each node's share goes to its devices by
     their free memory, clamped to what fits, so the baseline never runs out of memory either.
     """
-    request = request or PlacementRequest()
-    _check_request(profile, request)
+    asked = request or PlacementRequest()
+    _check_request(profile, asked)
+    request = _search_request(asked)
     ready, degraded, notes = _select_nodes(cluster, request)
     nodes = ready or degraded
     ctx = _Ctx(profile, cluster, request, nodes, cost)
     try:
-        return _memory_proportional_in(ctx, profile, notes)
+        return _memory_proportional_in(ctx, profile, notes, asked)
     finally:
         ctx.release()
 
 
-def _memory_proportional_in(ctx: _Ctx, profile: ModelProfile, notes: list[str]) -> Plan:
+def _memory_proportional_in(
+    ctx: _Ctx, profile: ModelProfile, notes: list[str], asked: PlacementRequest
+) -> Plan:
     prim = [n for n in ctx.nodes if n.primary_ok]
     if not prim:
         raise PlacementRefused("no node can be primary", 0, ())
@@ -1663,7 +1854,7 @@ def _memory_proportional_in(ctx: _Ctx, profile: ModelProfile, notes: list[str]) 
     offloaded = [k for k, c in assign.items() if c > 0 and devmap[k] is not primary.cpu]
     ev = _Eval(total, 0, primary, assign, devmap, out, remote)
     ev.pipeline = len(offloaded) > 1 and not assign.get(id(primary.cpu), 0)
-    return _build_plan(ctx, ev, notes + ["memory-proportional baseline (exo rule)"])
+    return _finish_plan(ctx, ev, notes + ["memory-proportional baseline (exo rule)"], asked)
 
 
 # --- llama.cpp's own rule, for checking plans -------------------------------------------------

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -14,8 +17,10 @@ from agent.protocol import heartbeat_key
 from apps.models_repo.models import ModelFile, Replica
 from apps.nodes.models import Node
 from apps.nodes.states import NodeState
+from racon import cache
 from racon.redis import get_redis
 
+from . import admission
 from .models import Deployment, Job
 from .scheduler import ClusterSnapshot, DeviceSnapshot, Link, NodeSnapshot
 from .states import DEPLOYMENT_ACTIVE, DeploymentState
@@ -47,28 +52,48 @@ def reserved_memory_by_node(*, exclude_deployment: Any = None) -> dict[str, int]
     return out
 
 
-def rpc_workers_in_use() -> set[str]:
+def rpc_workers_in_use(*, exclude_deployment: Any = None) -> set[str]:
     """Nodes whose ggml-rpc worker serves an active deployment: a worker takes one primary at a time."""
     busy: set[str] = set()
-    for plan in Deployment.objects.filter(state__in=list(DEPLOYMENT_ACTIVE)).exclude(plan={}).values_list("plan", flat=True):
+    qs = Deployment.objects.filter(state__in=list(DEPLOYMENT_ACTIVE)).exclude(plan={})
+    if exclude_deployment is not None:
+        qs = qs.exclude(pk=exclude_deployment)
+    for plan in qs.values_list("plan", flat=True):
         for d in (plan or {}).get("devices", []):
             if d.get("endpoint"):
                 busy.add(d["node_id"])
     return busy
 
 
-def cluster_snapshot(*, model_file: ModelFile | None = None) -> ClusterSnapshot:
-    """Nodes the scheduler may consider, their free memory net of other deployments, and links."""
-    busy = rpc_workers_in_use()
+def nodes_serving_model(*, model_id: Any, exclude_deployment: Any = None) -> set[str]:
+    """Members (primary or RPC worker) of the model's active deployments: one replica per node."""
+    qs = Deployment.objects.filter(model_id=model_id, state__in=list(DEPLOYMENT_ACTIVE))
+    if exclude_deployment is not None:
+        qs = qs.exclude(pk=exclude_deployment)
+    out: set[str] = set()
+    for member, primary in qs.values_list("nodes__id", "primary_id"):
+        out.update(str(n) for n in (member, primary) if n is not None)
+    return out
+
+
+def cluster_snapshot(*, model_file: ModelFile | None = None, exclude_deployment: Any = None) -> ClusterSnapshot:
+    """Nodes the scheduler may consider, their free memory net of other deployments, and links.
+
+    exclude_deployment is the deployment being (re)placed: its own earlier plan neither holds
+    memory nor counts as a replica of the model.
+    """
+    busy = rpc_workers_in_use(exclude_deployment=exclude_deployment)
     nodes = [
         n
         for n in Node.objects.filter(revoked_at__isnull=True).exclude(state__in=[NodeState.UNINITIALIZED, NodeState.REGISTERING])
         if str(n.id) not in busy
     ]
-    reserved = reserved_memory_by_node()
+    reserved = reserved_memory_by_node(exclude_deployment=exclude_deployment)
     holders: set[str] = set()
+    serving: set[str] = set()
     if model_file is not None:
         holders = {str(n) for n in Replica.objects.filter(model_file=model_file).values_list("node_id", flat=True)}
+        serving = nodes_serving_model(model_id=model_file.model_id, exclude_deployment=exclude_deployment)
     r = get_redis()
     with r.pipeline(transaction=False) as pipe:
         for n in nodes:
@@ -100,6 +125,7 @@ def cluster_snapshot(*, model_file: ModelFile | None = None) -> ClusterSnapshot:
             NodeSnapshot(
                 node_id=nid, name=n.name, state=n.state, address=n.address, rpc_port=n.rpc_port, devices=tuple(devices),
                 threads=max(1, n.cpu_physical_cores or n.cpu_logical_cores or 1), has_model_file=nid in holders,
+                serves_model=nid in serving,
             )
         )
     return ClusterSnapshot(nodes=tuple(snaps), links=link_table())
@@ -118,22 +144,40 @@ def link_table() -> dict[tuple[str, str], Link]:
     return out
 
 
-def deployment_route(*, model_id: Any) -> Deployment | None:
-    """The READY deployment of this model with the least work in flight (DEGRADED only as fallback)."""
-    candidates = list(
-        Deployment.objects.filter(model_id=model_id, state__in=[DeploymentState.READY, DeploymentState.DEGRADED]).only(
-            "id", "state", "primary_id", "plan", "n_ctx", "n_parallel", "model_id"
+ROUTE_CACHE = "route"  # racon/cache.py: invalidated by deployment_transition
+
+
+def deployment_route_candidates(*, model_id: Any, cached: bool = False) -> list[Deployment]:
+    """The model's READY and DEGRADED deployments (from the process cache with ``cached``)."""
+
+    def load() -> list[Deployment]:
+        return list(
+            Deployment.objects.filter(model_id=model_id, state__in=[DeploymentState.READY, DeploymentState.DEGRADED]).only(
+                "id", "state", "primary_id", "plan", "n_ctx", "n_parallel", "model_id"
+            )
         )
-    )
+
+    return cache.cached(ROUTE_CACHE, str(model_id), load) if cached else load()
+
+
+def deployment_route(*, model_id: Any, cached: bool = False) -> Deployment | None:
+    """The READY deployment of this model with the most free slots (DEGRADED only as fallback).
+
+    Free slots are n_parallel minus live slot leases (admission); ties are broken at random so
+    equal replicas share the load. ``cached`` reads the candidates from the process cache (the
+    /v1 hot path); slot counts are always live.
+    """
+    candidates = deployment_route_candidates(model_id=model_id, cached=cached)
     if not candidates:
         return None
-    r = get_redis()
-    loads = r.mget([f"racon:dep:{d.id}:inflight" for d in candidates])
+    if len(candidates) == 1:
+        return candidates[0]
+    used = admission.slots_in_use([d.id for d in candidates])
     ranked = sorted(
-        zip(candidates, loads, strict=True),
-        key=lambda pair: (pair[0].state != DeploymentState.READY, int(pair[1] or 0)),
+        candidates,
+        key=lambda d: (d.state != DeploymentState.READY, -(int(d.n_parallel or 1) - used.get(str(d.id), 0)), random.random()),
     )
-    return ranked[0][0]
+    return ranked[0]
 
 
 def deployment_list(*, state: str | None = None, model: str | None = None) -> QuerySet[Deployment]:
@@ -164,3 +208,53 @@ def job_list(
         qs = qs.filter(account_id=account_id)
     return qs.distinct()
 
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """A model's replicas and queue, as the deployments pages, the CLI and /metrics show them."""
+
+    replicas: int  # active deployments (PLANNING, LOADING, READY, DEGRADED)
+    ready: int  # of which READY or DEGRADED (serving)
+    slots_in_use: int
+    slots: int  # n_parallel summed over the serving replicas
+    queue_depth: int
+    queue_wait_seconds: float
+
+
+def replica_load(
+    *, deployments: Iterable[Deployment] = (), model_ids: Iterable[Any] = (), now: float | None = None
+) -> tuple[dict[str, int], dict[str, int], dict[str, ModelLoad]]:
+    """(slots in use by deployment id, live waiters by deployment id, ModelLoad by model id) for
+    the given deployments and models, the models of those deployments included.
+
+    One database query and a fixed number of Redis round trips (admission's readers) plus one per
+    model for its queue wait, whatever the number of deployments.
+    """
+    listed = list(deployments)
+    models = {str(m) for m in model_ids} | {str(d.model_id) for d in listed}
+    active = list(
+        Deployment.objects.filter(model_id__in=models, state__in=list(DEPLOYMENT_ACTIVE)).values_list("id", "model_id", "state", "n_parallel")
+    )
+    dep_ids = list(dict.fromkeys([str(d.id) for d in listed] + [str(a[0]) for a in active]))
+    in_use = admission.slots_in_use(dep_ids, now=now)
+    waiting = admission.queue_depth(dep_ids, now=now)
+    out: dict[str, ModelLoad] = {}
+    for model_id in sorted(models):
+        mine = [a for a in active if str(a[1]) == model_id]
+        serving = [a for a in mine if a[2] in (DeploymentState.READY, DeploymentState.DEGRADED)]
+        out[model_id] = ModelLoad(
+            replicas=len(mine),
+            ready=len(serving),
+            slots_in_use=sum(in_use.get(str(a[0]), 0) for a in mine),
+            slots=sum(int(a[3] or 1) for a in serving),
+            queue_depth=sum(waiting.get(str(a[0]), 0) for a in mine),
+            queue_wait_seconds=round(admission.model_queue_wait(model_id, now=now), 3),
+        )
+    return in_use, waiting, out
+
+
+def job_stream_node(job_id: Any) -> str | None:
+    """The node whose prefix holds the job's stream: its deployment's primary (None before dispatch)."""
+    primary = Job.objects.filter(pk=job_id).values_list("deployment__primary_id", flat=True).first()
+    return str(primary) if primary else None

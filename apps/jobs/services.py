@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from redis.exceptions import LockError
 
 from agent.protocol import job_cancel_key, new_id, node_queue_key
 from apps.models_repo.models import Model, ModelFile
@@ -21,10 +24,11 @@ from apps.models_repo.profile import ModelProfile
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory, Node
 from apps.nodes.states import NodeState
+from racon import cache
 from racon.logging import log_context
 from racon.redis import get_redis, get_redis_blocking
 
-from . import selectors
+from . import admission, selectors, streams
 from .models import Deployment, Job
 from .scheduler import CostModel, PlacementRefused, PlacementRequest, Plan, plan_placement
 from .states import (
@@ -48,15 +52,41 @@ class DeploymentError(Exception):
 # --- commands to agents ------------------------------------------------------------------------
 
 
+class ReportRefused(Exception):
+    """A node's report was refused: it is not the node the controller's record names.
+
+    ``code`` is machine-readable (``not_plan_member``, ``not_command_node``, ``unknown_command``).
+    """
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def _result_key(command_id: str) -> str:
     return f"racon:cmdresult:{command_id}"
 
 
+def _command_node_key(command_id: str) -> str:
+    return f"racon:cmd:{command_id}:node"
+
+
+# Longer than the longest command_wait (a model transfer, MODEL_FETCH_TIMEOUT 1800 s), so a slow
+# but honest result still finds whom its command was sent to.
+COMMAND_NODE_TTL_SECONDS = 2 * 3600
+
+
 def command_send(*, node_id: Any, kind: str, payload: dict[str, Any]) -> str:
-    """Append a command to the node's own queue (the agent takes from the left)."""
+    """Append a command to the node's own queue and remember which node it went to.
+
+    The two writes are one MULTI: a result can never arrive for a command whose node is unknown.
+    """
     command_id = new_id()
     body = {"id": command_id, "kind": kind, "payload": payload, "issued_at": time.time()}
-    get_redis().rpush(node_queue_key(str(node_id)), json.dumps(body, separators=(",", ":")))
+    with get_redis().pipeline(transaction=True) as pipe:
+        pipe.set(_command_node_key(command_id), str(node_id), ex=COMMAND_NODE_TTL_SECONDS)
+        pipe.rpush(node_queue_key(str(node_id)), json.dumps(body, separators=(",", ":")))
+        pipe.execute()
     return command_id
 
 
@@ -73,6 +103,11 @@ def command_result_accept(*, node_id: Any, command_id: str | None, payload: dict
     if not command_id:
         raise ValueError("command_result needs command_id")
     r = get_redis()
+    sent_to = r.get(_command_node_key(command_id))
+    if sent_to is None:
+        raise ReportRefused(f"command_result refused: command {command_id} was never sent, or its result is over {COMMAND_NODE_TTL_SECONDS}s late", code="unknown_command")
+    if sent_to != str(node_id):
+        raise ReportRefused(f"command_result refused: command {command_id} was sent to another node, not to node {node_id}", code="not_command_node")
     key = _result_key(command_id)
     with r.pipeline(transaction=False) as pipe:
         pipe.rpush(key, json.dumps({**payload, "node_id": str(node_id)}, default=str))
@@ -119,27 +154,36 @@ def deployment_transition(
             )
     from apps.api.broadcast import broadcast  # noqa: PLC0415
 
+    # The route candidates (READY deployments of a model) every daphne process caches.
+    cache.invalidate(selectors.ROUTE_CACHE)
     transaction.on_commit(lambda: broadcast("nodes.dashboard", {"type": "deployment.changed", "deployment_id": str(deployment_id), "state": to}))
     return True
 
 
 def placement_request_from(data: dict[str, Any]) -> PlacementRequest:
-    """Build a PlacementRequest from API input (n_ctx, n_parallel, nodes, exclude, spread)."""
+    """Build a PlacementRequest from API input (n_ctx, n_parallel, nodes, exclude, spread, allow_same_node).
+
+    No n_parallel: the scheduler chooses the slots from memory, up to DEFAULT_N_PARALLEL_MAX. A
+    given one is passed on as is, so 0 or less is refused by the scheduler, never made 1.
+    """
     pins = data.get("nodes") or data.get("pin_nodes") or None
+    n_parallel = data.get("n_parallel")
     return PlacementRequest(
         n_ctx=int(data.get("n_ctx") or settings.DEFAULT_N_CTX),
-        n_parallel=int(data.get("n_parallel") or 1),
+        n_parallel=None if n_parallel is None else int(n_parallel),
+        max_parallel=int(settings.DEFAULT_N_PARALLEL_MAX),
         prompt_tokens=int(data.get("prompt_tokens") or 128),
         pin_nodes=tuple(str(p) for p in pins) if pins else None,
         exclude_nodes=tuple(str(x) for x in data.get("exclude_nodes") or ()),
         spread=bool(data.get("spread", False)),
+        allow_same_node=bool(data.get("allow_same_node", False)),
     )
 
 
-def deployment_preview(*, model_file: ModelFile, request: PlacementRequest) -> Plan:
+def deployment_preview(*, model_file: ModelFile, request: PlacementRequest, exclude_deployment: Any = None) -> Plan:
     """The plan and predictions for this model now, without loading anything."""
     profile = ModelProfile.from_dict(model_file.profile)
-    snapshot = selectors.cluster_snapshot(model_file=model_file)
+    snapshot = selectors.cluster_snapshot(model_file=model_file, exclude_deployment=exclude_deployment)
     t0 = time.perf_counter()
     try:
         return plan_placement(profile, snapshot, request, cost=scheduler_cost_model())
@@ -166,9 +210,10 @@ def deployment_create(*, model: Model, request: PlacementRequest, now: datetime,
     if model_file is None:
         raise DeploymentError(f"model {model.name!r} has no registered file")
     with transaction.atomic():
+        # n_parallel left to memory is known once planned (deployment_place records the plan's).
         dep = Deployment.objects.create(
             model=model, model_file=model_file, state=D.PLANNING, request=request.to_dict(),
-            n_ctx=request.n_ctx, n_parallel=request.n_parallel,
+            n_ctx=request.n_ctx, n_parallel=request.n_parallel or 1,
         )
         event_record(
             kind="DEPLOYMENT_CREATED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id,
@@ -196,19 +241,22 @@ def deployment_place(*, deployment_id: Any, clock: Callable[[], datetime] = time
             pins = (tuple(p for p in request.pin_nodes if p not in excluded) or None) if request.pin_nodes else None
             req = dataclasses.replace(request, exclude_nodes=tuple(excluded), pin_nodes=pins)
             try:
-                plan = deployment_preview(model_file=dep.model_file, request=req)
+                with _placement_lock():
+                    plan = deployment_preview(model_file=dep.model_file, request=req, exclude_deployment=dep.id)
+                    with transaction.atomic():
+                        Deployment.objects.filter(pk=dep.id).update(
+                            plan=plan.to_dict(), primary_id=plan.primary_node_id, revision=revision, n_ctx=plan.n_ctx, n_parallel=plan.n_parallel,
+                        )
+                        dep.nodes.set(list(plan.node_ids))
+                        event_record(
+                            kind="PLAN_REVISED" if revision else "PLAN_CHOSEN", category=EventCategory.PLACEMENT, now=clock(),
+                            deployment_id=dep.id, node_id=plan.primary_node_id,
+                            message=f"primary {selectors.node_name(plan.primary_node_id)}, {len(plan.layer_devices)} device(s), {plan.n_parallel} slot(s), predicted {plan.predicted_tokens_per_s:.1f} tok/s",
+                            data={"plan": plan.to_dict(), "revision": revision, "excluded": excluded},
+                        )
             except PlacementRefused as exc:
                 deployment_transition(deployment_id=dep.id, to=D.FAILED, now=clock(), kind="PLACEMENT_REFUSED", message=exc.reason[:500], data=exc.to_dict(), fields={"error": exc.reason})
                 return Deployment.objects.get(pk=dep.id)
-            with transaction.atomic():
-                Deployment.objects.filter(pk=dep.id).update(plan=plan.to_dict(), primary_id=plan.primary_node_id, revision=revision)
-                dep.nodes.set(list(plan.node_ids))
-                event_record(
-                    kind="PLAN_REVISED" if revision else "PLAN_CHOSEN", category=EventCategory.PLACEMENT, now=clock(),
-                    deployment_id=dep.id, node_id=plan.primary_node_id,
-                    message=f"primary {selectors.node_name(plan.primary_node_id)}, {len(plan.layer_devices)} device(s), predicted {plan.predicted_tokens_per_s:.1f} tok/s",
-                    data={"plan": plan.to_dict(), "revision": revision, "excluded": excluded},
-                )
             deployment_transition(deployment_id=dep.id, to=D.LOADING, expected=D.PLANNING, now=clock())
             try:
                 report = _deployment_load(dep=dep, plan=plan, clock=clock)
@@ -246,11 +294,16 @@ def _deployment_load(*, dep: Deployment, plan: Plan, clock: Callable[[], datetim
     """Setup and validation: RPC workers, model file on the primary, primary load, member check."""
     timeout_rpc = float(getattr(settings, "DEPLOYMENT_RPC_TIMEOUT", 30))
     timeout_load = float(getattr(settings, "DEPLOYMENT_LOAD_TIMEOUT", 300))
-    # 1. start or confirm the RPC workers of the plan
+    # 1. start or confirm the RPC workers of the plan, and let only this plan's primary through
+    # their tunnels: a fresh key per deployment (and placement attempt), never stored, sent only
+    # in the commands of the plan's members.
+    tunnel_key = secrets.token_hex(32)
+    primary_address = Node.objects.filter(pk=plan.primary_node_id).values_list("address", flat=True).first()
     for worker in plan.rpc_workers():
         node_id = worker["node_id"]
         _require_live(node_id)
-        cid = command_send(node_id=node_id, kind="rpc_start", payload={"deployment_id": str(dep.id)})
+        grant = {"deployment_id": str(dep.id), "tunnel_key": tunnel_key, "primary_address": primary_address}
+        cid = command_send(node_id=node_id, kind="rpc_start", payload=grant)
         result = command_wait(command_id=cid, timeout=timeout_rpc)
         if result is None:
             raise _NodeLost(node_id, f"RPC worker on {selectors.node_name(node_id)} did not confirm within {timeout_rpc:.0f}s")
@@ -276,6 +329,7 @@ def _deployment_load(*, dep: Deployment, plan: Plan, clock: Callable[[], datetim
         "n_batch": plan.n_batch,
         "flash_attn": plan.flash_attn,
         "memory_bytes": plan.memory_by_node().get(primary, 0),
+        "rpc_tunnel_key": tunnel_key,
     }
     cid = command_send(node_id=primary, kind="load_primary", payload=payload)
     result = command_wait(command_id=cid, timeout=timeout_load)
@@ -365,10 +419,43 @@ def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> Non
             pass  # the placement task sees the lost node and re-scores (PLAN_REVISED)
 
 
+def _uuid_or_refuse(value: Any, *, what: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        raise ValueError(f"{what} {str(value)[:80]!r} is not a UUID") from None
+
+
+def deployment_member_check(*, deployment_id: Any, node_id: Any) -> Deployment:
+    """The deployment, if the node is its primary or one of its plan's nodes; ReportRefused if not."""
+    dep_id = _uuid_or_refuse(deployment_id, what="deployment_id")
+    dep = Deployment.objects.select_related("model").filter(pk=dep_id).first()
+    if dep is None:
+        raise ValueError(f"unknown deployment {dep_id}")
+    if str(dep.primary_id) != str(node_id) and not dep.nodes.filter(pk=node_id).exists():
+        raise ReportRefused(f"node {node_id} is not a member of deployment {dep_id}'s plan", code="not_plan_member")
+    return dep
+
+
+def job_primary_check(*, job_id: Any, node_id: Any) -> uuid.UUID:
+    """The job's id, if the node is the primary of its plan (the one that runs it); ReportRefused if not."""
+    job_uuid = _uuid_or_refuse(job_id, what="job_id")
+    job = Job.objects.filter(pk=job_uuid).values("placement", "deployment__primary_id").first()
+    if job is None:
+        raise ValueError(f"unknown job {job_uuid}")
+    primaries = {str(p) for p in (job["deployment__primary_id"], (job["placement"] or {}).get("primary")) if p}
+    if str(node_id) not in primaries:
+        raise ReportRefused(f"node {node_id} is not the primary of job {job_uuid}'s plan", code="not_plan_member")
+    return job_uuid
+
+
 def deployment_runtime_failed(*, deployment_id: Any, node_id: Any, message: str, now: datetime) -> bool:
-    """The primary process died (an RPC peer crashed, or it aborted): FAILED, jobs failed, replaced."""
-    dep = Deployment.objects.select_related("model").filter(pk=deployment_id).first()
-    if dep is None or dep.state not in (D.READY, D.DEGRADED):
+    """The primary process died (an RPC peer crashed, or it aborted): FAILED, jobs failed, replaced.
+
+    Only a member of the deployment's plan may say so (ReportRefused otherwise; nothing changes).
+    """
+    dep = deployment_member_check(deployment_id=deployment_id, node_id=node_id)
+    if dep.state not in (D.READY, D.DEGRADED):
         return False  # while LOADING, the placement task owns failures (and re-plans)
     if not deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=dep.state, now=now, kind="DEPLOYMENT_FAILED", message=message[:500], fields={"error": message[:2000]}):
         return False
@@ -397,19 +484,61 @@ def _request_of(dep: Deployment) -> dict[str, Any]:
     return req
 
 
+PLACEMENT_LOCK_KEY = "racon:lock:placement"
+
+
+def _ensure_lock_key(model_id: Any) -> str:
+    return f"racon:lock:ensure:{model_id}"
+
+
+@contextmanager
+def _redis_lock(name: str, *, timeout: float) -> Iterator[bool]:
+    """Hold a Redis lock (expiring after timeout, so a dead holder frees it); yields whether it
+    was acquired: after waiting timeout for it, the caller goes on unlocked rather than fail."""
+    lock = get_redis().lock(name, timeout=timeout, blocking_timeout=timeout)
+    acquired = bool(lock.acquire())
+    if not acquired:
+        log.warning("lock %s not acquired within %.0fs; going on without it", name, timeout)
+    try:
+        yield acquired
+    finally:
+        if acquired:
+            try:
+                lock.release()
+            except LockError:
+                pass  # expired meanwhile: someone else may hold it now, and that is theirs
+
+
+@contextmanager
+def _placement_lock() -> Iterator[bool]:
+    # Plans are chosen one at a time, across every worker: each sees the memory and the replicas
+    # that the plans before it recorded. Two placements choosing at once both saw a free node and
+    # both landed there (two READY replicas of one model on one node under `make run`). Held while
+    # the plan is chosen and recorded (milliseconds), never while it loads.
+    with _redis_lock(PLACEMENT_LOCK_KEY, timeout=60) as acquired:
+        yield acquired
+
+
 def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
-    """An active deployment of the model, creating one automatically when there is none."""
-    existing = Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_ACTIVE)).order_by("-created_at").first()
+    """An active deployment of the model, creating one automatically when there is none.
+
+    Concurrent first requests (several daphne processes) create one deployment between them: the
+    look and the create run under a per-model lock, and the create commits before it is released.
+    """
+    def active() -> Deployment | None:
+        return Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_ACTIVE)).order_by("-created_at").first()
+
+    existing = active()
     if existing is not None:
         return existing
-    return deployment_create(model=model, request=PlacementRequest(n_ctx=settings.DEFAULT_N_CTX), now=now, auto=True)
+    with _redis_lock(_ensure_lock_key(model.id), timeout=30):
+        existing = active()
+        if existing is not None:
+            return existing
+        return deployment_create(model=model, request=placement_request_from({}), now=now, auto=True)
 
 
 # --- jobs ---------------------------------------------------------------------------------------
-
-
-def _inflight_key(deployment_id: Any) -> str:
-    return f"racon:dep:{deployment_id}:inflight"
 
 
 def job_transition(
@@ -484,13 +613,18 @@ def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[
 
     The push goes first: the primary starts on the prompt while the transition is written. If the
     job stopped being QUEUED meanwhile (cancelled), the primary is told to cancel it.
+    The caller holds a slot for the job (admission); any failure here gives it back.
     """
-    job = Job.objects.only("id", "kind", "max_tokens", "params").get(pk=job_id)
-    payload = job_run_payload(job_id=job.id, deployment_id=deployment.id, kind=job.kind, max_tokens=job.max_tokens, params=job.params)
-    command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
-    if not _record_dispatch(job=job, deployment=deployment, now=now):
-        get_redis().set(job_cancel_key(str(job.id)), 1, ex=3600)
-        raise DeploymentError("job is no longer queued")
+    try:
+        job = Job.objects.only("id", "kind", "max_tokens", "params").get(pk=job_id)
+        payload = job_run_payload(job_id=job.id, deployment_id=deployment.id, kind=job.kind, max_tokens=job.max_tokens, params=job.params)
+        command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
+        if not _record_dispatch(job=job, deployment=deployment, now=now):
+            get_redis().set(job_cancel_key(str(job.id), str(deployment.primary_id)), 1, ex=3600)
+            raise DeploymentError("job is no longer queued")
+    except BaseException:
+        admission.slot_release(deployment_id=deployment.id, job_id=job_id)
+        raise
     return {"nodes": dispatch_node_ids(deployment), "primary": str(deployment.primary_id)}
 
 
@@ -509,8 +643,8 @@ def _finish(*, job_id: Any, to: str, now: datetime, fields: dict[str, Any], kind
         return False
     moved = job_transition(job_id=job_id, to=to, now=now, fields={"finished_at": now, **fields}, kind=kind, message=message)
     if moved:
-        if job["deployment_id"] and job["state"] in (J.DISPATCHED, J.RUNNING):
-            get_redis().decr(_inflight_key(job["deployment_id"]))
+        if job["deployment_id"]:
+            admission.slot_release(deployment_id=job["deployment_id"], job_id=job_id)
         from apps.credits.tasks import settle_job  # noqa: PLC0415
 
         settle_job.delay_on_commit(job_id=str(job_id))
@@ -552,10 +686,9 @@ def job_fail(*, job_id: Any, now: datetime, error: str, during_execution: bool |
 
 def job_cancel(*, job_id: Any, now: datetime, reason: str = "cancelled", usage: dict[str, Any] | None = None, chunks: int | None = None) -> bool:
     """→ CANCELLED; sets the cancel flag the primary checks between tokens."""
-    r = get_redis()
-    r.set(job_cancel_key(str(job_id)), 1, ex=3600)
     job = Job.objects.filter(pk=job_id).select_related("deployment").first()
     if job is not None and job.deployment_id and job.deployment.primary_id and job.state in (J.DISPATCHED, J.RUNNING):
+        get_redis().set(job_cancel_key(str(job_id), str(job.deployment.primary_id)), 1, ex=3600)
         command_send(node_id=job.deployment.primary_id, kind="cancel_job", payload={"job_id": str(job_id)})
     fields: dict[str, Any] = {"finish_reason": "cancelled", "error": reason[:2000]}
     if usage:
@@ -567,20 +700,34 @@ def job_cancel(*, job_id: Any, now: datetime, reason: str = "cancelled", usage: 
 
 
 def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: datetime) -> None:
-    """The agent's job_finished report: the same guarded finish as the stream reader's."""
+    """The agent's job_finished report: the same guarded finish as the stream reader's.
+
+    The counts billed are the controller's own, from the job's stream (a node's report is a
+    claim); the report's figures are only the cross-check.
+    """
     job_id = payload.get("job_id")
     if not job_id:
         raise ValueError("job_finished needs job_id")
+    # Only the primary of the job's plan runs it: anyone else's report is refused, changing nothing.
+    job_id = job_primary_check(job_id=job_id, node_id=node_id)
     status = payload.get("status")
-    usage = {k: payload.get(k) for k in ("prompt_tokens", "completion_tokens", "ttft_ms", "tokens_per_s")}
-    if status == "completed":
-        job_complete(job_id=job_id, usage=usage, finish_reason=payload.get("finish_reason") or "stop", chunks=int(payload.get("completion_tokens") or 0), now=now, device_seconds=payload.get("device_seconds"))
-    elif status == "failed":
-        job_fail(job_id=job_id, now=now, error=str(payload.get("error") or "failed on the node"), during_execution=True, usage=usage)
-    elif status == "cancelled":
-        job_cancel(job_id=job_id, now=now, reason=str(payload.get("error") or "cancelled on the node"), usage=usage)
-    else:
+    if status not in ("completed", "failed", "cancelled"):
         raise ValueError(f"unknown job status {status!r}")
+    job = Job.objects.filter(pk=job_id).values("state", "kind", "params").first()
+    if job is None or job["state"] in JOB_TERMINAL:
+        return  # the stream reader (or a sweep) finished it first, as it usually does
+    claimed = {k: payload.get(k) for k in ("prompt_tokens", "completion_tokens", "ttft_ms", "tokens_per_s") if payload.get(k) is not None}
+    chunks, tokens = streams.stream_tally(job_id, node_id)
+    usage = streams.billed_usage(
+        completion_tokens=tokens, agent_usage=claimed, prompt_bound=streams.prompt_token_bound(kind=job["kind"], params=job["params"] or {}),
+        job_id=job_id, check=status == "completed",
+    )
+    if status == "completed":
+        job_complete(job_id=job_id, usage=usage, finish_reason=payload.get("finish_reason") or "stop", chunks=chunks, now=now, device_seconds=payload.get("device_seconds"))
+    elif status == "failed":
+        job_fail(job_id=job_id, now=now, error=str(payload.get("error") or "failed on the node"), during_execution=True, usage=usage, chunks=chunks)
+    else:
+        job_cancel(job_id=job_id, now=now, reason=str(payload.get("error") or "cancelled on the node"), usage=usage, chunks=chunks)
 
 
 def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
@@ -600,18 +747,24 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
         if job.queued_at.timestamp() < cutoff_q:
             if job_fail(job_id=job.id, now=now, error="never dispatched: no capacity in time", during_execution=False):
                 counts["queued"] += 1
-    for job in Job.objects.filter(state__in=[J.DISPATCHED, J.RUNNING]).only("id", "dispatched_at", "queued_at"):
-        last = r.xrevrange(job_stream_key(str(job.id)), count=1)
+    running = Job.objects.filter(state__in=[J.DISPATCHED, J.RUNNING]).select_related("deployment").only(
+        "id", "dispatched_at", "queued_at", "kind", "params", "deployment__primary_id"
+    )
+    for job in running:
+        node = str(job.deployment.primary_id) if job.deployment_id and job.deployment.primary_id else ""
+        last = r.xrevrange(job_stream_key(str(job.id), node), count=1) if node else []
         if last:
             entry_id, fields = last[0]
             if fields.get("type") in ("done", "error"):
-                usage = json.loads(fields.get("usage") or "{}") if fields.get("usage") else {}
+                # Billed on the controller's own count of the stream, as the follower would have.
+                chunks, tokens = streams.stream_tally(job.id, node)
+                usage = streams.billed_usage(completion_tokens=tokens, agent_usage=streams.entry_usage(fields), prompt_bound=streams.prompt_token_bound(kind=job.kind, params=job.params), job_id=job.id)
                 if fields.get("type") == "done" and fields.get("finish_reason") != "cancelled":
-                    done = job_complete(job_id=job.id, usage=usage, finish_reason=fields.get("finish_reason") or "stop", chunks=int(fields.get("seq", 0)), now=now)
+                    done = job_complete(job_id=job.id, usage=usage, finish_reason=fields.get("finish_reason") or "stop", chunks=chunks, now=now)
                 elif fields.get("type") == "done":
-                    done = job_cancel(job_id=job.id, now=now, reason="cancelled", usage=usage)
+                    done = job_cancel(job_id=job.id, now=now, reason="cancelled", usage=usage, chunks=chunks)
                 else:
-                    done = job_fail(job_id=job.id, now=now, error=fields.get("text") or "failed", during_execution=True, usage=usage)
+                    done = job_fail(job_id=job.id, now=now, error=fields.get("text") or "failed", during_execution=True, usage=usage, chunks=chunks)
                 counts["finished_from_stream"] += int(done)
                 continue
             last_ts = int(entry_id.split("-")[0]) / 1000.0

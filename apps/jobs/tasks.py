@@ -32,3 +32,19 @@ def stale_jobs_sweep(**kwargs: Any) -> dict[str, int]:
     from . import services
 
     return services.jobs_fail_stale(now=timezone.now())
+
+
+@shared_task(name="racon.jobs.autoscale", ignore_result=True)
+def autoscale(**kwargs: Any) -> dict[str, Any]:
+    """Replicas follow load: one more under sustained queueing, idle added ones stopped (beat)."""
+    from .autoscale import replicas_autoscale
+
+    return replicas_autoscale(now=timezone.now()).to_dict()
+
+
+@shared_task(name="racon.jobs.admission_sweep", ignore_result=True)
+def admission_sweep(**kwargs: Any) -> dict[str, int]:
+    """Reclaim slot leases and queue entries that crashed views left (beat: every 15 s)."""
+    from . import admission
+
+    return admission.admission_sweep(now=timezone.now())

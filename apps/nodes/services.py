@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import secrets
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -17,6 +19,7 @@ from django.utils import timezone
 
 from agent.protocol import HEARTBEATS_ZSET, heartbeat_key, is_private_address
 from racon.redis import get_async_redis, get_redis
+from racon.redis_acl import node_acl_revoke
 
 from .events import event_record
 from .models import EnrollmentToken, EventCategory, Node
@@ -28,6 +31,14 @@ S = NodeState
 
 class EnrollmentError(Exception):
     """The enrollment token was refused; the message says why."""
+
+
+class EnrollmentConflict(EnrollmentError):
+    """The enrollment clashes with a node already enrolled (409); ``code`` says which way."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class NodeAuthError(Exception):
@@ -200,6 +211,113 @@ def hardware_summary(hardware: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _bound(value: Any, bound: float, *, field: str, unit: str, setting: str) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return f"{field} must be a finite number"
+    if value < 0:
+        return f"{field} must not be negative"
+    if value > bound:
+        return f"{field} {value} is over the plausible bound {bound:g} {unit} ({setting})"
+    return None
+
+
+def hardware_bounds_errors(hardware: dict[str, Any]) -> dict[str, list[str]]:
+    """Field → what is implausible in an agent's inventory (empty when all is within bounds).
+
+    The bounds are settings (NODE_MAX_*): a node's figures are claims, and memory, cores, VRAM and
+    benchmark results feed placement and standby pay.
+    """
+    mem_max, vram_max = settings.NODE_MAX_MEMORY_BYTES, settings.NODE_MAX_VRAM_BYTES
+    gflops_max, bw_max = settings.NODE_MAX_GFLOPS, settings.NODE_MAX_BANDWIDTH_GBPS
+    errors: dict[str, list[str]] = {}
+
+    def check(group: str, value: Any, bound: float, field: str, unit: str, setting: str) -> None:
+        if (msg := _bound(value, bound, field=field, unit=unit, setting=setting)) is not None:
+            errors.setdefault(group, []).append(msg)
+
+    cpu = hardware.get("cpu") or {}
+    for key in ("physical_cores", "logical_cores"):
+        if key in cpu:
+            check("cpu", cpu[key], settings.NODE_MAX_CORES, f"cpu.{key}", "cores", "NODE_MAX_CORES")
+    mem = hardware.get("memory") or {}
+    for key, value in mem.items():
+        check("memory", value, mem_max, f"memory.{key}", "bytes", "NODE_MAX_MEMORY_BYTES")
+    if isinstance(mem.get("available"), int) and isinstance(mem.get("total"), int) and mem["available"] > mem["total"]:
+        errors.setdefault("memory", []).append(f"memory.available {mem['available']} is more than memory.total {mem['total']}")
+    for key, value in (hardware.get("swap") or {}).items():
+        check("swap", value, mem_max, f"swap.{key}", "bytes", "NODE_MAX_MEMORY_BYTES")
+    disk = hardware.get("disk") or {}
+    for key in ("total", "free"):
+        if key in disk:
+            check("disk", disk[key], settings.NODE_MAX_DISK_BYTES, f"disk.{key}", "bytes", "NODE_MAX_DISK_BYTES")
+    for i, gpu in enumerate(hardware.get("gpus") or []):
+        for key in ("vram_total", "vram_free"):
+            check("gpus", gpu.get(key, 0), vram_max, f"gpus[{i}].{key}", "bytes per GPU", "NODE_MAX_VRAM_BYTES")
+        if int(gpu.get("vram_free") or 0) > int(gpu.get("vram_total") or 0):
+            errors.setdefault("gpus", []).append(f"gpus[{i}].vram_free is more than gpus[{i}].vram_total")
+        for key, bound, unit, setting in (
+            ("gflops", gflops_max * 100, "GFLOPS", "100 × NODE_MAX_GFLOPS"),
+            ("mem_bandwidth_gbps", bw_max * 5, "GB/s", "5 × NODE_MAX_BANDWIDTH_GBPS"),
+        ):
+            if key in gpu:
+                check("gpus", gpu[key], bound, f"gpus[{i}].{key}", unit, setting)
+    bench = hardware.get("benchmark") or {}
+    if "gflops" in bench:
+        check("benchmark", bench["gflops"], gflops_max, "benchmark.gflops", "GFLOPS", "NODE_MAX_GFLOPS")
+    if "mem_bandwidth_gbps" in bench:
+        check("benchmark", bench["mem_bandwidth_gbps"], bw_max, "benchmark.mem_bandwidth_gbps", "GB/s", "NODE_MAX_BANDWIDTH_GBPS")
+    return errors
+
+
+def _num(value: Any, field: str, *, integer: bool = False) -> float:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"telemetry.{field} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"telemetry.{field} must be a finite, non-negative number")
+    return int(value) if integer else float(value)
+
+
+def telemetry_clean(telemetry: Any) -> dict[str, Any]:
+    """The heartbeat's telemetry with the fields the controller reads type-checked (ValueError names
+    the field) and bounded: memory over NODE_MAX_MEMORY_BYTES and VRAM over NODE_MAX_VRAM_BYTES
+    are clamped, and ``clamped`` lists what was. Pure."""
+    if not isinstance(telemetry, dict):
+        raise ValueError("telemetry must be an object")
+    out = dict(telemetry)
+    clamped: list[str] = []
+    if "cpu_percent" in telemetry:
+        out["cpu_percent"] = min(_num(telemetry.get("cpu_percent"), "cpu_percent"), 100.0 * settings.NODE_MAX_CORES)
+    if "mem_available" in telemetry:
+        mem = int(_num(telemetry.get("mem_available"), "mem_available", integer=True))
+        if mem > settings.NODE_MAX_MEMORY_BYTES:
+            mem = settings.NODE_MAX_MEMORY_BYTES
+            clamped.append("mem_available")
+        out["mem_available"] = mem
+    gpu_free = telemetry.get("gpu_free") or []
+    if not isinstance(gpu_free, list) or len(gpu_free) > 16:
+        raise ValueError("telemetry.gpu_free must be a list of at most 16 numbers")
+    frees = []
+    for i, x in enumerate(gpu_free):
+        v = int(_num(x, f"gpu_free[{i}]", integer=True))
+        if v > settings.NODE_MAX_VRAM_BYTES:
+            v = settings.NODE_MAX_VRAM_BYTES
+            clamped.append(f"gpu_free[{i}]")
+        frees.append(v)
+    if "gpu_free" in telemetry:
+        out["gpu_free"] = frees
+    jobs = telemetry.get("jobs") or []
+    if not isinstance(jobs, list):
+        raise ValueError("telemetry.jobs must be a list")
+    rpc = telemetry.get("rpc_worker") or {}
+    if not isinstance(rpc, dict):
+        raise ValueError("telemetry.rpc_worker must be an object")
+    if clamped:
+        out["clamped"] = clamped
+    return out
+
+
 @dataclass(frozen=True)
 class Enrollment:
     node: Node
@@ -218,22 +336,19 @@ def node_enroll(
     agent_version: str,
     now: datetime,
     models: list[dict[str, Any]] | None = None,
+    presented: tuple[str, str] | None = None,
 ) -> Enrollment:
     """Validate the token and create the node, or give the same machine back its node.
 
-    Issues a fresh credential each time (the previous one stops working). Nothing is written
-    when the token is refused.
+    Issues a fresh credential each time (the previous one stops working). A machine already
+    enrolled gets its node back only with that node's current credential (``presented``, from
+    ``Authorization: Node <id>:<credential>``) or once after an operator's node_reenroll_allow;
+    otherwise EnrollmentConflict, and the node and its credential stay as they were. Node names
+    are unique within an account (EnrollmentConflict). Nothing is written when the enrollment is
+    refused, except PUBLIC_IP_VIOLATION, which is recorded only when the token is valid.
     """
-    if not is_private_address(address):
-        event_record(
-            kind="PUBLIC_IP_VIOLATION",
-            category=EventCategory.SECURITY,
-            now=now,
-            message=f"Public IP security violation: enrollment of {node_name!r} advertised {address}",
-            data={"address": address, "node_name": node_name},
-        )
-        raise EnrollmentError(f"Public IP security violation: advertise address {address} is not private")
     digest = enrollment_token_hash(token)
+    private = is_private_address(address)
     with transaction.atomic():
         tok = EnrollmentToken.objects.select_for_update().filter(token_hash=digest).first()
         if tok is None:
@@ -242,60 +357,144 @@ def node_enroll(
             raise EnrollmentError("enrollment token has been revoked")
         if tok.expires_at <= now:
             raise EnrollmentError("enrollment token has expired")
-        existing = Node.objects.select_for_update().filter(machine_id=machine_id).first()
-        if existing is None and tok.uses >= tok.max_uses:
-            raise EnrollmentError("enrollment token has been used up")
-        credential = "rnc_" + secrets.token_urlsafe(32)
-        summary = hardware_summary(hardware)
-        fields = {
-            "name": node_name,
-            "hardware": hardware,
-            "address": address,
-            "rpc_port": rpc_port,
-            "agent_version": agent_version,
-            "credential_hash": credential_hash(credential),
-            "revoked_at": None,
-            **summary,
-        }
-        if existing is not None:
-            if existing.revoked_at is not None:
-                raise EnrollmentError("this node has been revoked by an administrator")
-            Node.objects.filter(pk=existing.pk).update(**fields)
-            node = Node.objects.get(pk=existing.pk)
-            created = False
-        else:
-            node = Node.objects.create(
-                machine_id=machine_id,
-                account_id=tok.account_id,
-                enrollment_token=tok,
-                state=S.UNINITIALIZED,
-                state_changed_at=now,
-                **fields,
+        if private:
+            enrollment = _enroll_locked(
+                tok=tok, node_name=node_name, machine_id=machine_id, hardware=hardware, address=address, rpc_port=rpc_port,
+                agent_version=agent_version, now=now, models=models, presented=presented,
             )
-            EnrollmentToken.objects.filter(pk=tok.pk).update(uses=tok.uses + 1)
-            created = True
+    if not private:
+        # Outside the token's transaction: a refusal raised inside it would roll the event back.
         event_record(
-            kind="NODE_ENROLLED",
-            category=EventCategory.LIFECYCLE,
+            kind="PUBLIC_IP_VIOLATION",
+            category=EventCategory.SECURITY,
             now=now,
-            node_id=node.id,
-            message=f"{node_name} enrolled" if created else f"{node_name} enrolled again",
-            data={"created": created, "address": address, "agent_version": agent_version, **summary},
+            message=f"Public IP security violation: enrollment of {node_name!r} advertised {address}",
+            data={"address": address, "node_name": node_name, "token_prefix": tok.prefix},
         )
-        # The handshake: any prior state (OFFLINE, ERROR, READY of a previous run) → REGISTERING.
-        if node.state != S.REGISTERING:
-            node_transition(node_id=node.id, to=S.REGISTERING, now=now, message="agent handshake")
-        if models is not None:
-            from apps.models_repo.services import replicas_sync  # noqa: PLC0415
+        raise EnrollmentError(f"Public IP security violation: advertise address {address} is not private")
+    enrollment.node.refresh_from_db()
+    _cache_node(enrollment.node)
+    return enrollment
 
-            replicas_sync(node_id=node.id, files=models, now=now)
-    node.refresh_from_db()
-    _cache_node(node)
+
+def _enroll_locked(
+    *, tok: EnrollmentToken, node_name: str, machine_id: str, hardware: dict[str, Any], address: str, rpc_port: int,
+    agent_version: str, now: datetime, models: list[dict[str, Any]] | None, presented: tuple[str, str] | None,
+) -> Enrollment:
+    """node_enroll's writes, under the token's row lock (its caller's transaction)."""
+    existing = Node.objects.select_for_update().filter(machine_id=machine_id).first()
+    if existing is None and tok.uses >= tok.max_uses:
+        raise EnrollmentError("enrollment token has been used up")
+    if existing is not None:
+        if existing.revoked_at is not None:
+            raise EnrollmentError("this node has been revoked by an administrator")
+        _reenroll_check(existing=existing, presented=presented)
+    account_id = existing.account_id if existing is not None else tok.account_id
+    clash = Node.objects.filter(account_id=account_id, name=node_name, revoked_at__isnull=True)
+    if existing is not None:
+        clash = clash.exclude(pk=existing.pk)
+    other = clash.values_list("id", flat=True).first()
+    if other is not None:
+        raise EnrollmentConflict(
+            f"node name {node_name!r} is already used by node {other} in this account; choose another --node-name",
+            code="node_name_taken",
+        )
+    credential = "rnc_" + secrets.token_urlsafe(32)
+    summary = hardware_summary(hardware)
+    fields = {
+        "name": node_name,
+        "hardware": hardware,
+        "address": address,
+        "rpc_port": rpc_port,
+        "agent_version": agent_version,
+        "credential_hash": credential_hash(credential),
+        "revoked_at": None,
+        **summary,
+    }
+    if existing is not None:
+        # The operator's permission, if that is what let it through, is used up now.
+        get_redis().delete(_reenroll_key(existing.pk))
+        Node.objects.filter(pk=existing.pk).update(**fields)
+        node = Node.objects.get(pk=existing.pk)
+        created = False
+    else:
+        node = Node.objects.create(
+            machine_id=machine_id,
+            account_id=tok.account_id,
+            enrollment_token=tok,
+            state=S.UNINITIALIZED,
+            state_changed_at=now,
+            **fields,
+        )
+        EnrollmentToken.objects.filter(pk=tok.pk).update(uses=tok.uses + 1)
+        created = True
+    event_record(
+        kind="NODE_ENROLLED",
+        category=EventCategory.LIFECYCLE,
+        now=now,
+        node_id=node.id,
+        message=f"{node_name} enrolled" if created else f"{node_name} enrolled again",
+        data={"created": created, "address": address, "agent_version": agent_version, **summary},
+    )
+    # The handshake: any prior state (OFFLINE, ERROR, READY of a previous run) → REGISTERING.
+    if node.state != S.REGISTERING:
+        node_transition(node_id=node.id, to=S.REGISTERING, now=now, message="agent handshake")
+    if models is not None:
+        from apps.models_repo.services import replicas_sync  # noqa: PLC0415
+
+        replicas_sync(node_id=node.id, files=models, now=now)
     return Enrollment(node=node, credential=credential, created=created)
+
+
+def _reenroll_key(node_id: Any) -> str:
+    return f"racon:reenroll:{node_id}"
+
+
+def _reenroll_check(*, existing: Node, presented: tuple[str, str] | None) -> None:
+    """Refuse taking over an enrolled machine without its node's current credential or an
+    operator's permission (EnrollmentConflict)."""
+    if presented is not None and presented[0] == str(existing.pk) and hmac.compare_digest(
+        existing.credential_hash, credential_hash(presented[1])
+    ):
+        return
+    if get_redis().exists(_reenroll_key(existing.pk)):
+        return
+    why = "the credential presented is not its current one" if presented is not None else "no node credential was presented"
+    raise EnrollmentConflict(
+        f"machine {existing.machine_id!r} is already enrolled as node {existing.name!r} ({existing.pk}) and {why}: "
+        "re-enrolling it needs that node's current credential (Authorization: Node <id>:<credential>) "
+        "or an operator's allow-reenroll (POST /api/admin/nodes/<id>/allow-reenroll)",
+        code="machine_enrolled",
+    )
+
+
+def node_reenroll_allow(*, node_id: Any, now: datetime, ttl_seconds: int | None = None) -> int:
+    """Operator action: let the next enrollment of this node's machine take it over without its
+    credential (once, within ttl_seconds). Returns the window in seconds."""
+    ttl = int(ttl_seconds or settings.NODE_REENROLL_WINDOW_SECONDS)
+    node = Node.objects.get(pk=node_id)
+    get_redis().set(_reenroll_key(node.pk), 1, ex=ttl)
+    event_record(
+        kind="NODE_REENROLL_ALLOWED", category=EventCategory.SECURITY, now=now, node_id=node.pk,
+        message=f"an operator allowed {node.name} to be enrolled again without its credential, for {ttl}s",
+        data={"ttl_seconds": ttl},
+    )
+    return ttl
+
+
+def node_id_valid(node_id: Any) -> bool:
+    """Whether ``node_id`` is a UUID (a malformed one is refused before any lookup). Pure."""
+    try:
+        uuid.UUID(str(node_id))
+    except ValueError:
+        return False
+    return True
 
 
 def node_authenticate(*, node_id: str, credential: str) -> Node:
     """Check a node credential against the database (slow path; heartbeats use Redis)."""
+    if not node_id_valid(node_id):
+        raise NodeAuthError("malformed node id: expected a UUID")
     node = Node.objects.filter(pk=node_id).first()
     if node is None:
         raise NodeAuthError("unknown node")
@@ -313,6 +512,8 @@ def node_revoke(*, node_id: Any, now: datetime) -> None:
         event_record(kind="NODE_REVOKED", category=EventCategory.SECURITY, now=now, node_id=node_id, message="node revoked")
         node_transition(node_id=node_id, to=S.OFFLINE, now=now, message="revoked")
     get_redis().delete(_meta_key(node_id))
+    if settings.NODE_REDIS_ACL:
+        node_acl_revoke(node_id=node_id)  # and Redis drops the node's open connections
 
 
 # --- heartbeats --------------------------------------------------------------------------------
@@ -368,7 +569,8 @@ async def node_heartbeat(*, node_id: str, credential: str, payload: dict[str, An
     The controller's clock decides: the agent's ``sent_at`` is stored as telemetry only.
     """
     r = get_async_redis()
-    telemetry = payload.get("telemetry") or {}
+    # Bounded once more here, for callers that skip heartbeat_handle (idempotent).
+    telemetry = telemetry_clean(payload.get("telemetry") or {})
     ts = now.timestamp()
     jobs = telemetry.get("jobs") or []
     args = [
@@ -390,6 +592,8 @@ async def node_heartbeat(*, node_id: str, credential: str, payload: dict[str, An
     if result[0] != "ok":
         raise NodeAuthError("invalid node credential")
     _, current, drain, drained = result
+    if telemetry.get("clamped"):
+        await sync_to_async(_telemetry_clamped)(node_id, telemetry["clamped"], now)
     target = heartbeat_target(current=current, wanted=payload.get("state"), busy=bool(jobs), drain_requested=drain == "1")
     if target is not None:
         moved = await sync_to_async(_heartbeat_transition)(node_id, current, target, now, telemetry)
@@ -398,6 +602,15 @@ async def node_heartbeat(*, node_id: str, credential: str, payload: dict[str, An
     if current == S.DRAINING and not jobs and drained != "1":
         await sync_to_async(node_mark_drained)(node_id=node_id, now=now)
     return current
+
+
+def _telemetry_clamped(node_id: str, fields: list[str], now: datetime) -> None:
+    # One row an hour per node at most: never one per heartbeat.
+    if get_redis().set(f"racon:node:{node_id}:clamped", 1, nx=True, ex=3600):
+        event_record(
+            kind="TELEMETRY_CLAMPED", category=EventCategory.SECURITY, now=now, node_id=node_id,
+            message=f"heartbeat figures over the plausible bounds were clamped: {', '.join(fields)}", data={"fields": fields},
+        )
 
 
 def _json_dumps(value: Any) -> str:
@@ -425,7 +638,9 @@ def _heartbeat_transition(node_id: str, current: str, target: str, now: datetime
         kind, category, message = "NODE_STATE_CHANGED", EventCategory.EXECUTION, ""
     extra: dict[str, Any] = {"last_heartbeat_at": now}
     if "mem_available" in telemetry:
-        extra["ram_available"] = int(telemetry.get("mem_available") or 0)
+        # Never more free than the node has (ram_total was bounded at enrollment).
+        total = Node.objects.filter(pk=node_id).values_list("ram_total", flat=True).first() or 0
+        extra["ram_available"] = min(int(telemetry.get("mem_available") or 0), int(total))
     moved = node_transition(
         node_id=node_id, to=target, expected=current, now=now, kind=kind, category=category, message=message, extra=extra
     )

@@ -68,25 +68,27 @@ def redis_client() -> Iterator[Any]:
 @pytest.fixture
 def node_id(redis_client: Any) -> str:
     nid = "test-" + uuid.uuid4().hex[:12]
-    redis_client.test_keys.append(f"racon:node:{nid}:*")
+    redis_client.test_keys.append(f"racon:n:{nid}:*")
     return nid
 
 
 @pytest.fixture
 def job_id(redis_client: Any) -> Iterator[str]:
     jid = "job-" + uuid.uuid4().hex[:12]
-    redis_client.test_keys.append(f"racon:job:{jid}:*")
+    redis_client.test_keys.append(f"racon:n:*:{jid}")
     yield jid
 
 
 def new_job_id(redis_client: Any) -> str:
     jid = "job-" + uuid.uuid4().hex[:12]
-    redis_client.test_keys.append(f"racon:job:{jid}:*")
+    redis_client.test_keys.append(f"racon:n:*:{jid}")
     return jid
 
 
 def read_stream(r: Any, job_id: str) -> list[dict[str, str]]:
-    return [fields for _, fields in r.xrange(f"racon:job:{job_id}:stream")]
+    """The job's stream, under whichever node prefix wrote it (protocol.job_stream_key)."""
+    keys = list(r.scan_iter(match=f"racon:n:*:job:{job_id}", count=1000))
+    return [fields for _, fields in r.xrange(keys[0])] if keys else []
 
 
 # --- fake controller -------------------------------------------------------------------------------
@@ -262,7 +264,7 @@ def h(controller: FakeController, redis_client: Any, tmp_path: Path) -> Iterator
     yield harness
     harness.close()
     for nid in controller.node_ids:
-        redis_client.test_keys.append(f"racon:node:{nid}:*")
+        redis_client.test_keys.append(f"racon:n:{nid}:*")
 
 
 def fake_profile(tmp_path: Path, **sections: Any) -> Path:

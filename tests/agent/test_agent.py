@@ -193,7 +193,7 @@ def test_the_gateway_cancel_key_stops_a_running_job(h: Harness) -> None:
     job = h.job(dep, max_tokens=500)
     h.send(agent, "run_job", job)
     wait(lambda: len(read_stream(h.r, job["job_id"])) >= 2)
-    h.r.set(job_cancel_key(job["job_id"]), "1", ex=60)
+    h.r.set(job_cancel_key(job["job_id"], str(agent.node_id)), "1", ex=60)
     done = h.controller.wait_for(lambda c: c.job_finished(job["job_id"]))[0]
     assert done["status"] == "cancelled"
 
@@ -267,7 +267,7 @@ def test_bad_commands_are_reported_clearly_and_never_crash_the_agent(
     agent = h.start()
     kind, payload = make(h)
     if kind == "run_job":
-        h.r.test_keys.append(f"racon:job:{payload['job_id']}:*")
+        h.r.test_keys.append(f"racon:n:*:{payload['job_id']}")
     res = h.controller.result(h.send(agent, kind, payload))
     assert res["ok"] is False
     assert needle in res["error"]

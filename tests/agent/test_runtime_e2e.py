@@ -120,6 +120,7 @@ def test_a_split_across_two_rpc_workers_generates_what_a_local_run_does(
     }
     plan["deployment_id"] = "dep-split"
     primary = ServerPrimary(
+        node_id="node-rt",
         plan=plan,
         model_path=MODEL,
         redis_client=redis_client,
@@ -190,6 +191,7 @@ def test_a_plan_naming_an_unreachable_worker_fails_to_load_cleanly(
         "n_threads": 1,
     }
     primary = ServerPrimary(
+        node_id="node-rt",
         plan=plan,
         model_path=MODEL,
         redis_client=redis_client,
@@ -246,7 +248,7 @@ def _batching_primary(plan_extra: dict[str, Any], redis_client: Any, tmp_path: P
         "n_gpu_layers": 0, "n_ctx": 256, "n_parallel": 4, "n_threads": 2, **plan_extra,
     }  # fmt: skip
     return ServerPrimary(
-        plan=plan, model_path=MODEL, redis_client=redis_client, redis_url=REDIS_URL,  # type: ignore[arg-type]
+        node_id="node-rt", plan=plan, model_path=MODEL, redis_client=redis_client, redis_url=REDIS_URL,  # type: ignore[arg-type]
         log_path=tmp_path / "batch.log", on_event=Events(), on_job_finished=finished.append, on_exit=lambda d: None,
     )  # fmt: skip
 

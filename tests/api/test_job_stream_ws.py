@@ -22,8 +22,22 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def make_job(owner) -> Job:  # type: ignore[no-untyped-def]
+    """A running job on a deployment whose primary holds the job's stream (under its node prefix)."""
+    import uuid
+
+    from apps.jobs.models import Deployment
+    from apps.jobs.states import DeploymentState
+    from apps.models_repo.models import ModelFile
+    from tests.factories import NodeFactory
+
     model = Model.objects.create(name=f"m-{timezone.now().timestamp()}")
-    return Job.objects.create(model=model, account=account_for_user(user=owner), state=JobState.RUNNING, queued_at=timezone.now())
+    mf = ModelFile.objects.create(model=model, file_name="m.gguf", sha256=uuid.uuid4().hex * 2, size=1)
+    dep = Deployment.objects.create(model=model, model_file=mf, state=DeploymentState.READY, primary=NodeFactory(), request={})
+    return Job.objects.create(model=model, deployment=dep, account=account_for_user(user=owner), state=JobState.RUNNING, queued_at=timezone.now())
+
+
+def stream_key(job: Job) -> str:
+    return job_stream_key(str(job.id), str(job.deployment.primary_id))
 
 
 def session_headers(user) -> list[tuple[bytes, bytes]]:  # type: ignore[no-untyped-def]
@@ -48,8 +62,8 @@ def test_owner_receives_the_stream_in_order_until_it_ends() -> None:
     job = make_job(owner)
     r = get_redis()
     for i, text in enumerate(["Hel", "lo"]):
-        r.xadd(job_stream_key(str(job.id)), {"seq": str(i), "type": "chunk", "text": text, "finish_reason": "", "usage": ""})
-    r.xadd(job_stream_key(str(job.id)), {"seq": "2", "type": "done", "text": "", "finish_reason": "stop", "usage": "{}"})
+        r.xadd(stream_key(job), {"seq": str(i), "type": "chunk", "text": text, "finish_reason": "", "usage": ""})
+    r.xadd(stream_key(job), {"seq": "2", "type": "done", "text": "", "finish_reason": "stop", "usage": "{}"})
     headers = session_headers(owner)
 
     async def run() -> list[dict[str, object]]:

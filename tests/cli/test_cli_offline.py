@@ -120,3 +120,38 @@ def test_a_deployment_that_fails_while_loading_exits_non_zero(monkeypatch: pytes
     res = _run(monkeypatch, tmp_path, handler, "deploy", "m")
     assert res.exit_code == EXIT_API
     assert one_error_line(res) == "error: deployment 5f0c6a8e FAILED: primary exited with 134"
+
+
+@pytest.mark.django_db
+def test_deployments_ls_shows_slots_in_use_queue_and_replicas_per_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, client: Any) -> None:
+    # The REST API's own answer (real database and Redis), served to the CLI as is.
+    from apps.jobs import admission
+    from apps.jobs.models import Deployment
+    from apps.models_repo.models import Model, ModelFile
+    from tests.factories import NodeFactory
+
+    model = Model.objects.create(name="smol")
+    mf = ModelFile.objects.create(model=model, file_name="smol.gguf", sha256="c" * 64, size=1)
+    deps = []
+    for name in ("box-a", "box-b"):
+        node = NodeFactory(name=name)
+        dep = Deployment.objects.create(model=model, model_file=mf, state="READY", primary=node, n_parallel=4)
+        dep.nodes.set([node])
+        deps.append(dep)
+    assert admission.slot_try(deployment_id=deps[0].id, job_id="j1", cap=4)
+    admission.queue_join(deployment_id=deps[1].id, job_id="w1", priority=1, model_id=model.id)
+    body = client.get("/api/admin/deployments", headers={"Authorization": "Bearer test-operator-key"}).json()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/api/admin/deployments"
+        return httpx.Response(200, json=body)
+
+    res = _run(monkeypatch, tmp_path, handler, "deployments", "ls")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    row_a = next(ln for ln in lines if "box-a" in ln)
+    row_b = next(ln for ln in lines if "box-b" in ln)
+    assert " 1/4 " in row_a and " 0/4 " in row_b
+    assert row_b.split()[6] == "1"  # QUEUE column of the replica with the waiter
+    summary = next(ln for ln in lines if ln.startswith("smol") and "/" in ln and "box" not in ln)
+    assert summary.split()[:4] == ["smol", "2", "1/8", "1"]

@@ -222,9 +222,8 @@ def test_a_job_that_delivered_nothing_is_fully_refunded_with_zero_credit_receipt
     assert ledger_verify().ok
 
 
-def test_usage_beyond_the_hold_is_charged_from_free_credits_but_never_below_the_floor(
-    price: Any, now: Any
-) -> None:
+def test_usage_beyond_the_hold_is_never_charged_beyond_the_hold(price: Any, now: Any) -> None:
+    # Settlement never reaches past the hold into the consumer's free balance (issue 12).
     s = three_node_setup(consumer_funds=30_000)
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=20)
     credit_reserve(
@@ -234,13 +233,26 @@ def test_usage_beyond_the_hold_is_charged_from_free_credits_but_never_below_the_
         model_price_permille=1000,
         now=now,
     )
-    job_finish(
-        job, prompt=40, completion=20
-    )  # 60 tokens = 60_000 µ, but the account only ever had 30_000
+    job_finish(job, prompt=40, completion=20)  # 60 tokens = 60_000 µ; the hold is 20_000
     entry = credit_settle_job(job_id=job.pk, now=now)
-    assert entry.data["cost"] == 60_000 and entry.data["charged"] == 30_000
-    assert bal(s["consumer"]) == 0
-    assert sum(bal(o) for o in s["owners"]) == 30_000
+    assert entry.data["cost"] == 60_000 and entry.data["charged"] == 20_000
+    assert entry.data["uncharged"] == 40_000
+    assert bal(s["consumer"]) == 10_000  # what was free stays free
+    assert sum(bal(o) for o in s["owners"]) == 20_000
+    assert ledger_verify().ok
+
+
+def test_a_forged_two_billion_token_usage_charges_at_most_the_hold(price: Any, now: Any) -> None:
+    s = three_node_setup(consumer_funds=10_000_000)
+    job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=100)
+    held = credit_reserve(
+        account_id=s["consumer"].pk, job_id=job.pk, max_tokens=100, model_price_permille=1000, now=now
+    )
+    job_finish(job, completion=2_000_000_000)
+    entry = credit_settle_job(job_id=job.pk, now=now)
+    assert entry.data["charged"] == held == 100_000
+    assert bal(s["consumer"]) == 10_000_000 - held
+    assert sum(bal(o) for o in s["owners"]) == held
     assert ledger_verify().ok
 
 

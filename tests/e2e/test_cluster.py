@@ -216,7 +216,8 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
         from racon.redis import get_redis
 
         def stream_ended() -> Any:
-            last = get_redis().xrevrange(f"racon:job:{cancel_job}:stream", count=1)
+            keys = list(get_redis().scan_iter(match=f"racon:n:*:job:{cancel_job}"))
+            last = get_redis().xrevrange(keys[0], count=1) if keys else []
             return last and last[0][1].get("type") in ("done", "error") and last[0][1]
 
         final = wait_for(stream_ended, 5, "the primary to stop generating")

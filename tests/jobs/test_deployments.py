@@ -147,12 +147,15 @@ def test_member_degraded_then_recovered_moves_the_deployment_with_it(model: Mode
 
 
 def test_routing_prefers_ready_deployments_with_less_work_in_flight(model: Model) -> None:
+    from apps.jobs import admission
     from apps.jobs.selectors import deployment_route
 
     d1 = ready_deployment(model, NodeFactory())
     d2 = ready_deployment(model, NodeFactory())
-    get_redis().set(f"racon:dep:{d1.id}:inflight", 3)
-    assert deployment_route(model_id=model.id) == d2
+    Deployment.objects.filter(pk__in=[d1.pk, d2.pk]).update(n_parallel=4)
+    for k in range(3):
+        assert admission.slot_try(deployment_id=d1.id, job_id=f"busy-{k}", cap=4)
+    assert all(deployment_route(model_id=model.id) == d2 for _ in range(5))
     Deployment.objects.filter(pk=d2.pk).update(state=DeploymentState.DEGRADED)
     assert deployment_route(model_id=model.id) == d1
 
@@ -164,12 +167,16 @@ def test_a_stream_that_ended_finishes_its_job_and_a_silent_one_fails(model: Mode
     now = timezone.now()
     ended = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=now, dispatched_at=now)
     silent = Job.objects.create(model=model, deployment=dep, state=JobState.DISPATCHED, queued_at=now - timedelta(minutes=5), dispatched_at=now - timedelta(minutes=5))
-    get_redis().xadd(job_stream_key(str(ended.id)), {"seq": "0", "type": "done", "text": "", "finish_reason": "stop", "usage": json.dumps({"prompt_tokens": 3, "completion_tokens": 7})})
+    key = job_stream_key(str(ended.id), str(node.id))
+    get_redis().xadd(key, {"seq": "0", "attempt": "1", "type": "chunk", "text": "a b c", "ids": "[1,2,3]", "n": "3"})
+    get_redis().xadd(key, {"seq": "1", "attempt": "1", "type": "chunk", "text": " d e f g", "ids": "[4,5,6,7]", "n": "4"})
+    # The node's own usage claims more than it streamed: the controller's count is what is billed.
+    get_redis().xadd(key, {"seq": "2", "attempt": "1", "type": "done", "text": "", "finish_reason": "stop", "usage": json.dumps({"prompt_tokens": 3, "completion_tokens": 70})})
     counts = services.jobs_fail_stale(now=now + timedelta(seconds=30))
     assert counts["finished_from_stream"] == 1 and counts["silent"] == 1
     ended.refresh_from_db()
     silent.refresh_from_db()
-    assert ended.state == JobState.COMPLETED and ended.completion_tokens == 7
+    assert ended.state == JobState.COMPLETED and ended.completion_tokens == 7 and ended.stream_chunks == 2
     assert silent.state == JobState.FAILED
 
 
@@ -205,7 +212,7 @@ def test_a_running_job_shows_its_tokens_and_rate_from_the_stream(model: Model, c
     started = timezone.now() - timedelta(seconds=10)
     job = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=started, dispatched_at=started, first_token_at=started)
     for i in range(10):
-        get_redis().xadd(job_stream_key(str(job.id)), {"seq": str(i), "type": "chunk", "text": "x", "finish_reason": "", "usage": ""})
+        get_redis().xadd(job_stream_key(str(job.id), str(node.id)), {"seq": str(i), "type": "chunk", "text": "x", "finish_reason": "", "usage": ""})
     row = client.get("/api/admin/jobs?state=RUNNING", headers={"Authorization": "Bearer test-operator-key"}).json()[0]
     assert row["completion_tokens"] == 10
     assert 0 < row["tokens_per_s"] <= 1.0  # 10 tokens over at least 10 s

@@ -61,7 +61,11 @@ def test_token_is_stored_only_hashed() -> None:
 def test_same_machine_enrolling_again_gets_the_same_node(client: Client) -> None:
     token = issue(max_uses=1)
     first = post(client, enroll_body(token)).json()
-    second = post(client, enroll_body(token, node_name="box-renamed"))
+    # Re-enrolling an enrolled machine presents its node's current credential (issue 12).
+    second = client.post(
+        "/api/agent/enroll", enroll_body(token, node_name="box-renamed"), content_type="application/json",
+        headers={"Authorization": f"Node {first['node_id']}:{first['credential']}"},
+    )
     assert second.status_code == 200
     assert second.json()["node_id"] == first["node_id"]
     assert Node.objects.count() == 1

@@ -133,7 +133,7 @@ def test_wrong_credential_and_malformed_heartbeats_are_refused(client: Client) -
     assert bad.status_code == 400
     assert beat(client, node_id, cred, state="SLEEPING").status_code == 400
     huge = {"telemetry": {"x": "y" * 300_000}}
-    assert beat(client, node_id, cred, **huge).status_code == 400
+    assert beat(client, node_id, cred, **huge).status_code == 413  # over the limit (issue 12)
 
 
 def test_agent_fatal_fault_moves_node_to_error(client: Client) -> None:

@@ -56,6 +56,13 @@ def test_every_metric_in_every_query_is_one_the_controller_emits(dash: dict[str,
         "racon_credits_minted_total",
         "racon_credits_spent_total",
         "racon_pool_ram_bytes",
+        # Concurrent serving: replicas, slots, each model's queue, tokens/s per replica.
+        "racon_replicas",
+        "racon_deployment_slots_in_use",
+        "racon_deployment_slots_free",
+        "racon_model_queue_depth",
+        "racon_model_queue_wait_seconds",
+        "racon_replica_tokens_per_second",
     ):
         assert needle in seen, needle
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.protocol import HEARTBEATS_ZSET, heartbeat_key
@@ -16,7 +17,7 @@ from apps.api.auth import api_key_create
 from apps.api.metrics import FAMILIES, job_finished_observe, metrics_render
 from apps.credits.services import account_for_user, credit_adjust, credit_settle_job
 from apps.jobs import services as job_services
-from apps.jobs.models import Job
+from apps.jobs.models import Deployment, Job
 from apps.models_repo.models import ModelFile
 from apps.nodes.states import NodeState
 from racon.redis import get_redis
@@ -311,3 +312,47 @@ def test_a_scrape_while_redis_is_down_answers_503(
     resp = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {token}")
     assert resp.status_code == 503
     assert resp.json()["error"]["code"] == "unavailable"
+
+
+def test_replicas_slots_queue_and_tokens_per_second_per_replica(
+    model_file: ModelFile, now: Any
+) -> None:
+    from apps.jobs import admission
+
+    a, b = NodeFactory(), NodeFactory()
+    one = make_deployment(model_file, state="READY", primary=a, nodes=[a])
+    two = make_deployment(model_file, state="READY", primary=b, nodes=[b])
+    make_deployment(model_file, state="STOPPED")  # not a replica any more
+    Deployment.objects.filter(pk__in=[one.pk, two.pk]).update(n_parallel=4)
+    t = time.time()
+    assert admission.slot_try(deployment_id=one.id, job_id="j1", cap=4, now=t)
+    assert admission.slot_try(deployment_id=one.id, job_id="j2", cap=4, now=t)
+    admission.queue_join(
+        deployment_id=two.id, job_id="w1", priority=1, model_id=model_file.model_id, now=t
+    )
+    admission.queue_wait_record(model_id=model_file.model_id, seconds=3.0, now=t)
+    done = make_job(model_file, state="RUNNING", now=now, deployment=one)
+    job_services.job_complete(
+        job_id=done.id,
+        usage={"completion_tokens": 120},
+        finish_reason="stop",
+        chunks=120,
+        now=timezone.now(),
+    )
+    old = make_job(model_file, state="COMPLETED", now=now - timedelta(hours=1), deployment=two)
+    Job.objects.filter(pk=old.pk).update(
+        completion_tokens=999, finished_at=now - timedelta(hours=1)
+    )
+    got = scrape()
+    m = "tiny-model"
+    assert v(got, "racon_replicas", model=m) == 2
+    assert v(got, "racon_deployment_slots_in_use", deployment=str(one.id), model=m) == 2
+    assert v(got, "racon_deployment_slots_free", deployment=str(one.id), model=m) == 2
+    assert v(got, "racon_deployment_slots_free", deployment=str(two.id), model=m) == 4
+    assert v(got, "racon_model_queue_depth", model=m) == 1
+    assert v(got, "racon_model_queue_wait_seconds", model=m) == pytest.approx(3.0, rel=0.05)
+    # 120 tokens in the last minute on the first replica; the old job is out of the window.
+    assert v(
+        got, "racon_replica_tokens_per_second", deployment=str(one.id), model=m
+    ) == pytest.approx(2.0)
+    assert v(got, "racon_replica_tokens_per_second", deployment=str(two.id), model=m) == 0

@@ -292,3 +292,21 @@ def test_the_playground_key_is_for_inference_on_the_users_account_and_revoked_af
     page = contributor_client.get("/playground/").content.decode()
     assert "rk_" not in page and "tiny-model" in page
 
+
+
+def test_the_deployments_page_shows_replicas_slots_in_use_and_queue_depth(staff_client: Client, world: World) -> None:
+    from apps.jobs import admission
+    from apps.jobs.models import Deployment
+
+    Deployment.objects.filter(pk=world.deployment.pk).update(n_parallel=8)
+    dep_id = world.deployment.id
+    for job in ("a", "b", "c"):
+        assert admission.slot_try(deployment_id=dep_id, job_id=job, cap=8)
+    admission.queue_join(deployment_id=dep_id, job_id="w", priority=1, model_id=world.deployment.model_id)
+    html = staff_client.get("/deployments/").content.decode()
+    summary = html[html.index('id="replica-summary"'):]
+    row = summary[summary.index('data-model="tiny-model"'):]
+    row = row[: row.index("</tr>")]
+    assert [c.split("<")[0].strip() for c in row.split("<td>")[2:]] == ["1", "3 / 8", "1", "0.0 s"]
+    own = html[html.index(f'id="dep-row-{dep_id}"'):]
+    assert '<td class="slots">3 / 8</td>' in own and '<td class="queue">1</td>' in own

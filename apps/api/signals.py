@@ -1,0 +1,33 @@
+"""Cache invalidation on writes the ORM signals: API keys and models (racon/cache.py).
+
+Writes through ``QuerySet.update()`` send no signal; those call ``cache.invalidate`` themselves
+(``api_key_revoke``, ``deployment_transition``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models.signals import post_delete, post_save
+
+from apps.models_repo.models import Model, ModelFile
+from racon import cache
+
+from .auth import PRINCIPAL_CACHE
+from .models import ApiKey
+from .openai import MODEL_CACHE
+
+
+def _principal_changed(**kwargs: Any) -> None:
+    cache.invalidate(PRINCIPAL_CACHE)
+
+
+def _model_changed(**kwargs: Any) -> None:
+    cache.invalidate(MODEL_CACHE)
+
+
+def connect() -> None:
+    for signal in (post_save, post_delete):
+        signal.connect(_principal_changed, sender=ApiKey, dispatch_uid=f"racon-cache-apikey-{signal is post_save}")
+        signal.connect(_model_changed, sender=Model, dispatch_uid=f"racon-cache-model-{signal is post_save}")
+        signal.connect(_model_changed, sender=ModelFile, dispatch_uid=f"racon-cache-modelfile-{signal is post_save}")

@@ -1,0 +1,204 @@
+"""Following a job's token stream (docs/design/serving.md, "The stream protocol").
+
+The follower yields entries in ``seq`` order and raises StreamFailure on a gap, an idle stream or
+a dead primary. It counts what it relays itself: completion tokens are the sum of ``n`` over the
+chunks it yielded (1 for a chunk without ``n``, from an agent that predates the field), and the
+agent's ``usage`` is only compared against that count. Prompt tokens are the agent's figure,
+bounded by the prompt's UTF-8 bytes plus the chat template's few tokens: a token is at least one
+byte. While it reads it renews the job's slot lease (apps/jobs/admission.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from agent.protocol import job_stream_key
+from racon.redis import get_async_redis, get_redis
+
+from . import admission
+from .models import Deployment
+from .states import DeploymentState
+
+log = logging.getLogger("racon.jobs.streams")
+
+# Tokens a chat template may add around the text: a default system prompt, the generation prompt,
+# and per message the role and its markers. Generous on purpose: the bound is against a node
+# inflating its count, not a precise figure.
+CHAT_TEMPLATE_TOKENS = 64
+CHAT_MESSAGE_TOKENS = 8
+COMPLETION_TEMPLATE_TOKENS = 4  # BOS and the like
+
+
+class StreamFailure(Exception):
+    """The stream cannot deliver the job: ``code`` is the OpenAI-style error code shown to the client."""
+
+    def __init__(self, message: str, *, code: str = "stream_error", during_execution: bool = True) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.during_execution = during_execution
+
+
+def entry_tokens(fields: dict[str, str]) -> int:
+    """Tokens a chunk entry carries: its ``n``, else its ``ids``, else 1."""
+    raw = fields.get("n")
+    if raw:
+        try:
+            return max(0, int(raw))
+        except ValueError:
+            pass
+    ids = fields.get("ids")
+    if ids:
+        try:
+            got = json.loads(ids)
+            if isinstance(got, list):
+                return len(got)
+        except ValueError:
+            pass
+    return 1
+
+
+def entry_usage(fields: dict[str, str]) -> dict[str, Any]:
+    """The agent's own usage figures of a done or error entry ({} when absent or malformed)."""
+    try:
+        got = json.loads(fields.get("usage") or "{}") or {}
+    except ValueError:
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def error_for_entry(fields: dict[str, str]) -> StreamFailure:
+    """The failure an error entry reports, told apart by its ``code``."""
+    text = fields.get("text") or "generation failed"
+    code = fields.get("code") or ""
+    if not code:
+        # An agent from before the `code` field: the one error that changes the answer (400, not
+        # 502) is recognised by its message until every agent sends the code.
+        low = text.lower()
+        if "context" in low and ("exceed" in low or "too long" in low or "length" in low):
+            code = "context_length_exceeded"
+    if code == "context_length_exceeded":
+        return StreamFailure(text, code=code, during_execution=False)
+    return StreamFailure(text, code=code or "runtime_error")
+
+
+def prompt_token_bound(*, kind: str, params: dict[str, Any]) -> int:
+    """The most prompt tokens this request can have: its UTF-8 bytes plus the template's tokens."""
+    if kind == "chat":
+        messages = params.get("messages") or []
+        return CHAT_TEMPLATE_TOKENS + sum(len(str(m.get("content") or "").encode()) + len(str(m.get("role") or "").encode()) + CHAT_MESSAGE_TOKENS for m in messages)
+    return COMPLETION_TEMPLATE_TOKENS + len(str(params.get("prompt") or "").encode())
+
+
+def billed_usage(*, completion_tokens: int, agent_usage: dict[str, Any], prompt_bound: int | None, job_id: Any = None, check: bool = True) -> dict[str, Any]:
+    """Usage to record and bill: the controller's completion count, the bounded prompt count.
+
+    The agent's timings (ttft_ms, tokens_per_s) are kept. With ``check``, a completion count of
+    the agent's far from ours is logged: a node's report is a claim.
+    """
+    out = dict(agent_usage)
+    prompt = int(agent_usage.get("prompt_tokens") or 0)
+    if prompt_bound is not None and prompt > prompt_bound:
+        log.warning("job %s: the node claims %d prompt tokens, more than the prompt's bound %d; billing %d", job_id, prompt, prompt_bound, prompt_bound)
+        prompt = prompt_bound
+    claimed = agent_usage.get("completion_tokens")
+    if check and claimed is not None:
+        try:
+            diff = abs(int(claimed) - completion_tokens)
+        except (TypeError, ValueError):
+            diff = 0
+        if diff > max(2, completion_tokens // 10):
+            log.warning("job %s: the node reports %s completion tokens, the controller relayed %d", job_id, claimed, completion_tokens)
+    out["prompt_tokens"] = prompt
+    out["completion_tokens"] = completion_tokens
+    return out
+
+
+class StreamFollower:
+    """Reads one job's stream for the view; counts chunks and tokens as it yields them."""
+
+    def __init__(
+        self, *, job_id: Any, deployment_id: Any, node_id: Any, prompt_bound: int | None = None, idle_timeout: float | None = None
+    ) -> None:
+        self.job_id = str(job_id)
+        self.node_id = str(node_id)  # the primary that runs this attempt: the stream is under its prefix
+        self.deployment_id = str(deployment_id) if deployment_id else None
+        self.prompt_bound = prompt_bound
+        self.idle_timeout = float(settings.STREAM_IDLE_TIMEOUT_SECONDS if idle_timeout is None else idle_timeout)
+        self.chunks = 0
+        self.completion_tokens = 0
+        self.attempt = 1
+
+    def usage(self, entry: dict[str, str] | None = None, *, check: bool = True) -> dict[str, Any]:
+        """What to record for the job so far (``entry``: the final done or error entry, if any)."""
+        return billed_usage(
+            completion_tokens=self.completion_tokens, agent_usage=entry_usage(entry or {}), prompt_bound=self.prompt_bound,
+            job_id=self.job_id, check=check,
+        )
+
+    async def entries(self) -> AsyncIterator[dict[str, str]]:
+        """The job's entries in order, ending after ``done`` or ``error``; StreamFailure otherwise."""
+        r = get_async_redis()
+        key = job_stream_key(self.job_id, self.node_id)
+        last_id = "0-0"
+        expected = 0
+        idle_since = renewed = time.monotonic()
+        while True:
+            got = await r.xread({key: last_id}, block=1000, count=256)
+            now_m = time.monotonic()
+            if self.deployment_id and now_m - renewed >= admission.SLOT_RENEW_SECONDS:
+                renewed = now_m
+                await admission.aslot_renew(deployment_id=self.deployment_id, job_id=self.job_id)
+            if not got:
+                if now_m - idle_since > self.idle_timeout:
+                    raise StreamFailure(f"no output from the primary for {self.idle_timeout:.0f}s", code="primary_timeout")
+                if await self._primary_gone():
+                    raise StreamFailure("the primary node of this deployment stopped responding", code="primary_lost")
+                continue
+            idle_since = now_m
+            for entry_id, fields in got[0][1]:
+                last_id = entry_id
+                try:
+                    seq = int(fields.get("seq", -1))
+                    attempt = int(fields.get("attempt") or self.attempt)
+                except ValueError:
+                    seq, attempt = -1, self.attempt
+                if attempt < self.attempt:
+                    continue  # a superseded attempt's late entry
+                if attempt > self.attempt and seq == 0:
+                    self.attempt, expected = attempt, 0  # failover: the next attempt starts over
+                if seq != expected:
+                    raise StreamFailure(f"token stream gap: expected chunk {expected}, got {seq}", code="stream_gap")
+                expected += 1
+                if fields.get("type") == "chunk":
+                    self.chunks += 1
+                    self.completion_tokens += entry_tokens(fields)
+                yield fields
+                if fields.get("type") in ("done", "error"):
+                    return
+
+    async def _primary_gone(self) -> bool:
+        if not self.deployment_id:
+            return False
+        dep = await sync_to_async(lambda: Deployment.objects.filter(pk=self.deployment_id).values("state", "primary_id").first())()
+        if dep is None or dep["state"] in (DeploymentState.FAILED, DeploymentState.STOPPED):
+            return True
+        state = await get_async_redis().hget(f"racon:node:{dep['primary_id']}:meta", "state")
+        return state in ("OFFLINE", "ERROR")
+
+
+def stream_tally(job_id: Any, node_id: Any) -> tuple[int, int]:
+    """(chunks, tokens) in a job's stream as it stands, counted the follower's way (for sweeps)."""
+    chunks = tokens = 0
+    for _, fields in get_redis().xrange(job_stream_key(str(job_id), str(node_id))):
+        if fields.get("type") == "chunk":
+            chunks += 1
+            tokens += entry_tokens(fields)
+    return chunks, tokens
