@@ -334,7 +334,7 @@ class Agent:
                     stored.controller_url,
                     self.config.controller_url,
                 )
-            self._enroll(self.hardware, models)
+            self._enroll(self.hardware, models, stored=stored)
             if self._stop.is_set():
                 return
             self._start_heartbeat()
@@ -376,7 +376,9 @@ class Agent:
         self.client.set_credentials(identity.node_id, identity.credential)
         self.redis_url = self.config.redis_url or identity.redis_url
 
-    def _enroll(self, hardware: Hardware, models: list[Any]) -> None:
+    def _enroll(self, hardware: Hardware, models: list[Any], *, stored: Identity | None = None) -> None:
+        """Enroll with the token; a stored credential is presented too, since the controller lets
+        an enrolled machine re-enroll only with its node's current credential."""
         token = self.config.enrollment_token
         if not token:
             raise FatalAgentError(
@@ -397,7 +399,9 @@ class Agent:
         attempt = 0
         while not self._stop.is_set():
             try:
-                resp = self.client.enroll(req, retries=0)
+                resp = self.client.enroll(
+                    req, retries=0, presented=(stored.node_id, stored.credential) if stored else None
+                )
                 break
             except (NodeRevoked, Unauthorized) as exc:
                 raise FatalAgentError(

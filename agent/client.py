@@ -121,6 +121,7 @@ class ControllerClient:
         auth: bool = True,
         retries: int | None = None,
         stop: threading.Event | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """Send one request; retry transport errors, 429 and 5xx. Returns the decoded JSON body.
 
@@ -128,7 +129,7 @@ class ControllerClient:
         ControllerUnavailable once the retries are spent (or `stop` is set while waiting).
         """
         retries = self.max_retries if retries is None else retries
-        headers = {}
+        headers = dict(headers or {})
         if auth and self._auth:
             headers["Authorization"] = self._auth
         attempt = 0
@@ -193,10 +194,23 @@ class ControllerClient:
         return cast(dict[str, Any], self.request("GET", "/health", auth=False, retries=retries))
 
     def enroll(
-        self, req: EnrollRequest, *, retries: int | None = None, stop: threading.Event | None = None
+        self,
+        req: EnrollRequest,
+        *,
+        retries: int | None = None,
+        stop: threading.Event | None = None,
+        presented: tuple[str, str] | None = None,
     ) -> EnrollResponse:
+        """Enroll with a token. `presented`: a stored (node_id, credential), which the controller
+        requires before it lets this machine re-enroll as the node it already is."""
         body = self.request(
-            "POST", "/api/agent/enroll", json=req, auth=False, retries=retries, stop=stop
+            "POST",
+            "/api/agent/enroll",
+            json=req,
+            auth=False,
+            retries=retries,
+            stop=stop,
+            headers={"Authorization": f"Node {presented[0]}:{presented[1]}"} if presented else None,
         )
         for key in ("node_id", "credential", "redis_url"):
             if key not in body:

@@ -103,6 +103,18 @@ def test_node_auth_header_is_sent_on_heartbeats_but_not_enrollment() -> None:
     assert seen["/api/agent/heartbeat"] == "Node node-7:abc"
 
 
+def test_a_stored_credential_is_presented_on_re_enrollment() -> None:
+    seen: dict[str, str | None] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen[request.url.path] = request.headers.get("Authorization")
+        return httpx.Response(201, json={"node_id": "n", "credential": "c", "redis_url": "redis://x"})
+
+    client, _ = make(handler)
+    client.enroll({"token": "t"}, presented=("node-7", "abc"))  # type: ignore[typeddict-item]
+    assert seen["/api/agent/enroll"] == "Node node-7:abc"
+
+
 def test_401_saying_revoked_raises_node_revoked() -> None:
     client, sleeps = make(
         lambda r: httpx.Response(401, json={"error": {"message": "node was revoked by admin"}})

@@ -156,6 +156,8 @@ def test_hsts_is_sent_on_requests_the_proxy_says_came_over_https(client: Client,
 
 
 def test_make_run_defaults_to_debug_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # env_defaults fills os.environ: give it a copy, so nothing it sets outlives this test.
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     monkeypatch.delenv("DEBUG", raising=False)
     monkeypatch.delenv("RACON_CONTROLLER_URL", raising=False)
     launcher.env_defaults("http://127.0.0.1:8000")

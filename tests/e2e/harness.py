@@ -109,6 +109,9 @@ def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
         "SECRET_KEY": "e2e-secret-key-" + "k" * 40,
         # Live controllers of one test session share the test Redis: each gets its own task queue.
         "CELERY_TASK_DEFAULT_QUEUE": f"racon-e2e-{port}",
+        # Session-wide live controllers outlive each test's database flush, which no cache hears
+        # about (TRUNCATE sends no signal); tests/api/test_caches.py covers caching itself.
+        "API_CACHE_SECONDS": "0",
         **overrides,
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)
