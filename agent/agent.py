@@ -596,6 +596,12 @@ class Agent:
         self, item: QueueItem, *, ok: bool, error: str | None = None, **result: Any
     ) -> None:
         """Report the command's result; acknowledge it once the controller accepted the report."""
+        if ok and item.kind == "run_job":
+            # Nobody waits on this result: the job's own stream and job_finished report carry
+            # its outcome. Skipping the report keeps an HTTP round trip (and a controller write)
+            # off the two cores while the prompt is evaluated; a crash now loses the runtime too.
+            self._ack(item)
+            return
         payload: dict[str, Any] = {"ok": ok, "command": item.kind or None, **result}
         if error is not None:
             payload["error"] = error

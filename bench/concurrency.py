@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -147,8 +149,8 @@ def start_anchor(server: Path, model: Path, *, slots: int, n_ctx: int, threads: 
     argv = [
         str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
         "-np", str(slots), "-c", str(n_ctx * slots), "--no-kv-unified", "-t", str(threads), "-tb", str(threads),
-        "-ngl", "0", "-b", "512", "--jinja", "--no-webui", "--cont-batching", "-fa", "off",
-        "--fit", "off", "--cache-ram", "0",
+        "-ngl", "0", "-b", "512", "--jinja", "--no-webui", "--cont-batching", "-fa", "auto",
+        "--fit", "off", "--cache-ram", "0", *shlex.split(os.environ.get("RACON_LLAMA_SERVER_ARGS", "")),
     ]  # fmt: skip
     logf = open(log_path, "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
@@ -245,7 +247,7 @@ def report_level(streams: int, sides: dict[str, list[Turn]]) -> None:
 
 def spread(cl: Any, dep: dict[str, Any], args: argparse.Namespace) -> None:
     """A second replica on the other agent; 32 requests, 8 at a time: who served what."""
-    second = cl.deploy([cl.node_names[1]], n_ctx=args.n_ctx, n_parallel=args.slots // 2 or 1, allow_same_node=False)
+    second = cl.deploy([cl.node_names[1]], n_ctx=args.n_ctx, n_parallel=args.slots, allow_same_node=False)
     url = cl.ctl.url + "/v1/chat/completions"
     turn = run_turn(url, cl.ctl.api_key, streams=8, requests=32, max_tokens=args.max_tokens // 2 or 8, model=MODEL_NAME, offset=500)
     counts = Counter(r.deployment for r in turn.results)

@@ -161,10 +161,13 @@ def deployment_route_candidates(*, model_id: Any, cached: bool = False) -> list[
 
 
 def deployment_route(*, model_id: Any, cached: bool = False) -> Deployment | None:
-    """The READY deployment of this model with the most free slots (DEGRADED only as fallback).
+    """The READY deployment of this model with the largest share of its slots free (DEGRADED
+    only as fallback), then the most free slots.
 
-    Free slots are n_parallel minus live slot leases (admission); ties are broken at random so
-    equal replicas share the load. ``cached`` reads the candidates from the process cache (the
+    Free slots are n_parallel minus live slot leases (admission). Ranking by the free share, not
+    the free count, spreads load over replicas of different sizes in proportion to their slots
+    (a 16-slot replica next to an 8-slot one takes two requests in three instead of all of them
+    until it is half full); ties are broken at random so equal replicas share the load. ``cached`` reads the candidates from the process cache (the
     /v1 hot path); slot counts are always live.
     """
     candidates = deployment_route_candidates(model_id=model_id, cached=cached)
@@ -175,7 +178,12 @@ def deployment_route(*, model_id: Any, cached: bool = False) -> Deployment | Non
     used = admission.slots_in_use([d.id for d in candidates])
     ranked = sorted(
         candidates,
-        key=lambda d: (d.state != DeploymentState.READY, -(int(d.n_parallel or 1) - used.get(str(d.id), 0)), random.random()),
+        key=lambda d: (
+            d.state != DeploymentState.READY,
+            used.get(str(d.id), 0) / max(1, int(d.n_parallel or 1)),
+            -(int(d.n_parallel or 1) - used.get(str(d.id), 0)),
+            random.random(),
+        ),
     )
     return ranked[0]
 

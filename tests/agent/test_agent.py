@@ -141,9 +141,10 @@ def test_load_and_run_job_streams_tokens_and_reports_usage(h: Harness) -> None:
     assert result["deployment_id"] == dep and result["assignment"][0]["device"] == "CPU"
     job = h.job(dep)
     cid = h.send(agent, "run_job", job)
-    accepted = h.controller.result(cid)
-    assert accepted["ok"] and accepted["job_id"] == job["job_id"]
     done = h.controller.wait_for(lambda c: c.job_finished(job["job_id"]))[0]
+    # An accepted run_job is acknowledged without a command_result (its outcome is job_finished).
+    wait(lambda: h.r.llen(node_processing_key(str(agent.node_id))) == 0)
+    assert not [r for r in h.controller.reports if r.get("command_id") == cid]
     assert done["status"] == "completed" and done["finish_reason"] == "stop"
     assert done["completion_tokens"] == len(FAKE_TOKENS)
     entries = read_stream(h.r, job["job_id"])

@@ -79,10 +79,11 @@ def _grant(ws: list[RpcWorker], deployment_id: str) -> str:
 
 
 def local_reference() -> str:
-    """The same prompt in one plain process, all layers on the local CPU."""
+    """The same prompt in one plain process, all layers on the local CPU (flash attention, like
+    the primary: llama-server runs with -fa auto, and the CPU backend has it)."""
     code = (
         "import json, sys, llama_cpp\n"
-        f"llm = llama_cpp.Llama(model_path={str(MODEL)!r}, n_gpu_layers=0, n_ctx=512, n_threads=1, verbose=False)\n"
+        f"llm = llama_cpp.Llama(model_path={str(MODEL)!r}, n_gpu_layers=0, n_ctx=512, n_threads=1, flash_attn=True, verbose=False)\n"
         f"out = llm.create_chat_completion(messages={PROMPT!r}, temperature=0.0, top_p=1.0, max_tokens={MAX_TOKENS})\n"
         "print(json.dumps(out['choices'][0]['message']['content']))\n"
     )
