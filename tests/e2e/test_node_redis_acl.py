@@ -20,6 +20,7 @@ import redis
 
 from agent.protocol import job_stream_key, node_queue_key
 from racon.embedded import EmbeddedRedis, start_redis
+
 from .harness import free_port, run_controller, start_agent, stop_agent, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
