@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -108,28 +106,33 @@ def run_turn(url: str, key: str, *, streams: int, requests: int, max_tokens: int
     deadline = time.monotonic() + 300
 
     def worker() -> None:
-        while time.monotonic() < deadline:
-            with lock:
-                i = next_i[0]
-                if i >= requests:
-                    return
-                next_i[0] += 1
-            try:
-                # A connection per request on both sides: llama-server closes idle keep-alive
-                # connections, and a reused dead one would count as an error.
-                with httpx.Client(timeout=120) as client:
-                    r = stream_once(client, url, key, offset + i, max_tokens, model)
-            except Exception as exc:  # noqa: BLE001 - counted and printed, never hidden
+        # One client per stream, made before the clock starts (a client builds an SSL context:
+        # tens of ms), and a new connection per request on both sides (no keep-alive): llama-server
+        # closes idle keep-alive connections, and a reused dead one would count as an error.
+        with httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            ready.wait()
+            while time.monotonic() < deadline:
                 with lock:
-                    turn.errors.append(str(exc)[:200])
-                continue
-            with lock:
-                turn.results.append(r)
+                    i = next_i[0]
+                    if i >= requests:
+                        return
+                    next_i[0] += 1
+                try:
+                    r = stream_once(client, url, key, offset + i, max_tokens, model)
+                except Exception as exc:  # noqa: BLE001 - counted and printed, never hidden
+                    with lock:
+                        turn.errors.append(str(exc)[:200])
+                    continue
+                with lock:
+                    turn.results.append(r)
 
+    ready = threading.Event()
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(streams)]
-    t0 = time.perf_counter()
     for t in threads:
         t.start()
+    time.sleep(0.2)  # every worker has built its client
+    t0 = time.perf_counter()
+    ready.set()
     for t in threads:
         t.join(330)
     turn.wall = time.perf_counter() - t0
@@ -144,13 +147,15 @@ def pct(values: list[float], q: float) -> float:
 
 
 def start_anchor(server: Path, model: Path, *, slots: int, n_ctx: int, threads: int, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A bare llama-server with RACoN's engine settings: same slots, per-slot context, threads."""
+    """A bare llama-server of the same build: same slots, per-slot context, threads, batch and
+    memory flags as the agent's, with llama.cpp's own defaults for everything else (thread polling
+    included, which the agent turns off)."""
     port = free_port()
     argv = [
         str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
         "-np", str(slots), "-c", str(n_ctx * slots), "--no-kv-unified", "-t", str(threads), "-tb", str(threads),
         "-ngl", "0", "-b", "512", "--jinja", "--no-webui", "--cont-batching", "-fa", "auto",
-        "--fit", "off", "--cache-ram", "0", *shlex.split(os.environ.get("RACON_LLAMA_SERVER_ARGS", "")),
+        "--fit", "off", "--cache-ram", "0",
     ]  # fmt: skip
     logf = open(log_path, "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)

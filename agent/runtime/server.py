@@ -45,7 +45,7 @@ from agent.runtime.primary import (
     describe_exit,
     summarize_assignment,
 )
-from agent.runtime.stream import StreamWriter, append_error, last_seq
+from agent.runtime.stream import DirectStreamWriter, append_error, last_seq
 from agent.tunnel import TunnelClient
 from agent.tunnel import reachable as tunnel_reachable
 
@@ -107,6 +107,10 @@ def server_args(plan: LoadPrimaryPayload, model_path: Path, port: int) -> list[s
         # The scheduler sized memory for exactly this plan: no automatic refitting, and no host
         # prompt cache beyond the slots' own KV, which the plan did not count.
         "--fit", "off", "--cache-ram", "0",
+        # Idle decode threads sleep instead of spinning: on a machine that also runs the agent's
+        # relay (and often the controller), spinning steals the cores the relay needs per token
+        # (bench/concurrency.py: single-stream ratio 0.80-0.83 with llama.cpp's default, 0.85-0.86 without).
+        "--poll", "0",
         "--log-verbosity", "4",  # llama.cpp's info (buffers per device); layer lines are debug, with per-token noise
     ]  # fmt: skip
     endpoints = list(plan.get("rpc_endpoints") or [])
@@ -334,7 +338,7 @@ class ServerPrimary:
         job = j.job
         job_id: str = job["job_id"]
         attempt = int(job.get("attempt") or 1)
-        writer = StreamWriter(self.r, job_id, j.cancel, node_id=self.node_id, attempt=attempt)
+        writer = DirectStreamWriter(self.r, job_id, j.cancel, node_id=self.node_id, attempt=attempt)
         received = float(job.get("_received_at") or time.time())
         first_chunk: float | None = None
         n_tokens = 0

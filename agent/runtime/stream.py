@@ -68,6 +68,7 @@ class StreamWriter:
         node_id: str,
         ttl: int = STREAM_TTL_SECONDS,
         attempt: int = 1,
+        start: bool = True,
     ) -> None:
         self.attempt = attempt
         self.r = client
@@ -81,7 +82,8 @@ class StreamWriter:
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._expire_set = False
         self._thread = threading.Thread(target=self._run, name=f"stream-{job_id[:8]}", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     # --- generator side -----------------------------------------------------------------------
 
@@ -124,27 +126,51 @@ class StreamWriter:
                     break
             entries = [b for b in batch if b is not _STOP]
             stopping = len(entries) != len(batch)
-            if not entries:
-                continue
-            final = entries[-1]["type"] != "chunk"
-            try:
-                pipe = self.r.pipeline(transaction=False)
-                for e in entries:
-                    pipe.xadd(self.key, e, maxlen=STREAM_MAXLEN, approximate=True)
-                if not self._expire_set or final:
-                    # TTL from the first entry, renewed at the end so readers get the full window.
-                    pipe.expire(self.key, self.ttl)
-                    self._expire_set = True
-                pipe.exists(self.cancel_key)
-                results = pipe.execute()
-            except redis.RedisError as exc:
-                if self.error is None:
-                    log.error("job %s: cannot write its stream: %s", self.job_id, exc)
-                self.error = f"stream write failed: {exc}"
-                self.cancel.set()
-                continue
-            if results[-1]:
-                self.cancel.set()
+            if entries:
+                self._write(entries)
+
+    def _write(self, entries: list[dict[str, str]]) -> None:
+        final = entries[-1]["type"] != "chunk"
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for e in entries:
+                pipe.xadd(self.key, e, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]  # redis-py types fields too narrowly
+            if not self._expire_set or final:
+                # TTL from the first entry, renewed at the end so readers get the full window.
+                pipe.expire(self.key, self.ttl)
+                self._expire_set = True
+            pipe.exists(self.cancel_key)
+            results = pipe.execute()
+        except redis.RedisError as exc:
+            if self.error is None:
+                log.error("job %s: cannot write its stream: %s", self.job_id, exc)
+            self.error = f"stream write failed: {exc}"
+            self.cancel.set()
+            return
+        if results[-1]:
+            self.cancel.set()
+
+
+class DirectStreamWriter(StreamWriter):
+    """The same stream, written on the caller's thread: for a relay (the llama-server primary),
+    whose generation runs in another process and never waits on this thread, so a handoff to a
+    writer thread would only add a thread wake-up per token on cores the engine needs."""
+
+    def __init__(self, client: redis.Redis, job_id: str, cancel: threading.Event, **kw: Any) -> None:
+        super().__init__(client, job_id, cancel, start=False, **kw)
+
+    def chunk(self, text: str, ids: list[int] | None = None) -> None:
+        if text or ids:
+            self._write([entry(self._next(), "chunk", text, ids=ids, attempt=self.attempt)])
+
+    def done(self, finish_reason: str, usage: StreamUsage) -> None:
+        self._write([entry(self._next(), "done", "", finish_reason, usage, attempt=self.attempt)])
+
+    def fail(self, message: str, usage: StreamUsage | None = None, *, code: str = "") -> None:
+        self._write([entry(self._next(), "error", message, "error", usage, attempt=self.attempt, code=code)])
+
+    def close(self, timeout: float = 5.0) -> None:
+        return
 
 
 def last_seq(client: redis.Redis, job_id: str, node_id: str) -> int:
