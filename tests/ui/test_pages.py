@@ -281,6 +281,7 @@ def test_the_playground_endpoint_needs_the_csrf_token(world: World) -> None:
     assert resp.status_code == 403
 
 
+@pytest.mark.django_db(transaction=True)  # /v1 reads the key on the request thread pool: a committed row
 def test_the_playground_key_is_for_inference_on_the_users_account_and_revoked_after(contributor_client: Client, world: World) -> None:
     body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     resp = contributor_client.post("/playground/chat/completions", data=json.dumps(body), content_type="application/json")
