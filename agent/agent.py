@@ -13,6 +13,7 @@ Threads, and why each exists:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import signal
@@ -940,6 +941,24 @@ class Agent:
             Report(id=new_id(), kind="models", command_id=None, payload={"models": models})
         )
         return {"models": len(models)}
+
+    def _cmd_hash_challenge(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """sha256(nonce | bytes[offset:offset+length]) of this node's copy of a model file: the
+        controller compares it with its own copy before it trusts the claim "I hold this file"."""
+        try:
+            sha, nonce = str(payload["sha256"]).lower(), bytes.fromhex(str(payload["nonce"]))
+            offset, length = int(payload["offset"]), int(payload["length"])
+        except (KeyError, TypeError, ValueError):
+            raise CommandError("malformed hash_challenge: needs sha256, nonce (hex), offset and length") from None
+        if offset < 0 or not 0 < length <= 16 * 2**20:
+            raise CommandError("malformed hash_challenge: offset >= 0 and 0 < length <= 16 MiB")
+        path = resolve_model(self.config.models_dir, self.sha_cache, sha256=sha, model_path=payload.get("path"))
+        if path is None:
+            raise CommandError(f"hash_challenge: no file with sha256 {sha} on this node")
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        return {"digest": hashlib.sha256(nonce + data).hexdigest(), "path": str(path)}
 
     def _cmd_fetch_model(self, payload: dict[str, Any]) -> dict[str, Any]:
         for key, typ in (("sha256", str), ("file_name", str), ("url", str)):

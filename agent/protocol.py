@@ -91,6 +91,7 @@ CommandKind = Literal[
     "probe_links",  # {"peers": [{"node_id", "address", "rpc_port"}]}
     "rescan_models",  # {}
     "fetch_model",  # FetchModelPayload
+    "hash_challenge",  # {"sha256", "path", "offset", "length", "nonce"} → {"digest"}
 ]
 COMMAND_KINDS: tuple[str, ...] = (
     "rpc_start",
@@ -102,6 +103,7 @@ COMMAND_KINDS: tuple[str, ...] = (
     "probe_links",
     "rescan_models",
     "fetch_model",
+    "hash_challenge",
 )
 
 

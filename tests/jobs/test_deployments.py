@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import threading
 import time
 from datetime import timedelta
@@ -35,18 +37,22 @@ def profile_dict() -> dict[str, Any]:
 
 
 @pytest.fixture
-def model(profile_dict: dict[str, Any]) -> Model:
+def model(profile_dict: dict[str, Any], tmp_path: Path) -> Model:
     m = Model.objects.create(name="smol")
-    ModelFile.objects.create(model=m, file_name="smol.gguf", sha256="b" * 64, size=98_000_000, n_layer=30, profile=profile_dict)
+    # The controller's store copy that replica claims are challenged against (random stand-in bytes).
+    store = tmp_path / "store-smol.gguf"
+    store.write_bytes(os.urandom(3 * 2**20))
+    ModelFile.objects.create(model=m, file_name="smol.gguf", sha256="b" * 64, size=98_000_000, n_layer=30, profile=profile_dict, store_path=str(store))
     return m
 
 
 class FakeAgents:
     """Answers commands on the nodes' Redis queues the way agents do (command_result reports)."""
 
-    def __init__(self, node_ids: list[str], fail_load_on: set[str] | None = None) -> None:
+    def __init__(self, node_ids: list[str], fail_load_on: set[str] | None = None, liars: set[str] | None = None) -> None:
         self.node_ids = node_ids
         self.fail_load_on = fail_load_on or set()
+        self.liars = liars or set()  # claim files they do not hold: wrong hash-challenge answers
         self.seen: list[tuple[str, str]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -60,16 +66,34 @@ class FakeAgents:
             node_id = got[0].split(":")[2]
             cmd = json.loads(got[1])
             self.seen.append((node_id, cmd["kind"]))
-            ok = not (cmd["kind"] == "load_primary" and node_id in self.fail_load_on)
-            payload = {"ok": ok, "command": cmd["kind"]}
-            if not ok:
-                payload["error"] = "RPC worker 127.0.0.1:1 unreachable"
-            if cmd["kind"] == "load_primary" and ok:
-                payload["assignment"] = [{"device": "CPU", "n_layers": 30}]
+            payload = self.answer(node_id, cmd)
             report_accept(node_id=node_id, report={"id": f"r-{time.time_ns()}", "kind": "command_result", "command_id": cmd["id"], "payload": payload}, now=timezone.now())
         from django.db import connection
 
         connection.close()  # this thread's own connection
+
+    def answer(self, node_id: str, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The command_result payload an agent would send."""
+        ok = not (cmd["kind"] == "load_primary" and node_id in self.fail_load_on)
+        payload: dict[str, Any] = {"ok": ok, "command": cmd["kind"]}
+        if not ok:
+            payload["error"] = "RPC worker 127.0.0.1:1 unreachable"
+        if cmd["kind"] == "load_primary" and ok:
+            payload["assignment"] = [{"device": "CPU", "n_layers": 30}]
+        if cmd["kind"] == "hash_challenge":
+            payload["digest"] = self._digest(cmd["payload"], honest=node_id not in self.liars)
+        if cmd["kind"] == "fetch_model":
+            payload["path"] = f"/models/{cmd['payload']['file_name']}"
+        return payload
+
+    @staticmethod
+    def _digest(p: dict[str, Any], *, honest: bool) -> str:
+        """An honest node holds the store's bytes; a liar answers without them."""
+        store = ModelFile.objects.get(sha256=p["sha256"]).store_path
+        with open(store, "rb") as f:
+            f.seek(p["offset"])
+            data = f.read(p["length"]) if honest else b"not the file"
+        return hashlib.sha256(bytes.fromhex(p["nonce"]) + data).hexdigest()
 
     def __enter__(self) -> FakeAgents:
         self.thread.start()
@@ -218,3 +242,36 @@ def test_a_running_job_shows_its_tokens_and_rate_from_the_stream(model: Model, c
     assert 0 < row["tokens_per_s"] <= 1.0  # 10 tokens over at least 10 s
     detail = client.get(f"/api/admin/jobs/{job.id}", headers={"Authorization": "Bearer test-operator-key"}).json()
     assert detail["completion_tokens"] == 10
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replica_claim_that_fails_its_hash_challenge_is_dropped_and_the_stores_copy_sent(model: Model, settings: Any) -> None:
+    from apps.models_repo.models import Replica
+
+    settings.DEPLOYMENT_RPC_TIMEOUT = 5
+    (liar,) = nodes_with_replicas(model, 1)
+    dep = Deployment.objects.create(model=model, model_file=model.files.get(), request={"n_ctx": 512})
+    with FakeAgents([str(liar.id)], liars={str(liar.id)}) as agents:
+        services.deployment_place(deployment_id=dep.id)
+    kinds = [k for _, k in agents.seen]
+    # Its claim was challenged and failed, so the file was copied from the store, and the copy
+    # was challenged in turn (which this liar fails too): it never loads a file it cannot show.
+    assert kinds[:3] == ["hash_challenge", "fetch_model", "hash_challenge"]
+    assert "load_primary" not in kinds
+    events = list(Event.objects.filter(node_id=liar.id, kind="REPLICA_CHALLENGE_FAILED"))
+    assert len(events) >= 2 and "do not match" in events[0].message
+    assert not Replica.objects.filter(node=liar, model_file=model.files.get()).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_honest_replica_answers_its_challenge_and_is_used_without_a_copy(model: Model, settings: Any) -> None:
+    settings.DEPLOYMENT_RPC_TIMEOUT = 5
+    settings.DEPLOYMENT_LOAD_TIMEOUT = 5
+    (node,) = nodes_with_replicas(model, 1)
+    dep = Deployment.objects.create(model=model, model_file=model.files.get(), request={"n_ctx": 512})
+    with FakeAgents([str(node.id)]) as agents:
+        placed = services.deployment_place(deployment_id=dep.id)
+    assert placed.state == DeploymentState.READY, placed.error
+    kinds = [k for _, k in agents.seen]
+    assert "hash_challenge" in kinds and "fetch_model" not in kinds
+    assert Event.objects.filter(node_id=node.id, kind="REPLICA_VERIFIED").exists()

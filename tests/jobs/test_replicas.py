@@ -57,7 +57,7 @@ class RecordingAgents(FakeAgents):
             cmd = json.loads(got[1])
             if cmd["kind"] == "load_primary":
                 self.loads.append(cmd["payload"])
-            payload = {"ok": True, "command": cmd["kind"]}
+            payload = self.answer(node_id, cmd)
             report = {"id": f"r-{time.time_ns()}", "kind": "command_result", "command_id": cmd["id"], "payload": payload}
             report_accept(node_id=node_id, report=report, now=timezone.now())
         connection.close()
