@@ -28,6 +28,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from agent.protocol import HEARTBEATS_ZSET, heartbeat_key
+from apps.jobs import admission
 from racon import __version__
 from racon.redis import get_redis
 
@@ -533,9 +535,6 @@ def _read_redis(
     now: float,
 ) -> dict[str, Any]:
     """Everything the scrape needs from Redis, in one pipelined round trip."""
-    from agent.protocol import HEARTBEATS_ZSET, heartbeat_key  # noqa: PLC0415
-    from apps.jobs import admission  # noqa: PLC0415
-
     r = get_redis()
     with r.pipeline(transaction=False) as pipe:
         pipe.eval(

@@ -11,6 +11,8 @@ from django.http import JsonResponse
 
 from racon.logging import log_context
 
+from .errors import openai_error
+
 
 class RequestIdMiddleware:
     """Give each request an id (or accept X-Request-Id), bind it to logs, echo it back."""
@@ -51,8 +53,6 @@ def too_large_response(path: str, limit: int) -> JsonResponse:
     """413 in the error format of the API the path belongs to (OpenAI's under /v1)."""
     message = f"request body is larger than the limit of {limit} bytes"
     if path.startswith("/v1/"):
-        from apps.api.errors import openai_error  # noqa: PLC0415 - errors imports DRF, loaded after settings
-
         return openai_error(message, status_code=413, code="request_too_large")
     return JsonResponse({"error": {"message": message, "code": "request_too_large"}}, status=413)
 

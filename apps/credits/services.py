@@ -27,6 +27,12 @@ from django.db import IntegrityError, transaction
 from django.db.models import Exists, F, OuterRef, Sum
 from django.utils import timezone
 
+# Credits sits above jobs and nodes in the layering (docs/design/serving.md): it reads them directly.
+from apps.jobs.models import Deployment, Job
+from apps.jobs.states import JOB_TERMINAL
+from apps.nodes.models import Node
+from apps.nodes.states import NodeState
+
 from . import signing
 from .models import Account, AccountKind, Entry, EntryKind, Posting, Receipt
 from .rules import (
@@ -432,9 +438,6 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
     hold, and signs one receipt per participating node, all in one transaction. Completed, failed
     and cancelled jobs go through the same path. Repeated or concurrent calls return the one entry.
     """
-    from apps.jobs.models import Job  # noqa: PLC0415 - jobs depends on credits, not the reverse
-    from apps.jobs.states import JOB_TERMINAL  # noqa: PLC0415
-    from apps.nodes.models import Node  # noqa: PLC0415
 
     key = f"settle:{job_id}"
     existing = _entry_existing(key=key, kind=EntryKind.SETTLE)
@@ -558,8 +561,6 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
     node's primary loaded onto it), and one node's pay per period is at most
     CREDITS_STANDBY_CAP_PER_PERIOD. Minted, to the owner or to escrow like any earning.
     """
-    from apps.nodes.models import Node  # noqa: PLC0415
-    from apps.nodes.states import NodeState  # noqa: PLC0415
 
     rate = int(getattr(settings, "CREDITS_STANDBY_PER_GIB_HOUR", 0))
     period_s = int(getattr(settings, "CREDITS_STANDBY_PERIOD_SECONDS", 600))
@@ -632,7 +633,6 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
 
 def _seen_bytes_by_node() -> dict[str, int]:
     """Node → the most memory it was ever seen to hold for another node's primary (load reports)."""
-    from apps.jobs.models import Deployment  # noqa: PLC0415 - jobs depends on credits, not the reverse
 
     best: dict[str, int] = {}
     for plan, report in Deployment.objects.exclude(load_report={}).values_list("plan", "load_report").iterator():

@@ -6,6 +6,7 @@ import json
 from datetime import datetime
 from typing import Any
 
+from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
 from racon.redis import get_redis
@@ -39,8 +40,6 @@ def report_accept(*, node_id: Any, report: dict[str, Any], now: datetime) -> dic
     except Exception as exc:
         # Let the agent retry: forget that we saw this report id (a refusal is refused again).
         r.delete(f"racon:report:{report['id']}")
-        from apps.jobs.services import ReportRefused  # noqa: PLC0415
-
         if isinstance(exc, ReportRefused):
             _refusal_record(node_id=node_id, kind=kind, exc=exc, payload=payload, command_id=report.get("command_id"), now=now)
         raise
@@ -82,7 +81,7 @@ def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: s
         elif dep_id:
             try:
                 jobs.deployment_member_check(deployment_id=dep_id, node_id=node_id)
-            except (ValueError, jobs.ReportRefused):
+            except (ValueError, ReportRefused):
                 # A late report from a node dropped from a revised plan is honest: keep it on the
                 # node, but never attach it to a deployment the node is not a member of.
                 dep_id = None

@@ -24,6 +24,7 @@ from redis.exceptions import LockError
 from agent.protocol import job_cancel_key, new_id, node_queue_key
 from apps.models_repo.models import Model, ModelFile
 from apps.models_repo.profile import ModelProfile
+from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory, Node
 from apps.nodes.states import NodeState
@@ -53,17 +54,6 @@ class DeploymentError(Exception):
 
 
 # --- commands to agents ------------------------------------------------------------------------
-
-
-class ReportRefused(Exception):
-    """A node's report was refused: it is not the node the controller's record names.
-
-    ``code`` is machine-readable (``not_plan_member``, ``not_command_node``, ``unknown_command``).
-    """
-
-    def __init__(self, message: str, *, code: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _result_key(command_id: str) -> str:

@@ -23,6 +23,7 @@ from agent.protocol import REPORT_KINDS
 from racon.redis_acl import AclUnavailable, node_redis_url
 
 from . import selectors, services
+from .errors import ReportRefused
 from .models import EnrollmentToken, Event, Node
 from .states import NodeState
 
@@ -277,8 +278,6 @@ class AgentReportsApi(APIView):
 
         payload = data.validated_data["payload"]
         with log_context(node_id=node.id, job_id=payload.get("job_id"), deployment_id=payload.get("deployment_id")):
-            from apps.jobs.services import ReportRefused  # noqa: PLC0415
-
             try:
                 result = report_accept(node_id=node.id, report=data.validated_data, now=timezone.now())
             except ReportRefused as exc:
