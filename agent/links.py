@@ -8,6 +8,7 @@ speed of the local interface that routes to it, reported with how it was obtaine
 
 from __future__ import annotations
 
+import logging
 import socket
 import statistics
 import time
@@ -17,6 +18,8 @@ import psutil
 
 from agent.protocol import is_private_address
 from agent.tunnel import probe as tunnel_probe
+
+log = logging.getLogger("agent.links")
 
 LOOPBACK_MBPS = 100_000.0  # memory-to-memory; faster than any NIC, slower than a device bus
 ASSUMED_MBPS = 1_000.0  # gigabit Ethernet: the common home/office link when the NIC won't say
@@ -84,8 +87,10 @@ def probe_peer(peer: dict[str, Any], *, samples: int = 5) -> dict[str, Any]:
         out["rtt_method"] = "tunnel-echo"
         out["bandwidth_method"] = "measured"
         return out
-    except (OSError, ConnectionError):
-        pass
+    except (OSError, ConnectionError) as exc:
+        # An older agent's port has no probe mode (or the probe broke): say so, then fall back.
+        log.info("link probe to %s:%s: tunnel probe failed (%s); using TCP connect time", host, port, exc)
+        out["probe_error"] = str(exc)[:200]
     try:
         out["rtt_ms"] = tcp_rtt_ms(host, port, samples=samples)
         out["rtt_method"] = "tcp-connect"
