@@ -49,6 +49,7 @@ from agent.links import probe_peer
 from agent.models import FetchError, ShaCache, fetch_model, resolve_model, scan_models
 from agent.protocol import (
     COMMAND_KINDS,
+    SILENT_ON_SUCCESS,
     EnrollRequest,
     Hardware,
     JobFinishedPayload,
@@ -597,10 +598,9 @@ class Agent:
         self, item: QueueItem, *, ok: bool, error: str | None = None, **result: Any
     ) -> None:
         """Report the command's result; acknowledge it once the controller accepted the report."""
-        if ok and item.kind == "run_job":
-            # Nobody waits on this result: the job's own stream and job_finished report carry
-            # its outcome. Skipping the report keeps an HTTP round trip (and a controller write)
-            # off the two cores while the prompt is evaluated; a crash now loses the runtime too.
+        if ok and item.kind in SILENT_ON_SUCCESS:
+            # Skipping the report keeps an HTTP round trip (and a controller write) off the cores
+            # while the prompt is evaluated; a crash from here on loses the runtime as well.
             self._ack(item)
             return
         payload: dict[str, Any] = {"ok": ok, "command": item.kind or None, **result}

@@ -105,6 +105,9 @@ COMMAND_KINDS: tuple[str, ...] = (
     "fetch_model",
     "hash_challenge",
 )
+# Commands acknowledged without a command_result once accepted: nobody waits on their result, and
+# the job's stream and job_finished report carry its outcome. A refusal still sends a result.
+SILENT_ON_SUCCESS: frozenset[str] = frozenset({"run_job"})
 
 
 class Command(TypedDict):

@@ -23,7 +23,6 @@ import re
 import shlex
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from typing import Any
 
 import redis
 
+from agent.layers import llama_layer_assignment
 from agent.protocol import JobFinishedPayload, LoadPrimaryPayload, StreamUsage, job_cancel_key
 from agent.runtime import EventSink, JobFinishedSink, LoadFailed
 from agent.runtime.child import child_env, log_tail, stop_process
@@ -239,13 +239,12 @@ class ServerPrimary:
         start_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as logf:
             self._proc = subprocess.Popen(
-                [str(exe), *server_args(self._engine_plan(), self.model_path, self.port)],
+                die_with_parent([str(exe), *server_args(self._engine_plan(), self.model_path, self.port)]),
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 env=child_env(),
                 close_fds=True,
-                preexec_fn=_die_with_parent,
             )
         deadline = time.monotonic() + self.load_timeout
         while True:
@@ -327,10 +326,6 @@ class ServerPrimary:
     def jobs(self) -> list[str]:
         with self._lock:
             return list(self._jobs)
-
-    def running_job(self) -> str | None:
-        with self._lock:
-            return next(iter(self._jobs), None)
 
     # --- one job --------------------------------------------------------------------------------
 
@@ -692,48 +687,30 @@ def _shutdown(conn: http.client.HTTPConnection | None) -> None:
             pass
 
 
-def _f32(x: float) -> float:
-    return float(struct.unpack("f", struct.pack("f", x))[0])
-
-
 def _replay_layers(n_layer: int, plan: LoadPrimaryPayload) -> dict[int, str]:
-    """llama.cpp's layer → device rule (llama_model::load_tensors; the scheduler replays the same):
-    float32 split points, upper_bound on (il - i_gpu_start) / act; index n_layer is the output.
+    """Each layer's device by llama.cpp's own rule (agent/layers.py); index n_layer is the output.
     llama-server logs the per-layer lines only at debug verbosity, which also logs every token."""
     endpoints = list(plan.get("rpc_endpoints") or [])
     split = [float(x) for x in plan.get("tensor_split") or []]
     names = [f"RPC{i}" if i < len(endpoints) else f"GPU{i - len(endpoints)}" for i in range(len(split))]
     ngl = int(plan.get("n_gpu_layers", -1))
-    ngl = n_layer + 1 if ngl < 0 else ngl
-    splits: list[float] = []
-    acc = _f32(0.0)
-    for v in split:
-        acc = _f32(acc + _f32(v))
-        splits.append(acc)
-    if split and acc > 0:
-        splits = [_f32(v / acc) for v in splits]
-    i_gpu_start = max(n_layer + 1 - ngl, 0)
-    act = 0 if not split else min(ngl, n_layer + 1)
-    out: dict[int, str] = {}
-    for il in range(n_layer + 1):
-        if il < i_gpu_start or (il - i_gpu_start) >= act:
-            out[il] = "CPU"
-            continue
-        x = _f32(float(il - i_gpu_start) / act)
-        dev = next((i for i, v in enumerate(splits) if v > x), len(splits) - 1)
-        out[il] = names[dev]
-    return out
+    per_layer, output = llama_layer_assignment(n_layer, n_layer + 1 if ngl < 0 else ngl, split)
+    return {il: "CPU" if d < 0 else names[min(d, len(names) - 1)] for il, d in enumerate([*per_layer, output])}
 
 
-def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG: the server dies with the agent even when the agent is SIGKILLed.
+# Exec'd in front of llama-server: PR_SET_PDEATHSIG survives execve, so the server dies with the
+# agent even when the agent is SIGKILLed. A plain exec, not Popen's preexec_fn, which is unsafe in
+# a process with threads (the agent has many). The signal fires when the thread that forked
+# exits; primaries are started from the agent's long-lived control thread.
+_EXEC_WITH_PDEATHSIG = (
+    "import ctypes, os, sys\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(1, 15) != 0:  # PR_SET_PDEATHSIG, SIGTERM\n"
+    "    print('warning: PR_SET_PDEATHSIG failed (errno %d); llama-server will outlive a killed agent'"
+    " % ctypes.get_errno(), file=sys.stderr, flush=True)\n"
+    "os.execv(sys.argv[1], sys.argv[1:])\n"
+)
 
-    Popen runs this in the forked child of the calling thread; the agent starts primaries from its
-    long-lived control thread, so the signal does not fire while the agent lives.
-    """
-    try:
-        import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
-    except OSError:
-        pass
+def die_with_parent(argv: list[str]) -> list[str]:
+    """argv, started through a tiny exec wrapper that ties the child's life to this process."""
+    return [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, *argv]

@@ -255,17 +255,22 @@ async def aslot_release(*, deployment_id: Any, job_id: Any) -> None:
         await pipe.execute()
 
 
-def slots_in_use(deployment_ids: Iterable[Any], *, now: float | datetime | None = None) -> dict[str, int]:
-    """Live (unexpired) slot leases per deployment id."""
+def _live_leases(key: Callable[[Any], str], deployment_ids: Iterable[Any], now: float | datetime | None) -> dict[str, int]:
+    """Unexpired leases in each deployment's lease ZSET, in one pipelined round trip."""
     ids = [str(d) for d in deployment_ids]
     if not ids:
         return {}
     t = _now(now)
     with get_redis().pipeline(transaction=False) as pipe:
         for d in ids:
-            pipe.zcount(slots_key(d), f"({t!r}", "+inf")
+            pipe.zcount(key(d), f"({t!r}", "+inf")
         counts = pipe.execute()
     return {d: int(c) for d, c in zip(ids, counts, strict=True)}
+
+
+def slots_in_use(deployment_ids: Iterable[Any], *, now: float | datetime | None = None) -> dict[str, int]:
+    """Live (unexpired) slot leases per deployment id."""
+    return _live_leases(slots_key, deployment_ids, now)
 
 
 # --- the waiting queue -----------------------------------------------------------------------------
@@ -299,15 +304,7 @@ def queue_leave(*, deployment_id: Any, job_id: Any) -> None:
 
 def queue_depth(deployment_ids: Iterable[Any], *, now: float | datetime | None = None) -> dict[str, int]:
     """Live waiters (unlapsed wait leases) per deployment id."""
-    ids = [str(d) for d in deployment_ids]
-    if not ids:
-        return {}
-    t = _now(now)
-    with get_redis().pipeline(transaction=False) as pipe:
-        for d in ids:
-            pipe.zcount(waitlease_key(d), f"({t!r}", "+inf")
-        counts = pipe.execute()
-    return {d: int(c) for d, c in zip(ids, counts, strict=True)}
+    return _live_leases(waitlease_key, deployment_ids, now)
 
 
 def queue_order(*, deployment_id: Any) -> list[str]:

@@ -15,7 +15,7 @@ The contract with the agent runtime (llama.cpp + ggml-rpc), checked against llam
   one of the ``g``; the output sits on the last offload device. So with ``k`` layers on the
   primary's CPU, ``g = n_layer + 1 - k`` and ``tensor_split`` holds, per offload device, its layer
   count, plus one on the last device for the output. All remote: ``g = n_layer + 1``. Nothing
-  offloaded: ``g = 0`` and ``tensor_split = []``. ``llama_layer_assignment`` replays llama.cpp's
+  offloaded: ``g = 0`` and ``tensor_split = []``. ``llama_layer_assignment`` (agent/layers.py) replays llama.cpp's
   rule so tests can prove a plan lands where it says.
 - Hence ``Plan.devices`` is ordered exactly as the layers run: the primary's CPU (always first,
   possibly with no layers, because it always holds the token embeddings and host buffers), then
@@ -40,11 +40,13 @@ import dataclasses
 import heapq
 import itertools
 import math
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from agent.layers import (
+    llama_layer_assignment as llama_layer_assignment,  # the one copy of llama.cpp's rule, re-exported
+)
 from apps.models_repo.profile import ModelProfile
 
 GiB = 1 << 30
@@ -1857,40 +1859,4 @@ def _memory_proportional_in(
     return _finish_plan(ctx, ev, notes + ["memory-proportional baseline (exo rule)"], asked)
 
 
-# --- llama.cpp's own rule, for checking plans -------------------------------------------------
-
-
-def _f32(x: float) -> float:
-    return float(struct.unpack("f", struct.pack("f", x))[0])
-
-
-def llama_layer_assignment(
-    n_layer: int, n_gpu_layers: int, tensor_split: Sequence[float]
-) -> tuple[list[int], int]:
-    """Replay llama.cpp's layer → device rule: (device index per layer, output's device).
-
-    -1 is the primary's CPU; i >= 0 indexes the offload devices (tensor_split entries). Mirrors
-    llama_model::load_tensors: float32 split points, upper_bound on (il - i_gpu_start) / act.
-    """
-    n_dev = len(tensor_split)
-    splits: list[float] = []
-    acc = _f32(0.0)
-    for s in tensor_split:
-        acc = _f32(acc + _f32(s))
-        splits.append(acc)
-    if n_dev and acc > 0:
-        splits = [_f32(s / acc) for s in splits]
-    i_gpu_start = max(n_layer + 1 - n_gpu_layers, 0)
-    act = 0 if n_dev == 0 else min(n_gpu_layers, n_layer + 1)
-
-    def dev_of(il: int) -> int:
-        if il < i_gpu_start or (il - i_gpu_start) >= act:
-            return -1
-        x = _f32(float(il - i_gpu_start) / act)
-        # std::upper_bound: first split point strictly greater than x.
-        for i, s in enumerate(splits):
-            if s > x:
-                return i
-        return n_dev  # llama.cpp would index past the end; a broken split
-
-    return [dev_of(il) for il in range(n_layer)], dev_of(n_layer)
+# --- llama.cpp's own rule, for checking plans: agent/layers.py (the agent replays it too) ---
