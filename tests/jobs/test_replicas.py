@@ -5,7 +5,6 @@ Real database and Redis; the agents' side is played at the Redis edge (FakeAgent
 
 from __future__ import annotations
 
-import json
 import threading
 from datetime import datetime, timedelta
 from typing import Any
@@ -40,27 +39,10 @@ class RecordingAgents(FakeAgents):
         super().__init__(node_ids)
         self.loads: list[dict[str, Any]] = []
 
-    def run(self) -> None:
-        import time
-
-        from django.db import connection
-
-        from agent.protocol import node_queue_key
-        from apps.jobs.reports import report_accept
-
-        r = get_redis()
-        while not self.stop.is_set():
-            got = r.blpop([node_queue_key(n) for n in self.node_ids], timeout=1)
-            if got is None:
-                continue
-            node_id = got[0].split(":")[2]
-            cmd = json.loads(got[1])
-            if cmd["kind"] == "load_primary":
-                self.loads.append(cmd["payload"])
-            payload = self.answer(node_id, cmd)
-            report = {"id": f"r-{time.time_ns()}", "kind": "command_result", "command_id": cmd["id"], "payload": payload}
-            report_accept(node_id=node_id, report=report, now=timezone.now())
-        connection.close()
+    def answer(self, node_id: str, cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["kind"] == "load_primary":
+            self.loads.append(cmd["payload"])
+        return super().answer(node_id, cmd)
 
 
 # --- slots on a real placement -----------------------------------------------------------------
