@@ -160,6 +160,8 @@ class TopApp(App[None]):
         except (httpx.HTTPError, RuntimeError) as exc:
             self._status(f"cannot refresh from {self.url}: {exc or exc.__class__.__name__}", error=True)
             return
+        if not self._main.query("#nodes"):
+            return  # the app is closing: its screens are gone while this poll was in flight
         self.nodes = {n["id"]: n for n in nodes}
         names = {n["id"]: n["name"] for n in nodes}
         self._sync("nodes", {
@@ -249,7 +251,10 @@ class TopApp(App[None]):
         detail.update(text)
 
     def _status(self, message: str, *, error: bool = False) -> None:
-        status = self._main.query_one("#status", Static)
+        found = self._main.query("#status")
+        if not found:
+            return  # the app is closing (a poll's await outlived its screens)
+        status = found.first(Static)
         status.update(message)
         status.set_class(error, "error")
         self.last_error = message if error else ""
