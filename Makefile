@@ -21,10 +21,14 @@ run: install
 	$(PY) -m racon.launcher
 
 test: install
+	scripts/install-chromium.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 bench: install
 	$(PY) bench/scheduler.py

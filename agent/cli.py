@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from agent import __version__
+from agent.agent import Agent
+from agent.client import ControllerClient
 from agent.config import (
     AgentConfig,
     ConfigError,
@@ -30,6 +35,10 @@ from agent.config import (
     config_from_args,
     default_state_dir,
 )
+from agent.hardware import hardware_source
+from agent.identity import IdentityError, load_identity
+from agent.models import ShaCache, scan_models
+from agent.runtime.llama import llama_rpc_support
 
 SUBCOMMANDS = ("run", "doctor", "status", "stop")
 
@@ -95,8 +104,6 @@ def cmd_run(argv: Sequence[str]) -> int:
     problem = _claim_pid_file(config)
     if problem:
         return _error(problem)
-    from agent.agent import Agent
-
     try:
         agent = Agent(config)
         code = agent.run()
@@ -170,8 +177,6 @@ def cmd_status(argv: Sequence[str]) -> int:
     args = _state_dir_arg(argv, "status")
     state_dir = _resolve_state_dir(args)
     pid = read_pid(state_dir / "agent.pid")
-    from agent.identity import IdentityError, load_identity
-
     try:
         ident = load_identity(state_dir)
     except IdentityError as exc:
@@ -232,11 +237,6 @@ def run_doctor(
     benchmark: bool,
 ) -> dict[str, Any]:
     """Detected hardware plus one check per piece. Never raises: a failed check is a result."""
-    from agent.hardware import hardware_source
-    from agent.identity import IdentityError, load_identity
-    from agent.models import ShaCache, scan_models
-    from agent.runtime.llama import llama_rpc_support
-
     checks: list[dict[str, Any]] = []
     report: dict[str, Any] = {
         "agent_version": __version__,
@@ -268,8 +268,6 @@ def run_doctor(
 
     url = controller_url or (ident.controller_url if ident else None)
     if url:
-        from agent.client import ControllerClient
-
         client = ControllerClient(url, timeout=5.0, max_retries=0)
         try:
             body = client.health()
@@ -282,8 +280,6 @@ def run_doctor(
         check("controller", False, "no controller URL (pass --controller-url)")
 
     if ident is not None:
-        import redis
-
         try:
             r = redis.Redis.from_url(ident.redis_url, socket_connect_timeout=3, socket_timeout=3)
             r.ping()
@@ -358,10 +354,6 @@ def _write_bundle(path: Path, state_dir: Path, report: dict[str, Any]) -> Path:
     Files are scrubbed as they are copied: the stored credential and any URL password are
     replaced, so a secret that slipped into a log line still never leaves the machine.
     """
-    import re
-
-    from agent.identity import IdentityError, load_identity
-
     secrets: list[str] = []
     try:
         ident = load_identity(state_dir)

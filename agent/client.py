@@ -6,7 +6,6 @@ Only the transport lives here; what to send and when is the Agent's business.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from agent.protocol import (
     HeartbeatResponse,
     Report,
 )
+from agent.retry import RetryStopped, retry_call
 
 log = logging.getLogger("agent.client")
 
@@ -47,10 +47,8 @@ class ControllerUnavailable(Exception):
     """The controller could not be reached, or kept answering 5xx, through every retry."""
 
 
-def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0) -> float:
-    """Capped exponential backoff with jitter, so a fleet does not retry in lockstep."""
-    delay = min(cap, base * 2.0 ** max(0, attempt))
-    return delay * (0.5 + random.random() / 2)
+class _Retryable(Exception):
+    """A transport error, 429 or 5xx: worth another try."""
 
 
 class ControllerClient:
@@ -132,29 +130,40 @@ class ControllerClient:
         headers = dict(headers or {})
         if auth and self._auth:
             headers["Authorization"] = self._auth
-        attempt = 0
-        while True:
-            detail: str
+        last = ""
+
+        def attempt() -> Any:
+            nonlocal last
             try:
                 resp = self._http.request(method, path, json=json, headers=headers)
             except httpx.HTTPError as exc:
-                detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             else:
                 if resp.status_code < 500 and resp.status_code != 429:
                     self._mark(True)
                     return self._decode(resp, method, path)
-                detail = f"HTTP {resp.status_code}"
-            self._mark(False, detail)
-            if attempt >= retries:
-                raise ControllerUnavailable(f"{method} {path}: {detail}")
-            delay = backoff_delay(attempt, base=self.backoff_base, cap=self.backoff_cap)
-            attempt += 1
-            log.debug("retry %d of %s %s in %.2fs (%s)", attempt, method, path, delay, detail)
-            if stop is not None:
-                if stop.wait(delay):
-                    raise ControllerUnavailable(f"{method} {path}: {detail} (stopping)")
-            else:
-                self._sleep(delay)
+                last = f"HTTP {resp.status_code}"
+            self._mark(False, last)
+            raise _Retryable(last)
+
+        def on_retry(_: BaseException, failures: int, delay: float) -> None:
+            log.debug("retry %d of %s %s in %.2fs (%s)", failures, method, path, delay, last)
+
+        try:
+            return retry_call(
+                attempt,
+                retry_on=_Retryable,
+                base=self.backoff_base,
+                cap=self.backoff_cap,
+                attempts=retries + 1,
+                stop=stop,
+                sleep=self._sleep,
+                on_retry=on_retry,
+            )
+        except _Retryable:
+            raise ControllerUnavailable(f"{method} {path}: {last}") from None
+        except RetryStopped:
+            raise ControllerUnavailable(f"{method} {path}: {last} (stopping)") from None
 
     @staticmethod
     def _decode(resp: httpx.Response, method: str, path: str) -> Any:

@@ -86,13 +86,6 @@ def load_identity(state_dir: Path) -> Identity | None:
         raise IdentityError(f"{path} is missing field {exc}") from exc
 
 
-def forget_identity(state_dir: Path) -> None:
-    try:
-        (state_dir / IDENTITY_FILE).unlink()
-    except FileNotFoundError:
-        pass
-
-
 def machine_id(state_dir: Path, *, etc_machine_id: Path = Path("/etc/machine-id")) -> str:
     """A stable id for (this host, this state dir).
 

@@ -1,6 +1,6 @@
 """llama.cpp's layer → device rule, replayed in pure Python.
 
-One copy for both sides: the scheduler checks its plans against it (apps/jobs/scheduler.py), and
+One copy for both sides: the scheduler checks its plans against it (apps/jobs/scheduler/), and
 the agent names the device of every layer of a loaded llama-server, which logs those lines only at
 debug verbosity (agent/runtime/server.py). No Django, no llama.cpp: stdlib only.
 """

@@ -1,8 +1,10 @@
-"""The agent's Prometheus endpoint (off unless --metrics-port is given). No dependency but psutil.
+"""The agent's Prometheus endpoint (off unless --metrics-port is given), on prometheus_client.
 
 It serves what only the node knows: loaded models, the RPC worker, the last job's speed, memory in
-use. The controller's /metrics has the cluster's view. The server binds the private advertise
-address only; a port already taken is reported by the caller, and the agent runs on without it.
+use. The controller's /metrics has the cluster's view. Each server has a registry of its own,
+whose one collector reads the agent's snapshot at every scrape. The server binds the private
+advertise address only; a port already taken is reported by the caller, and the agent runs on
+without it.
 """
 
 from __future__ import annotations
@@ -11,55 +13,54 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import StartResponse, WSGIEnvironment
+
+import psutil
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from agent.state import AgentState
 
 log = logging.getLogger("agent.metrics")
 
 Snapshot = Callable[[], dict[str, Any]]
+# The classic text format: what scrapers, and this endpoint before prometheus_client, speak.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-STATES = ("UNINITIALIZED", "REGISTERING", "READY", "DEGRADED", "DRAINING", "ERROR")
+STATES = tuple(s.value for s in AgentState)
 
 
-def _escape(value: Any) -> str:
-    return str(value).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
-def _number(value: Any) -> str:
+def _number(value: Any) -> float:
     try:
-        v = float(value)
+        return float(value)
     except (TypeError, ValueError):
-        return "NaN"
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
+        return math.nan
 
 
-class _Out:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def family(
-        self, name: str, kind: str, doc: str, samples: Iterable[tuple[dict[str, Any], Any]]
-    ) -> None:
-        self.lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
-        for labels, value in samples:
-            lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-            self.lines.append(
-                f"{name}{{{lab}}} {_number(value)}" if lab else f"{name} {_number(value)}"
-            )
+def _gauge(
+    name: str,
+    doc: str,
+    value: Any = None,
+    *,
+    labels: Sequence[str] = (),
+    samples: Iterable[tuple[Sequence[Any], Any]] = (),
+) -> GaugeMetricFamily:
+    """One gauge: unlabelled with `value`, or labelled with one (label values, value) per sample."""
+    family = GaugeMetricFamily(name, doc, labels=list(labels))
+    if not labels:
+        family.add_metric([], _number(value))
+    for values, v in samples:
+        family.add_metric([str(x) for x in values], _number(v))
+    return family
 
 
 def process_memory() -> dict[str, int]:
     """Bytes in use: the machine's (total - available) and this agent's process tree (RSS)."""
     out: dict[str, int] = {}
-    try:
-        import psutil
-    except ImportError:  # the [agent] extra brings it; without it these series are left out
-        return out
     try:
         vm = psutil.virtual_memory()
         out["system_total"] = int(vm.total)
@@ -78,36 +79,34 @@ def process_memory() -> dict[str, int]:
     return out
 
 
-def render(snapshot: dict[str, Any], memory: dict[str, int] | None = None) -> str:
-    """The Prometheus text exposition of an Agent.snapshot() (missing keys are left out or zero)."""
-    o = _Out()
-    o.family(
+def families(snapshot: dict[str, Any], memory: dict[str, int]) -> Iterator[Metric]:
+    """The metric families of an Agent snapshot (missing keys are left out or zero)."""
+    yield _gauge(
         "racon_agent_info",
-        "gauge",
         "The agent's version and node (always 1).",
-        [
+        labels=("version", "node_id", "node_name"),
+        samples=[
             (
-                {
-                    "version": snapshot.get("agent_version", ""),
-                    "node_id": snapshot.get("node_id") or "",
-                    "node_name": snapshot.get("node_name") or "",
-                },
+                (
+                    snapshot.get("agent_version", ""),
+                    snapshot.get("node_id") or "",
+                    snapshot.get("node_name") or "",
+                ),
                 1,
             )
         ],
     )
     state = snapshot.get("state")
-    o.family(
+    yield _gauge(
         "racon_agent_state",
-        "gauge",
         "Current agent state (1 for the active state).",
-        [({"state": s}, int(state == s)) for s in STATES],
+        labels=("state",),
+        samples=[((s,), int(state == s)) for s in STATES],
     )
-    o.family(
+    yield _gauge(
         "racon_agent_controller_reachable",
-        "gauge",
         "1 when the last call to the controller succeeded.",
-        [({}, int(bool(snapshot.get("controller_reachable", True))))],
+        int(bool(snapshot.get("controller_reachable", True))),
     )
 
     # Loaded models: one series per loaded primary. The model name comes with models_loaded
@@ -115,109 +114,80 @@ def render(snapshot: dict[str, Any], memory: dict[str, int] | None = None) -> st
     loaded: list[dict[str, Any]] = list(snapshot.get("models_loaded") or [])
     if not loaded:
         loaded = [{"deployment_id": d, "model": ""} for d in snapshot.get("primaries", [])]
-    o.family(
-        "racon_agent_models_loaded",
-        "gauge",
-        "Models loaded by this node's primaries.",
-        [({}, len(loaded))],
+    yield _gauge(
+        "racon_agent_models_loaded", "Models loaded by this node's primaries.", len(loaded)
     )
-    o.family(
+    yield _gauge(
         "racon_agent_model_loaded",
-        "gauge",
         "A loaded model (always 1), by deployment.",
-        [
-            (
-                {
-                    "deployment_id": m.get("deployment_id", ""),
-                    "model": m.get("model") or m.get("model_name") or "",
-                },
-                1,
-            )
+        labels=("deployment_id", "model"),
+        samples=[
+            ((m.get("deployment_id", ""), m.get("model") or m.get("model_name") or ""), 1)
             for m in loaded
         ],
     )
-    o.family(
-        "racon_agent_models_loading",
-        "gauge",
-        "Deployments still loading.",
-        [({}, len(snapshot.get("loading", [])))],
+    yield _gauge(
+        "racon_agent_models_loading", "Deployments still loading.", len(snapshot.get("loading", []))
     )
 
     rw = snapshot.get("rpc_worker") or {}
-    o.family(
+    yield _gauge(
         "racon_agent_rpc_worker_up",
-        "gauge",
         "1 while the ggml-rpc worker runs.",
-        [({}, int(bool(rw.get("running"))))],
+        int(bool(rw.get("running"))),
     )
-    o.family(
+    yield _gauge(
         "racon_agent_jobs_running",
-        "gauge",
         "Jobs running on this node's primaries.",
-        [({}, len(snapshot.get("jobs", [])))],
+        len(snapshot.get("jobs", [])),
     )
-    o.family(
-        "racon_agent_primaries",
-        "gauge",
-        "Loaded primaries.",
-        [({}, len(snapshot.get("primaries", [])))],
-    )
+    yield _gauge("racon_agent_primaries", "Loaded primaries.", len(snapshot.get("primaries", [])))
 
     last = snapshot.get("last_job") or {}
     if last.get("tokens_per_s") is not None:
-        o.family(
+        yield _gauge(
             "racon_agent_last_job_tokens_per_second",
-            "gauge",
             "Generation speed of the last finished job.",
-            [({}, last["tokens_per_s"])],
+            last["tokens_per_s"],
         )
     if last.get("ttft_ms") is not None:
-        o.family(
+        yield _gauge(
             "racon_agent_last_job_ttft_seconds",
-            "gauge",
             "Time to first token of the last finished job.",
-            [({}, float(last["ttft_ms"]) / 1000.0)],
+            _number(last["ttft_ms"]) / 1000.0,
         )
     if last.get("completion_tokens") is not None:
-        o.family(
+        yield _gauge(
             "racon_agent_last_job_completion_tokens",
-            "gauge",
             "Completion tokens of the last finished job.",
-            [({}, last["completion_tokens"])],
+            last["completion_tokens"],
         )
 
-    o.family(
+    yield _gauge(
         "racon_agent_mem_available_bytes",
-        "gauge",
         "Memory available on the machine (last telemetry).",
-        [({}, snapshot.get("mem_available", 0))],
+        snapshot.get("mem_available", 0),
     )
-    mem = memory if memory is not None else {}
-    if "system_used" in mem:
-        o.family(
+    if "system_used" in memory:
+        yield _gauge(
             "racon_agent_memory_used_bytes",
-            "gauge",
             "Memory in use on the machine (total - available).",
-            [({}, mem["system_used"])],
+            memory["system_used"],
         )
-    if "process_tree_rss" in mem:
-        o.family(
+    if "process_tree_rss" in memory:
+        yield _gauge(
             "racon_agent_process_memory_bytes",
-            "gauge",
             "Resident memory of the agent and its children (primaries, RPC worker).",
-            [({}, mem["process_tree_rss"])],
+            memory["process_tree_rss"],
         )
-    o.family(
+    yield _gauge(
         "racon_agent_gpu_free_bytes",
-        "gauge",
         "Free memory per GPU.",
-        [({"gpu": i}, v) for i, v in enumerate(snapshot.get("gpu_free") or [])],
+        labels=("gpu",),
+        samples=[((i,), v) for i, v in enumerate(snapshot.get("gpu_free") or [])],
     )
-    o.family(
-        "racon_agent_cpu_percent",
-        "gauge",
-        "CPU use of the machine.",
-        [({}, snapshot.get("cpu_percent", 0.0))],
+    yield _gauge(
+        "racon_agent_cpu_percent", "CPU use of the machine.", snapshot.get("cpu_percent", 0.0)
     )
 
     for name, key, doc in (
@@ -233,42 +203,65 @@ def render(snapshot: dict[str, Any], memory: dict[str, int] | None = None) -> st
             "Completion tokens this node generated.",
         ),
     ):
-        o.family(name, "counter", doc, [({}, snapshot.get(key, 0))])
-    return "\n".join(o.lines) + "\n"
+        counter = CounterMetricFamily(name, doc, labels=[])
+        counter.add_metric([], _number(snapshot.get(key, 0)))
+        yield counter
+
+
+class SnapshotCollector(Collector):
+    """Reads the snapshot (and memory figures) once per scrape."""
+
+    def __init__(self, snapshot: Snapshot, memory: Callable[[], dict[str, int]]) -> None:
+        self.snapshot = snapshot
+        self.memory = memory
+
+    def collect(self) -> Iterable[Metric]:
+        return list(families(self.snapshot(), self.memory()))
+
+
+def render(snapshot: dict[str, Any], memory: dict[str, int] | None = None) -> str:
+    """The Prometheus text exposition of an Agent snapshot."""
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: snapshot, lambda: memory or {}))
+    return generate_latest(registry).decode()
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # scrapes every few seconds would flood the agent log
 
 
 class MetricsServer:
     """GET /metrics on (host, port). The constructor binds, so a taken port raises OSError at once."""
 
     def __init__(self, host: str, port: int, snapshot: Snapshot) -> None:
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                if self.path.split("?")[0] not in ("/metrics", "/"):
-                    self.send_error(404)
-                    return
-                try:
-                    body = render(outer.snapshot(), process_memory()).encode()
-                except Exception:  # a broken snapshot must not kill the server thread
-                    log.exception("metrics scrape failed")
-                    self.send_error(500)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # scrapes every few seconds would flood the agent log
-
-        self.snapshot = snapshot
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.registry = CollectorRegistry()
+        self.registry.register(SnapshotCollector(snapshot, process_memory))
+        self.httpd = make_server(
+            host, port, self._app, server_class=_Server, handler_class=_QuietHandler
+        )
         self._thread = threading.Thread(
             target=self.httpd.serve_forever, args=(0.1,), name="metrics", daemon=True
         )
+
+    def _app(self, environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
+        if environ.get("PATH_INFO", "/") not in ("/metrics", "/"):
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found\n"]
+        try:
+            body = generate_latest(self.registry)
+        except Exception:  # a broken snapshot must not kill the server thread
+            log.exception("metrics scrape failed")
+            start_response("500 Internal Server Error", [("Content-Type", "text/plain")])
+            return [b"metrics scrape failed\n"]
+        start_response(
+            "200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))]
+        )
+        return [body]
 
     @property
     def port(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from agent.protocol import ModelFileInfo
+from agent.retry import retry_call
 
 log = logging.getLogger("agent.models")
 SHA_CACHE_FILE = "sha256-cache.json"
@@ -138,13 +139,17 @@ def fetch_model(
     if dest.is_file() and sha256_file(dest) == sha256:
         return dest
     last_error = ""
-    for attempt in range(attempts):
+    tries = 0
+
+    def attempt() -> Path:
+        nonlocal last_error, tries
+        tries += 1
         try:
             _download(url, part, headers or {}, transport, stop, progress)
         except httpx.HTTPError as exc:
             last_error = f"download failed: {exc}"
-            log.warning("fetch %s attempt %d: %s", file_name, attempt + 1, last_error)
-            continue  # the .part stays: the next attempt resumes it
+            log.warning("fetch %s attempt %d: %s", file_name, tries, last_error)
+            raise _AttemptFailed from None  # the .part stays: the next attempt resumes it
         got_size = part.stat().st_size
         if size is not None and size > 0 and got_size != size:
             last_error = f"size mismatch: expected {size} bytes, got {got_size}"
@@ -154,12 +159,22 @@ def fetch_model(
                 os.replace(part, dest)
                 return dest
             last_error = f"sha256 mismatch: expected {sha256}, got {digest}"
-        log.warning(
-            "fetch %s attempt %d: %s; discarding the file", file_name, attempt + 1, last_error
-        )
+        log.warning("fetch %s attempt %d: %s; discarding the file", file_name, tries, last_error)
         part.unlink(missing_ok=True)
-    part.unlink(missing_ok=True)
-    raise FetchError(f"fetch_model {file_name} failed after {attempts} attempts: {last_error}")
+        raise _AttemptFailed
+
+    try:
+        # No pause between attempts: the second one resumes or starts over at once.
+        return retry_call(attempt, retry_on=_AttemptFailed, base=0.0, cap=0.0, attempts=attempts)
+    except _AttemptFailed:
+        part.unlink(missing_ok=True)
+        raise FetchError(
+            f"fetch_model {file_name} failed after {attempts} attempts: {last_error}"
+        ) from None
+
+
+class _AttemptFailed(Exception):
+    """One download attempt failed; last_error says why."""
 
 
 def _download(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ipaddress
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, Final, Literal, NotRequired, TypedDict
 
 PROTOCOL_VERSION = 1
 
@@ -92,6 +92,7 @@ CommandKind = Literal[
     "rescan_models",  # {}
     "fetch_model",  # FetchModelPayload
     "hash_challenge",  # {"sha256", "path", "offset", "length", "nonce"} → {"digest"}
+    "speed_challenge",  # {"seed", "n", "reps"} → {"digest"} (agent.hardware.benchmark)
 ]
 COMMAND_KINDS: tuple[str, ...] = (
     "rpc_start",
@@ -104,6 +105,7 @@ COMMAND_KINDS: tuple[str, ...] = (
     "rescan_models",
     "fetch_model",
     "hash_challenge",
+    "speed_challenge",
 )
 # Commands acknowledged without a command_result once accepted: nobody waits on their result, and
 # the job's stream and job_finished report carry its outcome. A refusal still sends a result.
@@ -148,6 +150,23 @@ class RunJobPayload(TypedDict):
     presence_penalty: float
     frequency_penalty: float
     attempt: NotRequired[int]  # the job attempt (1 first; failover adds one); stamped on entries
+
+
+class SamplingParams(TypedDict):
+    temperature: float
+    top_p: float
+    presence_penalty: float
+    frequency_penalty: float
+
+
+# OpenAI's defaults, in one place: the controller fills a request's missing sampling fields from
+# here, and the agent fills a run_job's (a job queued by an older controller may lack them).
+SAMPLING_DEFAULTS: Final[SamplingParams] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 
 class FetchModelPayload(TypedDict):

@@ -102,13 +102,14 @@ class CommandQueue:
 
     def take(self, timeout: float = 1.0) -> QueueItem | None:
         """Block up to `timeout` for the next command (moved into processing), else None."""
-        # Redis >= 6 takes fractional timeouts; redis-py's stub says int.
-        raw = self.r.blmove(self.queue_key, self.processing_key, timeout, "LEFT", "RIGHT")  # type: ignore[arg-type]
+        # Redis >= 6 takes fractional timeouts.
+        raw = self.r.blmove(self.queue_key, self.processing_key, timeout, "LEFT", "RIGHT")
         if raw is None:
             return None
         if isinstance(raw, bytes):
             raw = raw.decode("utf-8", errors="replace")
-        return parse_command(raw)
+        # redis-py's return type is any response value; BLMOVE answers bytes or str.
+        return parse_command(str(raw))
 
     def is_duplicate(self, command_id: str) -> bool:
         return self.r.zscore(self.seen_key, command_id) is not None

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from httpx_sse import connect_sse
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -80,14 +81,15 @@ def stream_once(client: httpx.Client, url: str, key: str, i: int, max_tokens: in
     t0 = time.perf_counter()
     ttft: float | None = None
     tokens = 0
-    with client.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+    with connect_sse(client, "POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as events:
+        resp = events.response
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
         dep = resp.headers.get("X-Racon-Deployment-Id", "")
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        for event in events.iter_sse():
+            if event.data == "[DONE]":
                 continue
-            obj = json.loads(line[6:])
+            obj = json.loads(event.data)
             if "error" in obj:
                 raise RuntimeError(f"stream error: {obj['error']}")
             choices = obj.get("choices") or []

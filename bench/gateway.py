@@ -36,6 +36,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from httpx_sse import connect_sse
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -179,21 +181,19 @@ def racon_request(client: Any, url: str, key: str, messages: list[dict[str, str]
     usage = None
     done_s = float("nan")
     t0_wall, p0 = time.time(), time.perf_counter()
-    with client.stream("POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+    with connect_sse(client, "POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as events:
+        resp = events.response
         headers_s = time.perf_counter() - p0
         if resp.status_code != 200:
             resp.read()
             raise RuntimeError(f"RACoN answered {resp.status_code}: {resp.text[:300]}")
         job_id = resp.headers["x-racon-job-id"]
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
+        for event in events.iter_sse():
+            if event.data == "[DONE]":
                 # Keep reading: the response ends when RACoN's bookkeeping is done (closed_s).
                 done_s = time.perf_counter() - p0
                 continue
-            obj = json.loads(data)
+            obj = json.loads(event.data)
             if "error" in obj:
                 raise RuntimeError(f"stream error: {obj['error']}")
             if obj.get("usage"):
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         key_kind = "operator key (AI_API_KEY)"
         if not args.operator_key:
             from apps.api.auth import api_key_create
-            from apps.credits.services import account_create
+            from apps.credits.ledger import account_create
 
             acct = account_create(name="gateway-bench")
             _, key = api_key_create(name="gateway-bench", account_id=acct.pk, scopes=["inference"])

@@ -61,7 +61,7 @@ def seed_nodes(n: int) -> list[tuple[str, str]]:
     from django.utils import timezone
 
     call_command("migrate", verbosity=0)
-    from apps.credits.services import account_create
+    from apps.credits.ledger import account_create
     from apps.nodes.models import Node
     from apps.nodes.services import _cache_node
     from racon.redis import get_redis

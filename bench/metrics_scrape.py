@@ -60,8 +60,8 @@ def populate(*, nodes: int, deployments: int = 20, models: int = 5, accounts: in
 
     from agent.protocol import HEARTBEATS_ZSET, heartbeat_key
     from apps.api.metrics import job_finished_observe
+    from apps.credits.ledger import account_create
     from apps.credits.models import Account
-    from apps.credits.services import account_create
     from apps.jobs.models import Deployment, Job
     from apps.models_repo.models import Model, ModelFile
     from apps.nodes.models import Node

@@ -40,10 +40,9 @@ from apps.jobs.scheduler import (  # noqa: E402
     PlacementRefused,
     PlacementRequest,
     Plan,
-    exhaustive_best,
-    memory_proportional_plan,
     plan_placement,
 )
+from apps.jobs.scheduler.reference import exhaustive_best, memory_proportional_plan  # noqa: E402
 from apps.models_repo.profile import ModelProfile, synthetic_profile  # noqa: E402
 
 GiB = 1 << 30

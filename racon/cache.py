@@ -63,7 +63,7 @@ class TtlCache:
             got = self._data.get(key)
             if got is not None and got[1] > now:
                 self.hits += 1
-                return got[0]  # type: ignore[no-any-return]
+                return got[0]
             generation = self._generation
             self.misses += 1
         value = loader()

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
+from typing import Any
 
 from celery import Celery
+from celery.signals import worker_ready
+from django.db import transaction
+
+from racon.redis import get_redis
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "racon.settings")
 
@@ -20,16 +26,24 @@ def ping(**kwargs: object) -> None:
 
 
 def _mark_alive() -> None:
-    import time
-
-    from racon.redis import get_redis
-
     get_redis().set("racon:celery:alive", time.time(), ex=300)
-
-
-from celery.signals import worker_ready  # noqa: E402
 
 
 @worker_ready.connect
 def _on_worker_ready(**kwargs: object) -> None:
     _mark_alive()
+
+
+def task_send(name: str, /, **kwargs: Any) -> None:
+    """Send a task by its registered name, so that no app imports another app's tasks module.
+
+    ``signature`` finds the task in this process's registry (each app's ``ready`` loads its tasks),
+    so CELERY_TASK_ALWAYS_EAGER runs it inline exactly like ``.delay()``; a task this process
+    has not loaded goes to the broker by name.
+    """
+    app.signature(name, kwargs=kwargs).delay()
+
+
+def task_send_on_commit(name: str, /, **kwargs: Any) -> None:
+    """``task_send`` once the current transaction commits (Celery's ``delay_on_commit``)."""
+    transaction.on_commit(lambda: task_send(name, **kwargs))

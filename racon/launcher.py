@@ -1,8 +1,16 @@
-"""`make run`: start the whole system in the foreground; Ctrl-C stops every process it started.
+"""`make run`: start the whole system in the foreground and keep it running; Ctrl-C or SIGTERM
+stops every process it started.
 
 Order: secrets (generated once into var/.env.local), embedded Redis when REDIS_URL is unset,
-migrations, bootstrap (admin user, enrollment token, default model), daphne, Celery worker and
-beat, local node agent(s), then a deployment of the default model.
+migrations, bootstrap (admin user, enrollment token, default model), daphne, Celery worker, the
+placement worker (its own queue) and beat, local node agent(s), then a deployment of the default
+model.
+
+Supervision: a child that exits is started again after a backoff (1 s doubling to 30 s, reset
+once it has run for a minute), and the embedded Redis likewise, on its port, with its password,
+data and ACL users. A child that crash-loops (10 restarts within 5 minutes) stops everything with
+exit status 1. Every child gets a signal when the launcher dies, even by SIGKILL
+(racon/pdeathsig.py).
 """
 
 from __future__ import annotations
@@ -11,39 +19,47 @@ import argparse
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import httpx
+from dotenv import dotenv_values, set_key
 
 from racon.embedded import EmbeddedRedis, start_redis
+from racon.pdeathsig import wrap
+from racon.serve import bind_listener, daphne_argv
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = ("SECRET_KEY", "NODE_ENROLLMENT_SECRET", "AI_API_KEY", "RACON_ADMIN_PASSWORD", "RACON_REDIS_PASSWORD")
+GENERATED = (
+    "SECRET_KEY",
+    "NODE_ENROLLMENT_SECRET",
+    "AI_API_KEY",
+    "RACON_ADMIN_PASSWORD",
+    "RACON_REDIS_PASSWORD",
+)
+# node-agent's EXIT_CONFIG and EXIT_REFUSED (agent/agent.py): a bad configuration, a refused
+# token or a revoked node. Starting it again cannot help, and the rest of the system is fine.
+AGENT_FINAL_EXITS = frozenset({2, 3})
+TICK_SECONDS = 0.5
+ACL_SNAPSHOT_SECONDS = 2.0
 
 
 def load_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines (no shell syntax); malformed lines are reported, not guessed at."""
-    values: dict[str, str] = {}
-    if not path.exists():
-        return values
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise SystemExit(f"error: {path}:{n}: expected KEY=VALUE, got {line!r}")
-        values[key.strip()] = value.strip()
-    return values
+    """KEY=VALUE lines (python-dotenv's syntax); a key without a value counts as unset."""
+    return {k: v for k, v in dotenv_values(path, interpolate=False).items() if v is not None}
 
 
 def ensure_secrets(env_file: Path) -> list[str]:
-    """Fill missing secrets from the env file, generating (and storing) the ones never made."""
+    """Fill missing secrets from the env file, generating (and storing) the ones never made.
+    Variables already in the environment win over the file; the file is mode 0600."""
     stored = load_env_file(env_file)
     created: list[str] = []
     for key in GENERATED:
@@ -52,69 +68,267 @@ def ensure_secrets(env_file: Path) -> list[str]:
         if key in stored:
             os.environ[key] = stored[key]
             continue
-        value = ("rk_" if key == "AI_API_KEY" else "") + secrets.token_urlsafe(24 if key == "RACON_ADMIN_PASSWORD" else 40)
-        os.environ[key] = value
-        stored[key] = value
+        os.environ[key] = ("rk_" if key == "AI_API_KEY" else "") + secrets.token_urlsafe(
+            24 if key == "RACON_ADMIN_PASSWORD" else 40
+        )
         created.append(key)
     for key, value in stored.items():
         os.environ.setdefault(key, value)
     if created:
         env_file.parent.mkdir(parents=True, exist_ok=True)
-        env_file.write_text("".join(f"{k}={v}\n" for k, v in stored.items()))
+        # Made 0600 before the first secret is written into it; set_key keeps the other lines.
+        os.close(os.open(env_file, os.O_WRONLY | os.O_CREAT, 0o600))
+        for key in created:
+            set_key(env_file, key, os.environ[key], quote_mode="never")
         env_file.chmod(0o600)
     return created
 
 
+class Shutdown(BaseException):  # noqa: N818 - like KeyboardInterrupt, never caught by `except Exception`
+    """SIGINT or SIGTERM reached the launcher."""
+
+
+class GiveUp(Exception):  # noqa: N818
+    """A child crash-loops, or the embedded Redis cannot be brought back: stop everything."""
+
+
+@dataclass
+class RestartPolicy:
+    """Exponential backoff between restarts, and the crash-loop limit. Pure: time is passed in."""
+
+    first: float = 1.0
+    cap: float = 30.0
+    stable_after: float = 60.0  # a child that ran this long starts over at `first`
+    limit: int = 10  # restarts allowed within `window` seconds
+    window: float = 300.0
+    count: int = 0  # restarts so far
+    delay: float = 0.0
+    recent: deque[float] = field(default_factory=deque)
+
+    def next_delay(self, *, started: float, now: float) -> float | None:
+        """Seconds to wait before starting again a child that started at `started` and is gone at
+        `now`; None when it has already been restarted `limit` times within `window`."""
+        while self.recent and now - self.recent[0] > self.window:
+            self.recent.popleft()
+        if len(self.recent) >= self.limit:
+            return None
+        if now - started >= self.stable_after:
+            self.delay = 0.0
+        self.delay = self.first if self.delay <= 0 else min(self.cap, self.delay * 2)
+        self.recent.append(now)
+        self.count += 1
+        return self.delay
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    grace: float = 10.0  # SIGTERM, then SIGKILL of its process group after this long
+    # What it gets when the launcher dies; nobody is left to send a SIGKILL after a grace period.
+    pdeathsig: int = signal.SIGTERM
+    pass_fds: tuple[int, ...] = ()
+    final_exits: frozenset[int] = frozenset()
+    stops_first: bool = False  # agents drain while the controller can still hear them
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    restart_at: float | None = None
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL what is left of a child's process group (start_new_session made it its leader)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class Supervisor:
     def __init__(self) -> None:
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.children: list[Child] = []
         self.redis: EmbeddedRedis | None = None
+        self.redis_policy = RestartPolicy(first=0.5, cap=10.0)
+        self.redis_started = time.monotonic()
+        self.redis_restart_at: float | None = None
+        self.acl_seen = 0.0
+        self.signalled: int | None = None
+        self.hurry = False
+        self.critical = False
 
-    def start(self, name: str, argv: list[str], **kw: object) -> subprocess.Popen[bytes]:
-        print(f"[racon] starting {name}: {' '.join(argv[:4])} ...", flush=True)
-        proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, **kw)  # type: ignore[call-overload]
-        self.procs.append((name, proc))
-        return proc
+    # --- signals -------------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        # Explicit for both: a launcher started in the background by a script inherits SIGINT
+        # ignored, and Python then installs no KeyboardInterrupt (FACTS.md, Processes).
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signalled is not None:
+            self.hurry = True  # a second one: kill what is left without waiting
+            return
+        self.signalled = signum
+        # Never between Popen returning and the child being recorded: it would be left behind.
+        if not self.critical:
+            raise Shutdown(signum)
+
+    @contextmanager
+    def uninterrupted(self) -> Iterator[None]:
+        """SIGINT and SIGTERM wait for the block's end: a child must never be left started and
+        unrecorded (between Popen returning and the assignment)."""
+        self.critical = True
+        try:
+            yield
+        finally:
+            self.critical = False
+        self.raise_if_signalled()
+
+    def raise_if_signalled(self) -> None:
+        if self.signalled is not None:
+            raise Shutdown(self.signalled)
+
+    # --- children ------------------------------------------------------------------------------
+
+    def start(self, child: Child) -> Child:
+        self.children.append(child)
+        print(f"[racon] starting {child.name}: {' '.join(child.argv[:4])} ...", flush=True)
+        self._spawn(child)
+        return child
+
+    def _spawn(self, child: Child) -> None:
+        with self.uninterrupted():
+            child.proc = subprocess.Popen(
+                wrap(child.argv, sig=child.pdeathsig),
+                cwd=ROOT,
+                start_new_session=True,
+                pass_fds=child.pass_fds,
+            )
+            child.started = time.monotonic()
+
+    def tick(self) -> None:
+        """Notice exits and restart what is due. Raises GiveUp on a crash loop."""
+        self.raise_if_signalled()  # one that came during a block that then failed
+        now = time.monotonic()
+        self._tick_redis(now)
+        for child in self.children:
+            self._tick_child(child, now)
+
+    def _tick_child(self, child: Child, now: float) -> None:
+        if child.proc is not None:
+            code = child.proc.poll()
+            if code is None:
+                return
+            # A child killed with -9 leaves its own children (Celery's pool) in its group.
+            kill_group(child.proc.pid)
+            child.proc = None
+            if code in child.final_exits:
+                print(
+                    f"[racon] {child.name} exited with {code}; not restarting it (a configuration error, a refused token or a revoked node: see its log)",
+                    flush=True,
+                )
+                return
+            delay = child.policy.next_delay(started=child.started, now=now)
+            if delay is None:
+                p = child.policy
+                raise GiveUp(
+                    f"{child.name} exited with {code} after {p.limit} restarts within {p.window:.0f} s; giving up"
+                )
+            child.restart_at = now + delay
+            print(
+                f"[racon] {child.name} exited with {code}; restarting in {delay:.1f} s (restart {child.policy.count})",
+                flush=True,
+            )
+        elif child.restart_at is not None and now >= child.restart_at:
+            child.restart_at = None
+            print(f"[racon] restarting {child.name}", flush=True)
+            self._spawn(child)
+
+    def _tick_redis(self, now: float) -> None:
+        redis = self.redis
+        if redis is None:
+            return
+        if self.redis_restart_at is None:
+            if redis.alive():
+                if now - self.acl_seen >= ACL_SNAPSHOT_SECONDS:
+                    redis.remember_users()
+                    self.acl_seen = now
+                return
+            self._schedule_redis(
+                now, f"exited with {redis.process.returncode}", started=self.redis_started
+            )
+            return
+        if now < self.redis_restart_at:
+            return
+        try:
+            with self.uninterrupted():  # bounded: restart() waits at most 10 s
+                redis.restart()
+        except RuntimeError as exc:
+            self._schedule_redis(now, f"did not come back ({exc})", started=now)
+            return
+        self.redis_restart_at = None
+        self.redis_started = time.monotonic()
+        print(
+            f"[racon] embedded Redis is back on 127.0.0.1:{redis.port} ({len(redis.users)} node users restored)",
+            flush=True,
+        )
+
+    def _schedule_redis(self, now: float, what: str, *, started: float) -> None:
+        delay = self.redis_policy.next_delay(started=started, now=now)
+        if delay is None:
+            raise GiveUp(
+                f"the embedded Redis {what}, {self.redis_policy.limit} restarts within {self.redis_policy.window:.0f} s; giving up"
+            )
+        self.redis_restart_at = now + delay
+        print(
+            f"[racon] embedded Redis {what}; restarting it on port {self.redis.port if self.redis else '?'} in {delay:.1f} s (restart {self.redis_policy.count})",
+            flush=True,
+        )
+
+    # --- stopping ------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        # One at a time in reverse start order, SIGTERM to the main process only: an agent drains
-        # (and reports) while the controller is still up, then stops its own llama.cpp children;
-        # Celery stops its pool. Whatever is left of a process group after its grace period is killed.
-        for name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                print(f"[racon] stopping {name}", flush=True)
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=20 if name.startswith("node-agent") else 10)
-                except subprocess.TimeoutExpired:
-                    pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        # SIGTERM to each main process: an agent drains (and reports) while the controller is
+        # still up, then stops its own llama.cpp children; Celery stops its pool. Whatever is left
+        # of a process group after its grace period is killed.
+        self.signalled = self.signalled or signal.SIGTERM  # from now on a signal means hurry
+        self._terminate([c for c in self.children if c.stops_first])
+        self._terminate([c for c in self.children if not c.stops_first])
         if self.redis is not None:
             print("[racon] stopping embedded Redis", flush=True)
             self.redis.stop()
 
-    def failed(self) -> str | None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                return f"{name} exited with {proc.returncode}"
-        return None
+    def _terminate(self, children: list[Child]) -> None:
+        running = [c for c in children if c.proc is not None and c.proc.poll() is None]
+        for child in running:
+            assert child.proc is not None
+            print(f"[racon] stopping {child.name}", flush=True)
+            child.proc.send_signal(signal.SIGTERM)
+        deadline = {c.name: time.monotonic() + c.grace for c in running}
+        while not self.hurry and any(
+            c.proc is not None and c.proc.poll() is None and time.monotonic() < deadline[c.name]
+            for c in running
+        ):
+            time.sleep(0.1)
+        for child in children:
+            if child.proc is not None:
+                if child.proc.poll() is None:
+                    print(f"[racon] {child.name} did not stop in time; killing it", flush=True)
+                kill_group(child.proc.pid)
+                child.proc.wait()
 
 
 def wait_health(url: str, sup: Supervisor, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (why := sup.failed()) is not None:
-            raise SystemExit(f"error: {why}")
+        sup.tick()
         try:
             r = httpx.get(f"{url}/health", timeout=2)
             if r.status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(TICK_SECONDS)
     raise SystemExit(f"error: the controller at {url} did not become healthy within {timeout:.0f}s")
 
 
@@ -125,13 +339,31 @@ def env_defaults(url: str) -> None:
     # debug pages show settings and tracebacks to anyone.
     os.environ.setdefault("DEBUG", "false")
     os.environ.setdefault("LOG_FORMAT", "text")
+    # Named here, not left to settings' defaults, because the placement worker is started with
+    # its queue's name (-Q) and settings must route to that same queue.
+    os.environ.setdefault("CELERY_TASK_DEFAULT_QUEUE", "racon")
+    os.environ.setdefault("CELERY_PLACEMENT_QUEUE", f"{os.environ['CELERY_TASK_DEFAULT_QUEUE']}.placement")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="racon-run", description=__doc__)
-    parser.add_argument("--agents", type=int, default=int(os.environ.get("RACON_LOCAL_AGENTS", "1")), help="local node agents to start (0 for none)")
+    parser = argparse.ArgumentParser(
+        prog="racon-run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--agents",
+        type=int,
+        default=int(os.environ.get("RACON_LOCAL_AGENTS", "1")),
+        help="local node agents to start (0 for none)",
+    )
     parser.add_argument("--no-deploy", action="store_true", help="do not deploy the default model")
-    parser.add_argument("--bind", default=os.environ.get("BIND", "127.0.0.1"), help="daphne bind address (0.0.0.0 to reach it from the LAN)")
+    parser.add_argument(
+        "--no-model", action="store_true", help="register no default model (implies --no-deploy)"
+    )
+    parser.add_argument(
+        "--bind",
+        default=os.environ.get("BIND", "127.0.0.1"),
+        help="daphne bind address (0.0.0.0 to reach it from the LAN)",
+    )
     args = parser.parse_args(argv)
     if args.agents < 0:
         parser.error("--agents must be 0 or more")
@@ -140,26 +372,43 @@ def main(argv: list[str] | None = None) -> int:
     var.mkdir(parents=True, exist_ok=True)
     created = ensure_secrets(var / ".env.local")
     port = int(os.environ.get("PORT", "8000"))
+    rpc_port = int(os.environ.get("RACON_RPC_PORT", "50052"))
     url = f"http://127.0.0.1:{port}"
     env_defaults(url)
     py = sys.executable
     bindir = Path(py).parent
     sup = Supervisor()
-
-    def on_signal(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    sup.install_signal_handlers()
     try:
         if not os.environ.get("REDIS_URL"):
             # The controller's user needs the password; each node gets a user of its own at
-            # enrollment that reaches only its keys (racon/redis_acl.py).
-            sup.redis = start_redis(data_dir=var / "redis", password=os.environ["RACON_REDIS_PASSWORD"])
+            # enrollment that reaches only its keys (racon/redis_acl.py). Appendonly keeps the
+            # queues across a restart of this Redis (Supervisor._tick_redis).
+            with sup.uninterrupted():
+                sup.redis = start_redis(
+                    data_dir=var / "redis",
+                    password=os.environ["RACON_REDIS_PASSWORD"],
+                    appendonly=True,
+                    die_with_parent=True,
+                )
+            sup.redis_started = time.monotonic()
             os.environ["REDIS_URL"] = sup.redis.url
-            print(f"[racon] embedded Redis on 127.0.0.1:{sup.redis.port} (password in var/.env.local)", flush=True)
+            print(
+                f"[racon] embedded Redis on 127.0.0.1:{sup.redis.port} (password in var/.env.local)",
+                flush=True,
+            )
         subprocess.run([py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, check=True)
+        boot_args = [
+            "--agents",
+            str(max(1, args.agents)),
+            *(["--no-model"] if args.no_model else []),
+        ]
         boot = subprocess.run(
-            [py, "manage.py", "racon_bootstrap", "--agents", str(max(1, args.agents))], cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True
+            [py, "manage.py", "racon_bootstrap", *boot_args],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         info = json.loads(boot.stdout.strip().splitlines()[-1])
         if created:
@@ -171,39 +420,114 @@ def main(argv: list[str] | None = None) -> int:
         access_log = os.environ.get("RACON_ACCESS_LOG") or None
         # Several daphne processes accept on one socket (racon/serve.py); on this project's 2-core
         # machines two sustain 1.4-1.7x the heartbeats of one (bench/heartbeats.py, side by side).
-        from racon.serve import bind_listener, daphne_argv
-
+        # The launcher keeps the socket open, so a restarted daphne accepts on it at once.
         listener = bind_listener(args.bind, port)
         for i in range(max(1, processes)):
             name = "daphne" if processes <= 1 else f"daphne-{i + 1}"
-            sup.start(name, daphne_argv(listener.fileno(), access_log), pass_fds=(listener.fileno(),))
-        sup.start("celery-worker", [str(bindir / "celery"), "-A", "racon", "worker", "-l", "warning", "--concurrency", "4", "-n", "racon@%h"])
-        sup.start("celery-beat", [str(bindir / "celery"), "-A", "racon", "beat", "-l", "warning", "-s", str(var / "celerybeat-schedule")])
+            sup.start(
+                Child(
+                    name, daphne_argv(listener.fileno(), access_log), pass_fds=(listener.fileno(),)
+                )
+            )
+        celery = str(bindir / "celery")
+        # SIGKILL: a worker orphaned by a killed launcher must not wait on its tasks (a placement
+        # may block for minutes) or on its Redis, which dies too; even a cold shutdown (SIGQUIT)
+        # hung for over a minute on a loaded machine. Its pool processes set PR_SET_PDEATHSIG
+        # SIGKILL themselves (celery/concurrency/prefork.py), and acks_late tasks are redelivered.
+        sup.start(
+            Child(
+                "celery-worker",
+                [
+                    celery,
+                    "-A",
+                    "racon",
+                    "worker",
+                    "-l",
+                    "warning",
+                    "--concurrency",
+                    "4",
+                    "-n",
+                    "racon@%h",
+                    "-Q",
+                    os.environ["CELERY_TASK_DEFAULT_QUEUE"],
+                ],
+                pdeathsig=signal.SIGKILL,
+            )
+        )
+        # Placements and speed challenges wait on agents (BLPOP, for minutes): their own worker
+        # and queue (settings.CELERY_TASK_ROUTES), so the default worker above always has room
+        # for beat's periodic tasks (health sweep, settlement). Time limits: settings.
+        sup.start(
+            Child(
+                "celery-placement",
+                [
+                    celery,
+                    "-A",
+                    "racon",
+                    "worker",
+                    "-l",
+                    "warning",
+                    "--concurrency",
+                    os.environ.get("RACON_PLACEMENT_CONCURRENCY") or "4",
+                    "-n",
+                    "placement@%h",
+                    "-Q",
+                    os.environ["CELERY_PLACEMENT_QUEUE"],
+                ],
+                pdeathsig=signal.SIGKILL,
+            )
+        )
+        sup.start(
+            Child(
+                "celery-beat",
+                [
+                    celery,
+                    "-A",
+                    "racon",
+                    "beat",
+                    "-l",
+                    "warning",
+                    "-s",
+                    str(var / "celerybeat-schedule"),
+                ],
+            )
+        )
         wait_health(url, sup)
         models_dir = Path(os.environ.get("RACON_MODELS_DIR", var / "agent-models"))
         for i in range(args.agents):
             name = f"local-{i + 1}"
+            agent_argv = [
+                str(bindir / "node-agent"), "--foreground", "--controller-url", url, "--enrollment-token", info["token"],
+                "--node-name", name, "--state-dir", str(var / "agents" / name), "--models-dir", str(models_dir),
+                "--advertise-address", "127.0.0.1", "--rpc-port", str(rpc_port + i),
+            ]  # fmt: skip
+            # A restarted agent presents its stored credential, so the token's use count is not spent again.
             sup.start(
-                f"node-agent {name}",
-                [
-                    str(bindir / "node-agent"), "--foreground", "--controller-url", url, "--enrollment-token", info["token"],
-                    "--node-name", name, "--state-dir", str(var / "agents" / name), "--models-dir", str(models_dir),
-                    "--advertise-address", "127.0.0.1", "--rpc-port", str(50052 + i),
-                ],
+                Child(
+                    f"node-agent {name}",
+                    agent_argv,
+                    grace=20.0,
+                    final_exits=AGENT_FINAL_EXITS,
+                    stops_first=True,
+                )
             )
-        if args.agents and info.get("model") and not args.no_deploy:
+        if args.agents and info.get("model") and not (args.no_deploy or args.no_model):
             deploy_default(url, info["model"], sup)
-        print(f"\n[racon] ready: {url}  (web UI: log in as admin; API key: AI_API_KEY in var/.env.local)", flush=True)
+        print(
+            f"\n[racon] ready: {url}  (web UI: log in as admin; API key: AI_API_KEY in var/.env.local)",
+            flush=True,
+        )
         print(f"[racon] try: curl {url}/v1/chat/completions -H 'Authorization: Bearer $AI_API_KEY' "
-              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{info.get('model')}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'", flush=True)
+              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{info.get('model')}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'", flush=True)  # fmt: skip
         while True:
-            if (why := sup.failed()) is not None:
-                print(f"[racon] {why}; stopping everything", flush=True)
-                return 1
-            time.sleep(1)
-    except KeyboardInterrupt:
-        print("\n[racon] shutting down", flush=True)
+            sup.tick()
+            time.sleep(TICK_SECONDS)
+    except Shutdown as exc:
+        print(f"\n[racon] {signal.Signals(exc.args[0]).name}: shutting down", flush=True)
         return 0
+    except GiveUp as exc:
+        print(f"[racon] {exc}; stopping everything", flush=True)
+        return 1
     finally:
         sup.stop()
 
@@ -213,10 +537,11 @@ def deploy_default(url: str, model: str, sup: Supervisor) -> None:
     headers = {"Authorization": f"Bearer {os.environ['AI_API_KEY']}"}
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        if (why := sup.failed()) is not None:
-            raise SystemExit(f"error: {why}")
+        sup.tick()
         try:
-            nodes = httpx.get(f"{url}/api/admin/nodes?state=READY", headers=headers, timeout=5).json()
+            nodes = httpx.get(
+                f"{url}/api/admin/nodes?state=READY", headers=headers, timeout=5
+            ).json()
             if nodes:
                 break
         except (httpx.HTTPError, ValueError):
@@ -225,15 +550,21 @@ def deploy_default(url: str, model: str, sup: Supervisor) -> None:
     else:
         print("[racon] no node became READY within 180 s; not deploying", flush=True)
         return
-    active = httpx.get(f"{url}/api/admin/deployments?model={model}", headers=headers, timeout=10).json()
+    active = httpx.get(
+        f"{url}/api/admin/deployments?model={model}", headers=headers, timeout=10
+    ).json()
     if any(d["state"] in ("PLANNING", "LOADING", "READY", "DEGRADED") for d in active):
         print(f"[racon] {model} is already deployed", flush=True)
         return
     # A first request may have deployed it meanwhile (deployment_ensure); the scheduler then
     # refuses a second replica on the same node, which is no failure of make run.
-    resp = httpx.post(f"{url}/api/admin/deployments", headers=headers, json={"model": model}, timeout=30)
+    resp = httpx.post(
+        f"{url}/api/admin/deployments", headers=headers, json={"model": model}, timeout=30
+    )
     if resp.status_code >= 400:
-        active = httpx.get(f"{url}/api/admin/deployments?model={model}", headers=headers, timeout=10).json()
+        active = httpx.get(
+            f"{url}/api/admin/deployments?model={model}", headers=headers, timeout=10
+        ).json()
         if any(d["state"] in ("PLANNING", "LOADING", "READY", "DEGRADED") for d in active):
             print(f"[racon] {model} is already deployed", flush=True)
         else:
@@ -243,5 +574,4 @@ def deploy_default(url: str, model: str, sup: Supervisor) -> None:
 
 
 if __name__ == "__main__":
-    shutil.which("daphne")
     sys.exit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import redis
@@ -44,8 +45,6 @@ def get_redis_blocking() -> redis.Redis:
 
 def get_async_redis() -> aredis.Redis:
     """One asyncio client per event loop: a client's connections belong to the loop that made them."""
-    import asyncio
-
     url = settings.REDIS_URL
     key = (url, id(asyncio.get_running_loop()))
     client = _async.get(key)

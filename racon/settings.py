@@ -82,8 +82,10 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "django_filters",
     "channels",
     "django_htmx",
+    "apps.accounts",
     "apps.credits",
     "apps.nodes",
     "apps.models_repo",
@@ -141,7 +143,7 @@ else:
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
-            "NAME": VAR_DIR / "racon.sqlite3",
+            "NAME": str(VAR_DIR / "racon.sqlite3"),
             "OPTIONS": dict(SQLITE_OPTIONS),
             # A file (live-server tests share it with daphne and Celery), one per test run so
             # concurrent runs in one checkout never delete each other's database.
@@ -174,6 +176,15 @@ CELERY_RESULT_BACKEND = None
 # One queue per controller: two controllers sharing a broker (tests, staging next to production)
 # must never run each other's tasks (a settlement signs receipts with its own controller's key).
 CELERY_TASK_DEFAULT_QUEUE = env("CELERY_TASK_DEFAULT_QUEUE", "racon")
+# Tasks that wait on agents (a placement blocks on command results for minutes; a speed challenge
+# for seconds) have their own queue and worker (the launcher's "celery-placement"), so that four
+# stalled placements never hold up beat's periodic work (health sweep, settlement) on the default
+# queue. Named after the default queue, for the same reason: one pair of queues per controller.
+CELERY_PLACEMENT_QUEUE = env("CELERY_PLACEMENT_QUEUE", f"{CELERY_TASK_DEFAULT_QUEUE}.placement")
+CELERY_TASK_ROUTES = {
+    "racon.jobs.place_deployment": {"queue": CELERY_PLACEMENT_QUEUE},
+    "racon.jobs.speed_challenge": {"queue": CELERY_PLACEMENT_QUEUE},
+}
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
@@ -181,7 +192,9 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
 # --- RACoN ---
 PORT = envint("PORT", 8000)
-GRPC_PORT = envint("GRPC_PORT", 50051)  # name kept from the operator docs; control is Redis + HTTPS
+# Reserved: nothing listens on GRPC_PORT. The name is kept from the operator docs; the control
+# channel is each node's Redis queue plus HTTPS (README "Settings").
+GRPC_PORT = envint("GRPC_PORT", 50051)
 RPC_PORT = envint("RPC_PORT", 50052)
 AI_API_KEY = envsecret("AI_API_KEY")
 NODE_ENROLLMENT_SECRET = envsecret("NODE_ENROLLMENT_SECRET")
@@ -209,9 +222,22 @@ NODE_MAX_VRAM_BYTES = envint("NODE_MAX_VRAM_BYTES", 1024**4)  # 1 TiB per GPU
 NODE_MAX_DISK_BYTES = envint("NODE_MAX_DISK_BYTES", 1024**5)  # 1 PiB
 NODE_MAX_GFLOPS = envfloat("NODE_MAX_GFLOPS", 10_000.0)  # CPU benchmark; a GPU's own figure: 100x
 NODE_MAX_BANDWIDTH_GBPS = envfloat("NODE_MAX_BANDWIDTH_GBPS", 2_000.0)  # a GPU's own figure: 5x
-# Login attempts: this many failures per client address and username within the window → 429.
+# Speed claims are checked upward with timed work (apps/jobs/challenges.py): a node whose benchmark
+# claims more than SPEED_UNVERIFIED_GFLOPS is credited that much until a speed challenge (a chain of
+# matmuls the controller recomputes, timed end to end) confirms or lowers the claim.
+SPEED_CHALLENGE = envbool("SPEED_CHALLENGE", True)
+SPEED_UNVERIFIED_GFLOPS = envfloat("SPEED_UNVERIFIED_GFLOPS", 10.0)
+SPEED_CHALLENGE_SECONDS = envfloat("SPEED_CHALLENGE_SECONDS", 1.0)  # the work's length at the claimed speed
+SPEED_CHALLENGE_MAX_REPS = envint("SPEED_CHALLENGE_MAX_REPS", 200)  # 512^3 matmuls: bounds the controller's recheck
+SPEED_CHALLENGE_SLACK = envfloat("SPEED_CHALLENGE_SLACK", 1.5)  # a claim up to this × the measured speed stands
+# Login attempts: this many failures per client address and username within the window → 429;
+# LOGIN_MAX_FAILURES_PER_USER failures for one username from any addresses → 429 as well.
 LOGIN_MAX_FAILURES = envint("LOGIN_MAX_FAILURES", 5)
+LOGIN_MAX_FAILURES_PER_USER = envint("LOGIN_MAX_FAILURES_PER_USER", 50)
 LOGIN_FAILURE_WINDOW_SECONDS = envint("LOGIN_FAILURE_WINDOW_SECONDS", 300)
+# Reverse proxies whose X-Forwarded-For is believed (client_address in racon/net.py); without
+# them, the client address is the connection's own (REMOTE_ADDR).
+TRUSTED_PROXIES = envlist("TRUSTED_PROXIES", "")
 DATA_UPLOAD_MAX_MEMORY_SIZE = envint("DATA_UPLOAD_MAX_MEMORY_SIZE", 2 * 1024 * 1024)
 
 MODEL_STORE_DIR = Path(env("RACON_MODEL_STORE", str(VAR_DIR / "models")))
@@ -222,6 +248,20 @@ JOB_QUEUE_MAX = envint("JOB_QUEUE_MAX", 64)  # queued + running jobs per deploym
 JOB_QUEUE_WAIT_SECONDS = envfloat("JOB_QUEUE_WAIT_SECONDS", 30.0)
 DEPLOYMENT_WAIT_SECONDS = envfloat("DEPLOYMENT_WAIT_SECONDS", 120.0)
 DEPLOYMENT_RPC_TIMEOUT = envfloat("DEPLOYMENT_RPC_TIMEOUT", 30.0)  # an RPC worker confirming; a hash challenge answered
+DEPLOYMENT_LOAD_TIMEOUT = envfloat("DEPLOYMENT_LOAD_TIMEOUT", 300.0)  # the primary loading the model and answering
+MODEL_FETCH_TIMEOUT = envfloat("MODEL_FETCH_TIMEOUT", 1800.0)  # a node fetching a model file from the controller
+# A placement's bounds in the placement worker: past the soft limit the task fails the deployment
+# (FAILED, "placement timed out"); the hard limit kills the pool process if even that hangs.
+# Default: a model transfer tried twice, a load, and RPC workers confirming, with room to spare.
+PLACEMENT_SOFT_TIME_LIMIT = envfloat(
+    "PLACEMENT_SOFT_TIME_LIMIT", 2 * MODEL_FETCH_TIMEOUT + DEPLOYMENT_LOAD_TIMEOUT + 8 * DEPLOYMENT_RPC_TIMEOUT + 60
+)
+PLACEMENT_HARD_TIME_LIMIT = envfloat("PLACEMENT_HARD_TIME_LIMIT", PLACEMENT_SOFT_TIME_LIMIT + 60)
+SPEED_CHALLENGE_TIME_LIMIT = envfloat("SPEED_CHALLENGE_TIME_LIMIT", 300.0)
+CELERY_TASK_ANNOTATIONS = {
+    "racon.jobs.place_deployment": {"soft_time_limit": PLACEMENT_SOFT_TIME_LIMIT, "time_limit": PLACEMENT_HARD_TIME_LIMIT},
+    "racon.jobs.speed_challenge": {"soft_time_limit": SPEED_CHALLENGE_TIME_LIMIT, "time_limit": SPEED_CHALLENGE_TIME_LIMIT + 30},
+}
 STREAM_IDLE_TIMEOUT_SECONDS = envfloat("STREAM_IDLE_TIMEOUT_SECONDS", 60.0)
 # In-process caches of the API-key principal, the model by name and the route (racon/cache.py):
 # a change is broadcast at once; this bounds a lost broadcast. 0 turns the caches off.
@@ -262,6 +302,8 @@ CREDITS_STANDBY_UNSEEN_BYTES = envint("CREDITS_STANDBY_UNSEEN_BYTES", 16 * 1024*
 CREDITS_STANDING_WINDOW_SECONDS = envint("CREDITS_STANDING_WINDOW_SECONDS", 86_400)
 CREDITS_STANDING_EARN_WEIGHT = envint("CREDITS_STANDING_EARN_WEIGHT", 1)
 RACON_RECEIPT_KEY = envsecret("RACON_RECEIPT_KEY")  # base64 raw Ed25519 key; else VAR_DIR/receipt-signing.key
+# Where the receipt key is kept when RACON_RECEIPT_KEY is unset (created 0600 on first use).
+CREDITS_RECEIPT_KEY_PATH = Path(env("CREDITS_RECEIPT_KEY_PATH", str(VAR_DIR / "receipt-signing.key")))
 PRIORITY_MAX_WAIT_SECONDS = envfloat("PRIORITY_MAX_WAIT_SECONDS", 30.0)
 
 CELERY_BEAT_SCHEDULE = {
@@ -294,9 +336,9 @@ REST_FRAMEWORK = {
         "apps.api.auth.ApiKeyAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["apps.api.permissions.IsStaff"],
+    "DEFAULT_PERMISSION_CLASSES": ["apps.accounts.permissions.IsStaff"],
     "DEFAULT_SCHEMA_CLASS": "apps.api.schema.RaconAutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "racon.pagination.StrictLimitOffsetPagination",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "apps.api.errors.exception_handler",
 }

@@ -35,3 +35,4 @@ os.environ.setdefault("DEBUG", "false")
 # per-node Redis users start a private redis-server and turn this on (tests/trust/).
 os.environ.setdefault("NODE_REDIS_ACL", "false")
 os.environ.setdefault("LOG_FORMAT", "text")
+os.environ.setdefault("SPEED_CHALLENGE", "false")  # the speed-challenge tests turn it on

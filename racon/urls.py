@@ -4,10 +4,10 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from apps.api import openai
 from apps.api.diagnostics_api import NodeDiagnosticsApi
 from apps.api.health import health
 from apps.api.metrics_view import metrics
+from apps.api.v1 import views as v1
 from apps.jobs import api as jobs_api
 from apps.models_repo import api as models_api
 from apps.nodes import api as nodes_api
@@ -15,7 +15,7 @@ from apps.nodes import api as nodes_api
 agent_urls = [
     path("enroll", nodes_api.AgentEnrollApi.as_view(), name="agent-enroll"),
     path("heartbeat", nodes_api.agent_heartbeat, name="agent-heartbeat"),
-    path("reports", nodes_api.AgentReportsApi.as_view(), name="agent-reports"),
+    path("reports", jobs_api.AgentReportsApi.as_view(), name="agent-reports"),
     path("models/<str:sha256>", models_api.model_file_download, name="agent-model-file"),
 ]
 
@@ -42,10 +42,10 @@ admin_urls = [
 ]
 
 v1_urls = [
-    path("chat/completions", openai.chat_completions, name="v1-chat"),
-    path("completions", openai.completions, name="v1-completions"),
-    path("models", openai.models_list, name="v1-models"),
-    path("models/<path:model_id>", openai.model_detail, name="v1-model"),
+    path("chat/completions", v1.chat_completions, name="v1-chat"),
+    path("completions", v1.completions, name="v1-completions"),
+    path("models", v1.models_list, name="v1-models"),
+    path("models/<path:model_id>", v1.model_detail, name="v1-model"),
 ]
 
 urlpatterns = [

@@ -10,12 +10,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+from httpx_sse import connect_sse
 
 # A CLI prints its own one-line results and errors, never a library's per-request log lines.
 logging.getLogger("httpx").setLevel(logging.WARNING)
 logging.getLogger("httpcore").setLevel(logging.WARNING)
 
-UUID_RE = re.compile(r"^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$")
+UUID_RE = re.compile(
+    r"^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
+)
 
 # Exit codes scripts can rely on.
 EXIT_API = 1  # the controller answered with an error (4xx/5xx)
@@ -23,15 +26,30 @@ EXIT_UNREACHABLE = 3  # no answer at all
 EXIT_CONFIG = 4  # no URL or key configured, or a local file problem
 
 _STATUS_WORDS = {
-    400: "bad request", 401: "unauthorized", 403: "forbidden", 404: "not found", 409: "conflict",
-    422: "refused", 429: "too many requests", 500: "server error", 502: "bad gateway", 503: "unavailable",
+    400: "bad request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not found",
+    409: "conflict",
+    422: "refused",
+    429: "too many requests",
+    500: "server error",
+    502: "bad gateway",
+    503: "unavailable",
 }
 
 
 class ApiError(Exception):
     """One clear line for the user, and the exit code that goes with it."""
 
-    def __init__(self, message: str, *, status: int | None = None, exit_code: int = EXIT_API, body: Any = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        exit_code: int = EXIT_API,
+        body: Any = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -56,7 +74,11 @@ def error_message(resp: httpx.Response) -> tuple[str, Any]:
         if isinstance(fields, dict) and fields:
             parts = []
             for name, problems in fields.items():
-                text = "; ".join(str(p) for p in problems) if isinstance(problems, list) else str(problems)
+                text = (
+                    "; ".join(str(p) for p in problems)
+                    if isinstance(problems, list)
+                    else str(problems)
+                )
                 parts.append(text if name == "non_field_errors" else f"{name}: {text}")
             message = f"{message}: {', '.join(parts)}" if message else ", ".join(parts)
         return message, body
@@ -78,23 +100,43 @@ def raise_for(resp: httpx.Response, *, what: str = "") -> None:
         reason = reason or "this key may not do that"
     elif resp.status_code == 404 and not reason:
         reason = f"{what or resp.request.url.path} does not exist on this controller"
-    raise ApiError(f"{resp.status_code} {word}: {reason or resp.text[:200].strip() or 'no details'}{hint}", status=resp.status_code, body=body)
+    raise ApiError(
+        f"{resp.status_code} {word}: {reason or resp.text[:200].strip() or 'no details'}{hint}",
+        status=resp.status_code,
+        body=body,
+    )
 
 
 class Client:
     """Sync HTTP with short connect timeouts; streaming helpers for SSE."""
 
-    def __init__(self, url: str, key: str, *, timeout: float = 30.0, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        key: str,
+        *,
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         if not url:
-            raise ApiError("no controller URL: run `racon login --url URL --key KEY` or set RACON_URL", exit_code=EXIT_CONFIG)
+            raise ApiError(
+                "no controller URL: run `racon login --url URL --key KEY` or set RACON_URL",
+                exit_code=EXIT_CONFIG,
+            )
         if not url.startswith(("http://", "https://")):
-            raise ApiError(f"controller URL must start with http:// or https://, got {url!r}", exit_code=EXIT_CONFIG)
+            raise ApiError(
+                f"controller URL must start with http:// or https://, got {url!r}",
+                exit_code=EXIT_CONFIG,
+            )
         self.url = url.rstrip("/")
         headers = {"Accept": "application/json", "User-Agent": "racon-cli"}
         if key:
             headers["Authorization"] = f"Bearer {key}"
         self.http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=5.0), transport=transport
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            transport=transport,
         )
 
     def close(self) -> None:
@@ -108,15 +150,29 @@ class Client:
 
     # --- plumbing ---------------------------------------------------------------------------------
 
-    def request(self, method: str, path: str, *, what: str = "", timeout: float | None = None, **kw: Any) -> httpx.Response:
+    def request(
+        self, method: str, path: str, *, what: str = "", timeout: float | None = None, **kw: Any
+    ) -> httpx.Response:
         try:
-            resp = self.http.request(method, path, timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT, **kw)
+            resp = self.http.request(
+                method,
+                path,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+                **kw,
+            )
         except httpx.ConnectError as exc:
-            raise ApiError(f"cannot reach the controller at {self.url}: {_short(exc)}", exit_code=EXIT_UNREACHABLE) from None
+            raise ApiError(
+                f"cannot reach the controller at {self.url}: {_short(exc)}",
+                exit_code=EXIT_UNREACHABLE,
+            ) from None
         except httpx.TimeoutException:
-            raise ApiError(f"the controller at {self.url} did not answer in time", exit_code=EXIT_UNREACHABLE) from None
+            raise ApiError(
+                f"the controller at {self.url} did not answer in time", exit_code=EXIT_UNREACHABLE
+            ) from None
         except httpx.HTTPError as exc:
-            raise ApiError(f"request to {self.url} failed: {_short(exc)}", exit_code=EXIT_UNREACHABLE) from None
+            raise ApiError(
+                f"request to {self.url} failed: {_short(exc)}", exit_code=EXIT_UNREACHABLE
+            ) from None
         raise_for(resp, what=what)
         return resp
 
@@ -127,57 +183,84 @@ class Client:
         resp = self.request("POST", path, json=body if body is not None else {}, **kw)
         return resp.json() if resp.content else {}
 
-    # --- names → ids --------------------------------------------------------------------------------
+    # --- names → ids ------------------------------------------------------------------------------
 
     def node(self, ref: str) -> dict[str, Any]:
         """A node by id or exact name (404 with the name when there is none)."""
         if is_uuid(ref):
-            return self.get(f"/api/admin/nodes/{uuid.UUID(ref)}", what=f"node {ref}")
-        matches = [n for n in self.get("/api/admin/nodes", params={"name": ref}) if n["name"] == ref]
-        if not matches:
-            raise ApiError(f"404 not found: no node named {ref!r}", status=404)
-        if len(matches) > 1:
-            ids = ", ".join(m["id"][:8] for m in matches)
-            raise ApiError(f"{len(matches)} nodes are named {ref!r} ({ids}); use the id", status=409)
-        return self.get(f"/api/admin/nodes/{matches[0]['id']}", what=f"node {ref}")
+            path = f"/api/admin/nodes/{uuid.UUID(ref)}"
+        else:
+            matches = [
+                n for n in self.get("/api/admin/nodes", params={"name": ref}) if n["name"] == ref
+            ]
+            if not matches:
+                raise ApiError(f"404 not found: no node named {ref!r}", status=404)
+            if len(matches) > 1:
+                ids = ", ".join(m["id"][:8] for m in matches)
+                raise ApiError(
+                    f"{len(matches)} nodes are named {ref!r} ({ids}); use the id", status=409
+                )
+            path = f"/api/admin/nodes/{matches[0]['id']}"
+        node: dict[str, Any] = self.get(path, what=f"node {ref}")
+        return node
 
     def by_prefix(self, items: list[dict[str, Any]], ref: str, kind: str) -> dict[str, Any]:
         """An item of a listing by full id or a unique id prefix (what the tables show)."""
         ref_l = ref.lower()
-        found = [i for i in items if str(i["id"]).lower() == ref_l] or [i for i in items if str(i["id"]).lower().startswith(ref_l)]
+        found = [i for i in items if str(i["id"]).lower() == ref_l] or [
+            i for i in items if str(i["id"]).lower().startswith(ref_l)
+        ]
         if not found:
             raise ApiError(f"404 not found: no {kind} {ref!r}", status=404)
         if len(found) > 1:
-            raise ApiError(f"{kind} id prefix {ref!r} is ambiguous ({len(found)} match); give more characters", status=409)
+            raise ApiError(
+                f"{kind} id prefix {ref!r} is ambiguous ({len(found)} match); give more characters",
+                status=409,
+            )
         return found[0]
 
-    # --- streaming ------------------------------------------------------------------------------------
+    # --- streaming --------------------------------------------------------------------------------
 
     def stream_chat(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """POST /v1/chat/completions with stream: true; yields each SSE data object."""
         try:
-            with self.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}, timeout=httpx.Timeout(300.0, connect=5.0)) as resp:
+            with connect_sse(
+                self.http,
+                "POST",
+                "/v1/chat/completions",
+                json={**body, "stream": True},
+                timeout=httpx.Timeout(300.0, connect=5.0),
+            ) as events:
+                resp = events.response
                 if resp.status_code >= 400:
                     resp.read()
                     raise_for(resp)
                 yield {"_headers": dict(resp.headers)}
-                for line in resp.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                # iter_sse refuses a body that is not text/event-stream (SSEError, an httpx error).
+                for event in events.iter_sse():
+                    if event.data == "[DONE]":
                         return
-                    chunk = json.loads(data)
+                    chunk = json.loads(event.data)
                     if isinstance(chunk, dict) and chunk.get("error"):
                         err = chunk["error"]
-                        raise ApiError(f"stream error: {err.get('message') if isinstance(err, dict) else err}")
+                        raise ApiError(
+                            f"stream error: {err.get('message') if isinstance(err, dict) else err}"
+                        )
                     yield chunk
         except httpx.ConnectError as exc:
-            raise ApiError(f"cannot reach the controller at {self.url}: {_short(exc)}", exit_code=EXIT_UNREACHABLE) from None
+            raise ApiError(
+                f"cannot reach the controller at {self.url}: {_short(exc)}",
+                exit_code=EXIT_UNREACHABLE,
+            ) from None
         except httpx.TimeoutException:
-            raise ApiError(f"the controller at {self.url} stopped answering mid-stream", exit_code=EXIT_UNREACHABLE) from None
+            raise ApiError(
+                f"the controller at {self.url} stopped answering mid-stream",
+                exit_code=EXIT_UNREACHABLE,
+            ) from None
         except httpx.HTTPError as exc:
-            raise ApiError(f"stream from {self.url} failed: {_short(exc)}", exit_code=EXIT_UNREACHABLE) from None
+            raise ApiError(
+                f"stream from {self.url} failed: {_short(exc)}", exit_code=EXIT_UNREACHABLE
+            ) from None
 
 
 def _short(exc: Exception) -> str:

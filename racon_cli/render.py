@@ -12,12 +12,39 @@ from rich.table import Table
 from rich.text import Text
 
 STATE_STYLE = {
-    "READY": "green", "BUSY": "blue", "DRAINING": "yellow", "DEGRADED": "yellow", "OFFLINE": "dim", "ERROR": "red",
-    "REGISTERING": "magenta", "UNINITIALIZED": "dim", "PLANNING": "magenta", "LOADING": "magenta", "FAILED": "red",
-    "STOPPED": "dim", "QUEUED": "magenta", "DISPATCHED": "blue", "RUNNING": "blue", "COMPLETED": "green",
-    "CANCELLED": "dim", "active": "green", "revoked": "dim", "expired": "dim", "used up": "dim",
+    "READY": "green",
+    "BUSY": "blue",
+    "DRAINING": "yellow",
+    "DRAINED": "dim yellow",
+    "DEGRADED": "yellow",
+    "OFFLINE": "dim",
+    "ERROR": "red",
+    "REGISTERING": "magenta",
+    "UNINITIALIZED": "dim",
+    "PLANNING": "magenta",
+    "LOADING": "magenta",
+    "FAILED": "red",
+    "STOPPED": "dim",
+    "QUEUED": "magenta",
+    "DISPATCHED": "blue",
+    "RUNNING": "blue",
+    "COMPLETED": "green",
+    "CANCELLED": "dim",
+    "active": "green",
+    "revoked": "dim",
+    "expired": "dim",
+    "used up": "dim",
 }
-NODE_COLOURS = ("blue", "green", "yellow", "magenta", "red", "cyan", "bright_green", "bright_magenta")
+NODE_COLOURS = (
+    "blue",
+    "green",
+    "yellow",
+    "magenta",
+    "red",
+    "cyan",
+    "bright_green",
+    "bright_magenta",
+)
 
 
 def console() -> Console:
@@ -83,9 +110,22 @@ def num(value: Any, digits: int = 1) -> str:
 
 
 def table(*columns: str, title: str | None = None) -> Table:
-    t = Table(title=title, title_justify="left", header_style="bold", box=None, pad_edge=False, show_edge=False)
+    t = Table(
+        title=title,
+        title_justify="left",
+        header_style="bold",
+        box=None,
+        pad_edge=False,
+        show_edge=False,
+    )
     for c in columns:
-        t.add_column(c, no_wrap=True, justify="right" if c in {"CORES", "LAYERS", "TOKENS", "TOK/S", "AMOUNT", "CREDITS", "USES", "CTX"} else "left")
+        t.add_column(
+            c,
+            no_wrap=True,
+            justify="right"
+            if c in {"CORES", "LAYERS", "TOKENS", "TOK/S", "AMOUNT", "CREDITS", "USES", "CTX"}
+            else "left",
+        )
     return t
 
 
@@ -100,7 +140,9 @@ def kv(rows: list[tuple[str, Any]], title: str | None = None) -> Table:
 
 def layer_bar(plan: dict[str, Any]) -> tuple[Text, list[tuple[str, str, int, int]]]:
     """A line of n_layer blocks coloured by node, and the legend (name, colour, layers, bytes)."""
-    n_layer = int(plan.get("n_layer") or max((d["layer_end"] for d in plan.get("devices", [])), default=0))
+    n_layer = int(
+        plan.get("n_layer") or max((d["layer_end"] for d in plan.get("devices", [])), default=0)
+    )
     owner: list[str | None] = [None] * n_layer
     colour: dict[str, str] = {}
     legend: dict[str, list[Any]] = {}
@@ -117,4 +159,4 @@ def layer_bar(plan: dict[str, Any]) -> tuple[Text, list[tuple[str, str, int, int
     for name in owner:
         name = name or primary
         bar.append("█", style=colour.get(name or "", "white"))
-    return bar, [tuple(v) for v in legend.values()]  # type: ignore[misc]
+    return bar, [tuple(v) for v in legend.values()]

@@ -27,7 +27,11 @@ ACTIVE_JOB_STATES = ("QUEUED", "DISPATCHED", "RUNNING")
 class Confirm(ModalScreen[bool]):
     """Yes/no before anything changes on the cluster."""
 
-    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n", "answer(False)", "No"), Binding("escape", "answer(False)", "Cancel")]
+    BINDINGS = [
+        Binding("y", "answer(True)", "Yes"),
+        Binding("n", "answer(False)", "No"),
+        Binding("escape", "answer(False)", "Cancel"),
+    ]
     DEFAULT_CSS = """
     Confirm { align: center middle; }
     Confirm > Grid { grid-size: 2; grid-gutter: 1 2; grid-rows: auto 3; padding: 1 2; width: 64; height: auto; border: thick $warning; background: $surface; }
@@ -79,7 +83,14 @@ class TopApp(App[None]):
         Binding("q", "quit", "Quit"),
     ]
 
-    def __init__(self, *, url: str, key: str, interval: float = 2.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        url: str,
+        key: str,
+        interval: float = 2.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         super().__init__()
         self.url = url.rstrip("/")
         self.key = key
@@ -90,7 +101,7 @@ class TopApp(App[None]):
         self.refreshes = 0
         self.last_error = ""
 
-    # --- layout -------------------------------------------------------------------------------------
+    # --- layout -----------------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=True)
@@ -120,14 +131,40 @@ class TopApp(App[None]):
     def on_mount(self) -> None:
         self.sub_title = self.url
         self.http = httpx.AsyncClient(
-            base_url=self.url, headers={"Authorization": f"Bearer {self.key}", "User-Agent": "racon-top"},
-            timeout=httpx.Timeout(10.0, connect=3.0), transport=self.transport,
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {self.key}", "User-Agent": "racon-top"},
+            timeout=httpx.Timeout(10.0, connect=3.0),
+            transport=self.transport,
         )
         cols = {
-            "nodes": [("name", "NAME"), ("state", "STATE"), ("cores", "CORES"), ("ram", "RAM FREE/TOTAL"), ("vram", "VRAM"), ("hb", "HEARTBEAT")],
-            "deployments": [("model", "MODEL"), ("state", "STATE"), ("nodes", "NODES"), ("tps", "PRED TOK/S")],
-            "jobs": [("id", "JOB"), ("model", "MODEL"), ("state", "STATE"), ("tokens", "TOKENS"), ("tps", "TOK/S"), ("nodes", "NODES")],
-            "events": [("time", "TIME"), ("kind", "EVENT"), ("node", "NODE"), ("message", "MESSAGE")],
+            "nodes": [
+                ("name", "NAME"),
+                ("state", "STATE"),
+                ("cores", "CORES"),
+                ("ram", "RAM FREE/TOTAL"),
+                ("vram", "VRAM"),
+                ("hb", "HEARTBEAT"),
+            ],
+            "deployments": [
+                ("model", "MODEL"),
+                ("state", "STATE"),
+                ("nodes", "NODES"),
+                ("tps", "PRED TOK/S"),
+            ],
+            "jobs": [
+                ("id", "JOB"),
+                ("model", "MODEL"),
+                ("state", "STATE"),
+                ("tokens", "TOKENS"),
+                ("tps", "TOK/S"),
+                ("nodes", "NODES"),
+            ],
+            "events": [
+                ("time", "TIME"),
+                ("kind", "EVENT"),
+                ("node", "NODE"),
+                ("message", "MESSAGE"),
+            ],
         }
         for table_id, columns in cols.items():
             table = self._main.query_one(f"#{table_id}", DataTable)
@@ -140,7 +177,7 @@ class TopApp(App[None]):
     async def on_unmount(self) -> None:
         await self.http.aclose()
 
-    # --- data ---------------------------------------------------------------------------------------
+    # --- data -------------------------------------------------------------------------------------
 
     async def _get(self, path: str, **params: Any) -> Any:
         resp = await self.http.get(path, params=params or None)
@@ -154,44 +191,84 @@ class TopApp(App[None]):
         """One refresh of every table (a newer poll replaces a slow one)."""
         try:
             nodes, deps, jobs, events = await asyncio.gather(
-                self._get("/api/admin/nodes"), self._get("/api/admin/deployments"),
-                self._get("/api/admin/jobs", limit=40), self._get("/api/admin/events", limit=20),
+                self._get("/api/admin/nodes"),
+                self._get("/api/admin/deployments"),
+                self._get("/api/admin/jobs", limit=40),
+                self._get("/api/admin/events", limit=20),
             )
         except (httpx.HTTPError, RuntimeError) as exc:
-            self._status(f"cannot refresh from {self.url}: {exc or exc.__class__.__name__}", error=True)
+            self._status(
+                f"cannot refresh from {self.url}: {exc or exc.__class__.__name__}", error=True
+            )
             return
         if not self._main.query("#nodes"):
             return  # the app is closing: its screens are gone while this poll was in flight
         self.nodes = {n["id"]: n for n in nodes}
         names = {n["id"]: n["name"] for n in nodes}
-        self._sync("nodes", {
-            n["id"]: (
-                n["name"] + (" ⏸" if n.get("drain_requested") else ""), render.state(n["state"]), str(n["cpu_logical_cores"]),
-                f"{render.human_bytes(n['ram_available'])}/{render.human_bytes(n['ram_total'])}",
-                f"{render.human_bytes(n['vram_free'])}/{render.human_bytes(n['vram_total'])}" if n.get("vram_total") else "-",
-                render.age(n.get("heartbeat_age")),
-            ) for n in nodes
-        })
+        self._sync(
+            "nodes",
+            {
+                n["id"]: (
+                    n["name"] + (" ⏸" if n.get("drain_requested") else ""),
+                    render.state(n["state"]),
+                    str(n["cpu_logical_cores"]),
+                    f"{render.human_bytes(n['ram_available'])}/{render.human_bytes(n['ram_total'])}",
+                    f"{render.human_bytes(n['vram_free'])}/{render.human_bytes(n['vram_total'])}"
+                    if n.get("vram_total")
+                    else "-",
+                    render.age(n.get("heartbeat_age")),
+                )
+                for n in nodes
+            },
+        )
         active = [d for d in deps if d["state"] not in ("STOPPED",)][:30]
-        self._sync("deployments", {
-            d["id"]: (d["model"], render.state(d["state"]), ", ".join(d.get("node_names") or []) or "-", render.num((d.get("plan") or {}).get("predicted_tokens_per_s")))
-            for d in active
-        })
+        self._sync(
+            "deployments",
+            {
+                d["id"]: (
+                    d["model"],
+                    render.state(d["state"]),
+                    ", ".join(d.get("node_names") or []) or "-",
+                    render.num((d.get("plan") or {}).get("predicted_tokens_per_s")),
+                )
+                for d in active
+            },
+        )
         ordered = sorted(jobs, key=lambda j: (j["state"] not in ACTIVE_JOB_STATES,))[:30]
         self.jobs = {j["id"]: j for j in ordered}
-        self._sync("jobs", {
-            j["id"]: (render.short_id(j["id"]), j["model"], render.state(j["state"]), f"{j['prompt_tokens']}→{j['completion_tokens']}", render.num(j.get("tokens_per_s")), ", ".join(j.get("node_names") or []) or "-")
-            for j in ordered
-        })
-        self._sync("events", {
-            str(e["id"]): (render.when(e["created_at"])[11:], e["kind"], names.get(str(e.get("node") or ""), "-"), (e.get("message") or "")[:80])
-            for e in events
-        })
+        self._sync(
+            "jobs",
+            {
+                j["id"]: (
+                    render.short_id(j["id"]),
+                    j["model"],
+                    render.state(j["state"]),
+                    f"{j['prompt_tokens']}→{j['completion_tokens']}",
+                    render.num(j.get("tokens_per_s")),
+                    ", ".join(j.get("node_names") or []) or "-",
+                )
+                for j in ordered
+            },
+        )
+        self._sync(
+            "events",
+            {
+                str(e["id"]): (
+                    render.when(e["created_at"])[11:],
+                    e["kind"],
+                    names.get(str(e.get("node") or ""), "-"),
+                    (e.get("message") or "")[:80],
+                )
+                for e in events
+            },
+        )
         await self._show_selected_node()
         self.refreshes += 1
         ready = sum(1 for n in nodes if n["state"] == "READY")
         running = sum(1 for j in jobs if j["state"] in ACTIVE_JOB_STATES)
-        self._status(f"{len(nodes)} nodes ({ready} ready) · {len([d for d in deps if d['state'] == 'READY'])} deployments ready · {running} jobs active · refresh every {self.interval:g}s")
+        self._status(
+            f"{len(nodes)} nodes ({ready} ready) · {len([d for d in deps if d['state'] == 'READY'])} deployments ready · {running} jobs active · refresh every {self.interval:g}s"
+        )
 
     def _sync(self, table_id: str, rows: dict[str, tuple[Any, ...]]) -> None:
         """Update rows in place (the cursor stays on the same item), add new ones, drop gone ones."""
@@ -232,12 +309,30 @@ class TopApp(App[None]):
         text.append_text(render.state(n["state"]))
         text.append(f"  {n['address']}:{n['rpc_port']}\n\n")
         for label, value in (
-            ("CPU", n.get("cpu_model") or ((n.get("hardware") or {}).get("cpu") or {}).get("model") or "-"), ("cores", f"{n['cpu_physical_cores']} phys / {n['cpu_logical_cores']} log"),
-            ("load", f"{render.num(tele.get('cpu_percent'), 0)}%" if "cpu_percent" in tele else "-"),
-            ("RAM free", render.human_bytes(tele.get("mem_available") or n["ram_available"])), ("RAM total", render.human_bytes(n["ram_total"])),
-            ("GPU free", ", ".join(render.human_bytes(x) for x in tele.get("gpu_free") or []) or "-"),
-            ("jobs", str(len(tele.get("jobs") or []))), ("RPC worker", "running" if (tele.get("rpc_worker") or {}).get("running") else "stopped"),
-            ("heartbeat", f"{render.age(n.get('heartbeat_age'))} ago"), ("agent", n.get("agent_version") or "-"),
+            (
+                "CPU",
+                n.get("cpu_model")
+                or ((n.get("hardware") or {}).get("cpu") or {}).get("model")
+                or "-",
+            ),
+            ("cores", f"{n['cpu_physical_cores']} phys / {n['cpu_logical_cores']} log"),
+            (
+                "load",
+                f"{render.num(tele.get('cpu_percent'), 0)}%" if "cpu_percent" in tele else "-",
+            ),
+            ("RAM free", render.human_bytes(tele.get("mem_available") or n["ram_available"])),
+            ("RAM total", render.human_bytes(n["ram_total"])),
+            (
+                "GPU free",
+                ", ".join(render.human_bytes(x) for x in tele.get("gpu_free") or []) or "-",
+            ),
+            ("jobs", str(len(tele.get("jobs") or []))),
+            (
+                "RPC worker",
+                "running" if (tele.get("rpc_worker") or {}).get("running") else "stopped",
+            ),
+            ("heartbeat", f"{render.age(n.get('heartbeat_age'))} ago"),
+            ("agent", n.get("agent_version") or "-"),
         ):
             text.append(f"{label:>10}  ", style="dim")
             text.append(f"{value}\n")
@@ -263,7 +358,7 @@ class TopApp(App[None]):
     async def node_highlighted(self) -> None:
         await self._show_selected_node()
 
-    # --- actions --------------------------------------------------------------------------------------
+    # --- actions ----------------------------------------------------------------------------------
 
     def action_refresh(self) -> None:
         self.poll()
@@ -294,14 +389,20 @@ class TopApp(App[None]):
             self.notify("Select a job first (tab to the jobs table).", severity="warning")
             return
         if job["state"] not in ACTIVE_JOB_STATES:
-            self.notify(f"Job {render.short_id(job_id)} is already {job['state']}.", severity="warning")
+            self.notify(
+                f"Job {render.short_id(job_id)} is already {job['state']}.", severity="warning"
+            )
             return
 
         def answered(yes: bool | None) -> None:
             if yes:
-                self._post(f"/api/admin/jobs/{job_id}/cancel", f"cancelled job {render.short_id(job_id)}")
+                self._post(
+                    f"/api/admin/jobs/{job_id}/cancel", f"cancelled job {render.short_id(job_id)}"
+                )
 
-        self.push_screen(Confirm(f"Cancel job {render.short_id(job_id)} ({job['model']})?"), answered)
+        self.push_screen(
+            Confirm(f"Cancel job {render.short_id(job_id)} ({job['model']})?"), answered
+        )
 
     @work(group="actions")
     async def _post(self, path: str, done: str) -> None:

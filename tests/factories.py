@@ -9,7 +9,7 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 from factory.django import DjangoModelFactory
 
-from apps.credits.models import Account
+from apps.accounts.models import Account
 from apps.nodes.models import Node
 from apps.nodes.states import NodeState
 

@@ -6,6 +6,7 @@ The scheduler weighs devices by these two figures, so they must be comparable ac
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ CACHE_FILE = "benchmark.json"
 def measure_gflops(budget_s: float = 0.5) -> float:
     """float32 matmul throughput of numpy's BLAS on this machine, in GFLOPS."""
     try:
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - optional: no dependency brings it
     except ImportError:
         return _python_gflops(budget_s)
     n = 512
@@ -52,7 +53,7 @@ def _python_gflops(budget_s: float) -> float:
 def measure_mem_bandwidth(budget_s: float = 0.5, size_mb: int = 64) -> float:
     """Large array copy throughput (bytes read + written), in GB/s."""
     try:
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - optional: no dependency brings it
     except ImportError:
         return _python_bandwidth(budget_s, size_mb)
     n = size_mb * 1024 * 1024 // 8
@@ -76,6 +77,33 @@ def _python_bandwidth(budget_s: float, size_mb: int) -> float:
         _ = bytes(src)
         runs += 1
     return round(2 * len(src) * runs / (time.perf_counter() - start) / 1e9, 2)
+
+
+CHALLENGE_N = 512  # the same matrix size as measure_gflops, so an honest claim times the same
+
+
+def speed_challenge_flops(*, n: int, reps: int) -> float:
+    """Floating-point operations a speed challenge of this size costs."""
+    return 2.0 * n * n * n * reps
+
+
+def speed_challenge_digest(*, seed: int, n: int, reps: int) -> str:
+    """The answer to a speed challenge: sha256 of the last matrix of a chain of ``reps`` matmuls.
+
+    X0 and B hold entries in {-1, 0, 1} drawn from ``seed``; X(i+1) = (Xi @ B) mod 3 - 1. Every
+    product is an integer of magnitude at most n, which float32 holds exactly, so any BLAS gives
+    the same bits, and each step needs the one before it: the chain cannot be skipped or split.
+    The controller times the round trip and recomputes the chain to check the answer.
+    """
+    # The agent's llama.cpp extra brings numpy; only a challenged node needs it.
+    import numpy as np  # noqa: PLC0415 - optional: the [agent] extra (llama-cpp-python) brings it
+
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-1, 2, size=(n, n)).astype(np.float32)
+    b = rng.integers(-1, 2, size=(n, n)).astype(np.float32)
+    for _ in range(reps):
+        x = np.remainder(x @ b, 3.0) - 1.0
+    return hashlib.sha256(x.astype(np.int8).tobytes()).hexdigest()
 
 
 def run_benchmarks() -> dict[str, float]:

@@ -19,7 +19,8 @@ def _nvml() -> Any | None:
         if _initialised is False:
             return None
         try:
-            import pynvml
+            # nvidia-ml-py may be missing from a slim install: such a machine just has no GPUs.
+            import pynvml  # noqa: PLC0415
         except ImportError:
             _initialised = False
             return None

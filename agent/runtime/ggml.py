@@ -97,9 +97,6 @@ class Ggml:
         self.dev_memory = self._fn(
             "ggml_backend_dev_memory", None, [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
         )
-        self.reg_by_name = self._fn("ggml_backend_reg_by_name", vp, [cp])
-        self.reg_get_proc_address = self._fn("ggml_backend_reg_get_proc_address", vp, [vp, cp])
-        self.register = self._fn("ggml_backend_register", None, [vp])
 
     # --- devices ------------------------------------------------------------------------------
 
@@ -132,9 +129,6 @@ class Ggml:
 
     # --- RPC ------------------------------------------------------------------------------------
 
-    def has_rpc(self) -> bool:
-        return bool(self.reg_by_name(b"RPC"))
-
     def start_rpc_server(
         self, endpoint: str, cache_dir: str | None, n_threads: int, devices: list[int]
     ) -> None:
@@ -158,19 +152,3 @@ class Ggml:
             len(devices),
             arr,
         )
-
-    def add_rpc_server(self, endpoint: str) -> None:
-        """Register a worker's devices with this process's registry (before loading a model)."""
-        reg = self.reg_by_name(b"RPC")
-        if not reg:
-            raise GgmlUnavailable(
-                "ggml has no RPC backend: rebuild llama-cpp-python with GGML_RPC=ON"
-            )
-        addr = self.reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")
-        if not addr:
-            raise GgmlUnavailable("ggml RPC backend lacks ggml_backend_rpc_add_server")
-        add = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(addr)
-        new_reg = add(endpoint.encode())
-        if not new_reg:
-            raise RuntimeError(f"RPC worker {endpoint} reported no devices")
-        self.register(new_reg)

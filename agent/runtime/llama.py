@@ -16,7 +16,8 @@ from agent.runtime.server import ServerPrimary, find_llama_server
 def llama_rpc_support() -> tuple[bool, str]:
     """Whether this llama-cpp-python was built with GGML_RPC=ON (FACTS.md: pip's cache can lie)."""
     try:
-        import llama_cpp
+        # Optional (the [agent] extra), and importing it loads libllama: only when asked.
+        import llama_cpp  # noqa: PLC0415
     except ImportError as exc:
         return False, f"llama-cpp-python is not installed: {exc}"
     except OSError as exc:  # the shared library failed to load

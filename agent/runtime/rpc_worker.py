@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from agent.client import backoff_delay
 from agent.protocol import PublicAddressError, is_private_address
+from agent.retry import RetryStopped, backoff_delay, retry_call
 from agent.runtime import EventSink, PortInUse, RuntimeErrorReport
 from agent.runtime.child import log_tail, readline_timeout, spawn, stop_process
 from agent.tunnel import TunnelServer
@@ -261,7 +261,7 @@ class RpcWorker:
         )
 
     def _supervise(self) -> None:
-        attempt = 0
+        failures = 0  # restarts since the worker last ran STABLE_AFTER_S: the backoff grows with it
         while not self._stopping.is_set():
             proc = self._proc
             if proc is None:
@@ -271,7 +271,7 @@ class RpcWorker:
             if self._stopping.is_set():
                 return
             if time.monotonic() - started > STABLE_AFTER_S:
-                attempt = 0
+                failures = 0
             tail = log_tail(self.log_path, 5)
             message = f"RPC worker on {self.endpoint} exited with code {code}"
             log.warning("%s; restarting with backoff", message)
@@ -282,21 +282,39 @@ class RpcWorker:
             )
             if not self.restart:
                 return
-            while not self._stopping.is_set():
-                delay = backoff_delay(attempt, base=1.0, cap=self.backoff_cap)
-                attempt += 1
-                if self._stopping.wait(delay):
-                    return
-                with self._lock:
-                    if self._stopping.is_set():
-                        return
-                    try:
-                        self._start_once()
-                        self.restarts += 1
-                        break
-                    except (RuntimeErrorReport, PublicAddressError, OSError) as exc:
-                        self.on_event(
-                            "RPC_WORKER_FAILED",
-                            f"restart failed: {exc}",
-                            {"endpoint": self.endpoint},
-                        )
+            try:
+                failures = self._restart(failures)
+            except RetryStopped:
+                return
+
+    def _restart(self, failures: int) -> int:
+        """Wait, start the child again (retrying with backoff); return the failures so far."""
+        tries = 0
+
+        def start() -> None:
+            nonlocal tries
+            tries += 1
+            with self._lock:
+                if self._stopping.is_set():
+                    raise RetryStopped
+                self._start_once()
+                self.restarts += 1
+
+        def failed(exc: BaseException, _: int, __: float) -> None:
+            self.on_event(
+                "RPC_WORKER_FAILED", f"restart failed: {exc}", {"endpoint": self.endpoint}
+            )
+
+        # The crash itself counts as the first failure, so even the first restart waits.
+        if self._stopping.wait(backoff_delay(failures, base=1.0, cap=self.backoff_cap)):
+            raise RetryStopped
+        retry_call(
+            start,
+            retry_on=(RuntimeErrorReport, PublicAddressError, OSError),
+            base=1.0,
+            cap=self.backoff_cap,
+            stop=self._stopping,
+            on_retry=failed,
+            offset=failures + 1,
+        )
+        return failures + tries

@@ -14,6 +14,7 @@ import os
 import sys
 
 from agent.runtime.child import watch_parent
+from agent.runtime.ggml import Ggml, GgmlUnavailable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     watch_parent()
     msg = os.fdopen(args.msg_fd, "w", buffering=1)
-
-    from agent.runtime.ggml import Ggml, GgmlUnavailable
 
     try:
         ggml = Ggml()

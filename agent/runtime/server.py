@@ -34,7 +34,13 @@ from typing import Any
 import redis
 
 from agent.layers import llama_layer_assignment
-from agent.protocol import JobFinishedPayload, LoadPrimaryPayload, StreamUsage, job_cancel_key
+from agent.protocol import (
+    SAMPLING_DEFAULTS,
+    JobFinishedPayload,
+    LoadPrimaryPayload,
+    StreamUsage,
+    job_cancel_key,
+)
 from agent.runtime import EventSink, JobFinishedSink, LoadFailed
 from agent.runtime.child import child_env, log_tail, stop_process
 from agent.runtime.primary import (
@@ -437,16 +443,17 @@ class ServerPrimary:
                 raise _RequestError("chat job needs a non-empty 'messages' list", code="invalid_request")
             text = str(self._post(j, "/apply-template", {"messages": messages})["prompt"])
         else:
-            text = job.get("prompt")
-            if not isinstance(text, str):
+            prompt = job.get("prompt")
+            if not isinstance(prompt, str):
                 raise _RequestError("completion job needs a 'prompt' string", code="invalid_request")
+            text = prompt
         resume = [int(t) for t in job.get("resume_tokens") or []]
         return [text, *resume] if resume else text
 
     def _connect(self, j: _Job) -> http.client.HTTPConnection:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=None)
         conn.connect()
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[union-attr]  # connect() set it
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         j.conn = conn
         if j.cancel.is_set():
             _shutdown(conn)
@@ -652,11 +659,11 @@ def _completion_body(job: dict[str, Any], prompt: str | list[Any]) -> dict[str, 
         "return_tokens": True,
         "cache_prompt": True,
         "n_predict": max_tokens if max_tokens > 0 else -1,
-        "temperature": float(job.get("temperature", 1.0)),
-        "top_p": float(job.get("top_p", 1.0)),
+        "temperature": float(job.get("temperature", SAMPLING_DEFAULTS["temperature"])),
+        "top_p": float(job.get("top_p", SAMPLING_DEFAULTS["top_p"])),
         "stop": list(job.get("stop") or []),
-        "presence_penalty": float(job.get("presence_penalty", 0.0)),
-        "frequency_penalty": float(job.get("frequency_penalty", 0.0)),
+        "presence_penalty": float(job.get("presence_penalty", SAMPLING_DEFAULTS["presence_penalty"])),
+        "frequency_penalty": float(job.get("frequency_penalty", SAMPLING_DEFAULTS["frequency_penalty"])),
     }
     if job.get("seed") is not None:
         body["seed"] = int(job["seed"])

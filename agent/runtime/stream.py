@@ -134,7 +134,7 @@ class StreamWriter:
         try:
             pipe = self.r.pipeline(transaction=False)
             for e in entries:
-                pipe.xadd(self.key, e, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]  # redis-py types fields too narrowly
+                pipe.xadd(self.key, e, maxlen=STREAM_MAXLEN, approximate=True)
             if not self._expire_set or final:
                 # TTL from the first entry, renewed at the end so readers get the full window.
                 pipe.expire(self.key, self.ttl)
@@ -209,7 +209,7 @@ def append_error(
     seq = last_seq(client, job_id, node_id) + 1
     key = job_stream_key(job_id, node_id)
     pipe = client.pipeline(transaction=False)
-    pipe.xadd(key, entry(seq, "error", message, "error"), maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]  # redis-py types fields too narrowly
+    pipe.xadd(key, entry(seq, "error", message, "error"), maxlen=STREAM_MAXLEN, approximate=True)
     pipe.expire(key, ttl)
     pipe.execute()
 
@@ -220,6 +220,6 @@ def append_done(
     seq = last_seq(client, job_id, node_id) + 1
     key = job_stream_key(job_id, node_id)
     pipe = client.pipeline(transaction=False)
-    pipe.xadd(key, entry(seq, "done", "", finish_reason, usage), maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]  # redis-py types fields too narrowly
+    pipe.xadd(key, entry(seq, "done", "", finish_reason, usage), maxlen=STREAM_MAXLEN, approximate=True)
     pipe.expire(key, STREAM_TTL_SECONDS)
     pipe.execute()

@@ -5,16 +5,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
+from apps.accounts.models import ApiKey
+from apps.accounts.principal import KeyPrincipal
+from apps.credits.ledger import account_system
 from racon import cache
-
-from .models import ApiKey
 
 OPERATOR_ACCOUNT_NAME = "system:operator"
 PRINCIPAL_CACHE = "principal"  # racon/cache.py: invalidated by every ApiKey write (signals.py)
@@ -22,29 +22,6 @@ PRINCIPAL_CACHE = "principal"  # racon/cache.py: invalidated by every ApiKey wri
 
 def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-@dataclass
-class KeyPrincipal:
-    """Who a bearer key speaks for. Stands in for request.user on API-key requests."""
-
-    key_id: Any
-    account_id: Any
-    scopes: frozenset[str]
-    user: Any = None
-    is_operator_key: bool = False
-    is_authenticated: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def is_staff(self) -> bool:
-        if self.user is not None and getattr(self.user, "is_staff", False):
-            return True
-        return ApiKey.SCOPE_ADMIN in self.scopes
-
-    @property
-    def pk(self) -> Any:
-        return getattr(self.user, "pk", None)
 
 
 def api_key_create(*, name: str, account_id: Any, scopes: list[str], user_id: Any = None) -> tuple[ApiKey, str]:
@@ -70,8 +47,6 @@ def api_key_revoke(*, key_id: Any) -> ApiKey:
 
 
 def operator_account_id() -> Any:
-    from apps.credits.services import account_system  # noqa: PLC0415
-
     return account_system(name=OPERATOR_ACCOUNT_NAME).id
 
 
@@ -138,16 +113,3 @@ class _UserWithPrincipal:
     @property
     def is_authenticated(self) -> bool:
         return True
-
-
-def request_account_id(request: Any) -> Any:
-    """The credit account a request acts for: the key's account, or the session user's."""
-    principal = getattr(request, "_racon_principal", None) or getattr(request, "auth", None)
-    if isinstance(principal, KeyPrincipal):
-        return principal.account_id
-    user = getattr(request, "user", None)
-    if user is not None and user.is_authenticated:
-        from apps.credits.services import account_for_user  # noqa: PLC0415
-
-        return account_for_user(user=user).id
-    return None

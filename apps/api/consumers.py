@@ -11,6 +11,9 @@ from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from agent.protocol import job_stream_key
+from apps.api.ui_render import render_deployment_row, render_node_row
+from apps.credits.ledger import account_for_user
+from apps.jobs.models import Job
 from apps.jobs.selectors import job_stream_node
 from racon.redis import get_async_redis
 
@@ -18,9 +21,6 @@ log = logging.getLogger("racon.ws")
 
 
 def _can_see_job(user: Any, job_id: str) -> bool:
-    from apps.credits.services import account_for_user  # noqa: PLC0415
-    from apps.jobs.models import Job  # noqa: PLC0415
-
     if not user or not user.is_authenticated:
         return False
     job = Job.objects.filter(pk=job_id).values("account_id").first()
@@ -97,16 +97,8 @@ class DashboardConsumer(AsyncWebsocketConsumer):
 
 
 def _render_node_row(user: Any, node_id: str) -> str:
-    try:
-        from apps.api.ui_render import render_node_row  # noqa: PLC0415
-    except ImportError:
-        return ""
     return render_node_row(user=user, node_id=node_id)
 
 
 def _render_deployment_row(user: Any, deployment_id: str) -> str:
-    try:
-        from apps.api.ui_render import render_deployment_row  # noqa: PLC0415
-    except ImportError:
-        return ""
     return render_deployment_row(user=user, deployment_id=deployment_id)

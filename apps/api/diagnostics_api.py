@@ -10,7 +10,7 @@ from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from apps.nodes.diagnostics import UnknownNode, node_diagnostics
+from apps.jobs.diagnostics import UnknownNode, node_diagnostics
 
 
 class NodeDiagnosticsApi(APIView):

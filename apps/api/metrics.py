@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from django.db.models import BigIntegerField, Case, Count, F, Q, Sum, When
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -29,7 +30,14 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from agent.protocol import HEARTBEATS_ZSET, heartbeat_key
+from apps.credits.models import EntryKind, Posting
+from apps.credits.selectors import FEES, MINT
 from apps.jobs import admission
+from apps.jobs.models import Deployment, Job
+from apps.jobs.states import DEPLOYMENT_ACTIVE, JOB_OPEN, JOB_TERMINAL, DeploymentState, JobState
+from apps.models_repo.models import Model
+from apps.nodes.models import Node
+from apps.nodes.states import HEALTH_WATCHED, POOL, NodeState
 from racon import __version__
 from racon.redis import get_redis
 
@@ -61,8 +69,6 @@ def _hist_key(name: str) -> str:
 def job_finished_observe(*, job_id: Any, state: str, fields: dict[str, Any]) -> None:
     """Count a finished job and observe its TTFT, tokens/s and queue wait (never fails the caller)."""
     try:
-        from apps.jobs.models import Job  # noqa: PLC0415
-
         row = (
             Job.objects.filter(pk=job_id)
             .values_list("model__name", "queued_at", "dispatched_at", "finished_at")
@@ -182,7 +188,7 @@ class RaconCollector:
 
 
 REGISTRY = CollectorRegistry(auto_describe=False)
-REGISTRY.register(RaconCollector())  # type: ignore[arg-type]
+REGISTRY.register(RaconCollector())
 
 
 def metrics_render() -> bytes:
@@ -191,9 +197,6 @@ def metrics_render() -> bytes:
 
 
 def _collect(*, now: float) -> Iterator[Metric]:
-    from apps.jobs.states import DeploymentState, JobState  # noqa: PLC0415
-    from apps.nodes.states import NodeState  # noqa: PLC0415
-
     db = _read_database(now=now)
     rd = _read_redis(
         node_ids=[n["id"] for n in db["pool_nodes"]],
@@ -237,7 +240,7 @@ def _collect(*, now: float) -> Iterator[Metric]:
     done = CounterMetricFamily(
         "racon_jobs_finished", "Jobs that reached a terminal state.", labels=["state", "model"]
     )
-    terminal = (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+    terminal = JOB_TERMINAL
     for model in models:
         for state in JobState.values:
             if state in terminal:
@@ -384,25 +387,18 @@ def _replicas(
 
 def _read_database(*, now: float) -> dict[str, Any]:
     """The scrape's database reads: a fixed set of aggregate queries, none per node or per job."""
-    from django.db.models import BigIntegerField, Case, Count, F, Q, Sum, When  # noqa: PLC0415
-
-    from apps.credits.models import EntryKind, Posting  # noqa: PLC0415
-    from apps.credits.selectors import FEES, MINT  # noqa: PLC0415
-    from apps.jobs.models import Deployment, Job  # noqa: PLC0415
-    from apps.jobs.states import DEPLOYMENT_ACTIVE, JobState  # noqa: PLC0415
-    from apps.models_repo.models import Model  # noqa: PLC0415
-    from apps.nodes.models import Node  # noqa: PLC0415
-    from apps.nodes.states import LIVE, NodeState  # noqa: PLC0415
 
     out: dict[str, Any] = {}
     out["nodes_by_state"] = dict(
         Node.objects.order_by().values_list("state").annotate(n=Count("id"))
     )
     # The pool: nodes connected to the controller (serving, draining or degraded), not revoked.
-    pool_states = [NodeState.READY, NodeState.BUSY, NodeState.DRAINING, NodeState.DEGRADED]
-    watched_states = sorted({*LIVE, NodeState.DEGRADED})
-    rows = list(
-        Node.objects.filter(revoked_at__isnull=True, state__in=watched_states)
+    pool_states = POOL
+    watched_states = sorted(HEALTH_WATCHED)
+    # Plain dicts, not the values() row type: the ids are rewritten to strings below.
+    rows: list[dict[str, Any]] = [
+        dict(row)
+        for row in Node.objects.filter(revoked_at__isnull=True, state__in=watched_states)
         .order_by()
         .values(
             "id",
@@ -414,7 +410,7 @@ def _read_database(*, now: float) -> dict[str, Any]:
             "vram_total",
             "vram_free",
         )
-    )
+    ]
     for row in rows:
         row["id"] = str(row["id"])
     out["pool_nodes"] = [r for r in rows if r["state"] in pool_states]
@@ -439,7 +435,7 @@ def _read_database(*, now: float) -> dict[str, Any]:
         .values_list("deployment_id")
         .annotate(t=Sum("completion_tokens"))
     }
-    active = [JobState.QUEUED, JobState.DISPATCHED, JobState.RUNNING]
+    active = JOB_OPEN
     out["jobs_active"] = {
         (m, s): n
         for m, s, n in Job.objects.filter(state__in=active)

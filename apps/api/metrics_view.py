@@ -19,7 +19,7 @@ def scrape_allowed(request: HttpRequest) -> bool | None:
     """True: allowed. False: authenticated but not staff (403). None: no valid credentials (401)."""
     raw = bearer_from_header(request.headers.get("Authorization", ""))
     if raw:
-        token = getattr(settings, "METRICS_TOKEN", "") or ""
+        token = settings.METRICS_TOKEN
         # An empty METRICS_TOKEN disables token scrapes; it never matches an empty bearer.
         if token and hmac.compare_digest(raw.encode(), token.encode()):
             return True

@@ -44,7 +44,7 @@ class RequestIdMiddleware:
         rid = self._rid(request)
         request.request_id = rid
         with log_context(request_id=rid):
-            response = await self.get_response(request)  # type: ignore[misc]
+            response = await self.get_response(request)
         response["X-Request-Id"] = rid
         return response
 
@@ -91,7 +91,7 @@ class BodyLimitMiddleware:
     async def __acall__(self, request: Any) -> Any:
         if (limit := self._over(request)) is not None:
             return too_large_response(request.path, limit)
-        return await self.get_response(request)  # type: ignore[misc]
+        return await self.get_response(request)
 
     def process_exception(self, request: Any, exception: Exception) -> Any:
         if isinstance(exception, RequestDataTooBig):

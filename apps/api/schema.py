@@ -6,6 +6,7 @@ from typing import Any
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.utils import Direction
 from rest_framework import serializers
 
 
@@ -23,7 +24,7 @@ class ErrorSerializer(serializers.Serializer):
     class ErrorBody(serializers.Serializer):
         message = serializers.CharField()
         code = serializers.CharField(required=False)
-        fields = serializers.JSONField(required=False, help_text="per field: what is wrong with it")
+        fields = serializers.JSONField(required=False, help_text="per field: what is wrong with it")  # type: ignore[assignment]  # a declared field; the metaclass moves it off the class
 
     error = ErrorBody()
 
@@ -45,7 +46,7 @@ _BODY_ERROR_STATUSES = {
 class RaconAutoSchema(AutoSchema):
     """AutoSchema that documents the error responses every operation can give, in one format."""
 
-    def _get_response_bodies(self, direction: str = "response") -> dict[str, Any]:  # type: ignore[override]
+    def _get_response_bodies(self, direction: Direction = "response") -> dict[str, Any]:
         responses = super()._get_response_bodies(direction=direction)
         extra = dict(_ERROR_STATUSES)
         if "{" in self.path:

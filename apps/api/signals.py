@@ -1,4 +1,5 @@
-"""Cache invalidation on writes the ORM signals: API keys and models (racon/cache.py).
+"""Cache invalidation on writes the ORM signals: API keys and models (racon/cache.py); and the
+metrics of finished jobs (apps.jobs.hooks.job_finished, sent by jobs, which never imports api).
 
 Writes through ``QuerySet.update()`` send no signal; those call ``cache.invalidate`` themselves
 (``api_key_revoke``, ``deployment_transition``).
@@ -10,12 +11,14 @@ from typing import Any
 
 from django.db.models.signals import post_delete, post_save
 
+from apps.accounts.models import ApiKey
+from apps.jobs.hooks import job_finished
+from apps.jobs.serving import MODEL_CACHE
 from apps.models_repo.models import Model, ModelFile
 from racon import cache
 
 from .auth import PRINCIPAL_CACHE
-from .models import ApiKey
-from .openai import MODEL_CACHE
+from .metrics import job_finished_observe
 
 
 def _principal_changed(**kwargs: Any) -> None:
@@ -26,7 +29,12 @@ def _model_changed(**kwargs: Any) -> None:
     cache.invalidate(MODEL_CACHE)
 
 
+def _job_finished(*, job_id: Any, state: str, fields: dict[str, Any], **kwargs: Any) -> None:
+    job_finished_observe(job_id=job_id, state=state, fields=fields)
+
+
 def connect() -> None:
+    job_finished.connect(_job_finished, dispatch_uid="racon-metrics-job-finished")
     for signal in (post_save, post_delete):
         signal.connect(_principal_changed, sender=ApiKey, dispatch_uid=f"racon-cache-apikey-{signal is post_save}")
         signal.connect(_model_changed, sender=Model, dispatch_uid=f"racon-cache-model-{signal is post_save}")

@@ -9,6 +9,7 @@ deployments those nodes serve, and their own jobs, ledger and receipts.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -18,16 +19,17 @@ from django.http import Http404
 from django.template.loader import render_to_string
 from django.utils import timezone
 
+from apps.accounts.models import Account
 from apps.credits import selectors as credit_selectors
-from apps.credits.models import Account, Receipt
-from apps.credits.services import account_for_user
+from apps.credits.ledger import account_for_user
+from apps.credits.models import Receipt
 from apps.jobs import selectors as job_selectors
 from apps.jobs.models import Deployment, Job
-from apps.jobs.states import DEPLOYMENT_ACTIVE, DeploymentState, JobState
+from apps.jobs.states import DEPLOYMENT_ACTIVE, JOB_IN_FLIGHT, JOB_OPEN, DeploymentState, JobState
 from apps.models_repo.models import Model
 from apps.nodes import selectors as node_selectors
 from apps.nodes.models import EnrollmentToken, Node
-from apps.nodes.states import NodeState
+from apps.nodes.states import POOL, NodeState
 
 # Colours for the placement bar, one per node in plan order (kept in step with racon.css).
 NODE_COLOURS = ("#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2", "#4d7c0f", "#db2777")
@@ -121,7 +123,7 @@ def _state_counts(viewer: Viewer) -> dict[str, Any]:
 
 def _live_capacity(viewer: Viewer, cap: dict[str, Any]) -> dict[str, Any]:
     """Free and in-use figures, taking live telemetry (CPU load, free RAM) over enrolment-time values."""
-    usable = _visible_nodes(viewer).filter(state__in=[NodeState.READY, NodeState.BUSY, NodeState.DEGRADED, NodeState.DRAINING])
+    usable = _visible_nodes(viewer).filter(state__in=POOL)
     cores_busy = 0.0
     ram_free = 0
     for n in usable.only("id", "cpu_logical_cores", "ram_available"):
@@ -151,7 +153,7 @@ def _tokens_now(viewer: Viewer, *, now: datetime) -> dict[str, Any]:
     return {
         "tokens_per_s": round(tokens / TOKENS_WINDOW_SECONDS, 2),
         "per_job_tokens_per_s": round(float(done["rate"] or 0.0), 1),
-        "running": jobs.filter(state__in=[JobState.DISPATCHED, JobState.RUNNING]).count(),
+        "running": jobs.filter(state__in=JOB_IN_FLIGHT).count(),
         "window": TOKENS_WINDOW_SECONDS,
     }
 
@@ -341,7 +343,7 @@ def job_detail_page(*, user: Any, job_id: Any) -> dict[str, Any]:
         "placement": placement,
         "node_names": [n.name for n in job.nodes.all()],
         "events": node_selectors.event_list(job_id=job.id, limit=100),
-        "live": job.state in (JobState.QUEUED, JobState.DISPATCHED, JobState.RUNNING),
+        "live": job.state in JOB_OPEN,
         "messages_json": json.dumps((job.params or {}).get("messages") or [], indent=2)[:4000],
         "is_staff": viewer.is_staff,
     }
@@ -380,8 +382,6 @@ def receipt_for(*, user: Any, receipt_id: Any) -> Receipt:
 
 
 def _is_uuid(value: str) -> bool:
-    import uuid
-
     try:
         uuid.UUID(str(value))
         return True

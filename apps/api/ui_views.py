@@ -18,18 +18,26 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.staticfiles.views import serve as staticfiles_serve
 from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    JsonResponse,
+    StreamingHttpResponse,
+)
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
 from django.utils import timezone
 from django.utils.cache import patch_vary_headers
 from django.views.decorators.http import require_GET, require_POST
 
+from apps.accounts.models import ApiKey
 from apps.api import ui_render
 from apps.api.auth import api_key_create, api_key_revoke
 from apps.api.login import safe_next
-from apps.api.models import ApiKey
-from apps.credits.services import account_for_user, receipt_check
+from apps.api.v1 import views as v1_views
+from apps.credits.ledger import account_for_user
+from apps.credits.receipts import receipt_check
 from apps.jobs import services as job_services
 from apps.jobs.scheduler import PlacementRefused
 from apps.models_repo import services as model_services
@@ -43,8 +51,10 @@ log = logging.getLogger("racon.ui")
 
 def _wants_partial(request: HttpRequest) -> bool:
     htmx = getattr(request, "htmx", None)
+    if not htmx:
+        return False
     # A history restore (back button after hx-push-url) needs the whole page again.
-    return bool(htmx) and not htmx.history_restore_request
+    return not htmx.history_restore_request
 
 
 def render_ui(request: HttpRequest, template: str, context: dict[str, Any], *, partial: str | None = None, status: int = 200) -> HttpResponse:
@@ -356,7 +366,7 @@ def _ephemeral_key(user: Any) -> tuple[Any, str]:
     )
 
 
-async def playground_chat(request: HttpRequest) -> HttpResponse:
+async def playground_chat(request: HttpRequest) -> HttpResponseBase:
     """POST the OpenAI chat body here with the session cookie and CSRF token; the answer is /v1's own.
 
     /v1 takes only bearer keys. Rather than hand the browser a key, this view mints an
@@ -370,18 +380,16 @@ async def playground_chat(request: HttpRequest) -> HttpResponse:
         return JsonResponse({"error": {"message": "sign in first", "type": "invalid_request_error", "code": "not_authenticated"}}, status=401)
     if request.method != "POST":
         return JsonResponse({"error": {"message": "use POST", "type": "invalid_request_error", "code": "method_not_allowed"}}, status=405)
-    from apps.api import openai  # noqa: PLC0415 - the /v1 view itself, so the playground behaves exactly like the API
-
     key, plaintext = await sync_to_async(_ephemeral_key)(user)
     request.META["HTTP_AUTHORIZATION"] = f"Bearer {plaintext}"
     request.__dict__.pop("headers", None)  # HttpRequest.headers is cached; the /v1 view must see the key
     revoke = sync_to_async(api_key_revoke)
     try:
-        resp = await openai.chat_completions(request)
+        resp = await v1_views.chat_completions(request)  # the /v1 view itself: the playground is the API
     except BaseException:
         await revoke(key_id=key.id)
         raise
-    if not getattr(resp, "streaming", False):
+    if not isinstance(resp, StreamingHttpResponse):
         await revoke(key_id=key.id)
         return resp
 

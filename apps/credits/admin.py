@@ -6,8 +6,10 @@ from typing import Any
 
 from django.contrib import admin
 
-from .models import Account, Entry, Posting, Receipt
-from .services import account_create
+from apps.accounts.models import Account
+
+from .ledger import account_create
+from .models import Entry, Posting, Receipt
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):

@@ -6,19 +6,23 @@ from typing import Any
 
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
+from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import exceptions, serializers, status
-from rest_framework.pagination import LimitOffsetPagination
+from rest_framework.generics import GenericAPIView
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from apps.api.auth import request_account_id
-from apps.api.permissions import IsAuthenticatedAccount, IsStaff
+from apps.accounts.models import Account
+from apps.accounts.permissions import IsAuthenticatedAccount, IsStaff
+from apps.accounts.principal import request_account_id
+from racon.filters import filters_checked
 
-from . import selectors, services
-from .models import Account, EntryKind, Posting, Receipt
+from . import ledger, receipts, selectors
+from .filters import LedgerFilter, ReceiptFilter
+from .models import Posting, Receipt
 
 
 class InsufficientCreditsError(exceptions.APIException):
@@ -114,45 +118,21 @@ class PostingOut(serializers.ModelSerializer):
         ]
 
 
-class LedgerApi(APIView):
+class LedgerApi(GenericAPIView):
     """GET /api/credits/ledger?kind=&since=&until=&limit=&offset= — the account's postings, newest first."""
 
     permission_classes = [IsAuthenticatedAccount]
+    queryset = Posting.objects.none()  # names the model for the schema; get() starts from the account's rows
+    filter_backends = [DjangoFilterBackend]  # documents LedgerFilter; get() applies it itself
+    filterset_class = LedgerFilter
 
-    class FilterIn(serializers.Serializer):
-        account = serializers.UUIDField(required=False)
-        kind = serializers.ChoiceField(choices=EntryKind.choices, required=False)
-        since = serializers.DateTimeField(required=False)
-        until = serializers.DateTimeField(required=False)
-
-    class LedgerPage(serializers.Serializer):
-        count = serializers.IntegerField()
-        next = serializers.URLField(allow_null=True)
-        previous = serializers.URLField(allow_null=True)
-        results = PostingOut(many=True)
-
-    @extend_schema(
-        parameters=[
-            _account_param(),
-            OpenApiParameter("kind", str, enum=EntryKind.values),
-            OpenApiParameter("since", str, description="ISO 8601, inclusive"),
-            OpenApiParameter("until", str, description="ISO 8601, exclusive"),
-            OpenApiParameter("limit", int),
-            OpenApiParameter("offset", int),
-        ],
-        responses=LedgerPage,
-    )
+    @extend_schema(responses=PostingOut(many=True))
     def get(self, request: Request) -> Response:
-        f = self.FilterIn(data=request.query_params)
-        f.is_valid(raise_exception=True)
-        v = f.validated_data
-        account_id = _target_account(request, self, v.get("account"))
-        qs = selectors.ledger_postings(
-            account_id=account_id, kind=v.get("kind"), since=v.get("since"), until=v.get("until")
-        )
-        paginator = LimitOffsetPagination()
-        page = paginator.paginate_queryset(qs, request, view=self)
-        return paginator.get_paginated_response(PostingOut(page, many=True).data)
+        filters = LedgerFilter(request.query_params, request=request)
+        account_id = _target_account(request, self, filters_checked(filters).get("account"))
+        qs = filters.filter_queryset(selectors.ledger_postings(account_id=account_id))
+        page = self.paginate_queryset(qs)
+        return self.get_paginated_response(PostingOut(page, many=True).data)
 
 
 class ReceiptOut(serializers.ModelSerializer):
@@ -183,48 +163,22 @@ class ReceiptOut(serializers.ModelSerializer):
         return obj.document()
 
 
-class ReceiptListApi(APIView):
+class ReceiptListApi(GenericAPIView):
     """GET /api/credits/receipts?job=&node= — receipts of the caller's nodes (staff: all)."""
 
     permission_classes = [IsAuthenticatedAccount]
+    queryset = Receipt.objects.none()  # names the model for the schema; get() starts from the account's rows
+    filter_backends = [DjangoFilterBackend]  # documents ReceiptFilter; get() applies it itself
+    filterset_class = ReceiptFilter
 
-    class FilterIn(serializers.Serializer):
-        account = serializers.UUIDField(required=False)
-        job = serializers.UUIDField(required=False)
-        node = serializers.UUIDField(required=False)
-
-    class ReceiptPage(serializers.Serializer):
-        count = serializers.IntegerField()
-        next = serializers.URLField(allow_null=True)
-        previous = serializers.URLField(allow_null=True)
-        results = ReceiptOut(many=True)
-
-    @extend_schema(
-        parameters=[
-            OpenApiParameter(
-                "account", str, description="staff only: receipts of this account's nodes"
-            ),
-            OpenApiParameter("job", str),
-            OpenApiParameter("node", str),
-            OpenApiParameter("limit", int),
-            OpenApiParameter("offset", int),
-        ],
-        responses=ReceiptPage,
-    )
+    @extend_schema(responses=ReceiptOut(many=True))
     def get(self, request: Request) -> Response:
-        f = self.FilterIn(data=request.query_params)
-        f.is_valid(raise_exception=True)
-        v = f.validated_data
-        if _is_staff(request, self):
-            account_id = v.get("account")
-        else:
-            account_id = _target_account(request, self, v.get("account"))
-        qs = selectors.receipt_list(
-            account_id=account_id, job_id=v.get("job"), node_id=v.get("node")
-        )
-        paginator = LimitOffsetPagination()
-        page = paginator.paginate_queryset(qs, request, view=self)
-        return paginator.get_paginated_response(ReceiptOut(page, many=True).data)
+        filters = ReceiptFilter(request.query_params, request=request)
+        requested = filters_checked(filters).get("account")
+        account_id = requested if _is_staff(request, self) else _target_account(request, self, requested)
+        qs = filters.filter_queryset(selectors.receipt_list(account_id=account_id))
+        page = self.paginate_queryset(qs)
+        return self.get_paginated_response(ReceiptOut(page, many=True).data)
 
 
 class ReceiptDetailApi(APIView):
@@ -258,7 +212,7 @@ class ReceiptVerifyApi(APIView):
     def post(self, request: Request) -> Response:
         data = self.VerifyIn(data=request.data)
         data.is_valid(raise_exception=True)
-        result = services.receipt_check(receipt=data.validated_data["receipt"])
+        result = receipts.receipt_check(receipt=data.validated_data["receipt"])
         return Response(self.VerifyOut({"valid": result.valid, "reason": result.reason}).data)
 
 
@@ -276,7 +230,7 @@ class PublicKeyApi(APIView):
 
     @extend_schema(responses=KeyOut)
     def get(self, request: Request) -> Response:
-        return Response(self.KeyOut(services.receipt_public_key()).data)
+        return Response(self.KeyOut(receipts.receipt_public_key()).data)
 
 
 class _AdminMoveApi(APIView):
@@ -303,7 +257,7 @@ class _AdminMoveApi(APIView):
         data.is_valid(raise_exception=True)
         v = data.validated_data
         account = get_object_or_404(Account, pk=v["account"])
-        action = services.credit_adjust if self.allow_negative else services.credit_grant
+        action = ledger.credit_adjust if self.allow_negative else ledger.credit_grant
         try:
             entry = action(
                 account_id=account.pk,
@@ -312,7 +266,7 @@ class _AdminMoveApi(APIView):
                 now=timezone.now(),
                 key=v.get("idempotency_key"),
             )
-        except services.InsufficientCredits as exc:
+        except ledger.InsufficientCredits as exc:
             raise InsufficientCreditsError(str(exc)) from None
         except ValueError as exc:
             raise exceptions.ValidationError({"amount": [str(exc)]}) from None

@@ -1,7 +1,7 @@
-"""Credit accounts and the double-entry ledger: entries, postings, signed receipts.
+"""The double-entry ledger over accounts (apps.accounts): entries, postings, signed receipts.
 
 The ledger is append-only. ``Entry``, ``Posting`` and ``Receipt`` refuse updates and deletes at
-the ORM level (a correction is a new entry); the only writer is ``services.ledger_post``.
+the ORM level (a correction is a new entry); the only writer is ``ledger.ledger_post``.
 """
 
 from __future__ import annotations
@@ -9,40 +9,9 @@ from __future__ import annotations
 import uuid
 from typing import Any, NoReturn
 
-from django.conf import settings
 from django.db import models
 
-
-class AccountKind(models.TextChoices):
-    USER = "USER"
-    ORG = "ORG"
-    SYSTEM = "SYSTEM"
-
-
-class Account(models.Model):
-    """One per user or organisation, plus system accounts (mint, fees, escrow, holds, operator)."""
-
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    name = models.CharField(max_length=120, unique=True)
-    kind = models.CharField(max_length=10, choices=AccountKind.choices, default=AccountKind.USER)
-    user = models.OneToOneField(
-        settings.AUTH_USER_MODEL,
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="credit_account",
-    )
-    # Micro-credits. The cached balance is only ever changed in the same transaction as postings.
-    balance = models.BigIntegerField(default=0)
-    # The lowest balance spending may reach. None means unbounded (system accounts like mint).
-    floor = models.BigIntegerField(null=True, blank=True, default=0)
-    created_at = models.DateTimeField(auto_now_add=True)
-
-    class Meta:
-        ordering = ["name"]
-
-    def __str__(self) -> str:
-        return self.name
+from apps.accounts.models import Account
 
 
 class EntryKind(models.TextChoices):

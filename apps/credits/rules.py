@@ -161,8 +161,8 @@ def seen_worker_bytes(*, plan: Mapping[str, Any], load_report: Mapping[str, Any]
     for entry in load_report.get("assignment") or []:
         if not isinstance(entry, Mapping):
             continue
-        node_id = by_endpoint.get(str(entry.get("endpoint") or ""))
-        if node_id is None:
+        worker = by_endpoint.get(str(entry.get("endpoint") or ""))
+        if worker is None:
             continue
         mib = 0.0
         for key in ("model_buffer_mib", "kv_buffer_mib", "compute_buffer_mib"):
@@ -170,7 +170,7 @@ def seen_worker_bytes(*, plan: Mapping[str, Any], load_report: Mapping[str, Any]
                 mib += max(float(entry.get(key) or 0.0), 0.0)
             except (TypeError, ValueError):
                 continue
-        seen[node_id] = seen.get(node_id, 0) + int(mib * MIB)
+        seen[worker] = seen.get(worker, 0) + int(mib * MIB)
     return seen
 
 

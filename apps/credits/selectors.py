@@ -10,7 +10,9 @@ from django.conf import settings
 from django.db.models import Exists, OuterRef, Q, QuerySet, Sum
 from django.utils import timezone
 
-from .models import EARNING_KINDS, Account, AccountKind, Entry, EntryKind, Posting, Receipt
+from apps.accounts.models import Account, AccountKind
+
+from .models import EARNING_KINDS, Entry, EntryKind, Posting, Receipt
 from .rules import MAX_AMOUNT, job_priority_order
 
 __all__ = [
@@ -109,8 +111,8 @@ def account_standing(*, account_ids: list[Any], now: datetime | None = None) -> 
     """
     now = now or timezone.now()
     keys = {a: account_key(a) for a in account_ids}
-    window = float(getattr(settings, "CREDITS_STANDING_WINDOW_SECONDS", 86_400))
-    weight = int(getattr(settings, "CREDITS_STANDING_EARN_WEIGHT", 1))
+    window = settings.CREDITS_STANDING_WINDOW_SECONDS
+    weight = settings.CREDITS_STANDING_EARN_WEIGHT
     rows = {
         account_key(r["id"]): r
         for r in Account.objects.filter(pk__in=set(keys.values())).values("id", "balance", "kind")
@@ -132,7 +134,7 @@ def account_summary(*, account_id: Any, now: datetime) -> dict[str, Any]:
     """Balance, what is free to spend, held, earned and escrowed for one account."""
     acct = Account.objects.get(pk=account_id)
     available = None if acct.floor is None else acct.balance - acct.floor
-    window = float(getattr(settings, "CREDITS_STANDING_WINDOW_SECONDS", 86_400))
+    window = settings.CREDITS_STANDING_WINDOW_SECONDS
     return {
         "account": acct,
         "balance": acct.balance,

@@ -1,4 +1,4 @@
-"""Celery entry points for credits. Thin: one call into services each."""
+"""Celery entry points for credits. Thin: one call into settlement each."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import Any
 from celery import shared_task
 from django.db import OperationalError
 from django.utils import timezone
+
+from .settlement import JobNotTerminal, credit_settle_job, credit_standby_reward
 
 log = logging.getLogger("racon.credits")
 
@@ -24,8 +26,6 @@ log = logging.getLogger("racon.credits")
 )
 def settle_job(*, job_id: str, **kwargs: Any) -> int | None:
     """Settle one terminal job: exactly one ledger entry however often this runs."""
-    from .services import JobNotTerminal, credit_settle_job
-
     try:
         return credit_settle_job(job_id=job_id, now=timezone.now()).pk
     except JobNotTerminal:
@@ -37,6 +37,4 @@ def settle_job(*, job_id: str, **kwargs: Any) -> int | None:
 @shared_task(name="racon.credits.standby_reward", acks_late=True, ignore_result=True)
 def standby_reward(**kwargs: Any) -> int:
     """Pay READY nodes for the time they lent (idempotent per node per period)."""
-    from .services import credit_standby_reward
-
     return len(credit_standby_reward(now=timezone.now()))

@@ -40,7 +40,7 @@ from django.conf import settings
 from racon.redis import get_async_redis, get_redis
 
 from .models import Deployment, Job
-from .states import DEPLOYMENT_ACTIVE, JOB_TERMINAL, DeploymentState
+from .states import DEPLOYMENT_ACTIVE, DEPLOYMENT_ENDED, DEPLOYMENT_SERVING, JOB_TERMINAL
 
 log = logging.getLogger("racon.jobs.admission")
 
@@ -50,7 +50,6 @@ SLOT_RENEW_SECONDS = 5.0
 WAIT_EWMA_ALPHA = 0.3
 WAIT_HALF_LIFE_SECONDS = 60.0
 MODEL_WAIT_TTL_SECONDS = 7 * 86400
-SERVING = (DeploymentState.READY, DeploymentState.DEGRADED)
 
 
 def slots_key(deployment_id: Any) -> str:
@@ -273,6 +272,55 @@ def slots_in_use(deployment_ids: Iterable[Any], *, now: float | datetime | None 
     return _live_leases(slots_key, deployment_ids, now)
 
 
+# --- failover (docs/design/serving.md, "Failover") -------------------------------------------------
+
+
+def failover_key(job_id: Any) -> str:
+    return f"racon:job:{job_id}:failover"
+
+
+def dead_key(deployment_id: Any) -> str:
+    return f"racon:dep:{deployment_id}:dead"
+
+
+def failover_begin(*, job_id: Any, seconds: float) -> None:
+    """The job's reader is moving it to another replica: sweeps and failure handlers leave it alone."""
+    get_redis().set(failover_key(job_id), "1", ex=max(1, int(seconds)))
+
+
+def failover_end(*, job_id: Any) -> None:
+    get_redis().delete(failover_key(job_id))
+
+
+def job_reader_live(*, deployment_id: Any, job_id: Any, now: float | datetime | None = None) -> bool:
+    """Whether a live reader owns the job's end: it holds an unexpired slot lease on the
+    deployment, or it is failing the job over. Such a job is the reader's to fail over or to
+    finish, never a failure handler's."""
+    t = _now(now)
+    with get_redis().pipeline(transaction=False) as pipe:
+        pipe.exists(failover_key(job_id))
+        if deployment_id is not None:
+            pipe.zscore(slots_key(deployment_id), str(job_id))
+        got = pipe.execute()
+    if got[0]:
+        return True
+    return len(got) > 1 and got[1] is not None and float(got[1]) > t
+
+
+def deployment_mark_dead(*, deployment_id: Any, seconds: float) -> None:
+    """Routing skips this deployment at once, in every process, whatever its cached state says
+    (a process's route cache may lag the invalidation broadcast by up to API_CACHE_SECONDS)."""
+    get_redis().set(dead_key(deployment_id), "1", ex=max(1, int(seconds)))
+
+
+def deployments_dead(deployment_ids: Iterable[Any]) -> set[str]:
+    """Those of the ids marked dead (one round trip)."""
+    ids = [str(d) for d in deployment_ids]
+    if not ids:
+        return set()
+    return {d for d, v in zip(ids, get_redis().mget([dead_key(d) for d in ids]), strict=True) if v}
+
+
 # --- the waiting queue -----------------------------------------------------------------------------
 
 
@@ -410,10 +458,10 @@ async def wait_for_slot(
                 dep_checked = now_m
                 if dep is None:
                     raise DeploymentUnavailable("deployment vanished")
-                if dep.state in (DeploymentState.FAILED, DeploymentState.STOPPED):
+                if dep.state in DEPLOYMENT_ENDED:
                     raise DeploymentUnavailable(dep.error or f"deployment {dep.state.lower()}")
             assert dep is not None
-            serving = dep.state in SERVING
+            serving = dep.state in DEPLOYMENT_SERVING
             taken = -1
             if serving:
                 if slot_deadline is None:

@@ -1,26 +1,44 @@
-"""Admin APIs for deployments and jobs."""
+"""Admin APIs for deployments and jobs, and the agents' reports endpoint (/api/agent/reports)."""
 
 from __future__ import annotations
 
-from typing import Any
+import uuid
+from typing import Any, cast
 
+from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
-from django.utils.dateparse import parse_datetime
+from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
+from rest_framework.generics import GenericAPIView
+from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from agent.protocol import job_stream_key
 from apps.models_repo.models import Model
-from apps.nodes.api import EventOut
+from apps.nodes import services as node_services
+from apps.nodes.api import (
+    AgentErrorSerializer,
+    EventOut,
+    ReportAcceptedSerializer,
+    ReportSerializer,
+    node_credentials,
+)
+from apps.nodes.errors import ReportRefused
 from apps.nodes.models import Event, Node
+from racon.logging import log_context
+from racon.pagination import LimitPagination
+from racon.redis import get_redis
 
 from . import selectors, services
+from .filters import DeploymentFilter, JobFilter
 from .models import Deployment, Job
+from .reports import report_accept
 from .scheduler import PlacementRefused
-from .states import DeploymentState, JobState
+from .states import JOB_IN_FLIGHT
 
 
 def _error(message: str, status: int, code: str, **extra: Any) -> Response:
@@ -64,8 +82,6 @@ def _refused(exc: PlacementRefused) -> Response:
 
 
 def _looks_uuid(value: str) -> bool:
-    import uuid
-
     try:
         uuid.UUID(value)
         return True
@@ -102,7 +118,8 @@ class DeploymentOut(serializers.ModelSerializer):
         if load is not None and str(obj.id) in load[0]:
             return load
         # No list-wide figures (a detail or an action): read this one deployment's, once.
-        own = self.context.setdefault("_own_load", {})
+        # The context is the dict the view passed in; the stubs type it as a read-only Mapping.
+        own = cast("dict[str, Any]", self.context).setdefault("_own_load", {})
         if str(obj.id) not in own:
             own[str(obj.id)] = selectors.replica_load(deployments=[obj])
         return own[str(obj.id)]
@@ -156,13 +173,18 @@ class DeploymentPreviewApi(APIView):
         return Response(body)
 
 
-class DeploymentListCreateApi(APIView):
+class DeploymentListCreateApi(GenericAPIView):
+    queryset = Deployment.objects.none()  # names the model for the schema; get_queryset() reads the selector
+    filter_backends = [DjangoFilterBackend]
+    filterset_class = DeploymentFilter
+    pagination_class = None
+
+    def get_queryset(self) -> QuerySet[Deployment]:
+        return selectors.deployment_list().prefetch_related("nodes")
+
     @extend_schema(responses=DeploymentOut(many=True))
     def get(self, request: Request) -> Response:
-        state = request.query_params.get("state")
-        if state and state not in DeploymentState.values:
-            return _error(f"unknown state {state!r}", 400, "invalid")
-        deps = list(selectors.deployment_list(state=state, model=request.query_params.get("model")).prefetch_related("nodes")[:500])
+        deps = list(self.filter_queryset(self.get_queryset())[:500])
         return Response(DeploymentOut(deps, many=True, context={"load": selectors.replica_load(deployments=deps)}).data)
 
     @extend_schema(request=PlacementIn, responses={202: DeploymentOut, 400: dict, 422: dict})
@@ -194,7 +216,8 @@ class DeploymentDetailApi(APIView):
             fields = [*DeploymentOut.Meta.fields, "load_report", "events"]
 
         def get_events(self, obj: Deployment) -> list[dict[str, Any]]:
-            return EventOut(Event.objects.filter(deployment=obj)[:100], many=True).data
+            # many=True makes a ListSerializer, whose .data is a list; the stubs say ReturnDict.
+            return cast("list[dict[str, Any]]", EventOut(Event.objects.filter(deployment=obj)[:100], many=True).data)
 
     @extend_schema(responses=DeploymentDetailOut)
     def get(self, request: Request, deployment_id: str) -> Response:
@@ -237,13 +260,12 @@ class JobOut(serializers.ModelSerializer):
 
 def live_job_figures(jobs: list[Job]) -> dict[str, tuple[int, Any]]:
     """Tokens streamed so far by each running job (one Redis round trip for the whole page)."""
-    from agent.protocol import job_stream_key  # noqa: PLC0415
-    from racon.redis import get_redis  # noqa: PLC0415
-
-    active = [j for j in jobs if j.state in (JobState.DISPATCHED, JobState.RUNNING)]
+    active = [j for j in jobs if j.state in JOB_IN_FLIGHT]
     if not active:
         return {}
-    primaries = dict(Deployment.objects.filter(id__in={j.deployment_id for j in active}).values_list("id", "primary_id"))
+    primaries: dict[uuid.UUID | None, uuid.UUID | None] = dict(
+        Deployment.objects.filter(id__in={j.deployment_id for j in active}).values_list("id", "primary_id")
+    )
     with get_redis().pipeline(transaction=False) as pipe:
         for j in active:
             pipe.xlen(job_stream_key(str(j.id), str(primaries.get(j.deployment_id))))
@@ -251,31 +273,22 @@ def live_job_figures(jobs: list[Job]) -> dict[str, tuple[int, Any]]:
     return {str(j.id): (int(n), j.first_token_at or j.dispatched_at) for j, n in zip(active, lengths, strict=True)}
 
 
-class JobListApi(APIView):
-    """GET /api/admin/jobs?state=&model=&node=&since=&until="""
+class JobListApi(GenericAPIView):
+    """GET /api/admin/jobs?state=&model=&node=&since=&until=&limit="""
 
-    @extend_schema(responses=JobOut(many=True))
+    queryset = Job.objects.none()  # names the model for the schema; get_queryset() reads the selector
+    filter_backends = [DjangoFilterBackend]
+    filterset_class = JobFilter
+    pagination_class = LimitPagination
+
+    def get_queryset(self) -> QuerySet[Job]:
+        return selectors.job_list().prefetch_related("nodes")
+
+    @extend_schema(responses={200: JobOut(many=True), 404: AgentErrorSerializer})  # 404: node names no node
     def get(self, request: Request) -> Response:
-        q = request.query_params
-        state = q.get("state")
-        if state and state not in JobState.values:
-            return _error(f"unknown state {state!r}", 400, "invalid", fields={"state": [f"one of {JobState.values}"]})
-        since = parse_datetime(q["since"]) if q.get("since") else None
-        until = parse_datetime(q["until"]) if q.get("until") else None
-        if (q.get("since") and since is None) or (q.get("until") and until is None):
-            return _error("since/until must be ISO 8601 datetimes", 400, "invalid")
-        node = q.get("node")
-        if node and not _looks_uuid(node):
-            found = Node.objects.filter(name=node).values_list("id", flat=True).first()
-            if found is None:
-                return _error(f"unknown node {node!r}", 404, "not_found")
-            node = str(found)
-        try:
-            limit = min(int(q.get("limit", 100)), 1000)
-        except ValueError:
-            return _error("limit must be an integer", 400, "invalid")
-        jobs = list(selectors.job_list(state=state, model=q.get("model"), node_id=node, since=since, until=until).prefetch_related("nodes")[:limit])
-        return Response(JobOut(jobs, many=True, context={"live": live_job_figures(jobs)}).data)
+        jobs = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        assert jobs is not None  # LimitPagination always pages
+        return self.get_paginated_response(JobOut(jobs, many=True, context={"live": live_job_figures(jobs)}).data)
 
 
 class JobDetailApi(APIView):
@@ -287,7 +300,8 @@ class JobDetailApi(APIView):
             fields = [*JobOut.Meta.fields, "placement", "device_seconds", "params", "events", "timings"]
 
         def get_events(self, obj: Job) -> list[dict[str, Any]]:
-            return EventOut(Event.objects.filter(job=obj).order_by("created_at", "id"), many=True).data
+            # many=True makes a ListSerializer, whose .data is a list; the stubs say ReturnDict.
+            return cast("list[dict[str, Any]]", EventOut(Event.objects.filter(job=obj).order_by("created_at", "id"), many=True).data)
 
         def get_timings(self, obj: Job) -> dict[str, Any]:
             def ms(a: Any, b: Any) -> float | None:
@@ -313,3 +327,40 @@ class JobCancelApi(APIView):
         get_object_or_404(Job, pk=job_id)
         services.job_cancel(job_id=job_id, now=timezone.now(), reason="cancelled by an operator")
         return Response(JobOut(Job.objects.get(pk=job_id)).data)
+
+
+# --- the agent's reports (/api/agent/reports): node-authenticated, about jobs and deployments ---
+
+
+class AgentReportsApi(APIView):
+    """Reports from agents: command results, events, finished jobs, model files, link probes."""
+
+    authentication_classes: list[Any] = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(
+        request=ReportSerializer,
+        responses={202: ReportAcceptedSerializer, 400: AgentErrorSerializer, 401: AgentErrorSerializer, 409: AgentErrorSerializer, 413: AgentErrorSerializer},
+        description="409: the report is not from the node the controller's record names (not a member of the job's or deployment's plan, or not the node the command was sent to).",
+    )
+    def post(self, request: Request) -> Response:
+        creds = node_credentials(request)
+        if creds is None:
+            return Response({"error": {"message": "missing node credential"}}, status=401)
+        try:
+            node = node_services.node_authenticate(node_id=creds[0], credential=creds[1])
+        except (node_services.NodeAuthError, ValueError) as exc:
+            return Response({"error": {"message": str(exc), "code": "node_revoked" if "revoked" in str(exc) else "invalid_credential"}}, status=401)
+        data = ReportSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        payload = data.validated_data["payload"]
+        with log_context(node_id=node.id, job_id=payload.get("job_id"), deployment_id=payload.get("deployment_id")):
+            try:
+                result = report_accept(node_id=node.id, report=data.validated_data, now=timezone.now())
+            except ReportRefused as exc:
+                # 409, not 403: the agent takes 401/403 as "my credential is gone" and stops, and an
+                # honest node can send a late report (it was dropped from a revised plan).
+                return Response({"error": {"message": str(exc), "code": exc.code}}, status=409)
+            except ValueError as exc:
+                return Response({"error": {"message": str(exc), "code": "invalid_report"}}, status=400)
+        return Response({"accepted": True, **(result or {})}, status=202)

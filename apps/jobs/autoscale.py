@@ -39,15 +39,12 @@ from racon.redis import get_redis
 from . import admission, selectors, services
 from .models import Deployment
 from .scheduler import PlacementRefused, PlacementRequest
-from .states import DEPLOYMENT_ACTIVE, DeploymentState
+from .states import DEPLOYMENT_ACTIVE, DEPLOYMENT_PENDING, DEPLOYMENT_SERVING
 
 log = logging.getLogger("racon.jobs.autoscale")
-D = DeploymentState
 
 AUTOSCALE_LOCK_KEY = "racon:lock:autoscale"
 _STATE_TTL_SECONDS = 86_400
-SERVING = (D.READY, D.DEGRADED)
-PENDING = (D.PLANNING, D.LOADING)
 
 
 def autoscale_key(model_id: Any) -> str:
@@ -92,7 +89,7 @@ def _autoscale_model(*, model: Model, now: datetime, report: AutoscaleReport) ->
     r = get_redis()
     key = autoscale_key(model.id)
     deps = list(Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_ACTIVE)).order_by("created_at"))
-    serving = [d for d in deps if d.state in SERVING]
+    serving = [d for d in deps if d.state in DEPLOYMENT_SERVING]
     dep_ids = [str(d.id) for d in deps]
     waiting = admission.queue_depth(dep_ids, now=t)
     in_use = admission.slots_in_use(dep_ids, now=t)
@@ -138,12 +135,12 @@ def _autoscale_model(*, model: Model, now: datetime, report: AutoscaleReport) ->
     # Youngest first, and never the last serving replica.
     for dep_id in sorted(removable, key=lambda i: removable[i], reverse=True):
         field_name = f"idle:{dep_id}"
-        since = state.get(field_name)
-        if since is None:
+        idle_since = state.get(field_name)
+        if idle_since is None:
             r.hset(key, field_name, repr(t))
             continue
-        if t - float(since) >= idle_for and len(serving) > 1:
-            _replica_remove(deployment=next(d for d in serving if str(d.id) == dep_id), now=now, idle_seconds=t - float(since))
+        if t - float(idle_since) >= idle_for and len(serving) > 1:
+            _replica_remove(deployment=next(d for d in serving if str(d.id) == dep_id), now=now, idle_seconds=t - float(idle_since))
             r.hdel(key, field_name)
             report.removed.append(dep_id)
             return
@@ -151,7 +148,7 @@ def _autoscale_model(*, model: Model, now: datetime, report: AutoscaleReport) ->
 
 def _scale_up_blocked(*, deps: list[Deployment]) -> str | None:
     """Why no replica may be added now, or None."""
-    if any(d.state in PENDING for d in deps):
+    if any(d.state in DEPLOYMENT_PENDING for d in deps):
         return "a replica is still being placed or loaded"
     limit = int(settings.REPLICA_MAX_PER_MODEL)
     if len(deps) >= limit:

@@ -42,8 +42,8 @@ class Job(models.Model):
     model = models.ForeignKey("models_repo.Model", on_delete=models.PROTECT, related_name="jobs")
     deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
     nodes = models.ManyToManyField("nodes.Node", related_name="jobs", blank=True)
-    account = models.ForeignKey("credits.Account", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
-    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    account = models.ForeignKey("accounts.Account", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    api_key = models.ForeignKey("accounts.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
     request_id = models.CharField(max_length=64, blank=True)
     stream = models.BooleanField(default=False)
     params = models.JSONField(default=dict, help_text="sampling parameters")
@@ -58,7 +58,6 @@ class Job(models.Model):
     ttft_ms = models.FloatField(null=True, blank=True)
     tokens_per_s = models.FloatField(null=True, blank=True)
     device_seconds = models.JSONField(default=dict, blank=True)
-    priority = models.BigIntegerField(default=0)
     queued_at = models.DateTimeField(db_index=True)
     dispatched_at = models.DateTimeField(null=True, blank=True)
     first_token_at = models.DateTimeField(null=True, blank=True)
@@ -70,3 +69,29 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.id} {self.state}"
+
+
+class JobAttempt(models.Model):
+    """One run of a job on one deployment. A job that never failed over has no rows: its one
+    attempt is the job itself. At the first failover the first attempt is recorded from the job
+    and each later one as it is dispatched; settlement pays each attempt's plan for the tokens
+    that attempt produced, as the controller counted them from its stream."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="job_attempts")
+    primary = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="job_attempts")
+    plan = models.JSONField(default=dict, blank=True, help_text="the deployment's plan when the attempt ran (settlement)")
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    completion_tokens = models.PositiveIntegerField(default=0, help_text="counted by the controller from this attempt's stream")
+    chunks = models.PositiveIntegerField(default=0)
+    outcome = models.CharField(max_length=32, blank=True, help_text="empty while running; COMPLETED, FAILED, CANCELLED or the failover cause")
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["job", "number"]
+        constraints = [models.UniqueConstraint(fields=["job", "number"], name="job_attempt_unique_number")]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} attempt {self.number} {self.outcome or 'running'}"

@@ -6,10 +6,14 @@ import json
 from datetime import datetime
 from typing import Any
 
+from apps.models_repo.services import replicas_sync
 from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
+from apps.nodes.services import node_report_fault
 from racon.redis import get_redis
+
+from . import services as jobs
 
 _EVENT_CATEGORIES = {
     "RPC_WORKER_STARTED": EventCategory.RUNTIME,
@@ -61,8 +65,6 @@ def _refusal_record(*, node_id: Any, kind: str, exc: Any, payload: dict[str, Any
 
 
 def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: str | None, now: datetime) -> dict[str, Any] | None:
-    from apps.jobs import services as jobs  # noqa: PLC0415
-
     if kind == "event":
         name = str(payload.get("event", "")).upper()[:40]
         if not name:
@@ -98,13 +100,9 @@ def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: s
             jobs.deployment_runtime_failed(deployment_id=dep_id, node_id=node_id, message=str(payload.get("message", "runtime failed")), now=now)
         return None
     if kind == "fault":
-        from apps.nodes.services import node_report_fault  # noqa: PLC0415
-
         node_report_fault(node_id=node_id, fatal=bool(payload.get("fatal")), message=str(payload.get("message", "")), now=now)
         return None
     if kind == "models":
-        from apps.models_repo.services import replicas_sync  # noqa: PLC0415
-
         files = payload.get("models")
         if not isinstance(files, list):
             raise ValueError("models report needs payload.models as a list")
@@ -113,7 +111,7 @@ def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: s
         links = payload.get("links")
         if not isinstance(links, list):
             raise ValueError("links report needs payload.links as a list")
-        mapping = {}
+        mapping: dict[str | bytes, str] = {}  # the key type redis-py's hset asks for
         for link in links:
             if not isinstance(link, dict) or "node_id" not in link:
                 raise ValueError("each link needs node_id, rtt_ms and bandwidth_mbps")

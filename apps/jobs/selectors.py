@@ -11,19 +11,19 @@ from functools import lru_cache
 from typing import Any
 
 from django.conf import settings
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from agent.protocol import heartbeat_key
 from apps.models_repo.models import ModelFile, Replica
 from apps.nodes.models import Node
-from apps.nodes.states import NodeState
+from apps.nodes.states import DRAIN_STATES, NodeState
 from racon import cache
 from racon.redis import get_redis
 
 from . import admission
 from .models import Deployment, Job
 from .scheduler import ClusterSnapshot, DeviceSnapshot, Link, NodeSnapshot
-from .states import DEPLOYMENT_ACTIVE, DeploymentState
+from .states import DEPLOYMENT_ACTIVE, DEPLOYMENT_SERVING, DeploymentState
 
 GiB = 1024**3
 # Measured figures default to a modest laptop until the agent has benchmarked the machine.
@@ -147,12 +147,23 @@ def link_table() -> dict[tuple[str, str], Link]:
 ROUTE_CACHE = "route"  # racon/cache.py: invalidated by deployment_transition
 
 
+def deployments_off_drained_nodes(qs: QuerySet[Deployment]) -> QuerySet[Deployment]:
+    """Those of ``qs`` with no member (primary or plan node) draining or drained: they take new jobs."""
+    return qs.exclude(nodes__state__in=DRAIN_STATES).exclude(primary__state__in=DRAIN_STATES)
+
+
+def deployments_on_drained_nodes(qs: QuerySet[Deployment]) -> QuerySet[Deployment]:
+    """Those of ``qs`` with a member draining or drained: they finish their own jobs, and take none."""
+    return qs.filter(Q(nodes__state__in=DRAIN_STATES) | Q(primary__state__in=DRAIN_STATES)).distinct()
+
+
 def deployment_route_candidates(*, model_id: Any, cached: bool = False) -> list[Deployment]:
-    """The model's READY and DEGRADED deployments (from the process cache with ``cached``)."""
+    """The model's READY and DEGRADED deployments with no draining member (from the process
+    cache with ``cached``: a node starting or ending a drain clears it, receivers.py)."""
 
     def load() -> list[Deployment]:
         return list(
-            Deployment.objects.filter(model_id=model_id, state__in=[DeploymentState.READY, DeploymentState.DEGRADED]).only(
+            deployments_off_drained_nodes(Deployment.objects.filter(model_id=model_id, state__in=DEPLOYMENT_SERVING)).only(
                 "id", "state", "primary_id", "plan", "n_ctx", "n_parallel", "model_id"
             )
         )
@@ -160,7 +171,7 @@ def deployment_route_candidates(*, model_id: Any, cached: bool = False) -> list[
     return cache.cached(ROUTE_CACHE, str(model_id), load) if cached else load()
 
 
-def deployment_route(*, model_id: Any, cached: bool = False) -> Deployment | None:
+def deployment_route(*, model_id: Any, cached: bool = False, exclude: Iterable[Any] = ()) -> Deployment | None:
     """The READY deployment of this model with the largest share of its slots free (DEGRADED
     only as fallback), then the most free slots.
 
@@ -168,9 +179,15 @@ def deployment_route(*, model_id: Any, cached: bool = False) -> Deployment | Non
     the free count, spreads load over replicas of different sizes in proportion to their slots
     (a 16-slot replica next to an 8-slot one takes two requests in three instead of all of them
     until it is half full); ties are broken at random so equal replicas share the load. ``cached`` reads the candidates from the process cache (the
-    /v1 hot path); slot counts are always live.
+    /v1 hot path); slot counts are always live. A deployment marked dead (a runtime failure or a
+    lost primary, admission.deployment_mark_dead) is skipped at once, whatever the cache says;
+    ``exclude`` skips more (a failover's own failed deployment).
     """
-    candidates = deployment_route_candidates(model_id=model_id, cached=cached)
+    skip = {str(d) for d in exclude}
+    candidates = [d for d in deployment_route_candidates(model_id=model_id, cached=cached) if str(d.id) not in skip]
+    if candidates:
+        dead = admission.deployments_dead(d.id for d in candidates)
+        candidates = [d for d in candidates if str(d.id) not in dead]
     if not candidates:
         return None
     if len(candidates) == 1:
@@ -250,7 +267,7 @@ def replica_load(
     out: dict[str, ModelLoad] = {}
     for model_id in sorted(models):
         mine = [a for a in active if str(a[1]) == model_id]
-        serving = [a for a in mine if a[2] in (DeploymentState.READY, DeploymentState.DEGRADED)]
+        serving = [a for a in mine if a[2] in DEPLOYMENT_SERVING]
         out[model_id] = ModelLoad(
             replicas=len(mine),
             ready=len(serving),

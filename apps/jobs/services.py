@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -10,34 +11,45 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q, QuerySet, Sum
 from django.utils import timezone
 from redis.exceptions import LockError
 
-from agent.protocol import job_cancel_key, new_id, node_queue_key
-from apps.models_repo.models import Model, ModelFile
+from agent.protocol import job_cancel_key, job_stream_key, new_id, node_queue_key
+from apps.models_repo.models import Model, ModelFile, Replica
 from apps.models_repo.profile import ModelProfile
+from apps.models_repo.services import replicas_sync
 from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
-from apps.nodes.models import EventCategory, Node
-from apps.nodes.states import NodeState
+from apps.nodes.models import Event, EventCategory, Node
+from apps.nodes.services import node_drain_advance
+from apps.nodes.states import DRAIN_STATES, HEALTHY, LOADABLE, LOST, ONLINE, NodeState
 from racon import cache
+from racon.broadcast import broadcast
+from racon.celery import task_send_on_commit
 from racon.logging import log_context
 from racon.redis import get_redis, get_redis_blocking
+from racon.transitions import transition_guarded
 
-from . import admission, selectors, streams
-from .models import Deployment, Job
+from . import admission, hooks, selectors, streams
+from .models import Deployment, Job, JobAttempt
 from .scheduler import CostModel, PlacementRefused, PlacementRequest, Plan, plan_placement
 from .states import (
     DEPLOYMENT_ACTIVE,
+    DEPLOYMENT_PENDING,
+    DEPLOYMENT_SERVING,
     DEPLOYMENT_TRANSITIONS,
+    JOB_IN_FLIGHT,
+    JOB_OPEN,
     JOB_TERMINAL,
     JOB_TRANSITIONS,
     DeploymentState,
@@ -122,34 +134,38 @@ def command_result_accept(*, node_id: Any, command_id: str | None, payload: dict
 
 
 def deployment_transition(
-    *, deployment_id: Any, to: str, now: datetime, expected: str | None = None, kind: str = "DEPLOYMENT_STATE_CHANGED",
-    message: str = "", data: dict[str, Any] | None = None, fields: dict[str, Any] | None = None,
+    *, deployment_id: Any, to: str, now: datetime, expected: str | Collection[str] | None = None,
+    kind: str = "DEPLOYMENT_STATE_CHANGED", message: str = "", data: dict[str, Any] | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> bool:
-    """Guarded move of a deployment's state with its event; a stale caller changes nothing."""
-    with transaction.atomic():
-        current = Deployment.objects.filter(pk=deployment_id).values_list("state", flat=True).first()
-        if current is None:
-            return False
-        src = expected if expected is not None else current
-        if current != src or to not in DEPLOYMENT_TRANSITIONS.get(src, frozenset()):
-            return False
-        extra = dict(fields or {})
-        if to == D.READY:
-            extra.setdefault("ready_at", now)
-        if to == D.STOPPED:
-            extra.setdefault("stopped_at", now)
-        if Deployment.objects.filter(pk=deployment_id, state=src).update(state=to, **extra) != 1:
-            return False
-        if src != to or kind != "DEPLOYMENT_STATE_CHANGED":
+    """Guarded move of a deployment's state with its event (racon.transitions); a stale caller changes nothing."""
+    extra = dict(fields or {})
+    if to == D.READY:
+        extra.setdefault("ready_at", now)
+    if to == D.STOPPED:
+        extra.setdefault("stopped_at", now)
+
+    def record(src: str) -> None:
+        if src != to or kind != "DEPLOYMENT_STATE_CHANGED":  # PLANNING → PLANNING is a re-plan, not news
             event_record(
                 kind=kind, category=EventCategory.PLACEMENT, now=now, deployment_id=deployment_id,
                 old_state=src, new_state=to, message=message or f"deployment {src} → {to}", data=data,
             )
-    from apps.api.broadcast import broadcast  # noqa: PLC0415
 
+    def after_commit(src: str) -> None:
+        broadcast("nodes.dashboard", {"type": "deployment.changed", "deployment_id": str(deployment_id), "state": to})
+
+    moved = transition_guarded(
+        model=Deployment, pk=deployment_id, to=to, table=DEPLOYMENT_TRANSITIONS, expected=expected,
+        fields=extra, record=record, after_commit=after_commit,
+    )
+    if moved is None:
+        return False
+    if to in (D.FAILED, D.STOPPED):
+        # Routing skips it at once in every process, before the cache invalidation is heard.
+        admission.deployment_mark_dead(deployment_id=deployment_id, seconds=max(60.0, 3 * float(settings.API_CACHE_SECONDS)))
     # The route candidates (READY deployments of a model) every daphne process caches.
     cache.invalidate(selectors.ROUTE_CACHE)
-    transaction.on_commit(lambda: broadcast("nodes.dashboard", {"type": "deployment.changed", "deployment_id": str(deployment_id), "state": to}))
     return True
 
 
@@ -213,9 +229,7 @@ def deployment_create(*, model: Model, request: PlacementRequest, now: datetime,
             new_state=D.PLANNING, message=f"{'automatic ' if auto else ''}deployment of {model.name}",
             data={"request": request.to_dict(), "auto": auto},
         )
-        from .tasks import place_deployment  # noqa: PLC0415
-
-        place_deployment.delay_on_commit(deployment_id=str(dep.id))
+        task_send_on_commit("racon.jobs.place_deployment", deployment_id=str(dep.id))
     return dep
 
 
@@ -240,7 +254,7 @@ def deployment_place(*, deployment_id: Any, clock: Callable[[], datetime] = time
                         Deployment.objects.filter(pk=dep.id).update(
                             plan=plan.to_dict(), primary_id=plan.primary_node_id, revision=revision, n_ctx=plan.n_ctx, n_parallel=plan.n_parallel,
                         )
-                        dep.nodes.set(list(plan.node_ids))
+                        dep.nodes.set(list(plan.node_ids))  # type: ignore[arg-type]  # pks; the stubs take only int pks
                         event_record(
                             kind="PLAN_REVISED" if revision else "PLAN_CHOSEN", category=EventCategory.PLACEMENT, now=clock(),
                             deployment_id=dep.id, node_id=plan.primary_node_id,
@@ -262,15 +276,22 @@ def deployment_place(*, deployment_id: Any, clock: Callable[[], datetime] = time
             except DeploymentError as exc:
                 deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_FAILED", message=str(exc)[:500], fields={"error": str(exc)})
                 return Deployment.objects.get(pk=dep.id)
+            except SoftTimeLimitExceeded:
+                # The placement worker's bound (settings.PLACEMENT_SOFT_TIME_LIMIT): fail visibly
+                # rather than be killed at the hard limit with the deployment left LOADING.
+                message = f"placement timed out after {settings.PLACEMENT_SOFT_TIME_LIMIT:.0f}s (PLACEMENT_SOFT_TIME_LIMIT)"
+                deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_FAILED", message=message, fields={"error": message})
+                return Deployment.objects.get(pk=dep.id)
             except Exception as exc:
                 # Never leave a deployment LOADING forever: an unexpected fault fails it, visibly.
                 log.exception("placement of deployment %s failed", dep.id)
                 deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_FAILED", message=f"internal error during placement: {exc}"[:500], fields={"error": str(exc)})
                 return Deployment.objects.get(pk=dep.id)
-            deployment_transition(
+            if deployment_transition(
                 deployment_id=dep.id, to=D.READY, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_READY",
                 message="every member confirmed ready", fields={"load_report": report},
-            )
+            ):
+                _drains_advance(deployments=Deployment.objects.filter(model_id=dep.model_id, state__in=list(DEPLOYMENT_SERVING)), now=clock())
             return Deployment.objects.get(pk=dep.id)
         deployment_transition(deployment_id=dep.id, to=D.FAILED, now=clock(), kind="DEPLOYMENT_FAILED", message="too many plan revisions", fields={"error": "too many plan revisions"})
         return Deployment.objects.get(pk=dep.id)
@@ -285,8 +306,8 @@ class _NodeLost(Exception):
 
 def _deployment_load(*, dep: Deployment, plan: Plan, clock: Callable[[], datetime]) -> dict[str, Any]:
     """Setup and validation: RPC workers, model file on the primary, primary load, member check."""
-    timeout_rpc = float(getattr(settings, "DEPLOYMENT_RPC_TIMEOUT", 30))
-    timeout_load = float(getattr(settings, "DEPLOYMENT_LOAD_TIMEOUT", 300))
+    timeout_rpc = settings.DEPLOYMENT_RPC_TIMEOUT
+    timeout_load = settings.DEPLOYMENT_LOAD_TIMEOUT
     # 1. start or confirm the RPC workers of the plan, and let only this plan's primary through
     # their tunnels: a fresh key per deployment (and placement attempt), never stored, sent only
     # in the commands of the plan's members.
@@ -342,14 +363,12 @@ def _deployment_load(*, dep: Deployment, plan: Plan, clock: Callable[[], datetim
 
 def _require_live(node_id: str) -> None:
     state = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
-    if state not in (NodeState.READY, NodeState.BUSY, NodeState.DEGRADED):
+    if state not in LOADABLE:
         raise _NodeLost(node_id, f"node {selectors.node_name(node_id)} is {state or 'gone'}")
 
 
 def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], datetime]) -> str:
     """The primary's path to the file; copies it there first when it lacks it (retried once)."""
-    from apps.models_repo.models import Replica  # noqa: PLC0415
-
     replica = Replica.objects.filter(node_id=node_id, model_file=dep.model_file).first()
     if replica is not None:
         # A node's "I hold this file" is a claim: trusted only once its bytes answer a challenge.
@@ -358,7 +377,7 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
         Replica.objects.filter(pk=replica.pk).delete()  # the store's copy is sent instead
     mf = dep.model_file
     url = f"{settings.CONTROLLER_PUBLIC_URL.rstrip('/')}/api/agent/models/{mf.sha256}"
-    timeout = float(getattr(settings, "MODEL_FETCH_TIMEOUT", 1800))
+    timeout = settings.MODEL_FETCH_TIMEOUT
     last_error = ""
     for attempt in (1, 2):
         event_record(kind="MODEL_TRANSFER_STARTED", category=EventCategory.PLACEMENT, now=clock(), node_id=node_id, deployment_id=dep.id, message=f"copying {mf.file_name} to the primary (attempt {attempt})", data={"size": mf.size})
@@ -367,8 +386,6 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
         if result is None:
             raise _NodeLost(node_id, "model transfer timed out")
         if result.get("ok") and result.get("path"):
-            from apps.models_repo.services import replicas_sync  # noqa: PLC0415
-
             if not replica_challenge(node_id=node_id, model_file=mf, path=str(result["path"]), deployment_id=dep.id, now=clock()):
                 raise _NodeLost(node_id, "the primary's copy of the model failed its hash challenge")
             replicas_sync(node_id=node_id, files=[{"sha256": mf.sha256, "path": result["path"]}], now=clock(), prune=False)
@@ -420,7 +437,7 @@ def deployment_stop(*, deployment_id: Any, now: datetime, reason: str = "stopped
             deployment_transition(deployment_id=dep.id, to=D.STOPPED, now=now, kind="DEPLOYMENT_STOPPED", message=reason)
         if dep.primary_id:
             command_send(node_id=dep.primary_id, kind="unload", payload={"deployment_id": str(dep.id)})
-        for job_id in Job.objects.filter(deployment=dep, state__in=[J.QUEUED, J.DISPATCHED, J.RUNNING]).values_list("id", flat=True):
+        for job_id in Job.objects.filter(deployment=dep, state__in=JOB_OPEN).values_list("id", flat=True):
             job_cancel(job_id=job_id, now=now, reason="deployment stopped")
     dep.refresh_from_db()
     return dep
@@ -433,20 +450,30 @@ def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> Non
         if state == NodeState.DEGRADED and dep.state == D.READY:
             deployment_transition(deployment_id=dep.id, to=D.DEGRADED, expected=D.READY, now=now, kind="DEPLOYMENT_DEGRADED", message=f"member {selectors.node_name(node_id)} degraded")
         elif state == NodeState.READY and dep.state == D.DEGRADED:
-            members_ok = not Node.objects.filter(pk__in=dep.nodes.values("id")).exclude(state__in=[NodeState.READY, NodeState.BUSY, NodeState.DRAINING]).exists()
+            members_ok = not Node.objects.filter(pk__in=dep.nodes.values("id")).exclude(state__in=HEALTHY).exists()
             if members_ok:
                 deployment_transition(deployment_id=dep.id, to=D.READY, expected=D.DEGRADED, now=now, kind="DEPLOYMENT_RESTORED", message="all members healthy again")
-        elif state in (NodeState.OFFLINE, NodeState.ERROR) and dep.state in (D.READY, D.DEGRADED):
+        elif state in LOST and dep.state in DEPLOYMENT_SERVING:
             if deployment_transition(deployment_id=dep.id, to=D.FAILED, now=now, kind="DEPLOYMENT_FAILED", message=f"member {selectors.node_name(node_id)} is {state}", fields={"error": f"member node {node_id} {state}"}):
-                for job_id in Job.objects.filter(deployment=dep, state__in=[J.QUEUED, J.DISPATCHED, J.RUNNING]).values_list("id", flat=True):
-                    job_fail(job_id=job_id, now=now, error=f"a node of the plan went {state} during execution", during_execution=True)
+                _jobs_fail_unread(dep=dep, now=now, error=f"a node of the plan went {state} during execution")
                 if dep.primary_id and str(dep.primary_id) != node_id:
                     command_send(node_id=dep.primary_id, kind="unload", payload={"deployment_id": str(dep.id)})
                 # Replace it: a new placement without the lost node.
                 replacement = deployment_create(model=dep.model, request=PlacementRequest(**{**_request_of(dep), "exclude_nodes": (node_id,)}), now=now, auto=True)
                 event_record(kind="DEPLOYMENT_REPLACED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=node_id, message=f"replaced by {replacement.id}", data={"replacement": str(replacement.id)})
-        elif state in (NodeState.OFFLINE, NodeState.ERROR) and dep.state in (D.PLANNING, D.LOADING):
+        elif state in LOST and dep.state in DEPLOYMENT_PENDING:
             pass  # the placement task sees the lost node and re-scores (PLAN_REVISED)
+
+
+def _jobs_fail_unread(*, dep: Deployment, now: datetime, error: str) -> None:
+    """Fail the failed deployment's open jobs that nobody reads. A job whose reader is live (it
+    holds the slot lease, or is failing the job over) is the reader's: it moves the job to
+    another replica (docs/design/serving.md, "Failover"), or fails it if no capacity appears."""
+    for job_id in Job.objects.filter(deployment=dep, state__in=JOB_OPEN).values_list("id", flat=True):
+        if admission.job_reader_live(deployment_id=dep.id, job_id=job_id):
+            log.info("job %s: deployment %s failed; its reader fails it over", job_id, dep.id)
+            continue
+        job_fail(job_id=job_id, now=now, error=error, during_execution=True)
 
 
 def _uuid_or_refuse(value: Any, *, what: str) -> uuid.UUID:
@@ -474,6 +501,8 @@ def job_primary_check(*, job_id: Any, node_id: Any) -> uuid.UUID:
     if job is None:
         raise ValueError(f"unknown job {job_uuid}")
     primaries = {str(p) for p in (job["deployment__primary_id"], (job["placement"] or {}).get("primary")) if p}
+    # After a failover, each attempt's primary may still report on its own attempt (stale: ignored).
+    primaries |= {str(p) for p in JobAttempt.objects.filter(job_id=job_uuid).values_list("primary_id", flat=True) if p}
     if str(node_id) not in primaries:
         raise ReportRefused(f"node {node_id} is not the primary of job {job_uuid}'s plan", code="not_plan_member")
     return job_uuid
@@ -485,12 +514,11 @@ def deployment_runtime_failed(*, deployment_id: Any, node_id: Any, message: str,
     Only a member of the deployment's plan may say so (ReportRefused otherwise; nothing changes).
     """
     dep = deployment_member_check(deployment_id=deployment_id, node_id=node_id)
-    if dep.state not in (D.READY, D.DEGRADED):
+    if dep.state not in DEPLOYMENT_SERVING:
         return False  # while LOADING, the placement task owns failures (and re-plans)
     if not deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=dep.state, now=now, kind="DEPLOYMENT_FAILED", message=message[:500], fields={"error": message[:2000]}):
         return False
-    for job_id in Job.objects.filter(deployment=dep, state__in=[J.QUEUED, J.DISPATCHED, J.RUNNING]).values_list("id", flat=True):
-        job_fail(job_id=job_id, now=now, error=f"runtime failure during execution: {message}", during_execution=True)
+    _jobs_fail_unread(dep=dep, now=now, error=f"runtime failure during execution: {message}")
     replacement = deployment_create(model=dep.model, request=PlacementRequest(**_request_of(dep)), now=now, auto=True)
     event_record(kind="DEPLOYMENT_REPLACED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=node_id, message=f"replaced by {replacement.id}", data={"replacement": str(replacement.id)})
     return True
@@ -500,7 +528,7 @@ def links_probe_request(*, node_id: Any, max_peers: int = 32) -> str | None:
     """Ask a node that just became READY to measure its links to the other live nodes."""
     peers = [
         {"node_id": str(n.id), "address": n.address, "rpc_port": n.rpc_port}
-        for n in Node.objects.filter(state__in=[NodeState.READY, NodeState.BUSY]).exclude(pk=node_id).only("id", "address", "rpc_port")[:max_peers]
+        for n in Node.objects.filter(state__in=ONLINE).exclude(pk=node_id).only("id", "address", "rpc_port")[:max_peers]
     ]
     if not peers:
         return None
@@ -554,9 +582,12 @@ def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
 
     Concurrent first requests (several daphne processes) create one deployment between them: the
     look and the create run under a per-model lock, and the create commits before it is released.
+    A deployment with a draining member takes no new job: its replacement (being placed on other
+    nodes, or FAILED when no capacity exists, so the request fails with the reason) is returned.
     """
     def active() -> Deployment | None:
-        return Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_ACTIVE)).order_by("-created_at").first()
+        qs = Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_ACTIVE))
+        return selectors.deployments_off_drained_nodes(qs).order_by("-created_at").first()
 
     existing = active()
     if existing is not None:
@@ -565,50 +596,155 @@ def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
         existing = active()
         if existing is not None:
             return existing
+        draining = selectors.deployments_on_drained_nodes(
+            Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_SERVING))
+        ).select_related("model").first()
+        if draining is not None:
+            replacement = _drain_replacement_locked(dep=draining, node_id=_draining_member(draining), now=now)
+            if replacement is not None:
+                return replacement
         return deployment_create(model=model, request=placement_request_from({}), now=now, auto=True)
+
+
+# --- drain ------------------------------------------------------------------------------------
+#
+# A draining node (apps/nodes/services.py: node_drain, node_drain_advance) takes no new job:
+# routing and deployment_ensure skip deployments with a draining member. Each of its serving
+# deployments gets one replacement, placed on other nodes (DEPLOYMENT_MIGRATING names it); the old
+# one keeps serving the jobs it already has, and is stopped once the replacement is READY (or has
+# failed: no capacity elsewhere) and none of its own jobs is open. Once nothing is left on the
+# node, the node is DRAINED. Each step is idempotent and runs again from a job's end, from a
+# replacement becoming READY, and from the node's heartbeat.
+
+
+def deployments_drain_step(*, node_id: Any, now: datetime) -> bool:
+    """Move a draining node's deployments off it, stop those done; whether any work is still on it."""
+    remaining = False
+    deps = (
+        Deployment.objects.filter(Q(nodes__id=node_id) | Q(primary_id=node_id), state__in=list(DEPLOYMENT_ACTIVE))
+        .distinct().select_related("model")
+    )
+    for dep in deps:
+        if dep.state in DEPLOYMENT_PENDING:
+            remaining = True  # its placement re-plans without the draining node (_require_live)
+            continue
+        replacement = _drain_replacement(dep=dep, node_id=node_id, now=now)
+        if replacement is not None and replacement.state in DEPLOYMENT_PENDING:
+            remaining = True  # the old one serves its own jobs until the new one is READY
+            continue
+        if Job.objects.filter(deployment=dep, state__in=JOB_OPEN).exists():
+            remaining = True  # running (and already queued) jobs finish where they are
+            continue
+        name = selectors.node_name(node_id)
+        moved = replacement is not None and replacement.state in DEPLOYMENT_SERVING
+        deployment_stop(
+            deployment_id=dep.id, now=now,
+            reason=f"node {name} drained: moved to deployment {replacement.id}" if moved and replacement is not None
+            else f"node {name} drained: no capacity elsewhere for a replacement",
+        )
+    return remaining or Job.objects.filter(nodes__id=node_id, state__in=JOB_IN_FLIGHT).exists()
+
+
+def _draining_member(dep: Deployment) -> str:
+    node_id = Node.objects.filter(Q(deployments=dep) | Q(primary_of=dep), state__in=DRAIN_STATES).values_list("id", flat=True).first()
+    return str(node_id or dep.primary_id)
+
+
+def _drain_replacement_recorded(dep: Deployment) -> tuple[bool, Deployment | None]:
+    event = Event.objects.filter(kind="DEPLOYMENT_MIGRATING", deployment_id=dep.id).order_by("-created_at", "-id").first()
+    if event is None:
+        return False, None
+    replacement_id = (event.data or {}).get("replacement")
+    return True, (Deployment.objects.filter(pk=str(replacement_id)).first() if replacement_id else None)
+
+
+def _drain_replacement(*, dep: Deployment, node_id: Any, now: datetime) -> Deployment | None:
+    """The deployment that replaces ``dep`` off the draining node, created once (None: none can be)."""
+    found, replacement = _drain_replacement_recorded(dep)
+    if found:
+        return replacement
+    # Under the model's ensure lock, like deployment_ensure: a first request arriving during the
+    # drain and the drain itself make one replacement between them.
+    with _redis_lock(_ensure_lock_key(dep.model_id), timeout=30):
+        return _drain_replacement_locked(dep=dep, node_id=node_id, now=now)
+
+
+def _drain_replacement_locked(*, dep: Deployment, node_id: Any, now: datetime) -> Deployment | None:
+    found, replacement = _drain_replacement_recorded(dep)
+    if found:
+        return replacement
+    request = _request_of(dep)
+    request["exclude_nodes"] = tuple(dict.fromkeys([*request["exclude_nodes"], str(node_id)]))
+    try:
+        # One transaction: the event that names the replacement commits with it, before its
+        # placement is sent (under eager Celery the placement runs at the commit, and its READY
+        # advances this drain again, which must find the replacement already recorded).
+        with transaction.atomic():
+            replacement = deployment_create(model=dep.model, request=PlacementRequest(**request), now=now, auto=True)
+            event_record(
+                kind="DEPLOYMENT_MIGRATING", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=node_id,
+                message=f"node {selectors.node_name(node_id)} drains: replacement {replacement.id} is placed on other nodes",
+                data={"replacement": str(replacement.id)},
+            )
+    except DeploymentError as exc:
+        log.warning("no replacement for deployment %s off draining node %s: %s", dep.id, node_id, exc)
+        return None
+    replacement.refresh_from_db()
+    return replacement
+
+
+def _drains_advance(*, deployments: QuerySet[Deployment], now: datetime) -> None:
+    """Advance the drain of every draining node that is a member of these deployments."""
+    node_ids = set(
+        Node.objects.filter(Q(deployments__in=deployments) | Q(primary_of__in=deployments), state=NodeState.DRAINING)
+        .values_list("id", flat=True)
+    )
+    for node_id in node_ids:
+        node_drain_advance(node_id=node_id, now=now)
 
 
 # --- jobs ---------------------------------------------------------------------------------------
 
 
 def job_transition(
-    *, job_id: Any, to: str, now: datetime, expected: str | None = None, fields: dict[str, Any] | None = None,
+    *, job_id: Any, to: str, now: datetime, expected: str | Collection[str] | None = None, fields: dict[str, Any] | None = None,
     kind: str | None = None, message: str = "", data: dict[str, Any] | None = None,
 ) -> bool:
-    """Guarded move of a job's state; writes its event. Terminal states are final."""
-    with transaction.atomic():
-        current = Job.objects.filter(pk=job_id).values_list("state", flat=True).first()
-        if current is None:
-            return False
-        src = expected if expected is not None else current
-        if current != src or to not in JOB_TRANSITIONS.get(src, frozenset()):
-            return False
-        if Job.objects.filter(pk=job_id, state=src).update(state=to, **(fields or {})) != 1:
-            return False
-        if kind:
-            event_record(kind=kind, category=EventCategory.EXECUTION, now=now, job_id=job_id, deployment_id=(fields or {}).get("deployment_id"), old_state=src, new_state=to, message=message, data=data)
-    return True
+    """Guarded move of a job's state (racon.transitions); writes its event when ``kind`` names one. Terminal states are final."""
+
+    def record(src: str) -> None:
+        event_record(
+            kind=kind or "", category=EventCategory.EXECUTION, now=now, job_id=job_id,
+            deployment_id=(fields or {}).get("deployment_id"), old_state=src, new_state=to, message=message, data=data,
+        )
+
+    moved = transition_guarded(
+        model=Job, pk=job_id, to=to, table=JOB_TRANSITIONS, expected=expected, fields=fields,
+        record=record if kind else None,
+    )
+    return moved is not None
 
 
 def job_create(
     *, model: Model, account_id: Any, api_key_id: Any, kind: str, params: dict[str, Any], max_tokens: int,
     stream: bool, request_id: str, now: datetime, job_id: Any = None, dispatched_to: Deployment | None = None,
+    hold: Callable[[Job], None] | None = None,
 ) -> Job:
-    """Record a QUEUED job and reserve credits for it (InsufficientCredits propagates; nothing stays).
+    """Record a QUEUED job and its credit hold (what ``hold`` raises propagates; nothing stays).
 
-    With dispatched_to, the job's run_job was already pushed to that deployment's primary (the
-    fast path): the same transaction records the dispatch, so the row, the hold and
-    JOB_DISPATCHED are written while the primary evaluates the prompt.
+    ``hold`` is the api layer's credit reservation (jobs never imports credits): it runs in the
+    transaction that creates the job, with the new row. With dispatched_to, the job's run_job was
+    already pushed to that deployment's primary (the fast path): the same transaction records the
+    dispatch, so the row, the hold and JOB_DISPATCHED are written while the primary evaluates the
+    prompt.
     """
-    from apps.credits.services import credit_reserve  # noqa: PLC0415
-
     with transaction.atomic():
         job = Job.objects.create(
             id=job_id or uuid.uuid4(), model=model, account_id=account_id, api_key_id=api_key_id, kind=kind, params=params,
             max_tokens=max_tokens, stream=stream, request_id=request_id, queued_at=now, state=J.QUEUED,
         )
-        if account_id is not None:
-            credit_reserve(account_id=account_id, job_id=job.id, max_tokens=max_tokens, model_price_permille=model.price_weight_permille, now=now)
+        if hold is not None:
+            hold(job)
         if dispatched_to is not None and not _record_dispatch(job=job, deployment=dispatched_to, now=now):
             raise DeploymentError("job is no longer queued")
     return job
@@ -673,19 +809,38 @@ def _finish(*, job_id: Any, to: str, now: datetime, fields: dict[str, Any], kind
         return False
     moved = job_transition(job_id=job_id, to=to, now=now, fields={"finished_at": now, **fields}, kind=kind, message=message)
     if moved:
+        _attempt_close(job_id=job_id, to=to, now=now, fields=fields)
         if job["deployment_id"]:
             admission.slot_release(deployment_id=job["deployment_id"], job_id=job_id)
-        from apps.credits.tasks import settle_job  # noqa: PLC0415
-
-        settle_job.delay_on_commit(job_id=str(job_id))
+        task_send_on_commit("racon.credits.settle_job", job_id=str(job_id))  # credits' task, by name
         _record_job_metrics(job_id=job_id, to=to, fields=fields)
+        if job["deployment_id"]:
+            # A draining node's last job may just have ended: its drain moves on (after commit,
+            # so that the drain's own queries see this job finished).
+            transaction.on_commit(functools.partial(
+                _drains_advance, deployments=Deployment.objects.filter(pk=job["deployment_id"]), now=now,
+            ))
     return moved
 
 
-def _record_job_metrics(*, job_id: Any, to: str, fields: dict[str, Any]) -> None:
-    from apps.api.metrics import job_finished_observe  # noqa: PLC0415
+def _attempt_close(*, job_id: Any, to: str, now: datetime, fields: dict[str, Any]) -> None:
+    """A failed-over job's end closes its last attempt, which produced what the others did not."""
+    last = JobAttempt.objects.filter(job_id=job_id, ended_at__isnull=True).order_by("-number").first()
+    if last is None:
+        return  # never failed over: the job is its one attempt
+    before = JobAttempt.objects.filter(job_id=job_id, number__lt=last.number).aggregate(
+        tokens=Sum("completion_tokens"), chunks=Sum("chunks")
+    )
+    total = int(fields.get("completion_tokens") or 0)
+    chunks = int(fields.get("stream_chunks") or 0)
+    JobAttempt.objects.filter(pk=last.pk).update(
+        ended_at=now, outcome=to, error=str(fields.get("error") or "")[:2000],
+        completion_tokens=max(0, total - int(before["tokens"] or 0)), chunks=max(0, chunks - int(before["chunks"] or 0)),
+    )
 
-    job_finished_observe(job_id=job_id, state=to, fields=fields)
+
+def _record_job_metrics(*, job_id: Any, to: str, fields: dict[str, Any]) -> None:
+    hooks.job_finished.send(sender=Job, job_id=job_id, state=to, fields=fields)
 
 
 def job_complete(*, job_id: Any, usage: dict[str, Any], finish_reason: str, chunks: int, now: datetime, device_seconds: dict[str, float] | None = None) -> bool:
@@ -717,7 +872,7 @@ def job_fail(*, job_id: Any, now: datetime, error: str, during_execution: bool |
 def job_cancel(*, job_id: Any, now: datetime, reason: str = "cancelled", usage: dict[str, Any] | None = None, chunks: int | None = None) -> bool:
     """→ CANCELLED; sets the cancel flag the primary checks between tokens."""
     job = Job.objects.filter(pk=job_id).select_related("deployment").first()
-    if job is not None and job.deployment_id and job.deployment.primary_id and job.state in (J.DISPATCHED, J.RUNNING):
+    if job is not None and job.deployment is not None and job.deployment.primary_id and job.state in JOB_IN_FLIGHT:
         get_redis().set(job_cancel_key(str(job_id), str(job.deployment.primary_id)), 1, ex=3600)
         command_send(node_id=job.deployment.primary_id, kind="cancel_job", payload={"job_id": str(job_id)})
     fields: dict[str, Any] = {"finish_reason": "cancelled", "error": reason[:2000]}
@@ -743,11 +898,27 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
     status = payload.get("status")
     if status not in ("completed", "failed", "cancelled"):
         raise ValueError(f"unknown job status {status!r}")
-    job = Job.objects.filter(pk=job_id).values("state", "kind", "params").first()
+    job = Job.objects.filter(pk=job_id).values("state", "kind", "params", "deployment_id").first()
     if job is None or job["state"] in JOB_TERMINAL:
         return  # the stream reader (or a sweep) finished it first, as it usually does
+    attempt = _report_attempt(payload)
+    current = JobAttempt.objects.filter(job_id=job_id).order_by("-number").values("number", "primary_id").first()
+    if current is not None and (attempt < current["number"] or str(current["primary_id"]) != str(node_id)):
+        # The same job id after a failover is the same job: the superseded attempt's end is news
+        # about that attempt only, already recorded when the job moved on.
+        log.info("job %s: job_finished (%s) of superseded attempt %d from node %s ignored; attempt %d runs on node %s",
+                 job_id, status, attempt, node_id, current["number"], current["primary_id"])
+        return
+    if status == "failed" and admission.job_reader_live(deployment_id=job["deployment_id"], job_id=job_id):
+        # A live reader saw the same end in the stream: it fails the job over, or records it.
+        log.info("job %s: job_finished (failed) from node %s left to the job's live reader", job_id, node_id)
+        return
     claimed = {k: payload.get(k) for k in ("prompt_tokens", "completion_tokens", "ttft_ms", "tokens_per_s") if payload.get(k) is not None}
-    chunks, tokens = streams.stream_tally(job_id, node_id)
+    chunks, tokens = streams.stream_tally(job_id, node_id, attempt=current["number"] if current is not None else None)
+    if current is not None:
+        before = JobAttempt.objects.filter(job_id=job_id, number__lt=current["number"]).aggregate(t=Sum("completion_tokens"), c=Sum("chunks"))
+        tokens += int(before["t"] or 0)
+        chunks += int(before["c"] or 0)
     usage = streams.billed_usage(
         completion_tokens=tokens, agent_usage=claimed, prompt_bound=streams.prompt_token_bound(kind=job["kind"], params=job["params"] or {}),
         job_id=job_id, check=status == "completed",
@@ -760,14 +931,19 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
         job_cancel(job_id=job_id, now=now, reason=str(payload.get("error") or "cancelled on the node"), usage=usage, chunks=chunks)
 
 
+def _report_attempt(payload: dict[str, Any]) -> int:
+    try:
+        return max(1, int(payload.get("attempt") or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
 def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
     """Close jobs nobody will finish: never dispatched, or silent far past the stream idle limit.
 
     A job whose stream already ended (the reader died after the last entry) is finished from that
     entry, so credits are settled for what was delivered and no hold stays open.
     """
-    from agent.protocol import job_stream_key  # noqa: PLC0415
-
     idle = float(settings.STREAM_IDLE_TIMEOUT_SECONDS) * 2
     queued_limit = float(settings.DEPLOYMENT_WAIT_SECONDS) + float(settings.JOB_QUEUE_WAIT_SECONDS) + 60
     r = get_redis()
@@ -777,11 +953,13 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
         if job.queued_at.timestamp() < cutoff_q:
             if job_fail(job_id=job.id, now=now, error="never dispatched: no capacity in time", during_execution=False):
                 counts["queued"] += 1
-    running = Job.objects.filter(state__in=[J.DISPATCHED, J.RUNNING]).select_related("deployment").only(
+    running = Job.objects.filter(state__in=JOB_IN_FLIGHT).select_related("deployment").only(
         "id", "dispatched_at", "queued_at", "kind", "params", "deployment__primary_id"
     )
     for job in running:
-        node = str(job.deployment.primary_id) if job.deployment_id and job.deployment.primary_id else ""
+        if r.exists(admission.failover_key(job.id)):
+            continue  # its reader is moving it to another replica
+        node = str(job.deployment.primary_id) if job.deployment is not None and job.deployment.primary_id else ""
         last = r.xrevrange(job_stream_key(str(job.id), node), count=1) if node else []
         if last:
             entry_id, fields = last[0]

@@ -18,7 +18,10 @@ class JobState(models.TextChoices):
 
 
 J = JobState
+# Named groups: every caller uses these instead of writing states out by hand.
 JOB_TERMINAL = frozenset({J.COMPLETED, J.FAILED, J.CANCELLED})
+JOB_OPEN = frozenset({J.QUEUED, J.DISPATCHED, J.RUNNING})  # not terminal yet
+JOB_IN_FLIGHT = frozenset({J.DISPATCHED, J.RUNNING})  # on a node: holds a slot, keeps a drain open
 JOB_TRANSITIONS: dict[str, frozenset[str]] = {
     J.QUEUED: frozenset({J.DISPATCHED, J.FAILED, J.CANCELLED}),
     J.DISPATCHED: frozenset({J.RUNNING, J.COMPLETED, J.FAILED, J.CANCELLED}),
@@ -42,7 +45,10 @@ class DeploymentState(models.TextChoices):
 
 
 D = DeploymentState
-DEPLOYMENT_ACTIVE = frozenset({D.PLANNING, D.LOADING, D.READY, D.DEGRADED})
+DEPLOYMENT_PENDING = frozenset({D.PLANNING, D.LOADING})  # being placed or loaded
+DEPLOYMENT_SERVING = frozenset({D.READY, D.DEGRADED})  # takes jobs
+DEPLOYMENT_ACTIVE = DEPLOYMENT_PENDING | DEPLOYMENT_SERVING
+DEPLOYMENT_ENDED = frozenset({D.FAILED, D.STOPPED})  # will never serve again
 DEPLOYMENT_TRANSITIONS: dict[str, frozenset[str]] = {
     D.PLANNING: frozenset({D.PLANNING, D.LOADING, D.FAILED, D.STOPPED}),
     D.LOADING: frozenset({D.PLANNING, D.READY, D.FAILED, D.STOPPED}),

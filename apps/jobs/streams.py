@@ -13,18 +13,20 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from agent.protocol import job_stream_key
+from apps.nodes.states import LOST
 from racon.redis import get_async_redis, get_redis
 
 from . import admission
 from .models import Deployment
-from .states import DeploymentState
+from .states import DEPLOYMENT_ENDED
 
 log = logging.getLogger("racon.jobs.streams")
 
@@ -89,6 +91,48 @@ def error_for_entry(fields: dict[str, str]) -> StreamFailure:
     return StreamFailure(text, code=code or "runtime_error")
 
 
+# Why an attempt ended that another replica can make good (docs/design/serving.md, "Failover"):
+# the agent's error entry when llama-server (or an RPC worker of its plan) died under the job, and
+# the follower's own findings that the primary is gone or silent.
+FAILOVER_CODES = frozenset({"primary_died", "primary_lost", "primary_timeout"})
+# Agents from before the `primary_died` code end such a job with a bare error whose text says so.
+_DEATH_PREFIXES = ("the primary process", "rpc worker disconnected")
+
+
+def failover_cause(*, code: str, text: str = "") -> str | None:
+    """The failover cause of a failure or an error entry, or None when a retry would not help."""
+    if code in FAILOVER_CODES:
+        return code
+    if code in ("", "runtime_error") and text.lower().startswith(_DEATH_PREFIXES):
+        return "primary_died"
+    return None
+
+
+def entry_ids(fields: dict[str, str]) -> list[int]:
+    """The token ids a chunk entry carries ([] when absent or malformed)."""
+    try:
+        got = json.loads(fields.get("ids") or "[]")
+    except ValueError:
+        return []
+    return [int(t) for t in got if isinstance(t, int)] if isinstance(got, list) else []
+
+
+@dataclass(frozen=True)
+class FailoverTarget:
+    """Where a failed-over job goes on: the new attempt's deployment, primary and number.
+    ``done``: nothing is left to generate (the old attempt produced max_tokens): end with length."""
+
+    deployment_id: str = ""
+    node_id: str = ""
+    attempt: int = 0
+    done: bool = False
+
+
+# The reader's failover hook (apps/jobs/serving.py): given the follower (its counts and token ids
+# so far) and the failure, move the job to another replica, or None to end it with the failure.
+Failover = Callable[["StreamFollower", "StreamFailure"], Awaitable[FailoverTarget | None]]
+
+
 def prompt_token_bound(*, kind: str, params: dict[str, Any]) -> int:
     """The most prompt tokens this request can have: its UTF-8 bytes plus the template's tokens."""
     if kind == "chat":
@@ -125,16 +169,23 @@ class StreamFollower:
     """Reads one job's stream for the view; counts chunks and tokens as it yields them."""
 
     def __init__(
-        self, *, job_id: Any, deployment_id: Any, node_id: Any, prompt_bound: int | None = None, idle_timeout: float | None = None
+        self, *, job_id: Any, deployment_id: Any, node_id: Any, prompt_bound: int | None = None, idle_timeout: float | None = None,
+        failover: Failover | None = None,
     ) -> None:
         self.job_id = str(job_id)
         self.node_id = str(node_id)  # the primary that runs this attempt: the stream is under its prefix
         self.deployment_id = str(deployment_id) if deployment_id else None
         self.prompt_bound = prompt_bound
         self.idle_timeout = float(settings.STREAM_IDLE_TIMEOUT_SECONDS if idle_timeout is None else idle_timeout)
-        self.chunks = 0
+        self.failover = failover
+        self.chunks = 0  # over every attempt: what the client was sent
         self.completion_tokens = 0
         self.attempt = 1
+        self.attempt_chunks = 0  # of the current attempt only (JobAttempt, settlement's split)
+        self.attempt_tokens = 0
+        self.ids: list[int] = []  # every token id relayed: a failover's resume_tokens
+        self.failovers: list[dict[str, Any]] = []  # {from_node, to_node, attempt, tokens, gap_s}
+        self.last_chunk_at: float | None = None  # monotonic time of the newest relayed chunk
 
     def usage(self, entry: dict[str, str] | None = None, *, check: bool = True) -> dict[str, Any]:
         """What to record for the job so far (``entry``: the final done or error entry, if any)."""
@@ -144,7 +195,57 @@ class StreamFollower:
         )
 
     async def entries(self) -> AsyncIterator[dict[str, str]]:
-        """The job's entries in order, ending after ``done`` or ``error``; StreamFailure otherwise."""
+        """The job's entries in order, ending after ``done`` or ``error``; StreamFailure otherwise.
+
+        With a ``failover`` hook, an attempt that ends because its primary died, vanished or went
+        silent is not the end: the hook starts the next attempt on another replica (resuming
+        from the token ids relayed so far) and the entries go on from that attempt's stream,
+        so the reader sees one stream with every token once. Only when the hook gives up does
+        the failure (or the error entry) reach the reader.
+        """
+        while True:
+            failure: StreamFailure | None = None
+            error_entry: dict[str, str] | None = None
+            try:
+                async for fields in self._attempt_entries():
+                    if fields.get("type") == "error" and self.failover is not None and failover_cause(
+                        code=fields.get("code") or "", text=fields.get("text") or ""
+                    ):
+                        error_entry = fields
+                        break
+                    yield fields
+                    if fields.get("type") in ("done", "error"):
+                        return
+            except StreamFailure as exc:
+                if self.failover is None or failover_cause(code=exc.code) is None:
+                    raise
+                failure = exc
+            if failure is None and error_entry is None:
+                return
+            if failure is None:
+                assert error_entry is not None
+                failure = StreamFailure(error_entry.get("text") or "the primary died", code=failover_cause(
+                    code=error_entry.get("code") or "", text=error_entry.get("text") or ""
+                ) or "primary_died")
+            assert self.failover is not None
+            target = await self.failover(self, failure)
+            if target is None:
+                if error_entry is not None:
+                    yield error_entry  # the reader records and shows the engine's own error
+                    return
+                raise failure
+            if target.done:
+                yield {"seq": "0", "attempt": str(self.attempt), "type": "done", "finish_reason": "length", "usage": ""}
+                return
+            self.failovers.append({
+                "from_node": self.node_id, "to_node": target.node_id, "attempt": target.attempt,
+                "tokens": self.completion_tokens, "cause": failure.code,
+            })
+            self.node_id, self.deployment_id, self.attempt = target.node_id, target.deployment_id, target.attempt
+            self.attempt_chunks = self.attempt_tokens = 0
+
+    async def _attempt_entries(self) -> AsyncIterator[dict[str, str]]:
+        """The current attempt's entries, from its primary's stream, counted as relayed."""
         r = get_async_redis()
         key = job_stream_key(self.job_id, self.node_id)
         last_id = "0-0"
@@ -171,33 +272,44 @@ class StreamFollower:
                 except ValueError:
                     seq, attempt = -1, self.attempt
                 if attempt < self.attempt:
-                    continue  # a superseded attempt's late entry
+                    continue  # a superseded attempt's late entry (two attempts on one node share the key)
                 if attempt > self.attempt and seq == 0:
-                    self.attempt, expected = attempt, 0  # failover: the next attempt starts over
+                    # A later attempt in the same key: it starts over.
+                    self.attempt, expected = attempt, 0
+                    self.attempt_chunks = self.attempt_tokens = 0
                 if seq != expected:
                     raise StreamFailure(f"token stream gap: expected chunk {expected}, got {seq}", code="stream_gap")
                 expected += 1
                 if fields.get("type") == "chunk":
+                    n = entry_tokens(fields)
                     self.chunks += 1
-                    self.completion_tokens += entry_tokens(fields)
+                    self.completion_tokens += n
+                    self.attempt_chunks += 1
+                    self.attempt_tokens += n
+                    self.ids.extend(entry_ids(fields))
+                    self.last_chunk_at = now_m
                 yield fields
                 if fields.get("type") in ("done", "error"):
                     return
 
     async def _primary_gone(self) -> bool:
-        if not self.deployment_id:
+        dep_id = self.deployment_id
+        if not dep_id:
             return False
-        dep = await sync_to_async(lambda: Deployment.objects.filter(pk=self.deployment_id).values("state", "primary_id").first())()
-        if dep is None or dep["state"] in (DeploymentState.FAILED, DeploymentState.STOPPED):
+        dep = await sync_to_async(lambda: Deployment.objects.filter(pk=dep_id).values("state", "primary_id").first())()
+        if dep is None or dep["state"] in DEPLOYMENT_ENDED:
             return True
         state = await get_async_redis().hget(f"racon:node:{dep['primary_id']}:meta", "state")
-        return state in ("OFFLINE", "ERROR")
+        return state in LOST
 
 
-def stream_tally(job_id: Any, node_id: Any) -> tuple[int, int]:
-    """(chunks, tokens) in a job's stream as it stands, counted the follower's way (for sweeps)."""
+def stream_tally(job_id: Any, node_id: Any, *, attempt: int | None = None) -> tuple[int, int]:
+    """(chunks, tokens) in a job's stream as it stands, counted the follower's way (for sweeps);
+    with ``attempt``, that attempt's entries only (two attempts on one node share the key)."""
     chunks = tokens = 0
     for _, fields in get_redis().xrange(job_stream_key(str(job_id), str(node_id))):
+        if attempt is not None and (fields.get("attempt") or "1") != str(attempt):
+            continue
         if fields.get("type") == "chunk":
             chunks += 1
             tokens += entry_tokens(fields)

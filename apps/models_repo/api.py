@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+from django.http.response import HttpResponseBase
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -14,6 +15,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from apps.nodes.api import parse_node_auth
 from apps.nodes.services import NodeAuthError, node_authenticate
 
 from . import services
@@ -81,7 +83,7 @@ class ModelListCreateApi(APIView):
 class ModelDetailApi(APIView):
     @extend_schema(responses=ModelOut)
     def get(self, request: Request, name: str) -> Response:
-        model = Model.objects.filter(name=name).first() or Model.objects.filter(pk=name if _is_uuid(name) else None).first()
+        model = Model.objects.filter(name=name).first() or (Model.objects.filter(pk=name).first() if _is_uuid(name) else None)
         if model is None:
             return Response({"error": {"message": f"unknown model {name!r}", "code": "not_found"}}, status=404)
         return Response(ModelOut(model).data)
@@ -94,10 +96,8 @@ def _is_uuid(value: str) -> bool:
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 
 
-def model_file_download(request: HttpRequest, sha256: str) -> HttpResponse:
+def model_file_download(request: HttpRequest, sha256: str) -> HttpResponseBase:
     """Serve a registered file to an authenticated node, with HTTP Range for resumable transfers."""
-    from apps.nodes.api import parse_node_auth  # noqa: PLC0415
-
     creds = parse_node_auth(request.headers.get("Authorization", ""))
     try:
         if creds is None:
@@ -116,9 +116,9 @@ def model_file_download(request: HttpRequest, sha256: str) -> HttpResponse:
         end = int(match.group(2)) if match.group(2) else size - 1
         if start >= size or end < start:
             fh.close()
-            resp = HttpResponse(status=416)
-            resp["Content-Range"] = f"bytes */{size}"
-            return resp
+            refused = HttpResponse(status=416)
+            refused["Content-Range"] = f"bytes */{size}"
+            return refused
         end = min(end, size - 1)
         fh.seek(start)
         resp = FileResponse(_limited(fh, end - start + 1), status=206, content_type="application/octet-stream")

@@ -17,12 +17,14 @@ import hashlib
 import os
 import re
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, LlamaFileType
 
 # llama.cpp's KV cache type is f16 unless the operator asks for a quantised cache.
 KV_BYTES_PER_ELEMENT = 2
@@ -140,8 +142,6 @@ class ModelProfile:
 
 def _array_values(reader: Any, field: Any) -> tuple[int, list[Any]]:
     """(element count, numeric values) of an array field from either reader."""
-    from gguf import GGUFValueType
-
     if getattr(reader, "skims_arrays", False):
         part = field.parts[field.data[0]]
         if field.types[1] == GGUFValueType.STRING:
@@ -152,8 +152,6 @@ def _array_values(reader: Any, field: Any) -> tuple[int, list[Any]]:
 
 
 def _field_value(reader: Any, key: str) -> Any:
-    from gguf import GGUFValueType
-
     field = reader.fields.get(key)
     if field is None:
         return None
@@ -165,8 +163,6 @@ def _field_value(reader: Any, key: str) -> Any:
 
 
 def _quantization_name(file_type: int | None, tensors: list[Any]) -> str:
-    from gguf import GGMLQuantizationType, LlamaFileType
-
     if file_type is not None:
         try:
             name = LlamaFileType(file_type).name
@@ -193,9 +189,6 @@ def _skimming_reader(path: str | os.PathLike[str]) -> Any:
     array becomes one view (parts: item type, count, values). Everything else, the errors
     included, is the gguf package's.
     """
-    import sys
-
-    from gguf import GGUFReader, GGUFValueType
 
     class _SkimmingReader(GGUFReader):
         skims_arrays = True
@@ -210,7 +203,7 @@ def _skimming_reader(path: str | os.PathLike[str]) -> Any:
             types = [GGUFValueType.ARRAY, itype]
             offs = orig_offs + 12
             if itype == GGUFValueType.STRING:
-                view = memoryview(self.data)  # type: ignore[arg-type]
+                view = memoryview(self.data)
                 for _ in range(int(alen[0])):
                     (slen,) = struct.unpack_from("<Q", view, offs)
                     offs += 8 + slen

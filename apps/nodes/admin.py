@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.http import HttpRequest
 
 from .models import EnrollmentToken, Event, Node
 
@@ -27,8 +28,8 @@ class EventAdmin(admin.ModelAdmin):
     search_fields = ("message",)
     date_hierarchy = "created_at"
 
-    def has_change_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+    def has_change_permission(self, request: HttpRequest, obj: Event | None = None) -> bool:
         return False  # append-only
 
-    def has_delete_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+    def has_delete_permission(self, request: HttpRequest, obj: Event | None = None) -> bool:
         return False

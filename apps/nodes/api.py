@@ -3,27 +3,32 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
-from django.utils.dateparse import parse_datetime
 from django.views.decorators.csrf import csrf_exempt
+from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
+from rest_framework.generics import GenericAPIView
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agent.protocol import REPORT_KINDS
+from apps.accounts.models import Account
+from apps.accounts.principal import request_account_id
+from racon.net import client_address
+from racon.pagination import LimitPagination
 from racon.redis_acl import AclUnavailable, node_redis_url
 
 from . import selectors, services
-from .errors import ReportRefused
+from .filters import EventFilter, NodeFilter
 from .models import EnrollmentToken, Event, Node
 from .states import NodeState
 
@@ -46,7 +51,7 @@ class HardwareSerializer(serializers.Serializer):
     swap = serializers.DictField(child=serializers.IntegerField(min_value=0))
     disk = serializers.DictField()
     network = serializers.ListField(child=serializers.DictField(), max_length=64)
-    gpus = GpuSerializer(many=True, max_length=16)
+    gpus = GpuSerializer(many=True, max_length=16)  # type: ignore[call-arg]  # many=True passes max_length to the ListSerializer; the stubs miss it
     benchmark = serializers.DictField(child=serializers.FloatField(min_value=0), required=False)
     fingerprint = serializers.CharField(max_length=128, required=False)
 
@@ -88,7 +93,7 @@ class EnrollRequestSerializer(serializers.Serializer):
     advertise_address = serializers.IPAddressField()
     rpc_port = serializers.IntegerField(min_value=1, max_value=65535)
     hardware = HardwareSerializer()
-    models = ModelFileInfoSerializer(many=True, required=False, max_length=1000)
+    models = ModelFileInfoSerializer(many=True, required=False, max_length=1000)  # type: ignore[call-arg]  # many=True passes max_length to the ListSerializer; the stubs miss it
 
 
 class AgentErrorSerializer(serializers.Serializer):
@@ -97,7 +102,7 @@ class AgentErrorSerializer(serializers.Serializer):
     class Body(serializers.Serializer):
         message = serializers.CharField()
         code = serializers.CharField(required=False)
-        fields = serializers.DictField(required=False)
+        fields = serializers.DictField(required=False)  # type: ignore[assignment]  # a declared field; the metaclass moves it off the class
 
     error = Body()
 
@@ -137,12 +142,8 @@ def parse_node_auth(header: str) -> tuple[str, str] | None:
     return node_id, credential
 
 
-def _node_credentials(request: Any) -> tuple[str, str] | None:
+def node_credentials(request: Any) -> tuple[str, str] | None:
     return parse_node_auth(request.headers.get("Authorization", "") if hasattr(request, "headers") else "")
-
-
-def _agent_error(message: str, status_code: int, **extra: Any) -> JsonResponse:
-    return JsonResponse({"error": {"message": message, **extra}}, status=status_code)
 
 
 # --- agent endpoints --------------------------------------------------------------------------
@@ -180,7 +181,8 @@ class AgentEnrollApi(APIView):
                 agent_version=v["agent_version"],
                 models=v.get("models"),
                 now=timezone.now(),
-                presented=_node_credentials(request),
+                presented=node_credentials(request),
+                source_address=client_address(request),
             )
         except services.EnrollmentConflict as exc:
             return Response({"error": {"message": str(exc), "code": exc.code}}, status=status.HTTP_409_CONFLICT)
@@ -252,43 +254,6 @@ class ReportAcceptedSerializer(serializers.Serializer):
     matched = serializers.IntegerField(required=False)
 
 
-class AgentReportsApi(APIView):
-    """Reports from agents: command results, events, finished jobs, model files, link probes."""
-
-    authentication_classes: list[Any] = []
-    permission_classes = [AllowAny]
-
-    @extend_schema(
-        request=ReportSerializer,
-        responses={202: ReportAcceptedSerializer, 400: AgentErrorSerializer, 401: AgentErrorSerializer, 409: AgentErrorSerializer, 413: AgentErrorSerializer},
-        description="409: the report is not from the node the controller's record names (not a member of the job's or deployment's plan, or not the node the command was sent to).",
-    )
-    def post(self, request: Request) -> Response:
-        creds = _node_credentials(request)
-        if creds is None:
-            return Response({"error": {"message": "missing node credential"}}, status=401)
-        try:
-            node = services.node_authenticate(node_id=creds[0], credential=creds[1])
-        except (services.NodeAuthError, ValueError) as exc:
-            return Response({"error": {"message": str(exc), "code": "node_revoked" if "revoked" in str(exc) else "invalid_credential"}}, status=401)
-        data = ReportSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        from apps.jobs.reports import report_accept  # noqa: PLC0415
-        from racon.logging import log_context  # noqa: PLC0415
-
-        payload = data.validated_data["payload"]
-        with log_context(node_id=node.id, job_id=payload.get("job_id"), deployment_id=payload.get("deployment_id")):
-            try:
-                result = report_accept(node_id=node.id, report=data.validated_data, now=timezone.now())
-            except ReportRefused as exc:
-                # 409, not 403: the agent takes 401/403 as "my credential is gone" and stops, and an
-                # honest node can send a late report (it was dropped from a revised plan).
-                return Response({"error": {"message": str(exc), "code": exc.code}}, status=409)
-            except ValueError as exc:
-                return Response({"error": {"message": str(exc), "code": "invalid_report"}}, status=400)
-        return Response({"accepted": True, **(result or {})}, status=202)
-
-
 # --- admin endpoints --------------------------------------------------------------------------
 
 
@@ -300,7 +265,7 @@ class NodeOut(serializers.ModelSerializer):
         fields = [
             "id", "name", "state", "state_changed_at", "account", "address", "rpc_port", "agent_version",
             "cpu_model", "cpu_physical_cores", "cpu_logical_cores", "ram_total", "ram_available", "vram_total",
-            "vram_free", "gpu_count", "disk_free", "gflops", "mem_bandwidth_gbps", "drain_requested", "drained_at",
+            "vram_free", "gpu_count", "disk_free", "gflops", "mem_bandwidth_gbps", "drain_requested",
             "enrolled_at", "revoked_at", "heartbeat_age",
         ]
 
@@ -315,15 +280,17 @@ class EventOut(serializers.ModelSerializer):
         fields = ["id", "kind", "category", "node", "job", "deployment", "old_state", "new_state", "message", "data", "created_at"]
 
 
-class NodeListApi(APIView):
+class NodeListApi(GenericAPIView):
     """GET /api/admin/nodes?state=READY&name=box"""
+
+    queryset = Node.objects.all()
+    filter_backends = [DjangoFilterBackend]
+    filterset_class = NodeFilter
+    pagination_class = None
 
     @extend_schema(responses=NodeOut(many=True))
     def get(self, request: Request) -> Response:
-        state = request.query_params.get("state")
-        if state and state not in NodeState.values:
-            return Response({"error": {"message": f"unknown state {state!r}", "code": "invalid", "fields": {"state": [f"one of {NodeState.values}"]}}}, status=400)
-        nodes = selectors.node_list(state=state, name=request.query_params.get("name"))
+        nodes = list(self.filter_queryset(self.get_queryset())[: selectors.NODE_LIST_MAX])
         ages = selectors.heartbeat_ages([str(n.id) for n in nodes], now=timezone.now())
         return Response(NodeOut(nodes, many=True, context={"ages": ages}).data)
 
@@ -339,7 +306,8 @@ class NodeDetailApi(APIView):
             fields = [*NodeOut.Meta.fields, "hardware", "events", "telemetry", "deployments"]
 
         def get_events(self, obj: Node) -> list[dict[str, Any]]:
-            return EventOut(selectors.node_events(node_id=obj.id, limit=50), many=True).data
+            # many=True makes a ListSerializer, whose .data is a list; the stubs say ReturnDict.
+            return cast("list[dict[str, Any]]", EventOut(selectors.node_events(node_id=obj.id, limit=50), many=True).data)
 
         def get_telemetry(self, obj: Node) -> dict[str, Any]:
             return selectors.node_telemetry(node_id=str(obj.id))
@@ -408,7 +376,7 @@ class TokenOut(serializers.ModelSerializer):
 
 class TokenListCreateApi(APIView):
     class CreateIn(serializers.Serializer):
-        label = serializers.CharField(max_length=120)
+        label = serializers.CharField(max_length=120)  # type: ignore[assignment]  # a declared field; the metaclass moves it off the class
         ttl_hours = serializers.IntegerField(min_value=1, max_value=24 * 365, required=False)
         max_uses = serializers.IntegerField(min_value=1, max_value=10_000, default=1)
         account = serializers.UUIDField(required=False, help_text="account that will own the nodes; default: yours")
@@ -429,9 +397,6 @@ class TokenListCreateApi(APIView):
         data = self.CreateIn(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
-        from apps.api.auth import request_account_id  # noqa: PLC0415
-        from apps.credits.models import Account  # noqa: PLC0415
-
         account_id = v.get("account") or request_account_id(request)
         if not Account.objects.filter(pk=account_id).exists():
             return Response({"error": {"message": f"unknown account {account_id}", "code": "not_found"}}, status=404)
@@ -456,25 +421,18 @@ class TokenRevokeApi(APIView):
         return Response(TokenOut(services.enrollment_token_revoke(token_id=token_id, now=timezone.now())).data)
 
 
-class EventListApi(APIView):
-    """GET /api/admin/events?kind=&category=&node=&job=&deployment=&since=&until="""
+class EventListApi(GenericAPIView):
+    """GET /api/admin/events?kind=&category=&node=&job=&deployment=&since=&until=&limit="""
+
+    queryset = Event.objects.all()
+    filter_backends = [DjangoFilterBackend]
+    filterset_class = EventFilter
+    pagination_class = LimitPagination
 
     @extend_schema(responses=EventOut(many=True))
     def get(self, request: Request) -> Response:
-        q = request.query_params
-        since = parse_datetime(q["since"]) if q.get("since") else None
-        until = parse_datetime(q["until"]) if q.get("until") else None
-        if (q.get("since") and since is None) or (q.get("until") and until is None):
-            return Response({"error": {"message": "since/until must be ISO 8601 datetimes", "code": "invalid"}}, status=400)
-        try:
-            limit = min(int(q.get("limit", 100)), 1000)
-        except ValueError:
-            return Response({"error": {"message": "limit must be an integer", "code": "invalid"}}, status=400)
-        events = selectors.event_list(
-            kind=q.get("kind"), category=q.get("category"), node_id=q.get("node"), job_id=q.get("job"),
-            deployment_id=q.get("deployment"), since=since, until=until, limit=limit,
-        )
-        return Response(EventOut(events, many=True).data)
+        events = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        return self.get_paginated_response(EventOut(events, many=True).data)
 
 
 _ = sync_to_async

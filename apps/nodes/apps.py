@@ -7,3 +7,8 @@ class NodesConfig(AppConfig):
     name = "apps.nodes"
     label = "nodes"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # Loading the tasks registers them, so a task sent by name (racon.celery.task_send)
+        # runs eagerly under ALWAYS_EAGER. Here, not at the top: they import models.
+        from . import tasks  # noqa: F401, PLC0415

@@ -29,7 +29,7 @@ class EnrollmentToken(models.Model):
     label = models.CharField(max_length=120)
     token_hash = models.CharField(max_length=64, unique=True)
     prefix = models.CharField(max_length=12, help_text="first characters, to recognise a token")
-    account = models.ForeignKey("credits.Account", on_delete=models.PROTECT, related_name="enrollment_tokens")
+    account = models.ForeignKey("accounts.Account", on_delete=models.PROTECT, related_name="enrollment_tokens")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     expires_at = models.DateTimeField()
     max_uses = models.PositiveIntegerField(default=1)
@@ -48,7 +48,7 @@ class Node(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     name = models.CharField(max_length=120)
     machine_id = models.CharField(max_length=128, unique=True)
-    account = models.ForeignKey("credits.Account", on_delete=models.PROTECT, related_name="nodes")
+    account = models.ForeignKey("accounts.Account", on_delete=models.PROTECT, related_name="nodes")
     enrollment_token = models.ForeignKey(EnrollmentToken, null=True, blank=True, on_delete=models.SET_NULL)
     state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.UNINITIALIZED)
     state_changed_at = models.DateTimeField(null=True, blank=True)
@@ -69,16 +69,30 @@ class Node(models.Model):
     vram_free = models.BigIntegerField(default=0)
     gpu_count = models.PositiveIntegerField(default=0)
     disk_free = models.BigIntegerField(default=0)
+    # What the scheduler uses: the claim once a speed challenge confirmed it (or the claim itself
+    # when SPEED_CHALLENGE is off), else at most SPEED_UNVERIFIED_GFLOPS. gflops_claimed is the
+    # agent's own benchmark figure; a changed claim is challenged again.
     gflops = models.FloatField(default=0)
+    gflops_claimed = models.FloatField(default=0)
+    speed_verified_at = models.DateTimeField(null=True, blank=True)
     mem_bandwidth_gbps = models.FloatField(default=0)
+    # The operator's drain, kept through an OFFLINE spell (the next heartbeat drains again); the
+    # drain's progress is the state itself (DRAINING → DRAINED, with NODE_DRAINED).
     drain_requested = models.BooleanField(default=False)
-    drained_at = models.DateTimeField(null=True, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True, help_text="as of the last state change")
     enrolled_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["name"]
         indexes = [models.Index(fields=["state"])]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["account", "name"],
+                condition=models.Q(revoked_at__isnull=True),
+                name="node_name_unique_per_account",
+                violation_error_message="node names are unique within an account",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.state})"

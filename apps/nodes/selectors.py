@@ -14,6 +14,9 @@ from agent.protocol import HEARTBEATS_ZSET, heartbeat_key
 from racon.redis import get_redis
 
 from .models import EnrollmentToken, Event, Node
+from .states import POOL
+
+NODE_LIST_MAX = 5000  # nodes a list answers with, at most
 
 
 def node_list(*, state: str | None = None, name: str | None = None, account_id: Any = None) -> list[Node]:
@@ -24,7 +27,7 @@ def node_list(*, state: str | None = None, name: str | None = None, account_id: 
         qs = qs.filter(name__icontains=name)
     if account_id is not None:
         qs = qs.filter(account_id=account_id)
-    return list(qs[:5000])
+    return list(qs[:NODE_LIST_MAX])
 
 
 def node_events(*, node_id: Any, limit: int = 50) -> list[Event]:
@@ -95,7 +98,7 @@ def cluster_capacity(*, account_id: Any = None) -> dict[str, Any]:
     """Pooled CPU cores, RAM and VRAM over nodes that can take work, plus counts by state."""
     qs = Node.objects.all() if account_id is None else Node.objects.filter(account_id=account_id)
     by_state = {row["state"]: row["n"] for row in qs.values("state").annotate(n=Count("id"))}
-    usable = qs.filter(state__in=["READY", "BUSY", "DEGRADED", "DRAINING"])
+    usable = qs.filter(state__in=POOL)
     agg = usable.aggregate(
         cores=Sum("cpu_logical_cores"), ram_total=Sum("ram_total"), ram_free=Sum("ram_available"),
         vram_total=Sum("vram_total"), vram_free=Sum("vram_free"),

@@ -4,26 +4,41 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import math
 import secrets
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import transaction
-from django.utils import timezone
+from django.db import IntegrityError, transaction
 
 from agent.protocol import HEARTBEATS_ZSET, heartbeat_key, is_private_address
+from racon.broadcast import broadcast
+from racon.celery import task_send
 from racon.redis import get_async_redis, get_redis
 from racon.redis_acl import node_acl_revoke
+from racon.transitions import transition_guarded
 
+from . import hooks
 from .events import event_record
 from .models import EnrollmentToken, EventCategory, Node
-from .states import LIVE, NodeState, can_transition, health_state
+from .states import (
+    DEPLOYMENT_SIGNALS,
+    DRAIN_STATES,
+    DRAINABLE,
+    HEALTH_VERDICTS,
+    HEALTH_WATCHED,
+    ONLINE,
+    TRANSITIONS,
+    NodeState,
+    health_state,
+)
 
 log = logging.getLogger("racon.nodes")
 S = NodeState
@@ -70,14 +85,13 @@ def _meta_key(node_id: Any) -> str:
 
 
 def _cache_node(node: Node) -> None:
-    """Mirror what a heartbeat needs (credential hash, state, drain flags) into Redis."""
+    """Mirror what a heartbeat needs (credential hash, state, drain request) into Redis."""
     get_redis().hset(
         _meta_key(node.id),
         mapping={
             "cred": "" if node.revoked_at else node.credential_hash,
             "state": node.state,
             "drain": int(node.drain_requested),
-            "drained": int(node.drained_at is not None),
         },
     )
 
@@ -124,7 +138,7 @@ def node_transition(
     node_id: Any,
     to: str,
     now: datetime,
-    expected: str | None = None,
+    expected: str | Collection[str] | None = None,
     kind: str = "NODE_STATE_CHANGED",
     category: str = EventCategory.LIFECYCLE,
     message: str = "",
@@ -133,35 +147,24 @@ def node_transition(
 ) -> bool:
     """Move a node to ``to`` if the table allows it and its state is still ``expected``.
 
-    A guarded update: a stale or duplicate message finds the state already changed and is a no-op.
-    Writes the event in the same transaction and broadcasts after commit. Returns whether it moved.
+    A guarded update (racon.transitions): a stale or duplicate message finds the state already
+    changed and is a no-op. Writes the event in the same transaction and broadcasts after commit.
+    ``expected`` may be a named group (states.py). Returns whether it moved.
     """
-    with transaction.atomic():
-        current = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
-        if current is None:
-            raise Node.DoesNotExist(f"node {node_id} does not exist")
-        src = expected if expected is not None else current
-        if current != src:
-            return False
-        if current == to:
-            return False
-        if not can_transition(src, to):
-            log.warning("refused illegal node transition %s → %s", src, to, extra={"node_id": str(node_id)})
-            return False
-        updated = Node.objects.filter(pk=node_id, state=src).update(state=to, state_changed_at=now, **(extra or {}))
-        if updated != 1:
-            return False
+
+    def record(src: str) -> None:
         event_record(
-            kind=kind,
-            category=category,
-            now=now,
-            node_id=node_id,
-            old_state=src,
-            new_state=to,
-            message=message or f"{src} → {to}",
-            data=data,
+            kind=kind, category=category, now=now, node_id=node_id, old_state=src, new_state=to,
+            message=message or f"{src} → {to}", data=data,
         )
-        transaction.on_commit(lambda: _after_transition(node_id, src, to))
+
+    moved = transition_guarded(
+        model=Node, pk=node_id, to=to, table=TRANSITIONS, expected=expected,
+        fields={"state_changed_at": now, **(extra or {})}, record=record,
+        after_commit=lambda src: _after_transition(node_id, src, to), must_exist=True, log=log,
+    )
+    if moved is None:
+        return False
     # Mirror now as well as after commit: a heartbeat must see the new state at once. If an outer
     # transaction rolls back, the heartbeat's guarded update fails and re-reads the database.
     _refresh_cache(node_id)
@@ -175,13 +178,10 @@ def _refresh_cache(node_id: Any) -> None:
 
 
 def _after_transition(node_id: Any, src: str, to: str) -> None:
-    from apps.api.broadcast import broadcast  # noqa: PLC0415 - avoids an import cycle at load
-
     broadcast("nodes.dashboard", {"type": "node.changed", "node_id": str(node_id), "state": to})
-    if to in (S.OFFLINE, S.ERROR, S.DEGRADED, S.READY):
-        from apps.jobs.tasks import node_state_changed  # noqa: PLC0415
-
-        node_state_changed.delay(node_id=str(node_id), state=to)
+    hooks.node_state_moved.send(sender=Node, node_id=str(node_id), old=src, new=to)
+    if to in DEPLOYMENT_SIGNALS:
+        task_send("racon.jobs.node_state_changed", node_id=str(node_id), state=to)  # jobs' task, by name
 
 
 # --- enrollment -------------------------------------------------------------------------------
@@ -337,6 +337,7 @@ def node_enroll(
     now: datetime,
     models: list[dict[str, Any]] | None = None,
     presented: tuple[str, str] | None = None,
+    source_address: str | None = None,
 ) -> Enrollment:
     """Validate the token and create the node, or give the same machine back its node.
 
@@ -348,30 +349,39 @@ def node_enroll(
     refused, except PUBLIC_IP_VIOLATION, which is recorded only when the token is valid.
     """
     digest = enrollment_token_hash(token)
-    private = is_private_address(address)
-    with transaction.atomic():
-        tok = EnrollmentToken.objects.select_for_update().filter(token_hash=digest).first()
-        if tok is None:
-            raise EnrollmentError("invalid enrollment token")
-        if tok.revoked_at is not None:
-            raise EnrollmentError("enrollment token has been revoked")
-        if tok.expires_at <= now:
-            raise EnrollmentError("enrollment token has expired")
-        if private:
-            enrollment = _enroll_locked(
-                tok=tok, node_name=node_name, machine_id=machine_id, hardware=hardware, address=address, rpc_port=rpc_port,
-                agent_version=agent_version, now=now, models=models, presented=presented,
-            )
-    if not private:
+    # The advertised address is a claim; the address the request came from is what we saw.
+    public = next((a for a in (address, source_address) if a and not is_private_address(a)), None)
+    try:
+        with transaction.atomic():
+            tok = EnrollmentToken.objects.select_for_update().filter(token_hash=digest).first()
+            if tok is None:
+                raise EnrollmentError("invalid enrollment token")
+            if tok.revoked_at is not None:
+                raise EnrollmentError("enrollment token has been revoked")
+            if tok.expires_at <= now:
+                raise EnrollmentError("enrollment token has expired")
+            if public is None:
+                enrollment = _enroll_locked(
+                    tok=tok, node_name=node_name, machine_id=machine_id, hardware=hardware, address=address, rpc_port=rpc_port,
+                    agent_version=agent_version, now=now, models=models, presented=presented,
+                )
+    except IntegrityError as exc:
+        # Two enrollments with other tokens raced for one name or machine: the database kept one.
+        raise EnrollmentConflict(
+            f"another enrollment of node name {node_name!r} or this machine was stored first; retry, or choose another --node-name",
+            code="enrollment_race",
+        ) from exc
+    if public is not None:
         # Outside the token's transaction: a refusal raised inside it would roll the event back.
+        what = "advertised" if public == address else "connected from"
         event_record(
             kind="PUBLIC_IP_VIOLATION",
             category=EventCategory.SECURITY,
             now=now,
-            message=f"Public IP security violation: enrollment of {node_name!r} advertised {address}",
-            data={"address": address, "node_name": node_name, "token_prefix": tok.prefix},
+            message=f"Public IP security violation: enrollment of {node_name!r} {what} {public}",
+            data={"address": address, "source_address": source_address or "", "node_name": node_name, "token_prefix": tok.prefix},
         )
-        raise EnrollmentError(f"Public IP security violation: advertise address {address} is not private")
+        raise EnrollmentError(f"Public IP security violation: {'advertise address' if public == address else 'the enrollment came from'} {public}, which is not private")
     enrollment.node.refresh_from_db()
     _cache_node(enrollment.node)
     return enrollment
@@ -399,8 +409,19 @@ def _enroll_locked(
             f"node name {node_name!r} is already used by node {other} in this account; choose another --node-name",
             code="node_name_taken",
         )
+    same_endpoint = Node.objects.filter(address=address, rpc_port=rpc_port, revoked_at__isnull=True)
+    if existing is not None:
+        same_endpoint = same_endpoint.exclude(pk=existing.pk)
+    holder = same_endpoint.values_list("name", flat=True).first()
+    if holder is not None:
+        raise EnrollmentConflict(
+            f"advertise address {address}:{rpc_port} is already used by node {holder!r}; "
+            "each node needs its own address and --rpc-port",
+            code="address_taken",
+        )
     credential = "rnc_" + secrets.token_urlsafe(32)
     summary = hardware_summary(hardware)
+    speed = _speed_fields(existing=existing, claimed=summary["gflops"])
     fields = {
         "name": node_name,
         "hardware": hardware,
@@ -410,6 +431,7 @@ def _enroll_locked(
         "credential_hash": credential_hash(credential),
         "revoked_at": None,
         **summary,
+        **speed,
     }
     if existing is not None:
         # The operator's permission, if that is what let it through, is used up now.
@@ -440,10 +462,20 @@ def _enroll_locked(
     if node.state != S.REGISTERING:
         node_transition(node_id=node.id, to=S.REGISTERING, now=now, message="agent handshake")
     if models is not None:
-        from apps.models_repo.services import replicas_sync  # noqa: PLC0415
-
-        replicas_sync(node_id=node.id, files=models, now=now)
+        hooks.node_models_reported.send(sender=Node, node_id=node.id, files=models, now=now)
     return Enrollment(node=node, credential=credential, created=created)
+
+
+def _speed_fields(*, existing: Node | None, claimed: float) -> dict[str, Any]:
+    """gflops as the scheduler may use it: a claim is taken as it stands only when SPEED_CHALLENGE
+    is off, when it is at most SPEED_UNVERIFIED_GFLOPS, or when a challenge already confirmed this
+    very figure; otherwise the node is credited SPEED_UNVERIFIED_GFLOPS until it is challenged."""
+    floor = float(settings.SPEED_UNVERIFIED_GFLOPS)
+    if not settings.SPEED_CHALLENGE or claimed <= floor:
+        return {"gflops": claimed, "gflops_claimed": claimed, "speed_verified_at": None}
+    if existing is not None and existing.speed_verified_at is not None and existing.gflops_claimed == claimed:
+        return {"gflops": existing.gflops, "gflops_claimed": claimed, "speed_verified_at": existing.speed_verified_at}
+    return {"gflops": floor, "gflops_claimed": claimed, "speed_verified_at": None}
 
 
 def _reenroll_key(node_id: Any) -> str:
@@ -525,12 +557,12 @@ def heartbeat_target(*, current: str, wanted: str | None, busy: bool, drain_requ
         return S.ERROR if current != S.ERROR else None
     if current in (S.UNINITIALIZED, S.ERROR):
         return None  # only a handshake leaves these
-    if current == S.REGISTERING and wanted not in (S.READY, S.BUSY):
+    if current == S.REGISTERING and wanted not in ONLINE:
         return None  # the agent's runtime checks have not passed yet
     if wanted in (S.UNINITIALIZED, S.REGISTERING):
         return None
     if drain_requested:
-        return S.DRAINING if current != S.DRAINING else None
+        return None if current in DRAIN_STATES else S.DRAINING
     target = S.BUSY if busy else S.READY
     return target if target != current else None
 
@@ -548,7 +580,7 @@ if m['cred'] ~= ARGV[1] then return {'bad'} end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 redis.call('HSET', KEYS[3], 'at', ARGV[2], 'cpu_percent', ARGV[4], 'mem_available', ARGV[5], 'gpu_free', ARGV[6],
   'rpc_worker', ARGV[7], 'jobs', ARGV[8], 'telemetry', ARGV[9])
-return {'ok', m['state'] or '', m['drain'] or '0', m['drained'] or '0'}
+return {'ok', m['state'] or '', m['drain'] or '0'}
 """
 
 
@@ -591,7 +623,7 @@ async def node_heartbeat(*, node_id: str, credential: str, payload: dict[str, An
         raise NodeAuthError("node has been revoked")
     if result[0] != "ok":
         raise NodeAuthError("invalid node credential")
-    _, current, drain, drained = result
+    _, current, drain = result[:3]
     if telemetry.get("clamped"):
         await sync_to_async(_telemetry_clamped)(node_id, telemetry["clamped"], now)
     target = heartbeat_target(current=current, wanted=payload.get("state"), busy=bool(jobs), drain_requested=drain == "1")
@@ -599,8 +631,9 @@ async def node_heartbeat(*, node_id: str, credential: str, payload: dict[str, An
         moved = await sync_to_async(_heartbeat_transition)(node_id, current, target, now, telemetry)
         if moved:
             current = target
-    if current == S.DRAINING and not jobs and drained != "1":
-        await sync_to_async(node_mark_drained)(node_id=node_id, now=now)
+    if current == S.DRAINING and not jobs:
+        # The drain's backstop: its steps also run when a job ends and when a replacement is READY.
+        await sync_to_async(node_drain_advance)(node_id=node_id, now=now)
     return current
 
 
@@ -614,8 +647,6 @@ def _telemetry_clamped(node_id: str, fields: list[str], now: datetime) -> None:
 
 
 def _json_dumps(value: Any) -> str:
-    import json
-
     return json.dumps(value, default=str, separators=(",", ":"))[:16384]
 
 
@@ -630,7 +661,7 @@ def _meta_from_db(node_id: str) -> dict[str, str] | None:
 def _heartbeat_transition(node_id: str, current: str, target: str, now: datetime, telemetry: dict[str, Any]) -> bool:
     if target == S.ERROR:
         kind, category, message = "NODE_FAULT", EventCategory.HEALTH, "agent reported a fatal fault"
-    elif current in (S.DEGRADED, S.OFFLINE):
+    elif current in HEALTH_VERDICTS:
         kind, category, message = "HEARTBEAT_RESTORED", EventCategory.HEALTH, "heartbeat restored"
     elif current == S.REGISTERING:
         kind, category, message = "NODE_READY", EventCategory.LIFECYCLE, "runtime checks passed"
@@ -671,7 +702,7 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
     """Apply the heartbeat thresholds; guard against marking most of the cluster OFFLINE at once."""
     interval = settings.HEARTBEAT_INTERVAL
     watched = list(
-        Node.objects.filter(state__in=[*LIVE, S.DEGRADED], revoked_at__isnull=True).values_list(
+        Node.objects.filter(state__in=HEALTH_WATCHED, revoked_at__isnull=True).values_list(
             "id", "state", "last_heartbeat_at", "state_changed_at"
         )
     )
@@ -682,7 +713,7 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
     to_degrade: list[tuple[str, str, float]] = []
     to_offline: list[tuple[str, str, float]] = []
     live_count = 0
-    for (node_id, state, last_db, changed_at), score in zip(watched, scores, strict=True):
+    for (pk, state, last_db, changed_at), score in zip(watched, scores, strict=True):
         if state != S.DEGRADED:
             live_count += 1
         last = score if score is not None else max(
@@ -696,9 +727,9 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
             offline_after=settings.HEARTBEAT_OFFLINE_AFTER,
         )
         if verdict == S.OFFLINE:
-            to_offline.append((str(node_id), state, age))
+            to_offline.append((str(pk), state, age))
         elif verdict == S.DEGRADED and state != S.DEGRADED:
-            to_degrade.append((str(node_id), state, age))
+            to_degrade.append((str(pk), state, age))
     suppressed: list[str] = []
     total = len(watched)
     if (
@@ -749,17 +780,22 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
 
 
 # --- drain -------------------------------------------------------------------------------------
+#
+# DRAINING (operator) → the apps above move their work off (jobs: a replacement deployment on
+# other nodes, the old one stopped once the new one is READY and its own jobs have ended, or at
+# the end when no capacity exists) → DRAINED with NODE_DRAINED, once nothing of theirs is left.
+# drain_requested outlives an OFFLINE spell: the next heartbeat drains the node again.
 
 
 def node_drain(*, node_id: Any, now: datetime) -> Node:
-    """Stop assigning new work to the node; NODE_DRAINED follows once its current work ends."""
+    """Stop assigning new work to the node; its work moves or finishes, then it is DRAINED."""
     node = Node.objects.get(pk=node_id)
     with transaction.atomic():
-        Node.objects.filter(pk=node_id).update(drain_requested=True, drained_at=None)
+        Node.objects.filter(pk=node_id).update(drain_requested=True)
         # A heartbeat may move BUSY ⇄ READY between our read and the guarded update: re-read and retry.
         for _ in range(3):
             state = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
-            if state not in (S.READY, S.BUSY, S.DEGRADED, S.REGISTERING):
+            if state not in DRAINABLE:
                 break
             if node_transition(
                 node_id=node_id, to=S.DRAINING, expected=state, now=now, kind="NODE_DRAIN_REQUESTED",
@@ -768,50 +804,38 @@ def node_drain(*, node_id: Any, now: datetime) -> Node:
                 break
     node.refresh_from_db()
     _cache_node(node)
-    if not _node_has_running_jobs(node_id):
-        node_mark_drained(node_id=node_id, now=now)
-        node.refresh_from_db()
+    node_drain_advance(node_id=node_id, now=now)
+    node.refresh_from_db()
     return node
 
 
-def _node_has_running_jobs(node_id: Any) -> bool:
-    from apps.jobs.models import Job  # noqa: PLC0415
-    from apps.jobs.states import JobState  # noqa: PLC0415
+def node_drain_advance(*, node_id: Any, now: datetime) -> bool:
+    """One step of a drain: the apps above move or stop their work; DRAINED once none is left.
 
-    return Job.objects.filter(nodes__id=node_id, state__in=[JobState.DISPATCHED, JobState.RUNNING]).exists()
-
-
-def node_mark_drained(*, node_id: Any, now: datetime) -> bool:
-    """Write NODE_DRAINED once, when a draining node's current work has ended."""
-    if _node_has_running_jobs(node_id):
+    Idempotent, and run from several places (the drain request, a job's end, a replacement
+    becoming READY, the node's heartbeat); NODE_DRAINED is written by the one guarded
+    DRAINING → DRAINED transition, so once. Returns whether the node is DRAINED now.
+    """
+    if Node.objects.filter(pk=node_id).values_list("state", flat=True).first() != S.DRAINING:
         return False
-    with transaction.atomic():
-        updated = Node.objects.filter(pk=node_id, drain_requested=True, drained_at__isnull=True).update(drained_at=now)
-        if updated != 1:
-            return False
-        event_record(
-            kind="NODE_DRAINED", category=EventCategory.MANAGEMENT, now=now, node_id=node_id,
-            message="node stopped accepting new work; current work has ended",
-        )
-    node = Node.objects.get(pk=node_id)
-    _cache_node(node)
-    return True
+    if hooks.node_drain_step(node_id=node_id, now=now):
+        return False
+    return node_transition(
+        node_id=node_id, to=S.DRAINED, expected=S.DRAINING, now=now, kind="NODE_DRAINED",
+        category=EventCategory.MANAGEMENT, message="node drained: its deployments moved or stopped, and its last job has ended",
+    )
 
 
 def node_undrain(*, node_id: Any, now: datetime) -> Node:
     """Accept new work again."""
-    node = Node.objects.get(pk=node_id)
     with transaction.atomic():
-        Node.objects.filter(pk=node_id).update(drain_requested=False, drained_at=None)
-        if node.state == S.DRAINING:
+        Node.objects.filter(pk=node_id).update(drain_requested=False)
+        state = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
+        if state in DRAIN_STATES:
             node_transition(
-                node_id=node_id, to=S.READY, expected=S.DRAINING, now=now, kind="NODE_UNDRAINED",
+                node_id=node_id, to=S.READY, expected=state, now=now, kind="NODE_UNDRAINED",
                 category=EventCategory.MANAGEMENT, message="drain lifted",
             )
-    node.refresh_from_db()
+    node = Node.objects.get(pk=node_id)
     _cache_node(node)
     return node
-
-
-def now_utc() -> datetime:
-    return timezone.now()

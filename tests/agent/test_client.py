@@ -11,8 +11,8 @@ from agent.client import (
     ControllerUnavailable,
     NodeRevoked,
     Unauthorized,
-    backoff_delay,
 )
+from agent.retry import backoff_delay
 
 
 def make(handler, **kw) -> tuple[ControllerClient, list[float]]:  # type: ignore[no-untyped-def]

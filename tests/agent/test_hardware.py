@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pynvml
 import pytest
 
 from agent.hardware import (
@@ -81,8 +82,6 @@ def test_host_detection_reports_real_cpu_memory_disk_and_network(tmp_path: Path)
 
 
 def test_nvml_without_a_driver_degrades_to_no_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pynvml
-
     def boom() -> None:
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
 

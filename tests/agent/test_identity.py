@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -19,8 +20,6 @@ def test_saved_identity_is_mode_0600_and_round_trips(tmp_path: Path) -> None:
 
 
 def test_overwriting_keeps_mode_0600_even_with_a_permissive_umask(tmp_path: Path) -> None:
-    import os
-
     old = os.umask(0)
     try:
         ident = Identity("n", "c", "http://x:1", "redis://x/0")

@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import agent.models as models
 from agent.models import FetchError, ShaCache, fetch_model, resolve_model, scan_models
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
@@ -19,8 +20,6 @@ def test_sha_cache_hashes_once_per_size_and_mtime(
     f = tmp_path / "m.gguf"
     f.write_bytes(DATA)
     calls: list[Path] = []
-    import agent.models as models
-
     real = models.sha256_file
     monkeypatch.setattr(models, "sha256_file", lambda p: calls.append(p) or real(p))
     cache = ShaCache(tmp_path / "state")

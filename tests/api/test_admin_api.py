@@ -79,8 +79,9 @@ def test_node_detail_has_hardware_and_recent_events(client: Client) -> None:
 def test_drain_without_running_work_writes_node_drained_and_undrain_restores(client: Client) -> None:
     node = NodeFactory(state=NodeState.READY)
     resp = client.post(f"/api/admin/nodes/{node.id}/drain", headers=OPERATOR)
-    assert resp.status_code == 200 and resp.json()["state"] == NodeState.DRAINING
+    assert resp.status_code == 200 and resp.json()["state"] == NodeState.DRAINED
     assert Event.objects.filter(node=node, kind="NODE_DRAINED").count() == 1
+    assert "drained_at" not in resp.json()  # the state says it
     resp = client.post(f"/api/admin/nodes/{node.id}/undrain", headers=OPERATOR)
     assert resp.json()["state"] == NodeState.READY
     assert Node.objects.get(pk=node.id).drain_requested is False

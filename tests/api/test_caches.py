@@ -14,7 +14,7 @@ import pytest
 from django.utils import timezone
 
 from apps.api.auth import api_key_create, api_key_revoke, principal_for_key
-from apps.credits.services import account_create
+from apps.credits.ledger import account_create
 from apps.jobs import selectors, services
 from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState

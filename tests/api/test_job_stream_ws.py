@@ -10,7 +10,7 @@ from channels.testing import WebsocketCommunicator
 from django.utils import timezone
 
 from agent.protocol import job_stream_key
-from apps.credits.services import account_for_user
+from apps.credits.ledger import account_for_user
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
 from apps.models_repo.models import Model

@@ -19,16 +19,21 @@ from django.test import Client
 schemathesis = pytest.importorskip("schemathesis")
 import requests  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import checks as st_checks  # noqa: E402
 from schemathesis.core.transport import Response  # noqa: E402
+from schemathesis.generation import GenerationMode  # noqa: E402
 
 pytestmark = [pytest.mark.django_db, pytest.mark.slow]
 OPERATOR = {"Authorization": "Bearer test-operator-key"}
 EXAMPLES = int(os.environ.get("SCHEMA_FUZZ_EXAMPLES", "20"))
 BUDGET_SECONDS = float(os.environ.get("SCHEMA_FUZZ_SECONDS", "240"))
-# positive_data_acceptance and negative_data_rejection are not run yet: the schema cannot say
-# every rule the views check (exactly one of path/pypi, the hardware dicts' keys, UUID and
-# datetime query parameters), so schema-valid input is still refused with 400 in places.
+NEGATIVE_EXAMPLES = int(os.environ.get("SCHEMA_FUZZ_NEGATIVE_EXAMPLES", "10"))
+# negative_data_rejection runs (the second test). positive_data_acceptance does not yet: the schema
+# cannot say every rule the views check, so schema-valid input is still refused with 400 by eight
+# operations (deployments/preview and models need an existing model or exactly one of path/pypi;
+# tokens, enroll, credits adjust/grant/balance and receipts/verify check references, bounds and
+# signatures the schema cannot express).
 CHECKS = [
     st_checks.not_a_server_error, st_checks.status_code_conformance, st_checks.response_schema_conformance,
     st_checks.content_type_conformance,
@@ -74,7 +79,7 @@ def seeded() -> None:
     job_for(account=funded_account(1_000_000), model=dep.model, deployment=dep)
 
 
-def test_the_admin_and_agent_apis_conform_to_their_schema_with_no_server_error(client: Client, seeded: None) -> None:
+def _run_operations(client: Client, *, mode: GenerationMode, checks: list[Any], examples: int) -> tuple[list[str], list[str], list[str]]:
     raw = client.get("/api/schema/?format=json", headers=OPERATOR)
     assert raw.status_code == 200, raw.content[:300]
     schema = schemathesis.openapi.from_dict(raw.json())
@@ -89,16 +94,36 @@ def test_the_admin_and_agent_apis_conform_to_their_schema_with_no_server_error(c
             skipped.append(label)
             continue
 
-        @given(case=operation.as_strategy())
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)
         def run(case: Any) -> None:
-            case.validate_response(_send(client, case), checks=CHECKS)
+            case.validate_response(_send(client, case), checks=checks)
 
         try:
             run()
+        except Unsatisfiable:
+            # No input of this kind exists (a negative case for an operation that takes nothing).
+            skipped.append(f"{label} (no {mode.value} input)")
+            continue
         except (Exception, BaseExceptionGroup) as exc:  # noqa: BLE001 - every failure is collected, then reported together
             failures.append(f"{label}: {type(exc).__name__}: {str(exc)[:1500]}")
         ran.append(label)
-    print(f"schemathesis: {len(ran)} operations × ≤{EXAMPLES} examples; not reached in {BUDGET_SECONDS:.0f}s: {skipped or 'none'}")
+    print(f"schemathesis ({mode.value}): {len(ran)} operations × ≤{examples} examples; skipped or not reached in {BUDGET_SECONDS:.0f}s: {skipped or 'none'}")
+    return ran, skipped, failures
+
+
+def test_the_admin_and_agent_apis_conform_to_their_schema_with_no_server_error(client: Client, seeded: None) -> None:
+    ran, _skipped, failures = _run_operations(client, mode=GenerationMode.POSITIVE, checks=CHECKS, examples=EXAMPLES)
     assert ran, "no operation was exercised"
     assert not failures, "\n\n".join(failures)
+
+
+def test_input_the_schema_forbids_is_refused_with_a_client_error(client: Client, seeded: None) -> None:
+    """negative_data_rejection: a request that breaks the schema (a null offset, a string where an
+    integer goes, a missing required field) gets a 4xx, never a 2xx that stores or answers it."""
+    ran, _skipped, failures = _run_operations(
+        client, mode=GenerationMode.NEGATIVE, checks=[st_checks.not_a_server_error, st_checks.negative_data_rejection], examples=NEGATIVE_EXAMPLES
+    )
+    assert ran, "no operation was exercised"
+    assert not failures, "\n\n".join(failures)
+

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from apps.accounts.models import Account
 from apps.api.auth import api_key_create, api_key_revoke
-from apps.credits.models import Account
-from apps.credits.services import account_create, credit_adjust
+from apps.credits.ledger import account_create, credit_adjust
 from apps.jobs import admission
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DeploymentState, JobState
@@ -143,7 +143,7 @@ def test_the_queue_is_served_by_account_standing(daphne: Daphne, dep: Deployment
 def test_a_revoked_key_is_refused_by_another_process_within_a_bound(daphne: Daphne) -> None:
     account, headers = key_for("revokee")
     assert httpx.get(daphne.url + "/v1/models", headers=headers, timeout=30).status_code == 200  # now cached there
-    from apps.api.models import ApiKey
+    from apps.accounts.models import ApiKey
 
     api_key_revoke(key_id=ApiKey.objects.get(account_id=account).pk)
     # Daphne caches principals for 300 s here: only the broadcast can make it refuse this soon.

@@ -15,7 +15,12 @@ from .live import shared_controller
 
 
 @pytest.fixture(scope="session")
-def live(django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Controller:
+def live(
+    django_db_setup: None,
+    django_db_blocker: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Controller:
     return shared_controller(request, django_db_blocker, tmp_path_factory)
 
 
@@ -30,7 +35,9 @@ def racon(live: Controller, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     for var in ("RACON_URL", "RACON_API_KEY", "RACON_CONFIG"):
         monkeypatch.delenv(var, raising=False)
 
-    def run(*args: str, key: str | None = None, url: str | None = None, input: str | None = None) -> Result:
+    def run(
+        *args: str, key: str | None = None, url: str | None = None, input: str | None = None
+    ) -> Result:
         env = {
             "RACON_URL": url or live.url,
             "RACON_API_KEY": live.api_key if key is None else key,
@@ -48,8 +55,6 @@ def one_error_line(result: Result) -> str:
     assert result.exit_code != 0, result.output
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     return lines[0]
-
-
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,9 @@ from tests.e2e.harness import Controller, run_controller
 _shared: dict[str, Controller] = {}
 
 
-def shared_controller(request: pytest.FixtureRequest, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory) -> Controller:
+def shared_controller(
+    request: pytest.FixtureRequest, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Controller:
     if "ctl" in _shared:
         return _shared["ctl"]
     stack = ExitStack()

@@ -16,7 +16,9 @@ from .conftest import Run
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
-def test_deploy_waits_for_ready_then_chat_streams_tokens(racon: Run, live: Controller, tmp_path: Path, model_path: Path) -> None:
+def test_deploy_waits_for_ready_then_chat_streams_tokens(
+    racon: Run, live: Controller, tmp_path: Path, model_path: Path
+) -> None:
     res = racon("tokens", "create", "cli-node", "--json")
     token = json.loads(res.stdout)["token"]
     models_dir = tmp_path / "models"
@@ -24,6 +26,7 @@ def test_deploy_waits_for_ready_then_chat_streams_tokens(racon: Run, live: Contr
     shutil.copy(model_path, models_dir / model_path.name)
     agent = start_agent(live, token, "cli-1", tmp_path, models_dir=models_dir)
     try:
+
         def ready() -> Any:
             nodes = json.loads(racon("nodes", "ls", "--state", "READY", "--json").stdout)
             return [n for n in nodes if n["name"] == "cli-1"]
@@ -36,11 +39,21 @@ def test_deploy_waits_for_ready_then_chat_streams_tokens(racon: Run, live: Contr
         deps = json.loads(racon("deployments", "ls", "--state", "READY", "--json").stdout)
         assert len(deps) == 1 and deps[0]["node_names"] == ["cli-1"]
 
-        res = racon("chat", "smollm2", "-m", "Say hello.", "--max-tokens", "8", "--temperature", "0")
+        res = racon(
+            "chat", "smollm2", "-m", "Say hello.", "--max-tokens", "8", "--temperature", "0"
+        )
         assert res.exit_code == 0, res.output
         assert res.stdout.strip() and "tokens," in res.stderr and "tok/s" in res.stderr
         # Piped stdin: one turn per line, the conversation carried over.
-        res = racon("chat", "smollm2", "--max-tokens", "4", "--temperature", "0", input="Hi\nAnd again?\n/exit\n")
+        res = racon(
+            "chat",
+            "smollm2",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            input="Hi\nAnd again?\n/exit\n",
+        )
         assert res.exit_code == 0 and res.stderr.count("tokens,") == 2
         jobs = json.loads(racon("jobs", "ls", "--state", "completed", "--json").stdout)
         assert len(jobs) == 3 and all(j["node_names"] == ["cli-1"] for j in jobs)

@@ -11,8 +11,8 @@ import factory
 from django.utils import timezone
 from factory.django import DjangoModelFactory
 
-from apps.credits.models import Account
-from apps.credits.services import credit_grant
+from apps.accounts.models import Account
+from apps.credits.ledger import credit_grant
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DeploymentState, JobState
 from apps.models_repo.models import Model, ModelFile

@@ -6,8 +6,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from apps.credits.models import Account, Entry, Posting, Receipt
-from apps.credits.services import credit_reserve, credit_settle_job
+from apps.accounts.models import Account
+from apps.credits.models import Entry, Posting, Receipt
+from apps.credits.settlement import credit_reserve, credit_settle_job
 from tests.credits.factories import (
     ModelFactory,
     deployment_for,
@@ -43,8 +44,8 @@ def admin_client_with_ledger(client: Client, price: Any, now: Any) -> Client:
 
 def test_the_ledger_is_browsable_in_the_django_admin(admin_client_with_ledger: Client) -> None:
     c = admin_client_with_ledger
-    for name in ("account", "entry", "posting", "receipt"):
-        assert c.get(f"/django-admin/credits/{name}/").status_code == 200, name
+    for path in ("accounts/account", "credits/entry", "credits/posting", "credits/receipt"):
+        assert c.get(f"/django-admin/{path}/").status_code == 200, path
     entry = Entry.objects.filter(kind="SETTLE").get()
     assert c.get(f"/django-admin/credits/entry/{entry.pk}/change/").status_code == 200
     receipt = Receipt.objects.get()
@@ -71,7 +72,7 @@ def test_an_account_added_in_the_admin_gets_the_starting_grant(
 ) -> None:
     settings.CREDITS_STARTING_GRANT = 4_242
     resp = admin_client_with_ledger.post(
-        "/django-admin/credits/account/add/", {"name": "org:lab", "kind": "ORG", "floor": "0"}
+        "/django-admin/accounts/account/add/", {"name": "org:lab", "kind": "ORG", "floor": "0"}
     )
     assert resp.status_code == 302, resp.content
     assert Account.objects.get(name="org:lab").balance == 4_242

@@ -7,10 +7,12 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
+from apps.accounts.models import Account
 from apps.api.auth import api_key_create
 from apps.credits import signing
-from apps.credits.models import Account, Entry, EntryKind, Receipt
-from apps.credits.services import credit_grant, credit_reserve, credit_settle_job
+from apps.credits.ledger import credit_grant
+from apps.credits.models import Entry, EntryKind, Receipt
+from apps.credits.settlement import credit_reserve, credit_settle_job
 from tests.credits.factories import (
     ModelFactory,
     deployment_for,

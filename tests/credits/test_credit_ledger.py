@@ -6,8 +6,8 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
-from apps.credits.models import Account, AccountKind, AppendOnlyError, Entry, EntryKind, Posting
-from apps.credits.services import (
+from apps.accounts.models import Account, AccountKind
+from apps.credits.ledger import (
     InsufficientCredits,
     account_create,
     account_for_user,
@@ -17,6 +17,7 @@ from apps.credits.services import (
     ledger_post,
     ledger_verify,
 )
+from apps.credits.models import AppendOnlyError, Entry, EntryKind, Posting
 from tests.credits.factories import funded_account
 from tests.factories import AccountFactory, UserFactory
 

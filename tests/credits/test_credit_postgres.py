@@ -10,14 +10,10 @@ from typing import Any
 import pytest
 from django.db import connection, connections
 
-from apps.credits.models import Account, Entry, EntryKind, Posting, Receipt
-from apps.credits.services import (
-    InsufficientCredits,
-    account_system,
-    credit_reserve,
-    credit_settle_job,
-    ledger_verify,
-)
+from apps.accounts.models import Account
+from apps.credits.ledger import InsufficientCredits, account_system, ledger_verify
+from apps.credits.models import Entry, EntryKind, Posting, Receipt
+from apps.credits.settlement import credit_reserve, credit_settle_job
 from tests.credits.factories import (
     ModelFactory,
     deployment_for,

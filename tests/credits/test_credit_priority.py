@@ -6,9 +6,10 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from apps.credits.ledger import account_system
 from apps.credits.rules import job_priority_order
 from apps.credits.selectors import SYSTEM_STANDING, account_standing
-from apps.credits.services import account_system, credit_reserve, credit_settle_job
+from apps.credits.settlement import credit_reserve, credit_settle_job
 from tests.credits.factories import (
     ModelFactory,
     deployment_for,

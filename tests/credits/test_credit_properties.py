@@ -11,17 +11,16 @@ from django.test import override_settings
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from apps.credits.models import Account, Entry, Posting
-from apps.credits.services import (
+from apps.accounts.models import Account
+from apps.credits.ledger import (
     InsufficientCredits,
     account_system,
     credit_adjust,
     credit_grant,
-    credit_reserve,
-    credit_settle_job,
-    credit_standby_reward,
     ledger_verify,
 )
+from apps.credits.models import Entry, Posting
+from apps.credits.settlement import credit_reserve, credit_settle_job, credit_standby_reward
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
 from tests.credits.factories import ModelFactory, deployment_for, job_finish, job_for

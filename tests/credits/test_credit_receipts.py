@@ -12,13 +12,8 @@ import pytest
 
 from apps.credits import signing
 from apps.credits.models import Receipt
-from apps.credits.services import (
-    credit_reserve,
-    credit_settle_job,
-    receipt_check,
-    receipt_public_key,
-    receipt_signing_key,
-)
+from apps.credits.receipts import receipt_check, receipt_public_key, receipt_signing_key
+from apps.credits.settlement import credit_reserve, credit_settle_job
 from tests.credits.factories import (
     ModelFactory,
     deployment_for,

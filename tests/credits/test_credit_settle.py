@@ -5,18 +5,13 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from apps.accounts.models import Account
 from apps.credits import signing
-from apps.credits.models import Account, Entry, EntryKind, Receipt
+from apps.credits.ledger import InsufficientCredits, account_system, ledger_verify
+from apps.credits.models import Entry, EntryKind, Receipt
+from apps.credits.receipts import receipt_public_key
 from apps.credits.rules import NodeWork, plan_work, settlement_split, token_cost
-from apps.credits.services import (
-    InsufficientCredits,
-    JobNotTerminal,
-    account_system,
-    credit_reserve,
-    credit_settle_job,
-    ledger_verify,
-    receipt_public_key,
-)
+from apps.credits.settlement import JobNotTerminal, credit_reserve, credit_settle_job
 from apps.credits.tasks import settle_job
 from apps.jobs.states import JobState
 from tests.credits.factories import (

@@ -5,8 +5,10 @@ from typing import Any
 
 import pytest
 
-from apps.credits.models import Account, Entry, EntryKind
-from apps.credits.services import credit_standby_reward, ledger_verify
+from apps.accounts.models import Account
+from apps.credits.ledger import ledger_verify
+from apps.credits.models import Entry, EntryKind
+from apps.credits.settlement import credit_standby_reward
 from apps.credits.tasks import standby_reward
 from apps.nodes.states import NodeState
 from tests.factories import NodeFactory

@@ -108,7 +108,9 @@ def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
         "LOG_LEVEL": "INFO",
         "SECRET_KEY": "e2e-secret-key-" + "k" * 40,
         # Live controllers of one test session share the test Redis: each gets its own task queue.
-        "CELERY_TASK_DEFAULT_QUEUE": f"racon-e2e-{port}",
+        "CELERY_TASK_DEFAULT_QUEUE": (queue := f"racon-e2e-{port}"),
+        # One worker takes both of its queues here (settings: placement has its own queue).
+        "CELERY_PLACEMENT_QUEUE": f"{queue}.placement",
         # Session-wide live controllers outlive each test's database flush, which no cache hears
         # about (TRUNCATE sends no signal); tests/api/test_caches.py covers caching itself.
         "API_CACHE_SECONDS": "0",
@@ -120,7 +122,7 @@ def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
         with open(workdir / "daphne.log", "wb") as log:
             ctl.procs.append(subprocess.Popen([str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port), "racon.asgi:application"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         with open(workdir / "celery.log", "wb") as log:
-            ctl.procs.append(subprocess.Popen([str(BIN / "celery"), "-A", "racon", "worker", "-B", "-l", "info", "--concurrency", "3", "-s", str(workdir / "beat-schedule"), "-n", f"e2e-{port}@%h"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            ctl.procs.append(subprocess.Popen([str(BIN / "celery"), "-A", "racon", "worker", "-B", "-l", "info", "--concurrency", "3", "-s", str(workdir / "beat-schedule"), "-n", f"e2e-{port}@%h", "-Q", f"{queue},{queue}.placement"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + 60
         while True:
             for p in ctl.procs:

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from httpx_sse import connect_sse
 
 from .harness import AgentProc, Controller, start_agent, stop_agent, wait_for
 
@@ -47,14 +48,14 @@ def direct_local_run(model_path: Path, times: int = 3) -> list[str]:
 
 
 def make_account_with_key(name: str, *, grant: int | None = None) -> tuple[str, str]:
+    from apps.accounts.models import Account
     from apps.api.auth import api_key_create
-    from apps.credits.models import Account
-    from apps.credits.services import account_create
+    from apps.credits.ledger import account_create
 
     acct = account_create(name=name)
     if grant is not None:
         # Drain the starting grant to a chosen balance (a correction is a new entry).
-        from apps.credits.services import credit_adjust
+        from apps.credits.ledger import credit_adjust
 
         delta = grant - Account.objects.get(pk=acct.pk).balance
         if delta:
@@ -199,15 +200,15 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
             assert int(bal["balance"]) > dj.CREDITS_STARTING_GRANT, (name, bal)
 
         # A client that disconnects mid-stream cancels the job and stops generation.
-        with httpx.Client(timeout=60) as h, h.stream(
-            "POST", controller.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {consumer_key}"},
+        with httpx.Client(timeout=60) as h, connect_sse(
+            h, "POST", controller.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {consumer_key}"},
             json={"model": "smollm2", "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}], "max_tokens": 400, "stream": True},
         ) as s:
-            assert s.status_code == 200, s.read()
-            cancel_job = s.headers["x-racon-job-id"]
+            assert s.response.status_code == 200, s.response.read()
+            cancel_job = s.response.headers["x-racon-job-id"]
             seen = 0
-            for line in s.iter_lines():
-                if line.startswith("data: {"):
+            for event in s.iter_sse():
+                if event.data.startswith("{"):
                     seen += 1
                 if seen >= 4:
                     break
@@ -228,20 +229,21 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
         primary_name = detail["primary_name"]
         primary_agent = next(a for a in agents if a.name == primary_name)
         victim = next(a for a in agents if a.name != primary_name)
-        with httpx.Client(timeout=120) as h, h.stream(
-            "POST", controller.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {consumer_key}"},
+        with httpx.Client(timeout=120) as h, connect_sse(
+            h, "POST", controller.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {consumer_key}"},
             json={"model": "smollm2", "messages": [{"role": "user", "content": "Count from one to five hundred in words."}], "max_tokens": 450, "stream": True},
         ) as s:
-            assert s.status_code == 200, s.read()
-            doomed = s.headers["x-racon-job-id"]
+            assert s.response.status_code == 200, s.response.read()
+            doomed = s.response.headers["x-racon-job-id"]
+            # Raw events, not the SDK: the SDK raises on the error event, and this checks that
+            # [DONE] still follows it.
             events: list[str] = []
-            for line in s.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line)
-                    if len(events) == 5:
-                        os.kill(rpc_worker_pid(victim), signal.SIGKILL)
+            for event in s.iter_sse():
+                events.append(event.data)
+                if len(events) == 5:
+                    os.kill(rpc_worker_pid(victim), signal.SIGKILL)
         assert any('"error"' in e for e in events), events[-3:]
-        assert events[-1] == "data: [DONE]"
+        assert events[-1] == "[DONE]"
         failed = wait_for(lambda: (j := controller.get(f"/api/admin/jobs/{doomed}").json())["state"] in ("FAILED", "COMPLETED", "CANCELLED") and j, 30, "the doomed job to end")
         assert failed["state"] == "FAILED" and failed["error"], failed
         assert failed["failed_during_execution"] is True

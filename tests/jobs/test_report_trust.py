@@ -12,8 +12,9 @@ from django.test import Client
 from django.utils import timezone
 
 from agent.protocol import job_stream_key
-from apps.credits.models import Account, EntryKind
-from apps.credits.services import credit_reserve, credit_settle_job
+from apps.accounts.models import Account
+from apps.credits.models import EntryKind
+from apps.credits.settlement import credit_reserve, credit_settle_job
 from apps.jobs.models import Deployment, Job
 from apps.jobs.services import command_send, command_wait
 from apps.jobs.states import DeploymentState, JobState

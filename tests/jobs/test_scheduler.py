@@ -21,11 +21,10 @@ from apps.jobs.scheduler import (
     PlacementRequest,
     Plan,
     compute_buffer_bytes,
-    exhaustive_best,
     llama_layer_assignment,
-    memory_proportional_plan,
     plan_placement,
 )
+from apps.jobs.scheduler.reference import exhaustive_best, memory_proportional_plan
 from apps.models_repo.profile import ModelProfile, read_gguf_profile, synthetic_profile
 
 GiB = 1 << 30

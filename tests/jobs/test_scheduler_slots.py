@@ -13,10 +13,9 @@ from apps.jobs.scheduler import (
     PlacementRefused,
     PlacementRequest,
     Plan,
-    exhaustive_best,
-    memory_proportional_plan,
     plan_placement,
 )
+from apps.jobs.scheduler.reference import exhaustive_best, memory_proportional_plan
 
 from .test_scheduler import LLAMA_8B, LLAMA_70B, TINY, check_plan, cluster, cpu, gpu, node
 

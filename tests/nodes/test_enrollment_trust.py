@@ -72,12 +72,12 @@ def test_node_names_are_unique_within_an_account(client: Client) -> None:
     acct = AccountFactory()
     token = issue(account=acct, max_uses=5)
     assert post(client, enroll_body(token)).status_code == 201
-    resp = post(client, enroll_body(token, machine_id="machine-bbb"))
+    resp = post(client, enroll_body(token, machine_id="machine-bbb", rpc_port=50053))
     assert resp.status_code == 409
     assert resp.json()["error"]["code"] == "node_name_taken" and "'box-1'" in resp.json()["error"]["message"]
     assert Node.objects.count() == 1
     # Another account may use the name.
-    assert post(client, enroll_body(issue(), machine_id="machine-ccc")).status_code == 201
+    assert post(client, enroll_body(issue(), machine_id="machine-ccc", rpc_port=50054)).status_code == 201
 
 
 def test_the_public_ip_event_is_recorded_only_once_the_token_is_valid(client: Client) -> None:

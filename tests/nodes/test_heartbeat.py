@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 from typing import Any
 
@@ -15,16 +16,18 @@ from tests.factories import AccountFactory, hardware_profile
 
 pytestmark = pytest.mark.django_db
 S = NodeState
+_PORTS = itertools.count(20000)
 
 
 def enroll(client: Client, name: str = "box", machine: str | None = None) -> tuple[str, str]:
+    """Each node its own loopback port: an address and port pair belongs to one node."""
     acct = AccountFactory()
     _, token = enrollment_token_issue(account_id=acct.id, label="t", now=timezone.now(), max_uses=100)
     resp = client.post(
         "/api/agent/enroll",
         {
             "token": token, "node_name": name, "machine_id": machine or name, "agent_version": "0.1.0",
-            "advertise_address": "127.0.0.1", "rpc_port": 50052, "hardware": hardware_profile(),
+            "advertise_address": "127.0.0.1", "rpc_port": next(_PORTS), "hardware": hardware_profile(),
         },
         content_type="application/json",
     )
@@ -143,10 +146,10 @@ def test_agent_fatal_fault_moves_node_to_error(client: Client) -> None:
     assert Event.objects.filter(node_id=node_id, kind="NODE_FAULT").exists()
 
 
-def test_drained_node_reports_draining_and_node_drained_once(client: Client) -> None:
+def test_drained_node_without_work_stays_drained_and_node_drained_is_written_once(client: Client) -> None:
     node_id, cred = enroll(client)
     beat(client, node_id, cred, state="READY")
     node_drain(node_id=node_id, now=timezone.now())
-    assert beat(client, node_id, cred, state="READY").json()["state"] == S.DRAINING
+    assert beat(client, node_id, cred, state="READY").json()["state"] == S.DRAINED
     beat(client, node_id, cred, state="READY")
     assert Event.objects.filter(node_id=node_id, kind="NODE_DRAINED").count() == 1

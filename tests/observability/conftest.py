@@ -116,9 +116,9 @@ def live_run(
     from django.utils import timezone
 
     from apps.api.auth import api_key_create
+    from apps.credits.ledger import account_for_user
     from apps.credits.models import Entry
-    from apps.credits.services import account_for_user
-    from apps.nodes.diagnostics import node_diagnostics_bundle
+    from apps.jobs.diagnostics import node_diagnostics_bundle
     from tests.e2e.harness import (
         BIN,
         free_port,
@@ -208,9 +208,10 @@ def live_run(
             drained = ctl.post(f"/api/admin/nodes/{node['id']}/drain")
             assert drained.status_code == 200, drained.text
             wait_for(
-                lambda: ctl.get(f"/api/admin/nodes/{node['id']}").json()["state"] == "DRAINING",
-                15,
-                "the node to be DRAINING",
+                # Its deployment has nowhere to move (one node) and no job left: stopped, then DRAINED.
+                lambda: ctl.get(f"/api/admin/nodes/{node['id']}").json()["state"] == "DRAINED",
+                30,
+                "the node to be DRAINED",
             )
             after = httpx.get(ctl.url + "/metrics", headers=auth, timeout=10)
             unauthorized = httpx.get(ctl.url + "/metrics", timeout=10).status_code

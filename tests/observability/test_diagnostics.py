@@ -16,14 +16,14 @@ from django.core.management.base import CommandError
 
 from agent.protocol import HEARTBEATS_ZSET, heartbeat_key, node_queue_key
 from apps.api.auth import api_key_create
-from apps.models_repo.models import ModelFile
-from apps.nodes.diagnostics import (
+from apps.jobs.diagnostics import (
     REDACTED,
     is_secret_name,
     node_diagnostics_bundle,
     rpc_probe,
     scrub,
 )
+from apps.models_repo.models import ModelFile
 from apps.nodes.events import event_record
 from apps.nodes.models import EnrollmentToken, EventCategory, Node
 from apps.nodes.services import enrollment_token_issue, node_enroll, node_report_fault
@@ -39,6 +39,7 @@ PLANTED = {
     "NODE_ENROLLMENT_SECRET": "planted-enrollment-secret-" + "e" * 20,
     "AI_API_KEY": "planted-ai-api-key-" + "a" * 20,
     "METRICS_TOKEN": "planted-metrics-token-" + "m" * 20,
+    "RACON_RECEIPT_KEY": "cmVjZWlwdC1rZXktcGxhbnRlZC1mb3ItdGhlLXRlc3Q=",  # base64 of 32 bytes
 }
 HW_PASSWORD = "planted-hardware-password-123456"
 TELEMETRY_TOKEN = "planted-telemetry-token-abcdef"
@@ -98,7 +99,7 @@ def sick_node(settings: Any, model_file: ModelFile, now: Any, listener: int) -> 
         deployment=dep,
         nodes=[node],
         failed_during_execution=True,
-        error=f"the primary node of this deployment stopped responding ({PLANTED['AI_API_KEY']})",
+        error=f"the primary node of this deployment stopped responding ({PLANTED['AI_API_KEY']} {PLANTED['RACON_RECEIPT_KEY']})",
         placement={"primary": str(node.id), "devices": []},
     )
     before = make_job(
@@ -327,7 +328,7 @@ def test_the_admin_api_serves_the_bundle_to_staff_only(
 
 
 def test_a_malformed_node_id_is_an_unknown_node(db: None, now: Any) -> None:
-    from apps.nodes.diagnostics import UnknownNode
+    from apps.jobs.diagnostics import UnknownNode
 
     with pytest.raises(UnknownNode):
         node_diagnostics_bundle(node_id="not-a-uuid", now=now)

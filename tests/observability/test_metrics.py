@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.protocol import HEARTBEATS_ZSET, heartbeat_key
 from apps.api.auth import api_key_create
 from apps.api.metrics import FAMILIES, job_finished_observe, metrics_render
-from apps.credits.services import account_for_user, credit_adjust, credit_settle_job
+from apps.credits.ledger import account_for_user, credit_adjust
+from apps.credits.settlement import credit_reserve, credit_settle_job
 from apps.jobs import services as job_services
 from apps.jobs.models import Deployment, Job
 from apps.models_repo.models import ModelFile
@@ -116,6 +117,7 @@ def test_every_node_state_is_reported_even_when_zero() -> None:
         "READY": 2,
         "BUSY": 0,
         "DRAINING": 0,
+        "DRAINED": 0,
         "DEGRADED": 0,
         "OFFLINE": 1,
         "ERROR": 0,
@@ -241,6 +243,9 @@ def test_credits_minted_spent_and_burned_follow_the_ledger(
         stream=False,
         request_id="r",
         now=now,
+        hold=lambda j: credit_reserve(
+            account_id=j.account_id, job_id=j.id, max_tokens=j.max_tokens, model_price_permille=j.model.price_weight_permille, now=now
+        ),
     )
     Job.objects.filter(pk=job.id).update(state="RUNNING", dispatched_at=now)
     job_services.job_complete(

@@ -30,14 +30,14 @@ def test_a_scrape_without_the_token_is_refused(live_run: LiveRun) -> None:
     assert live_run.wrong_token_status == 401
 
 
-def test_the_drained_node_is_counted_as_draining(live_run: LiveRun) -> None:
+def test_the_drained_node_is_counted_as_drained(live_run: LiveRun) -> None:
     before, after = live_run.metrics_before_drain, live_run.metrics_after_drain
     assert (
         value(before, "racon_nodes", state="READY") + value(before, "racon_nodes", state="BUSY")
         == 1
     )
-    assert value(before, "racon_nodes", state="DRAINING") == 0
-    assert value(after, "racon_nodes", state="DRAINING") == 1
+    assert value(before, "racon_nodes", state="DRAINED") == 0
+    assert value(after, "racon_nodes", state="DRAINED") == 1
     assert value(after, "racon_nodes", state="READY") == 0
     assert (
         sum(
@@ -48,6 +48,7 @@ def test_the_drained_node_is_counted_as_draining(live_run: LiveRun) -> None:
                 "READY",
                 "BUSY",
                 "DRAINING",
+                "DRAINED",
                 "DEGRADED",
                 "OFFLINE",
                 "ERROR",

@@ -25,7 +25,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 SHOTS = ROOT / "test-artifacts" / "screenshots"
 
 
-async def until(pilot: Pilot[Any], check: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
+async def until(
+    pilot: Pilot[Any], check: Callable[[], Any], what: str, timeout: float = 15.0
+) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = check()
@@ -54,7 +56,11 @@ def test_top_shows_nodes_and_drains_the_selected_one_after_confirmation(live: Co
             await until(pilot, lambda: nodes.row_count == 2, "both nodes in the table")
             assert cell(app, "nodes", beta, "state") == "READY"
             nodes.move_cursor(row=nodes.get_row_index(beta))
-            await until(pilot, lambda: "beta" in str(app.query_one("#node-detail", Static).render()), "beta's telemetry panel")
+            await until(
+                pilot,
+                lambda: "beta" in str(app.query_one("#node-detail", Static).render()),
+                "beta's telemetry panel",
+            )
 
             await pilot.press("d")
             await until(pilot, lambda: isinstance(app.screen, Confirm), "the confirmation dialog")
@@ -67,11 +73,19 @@ def test_top_shows_nodes_and_drains_the_selected_one_after_confirmation(live: Co
             SHOTS.mkdir(parents=True, exist_ok=True)
             app.save_screenshot(filename="top-confirm.svg", path=str(SHOTS))
             await pilot.press("y")
-            await until(pilot, lambda: cell(app, "nodes", beta, "state") == "DRAINING", "beta to show DRAINING")
+            await until(
+                pilot,
+                lambda: cell(app, "nodes", beta, "state") in ("DRAINING", "DRAINED"),
+                "beta to show its drain",
+            )
 
             app.save_screenshot(filename="top.svg", path=str(SHOTS))
             await pilot.press("u", "y")
-            await until(pilot, lambda: cell(app, "nodes", beta, "state") == "READY", "beta to show READY again")
+            await until(
+                pilot,
+                lambda: cell(app, "nodes", beta, "state") == "READY",
+                "beta to show READY again",
+            )
 
     asyncio.run(scenario())
     assert Node.objects.get(pk=beta).state == NodeState.READY
@@ -92,7 +106,11 @@ def test_top_cancels_the_selected_job_after_confirmation(live: Controller) -> No
             await pilot.press("c")
             await until(pilot, lambda: isinstance(app.screen, Confirm), "the confirmation dialog")
             await pilot.press("y")
-            await until(pilot, lambda: cell(app, "jobs", job, "state") == "CANCELLED", "the job to show CANCELLED")
+            await until(
+                pilot,
+                lambda: cell(app, "jobs", job, "state") == "CANCELLED",
+                "the job to show CANCELLED",
+            )
 
     asyncio.run(scenario())
     assert Job.objects.get(pk=job).state == JobState.CANCELLED
@@ -107,7 +125,9 @@ def test_top_reports_an_unreachable_controller_in_its_status_line() -> None:
         async def scenario() -> str:
             app = TopApp(url=f"http://127.0.0.1:{port}", key="k", interval=0.5)
             async with app.run_test(size=(120, 40)) as pilot:
-                await until(pilot, lambda: app.last_error, "an error in the status line", timeout=30)
+                await until(
+                    pilot, lambda: app.last_error, "an error in the status line", timeout=30
+                )
                 return app.last_error
 
         assert "cannot refresh" in asyncio.run(scenario())

@@ -8,8 +8,9 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
+from apps.credits.ledger import account_for_user
 from apps.credits.models import Receipt
-from apps.credits.services import account_for_user, credit_reserve, credit_settle_job
+from apps.credits.settlement import credit_reserve, credit_settle_job
 from apps.jobs.models import Deployment, Job
 from apps.nodes.models import Node
 from tests.credits.factories import ModelFactory, deployment_for, job_finish, job_for

@@ -14,7 +14,7 @@ from django.test import Client
 from django.utils import timezone
 
 from apps.api.consumers import DashboardConsumer
-from apps.credits.services import account_for_user
+from apps.credits.ledger import account_for_user
 from apps.nodes.services import node_transition
 from apps.nodes.states import NodeState
 from tests.factories import NodeFactory, UserFactory

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from django.test import Client
 
-from apps.api.models import ApiKey
+from apps.accounts.models import ApiKey
 from apps.api.ui_render import placement_bar, render_deployment_row, render_node_row
 from apps.nodes.models import EnrollmentToken, Event, Node
 from apps.nodes.states import NodeState
@@ -222,7 +222,7 @@ def test_a_contributor_sees_only_their_own_jobs(contributor_client: Client, worl
 
 
 def test_a_contributor_sees_only_their_own_credits_and_receipts(contributor_client: Client, world: World) -> None:
-    from apps.credits.services import account_for_user
+    from apps.credits.ledger import account_for_user
 
     staff_acct = account_for_user(user=world.staff)
     body = contributor_client.get(f"/credits/?account={staff_acct.id}").content.decode()
@@ -233,7 +233,7 @@ def test_a_contributor_sees_only_their_own_credits_and_receipts(contributor_clie
 
 
 def test_an_operator_may_look_at_another_account(staff_client: Client, world: World) -> None:
-    from apps.credits.services import account_for_user
+    from apps.credits.ledger import account_for_user
 
     acct = account_for_user(user=world.contributor)
     body = staff_client.get(f"/credits/?account={acct.id}").content.decode()

@@ -10,7 +10,7 @@ register = template.Library()
 
 _STATE_TONE = {
     # Node states
-    "READY": "ok", "BUSY": "busy", "DRAINING": "warn", "DEGRADED": "warn", "OFFLINE": "off",
+    "READY": "ok", "BUSY": "busy", "DRAINING": "warn", "DRAINED": "off", "DEGRADED": "warn", "OFFLINE": "off",
     "ERROR": "bad", "REGISTERING": "info", "UNINITIALIZED": "off",
     # Deployment and job states
     "PLANNING": "info", "LOADING": "info", "FAILED": "bad", "STOPPED": "off",

@@ -12,7 +12,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from apps.credits.services import account_for_user
+from apps.credits.ledger import account_for_user
 from apps.models_repo.models import ModelFile
 from apps.models_repo.services import (
     ModelRegistrationError,

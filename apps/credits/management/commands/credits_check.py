@@ -8,6 +8,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from apps.credits.ledger import ledger_verify
+
 
 class Command(BaseCommand):
     help = "Verify the credit ledger: entries sum to zero, cached balances equal the replay, floors hold."
@@ -16,8 +18,6 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="print the full report as JSON")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from apps.credits.services import ledger_verify
-
         report = ledger_verify()
         if options["json"]:
             self.stdout.write(

@@ -1,3 +1,6 @@
+"""Django admin for API keys. AccountAdmin lives in apps/credits/admin.py: a new account gets its
+starting grant through the ledger (credits.ledger.account_create), a layer above this app."""
+
 from __future__ import annotations
 
 from django.contrib import admin

@@ -4,6 +4,9 @@ The operator docs: "When diagnosing a node, capture its agent version, controlle
 state, recent events and whether failure occurs before or during execution." The bundle holds
 exactly that, plus hardware, the last errors and reachability, and never a secret: bundles get
 attached to bug reports, so every value passes through ``scrub`` on its way in.
+
+It lives in jobs, not nodes: a node's bundle holds its jobs and deployments, and nodes sits below
+jobs.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import django
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.db import connection
 from django.db.models import Q
 
+import racon
 from agent.protocol import (
     HEARTBEATS_ZSET,
     PROTOCOL_VERSION,
@@ -31,10 +37,11 @@ from agent.protocol import (
     node_processing_key,
     node_queue_key,
 )
+from apps.nodes.models import Event, Node
+from apps.nodes.states import UNHEALTHY
 from racon.redis import get_redis
 
-from .models import Event, Node
-from .states import NodeState
+from .models import Deployment, Job
 
 RECENT_EVENTS = 200
 RECENT_JOBS = 50
@@ -60,7 +67,7 @@ SECRET_SETTINGS = (
     "NODE_ENROLLMENT_SECRET",
     "AI_API_KEY",
     "METRICS_TOKEN",
-    "RECEIPT_SIGNING_KEY",
+    "RACON_RECEIPT_KEY",
 )
 
 # Event kinds that report a failure (besides any kind naming one, see _error_event_q).
@@ -74,7 +81,6 @@ ERROR_KINDS = frozenset(
     }
 )
 _ERROR_WORDS = ("FAIL", "FAULT", "ERROR", "TIMEOUT", "VIOLATION", "LOST", "REFUSED", "CRASH")
-_BAD_STATES = (NodeState.ERROR, NodeState.OFFLINE, NodeState.DEGRADED)
 
 
 class UnknownNode(LookupError):
@@ -151,9 +157,6 @@ def node_diagnostics_bundle(*, node_id: Any, now: datetime) -> bytes:
 
 
 def _collect(*, node: Node, now: datetime) -> dict[str, Any]:
-    import racon  # noqa: PLC0415
-    from apps.jobs.models import Deployment, Job  # noqa: PLC0415
-
     telemetry = _telemetry(str(node.id))
     files: dict[str, Any] = {}
     files["versions.json"] = {
@@ -177,7 +180,6 @@ def _collect(*, node: Node, now: datetime) -> dict[str, Any]:
         "enrolled_at": node.enrolled_at,
         "revoked_at": node.revoked_at,
         "drain_requested": node.drain_requested,
-        "drained_at": node.drained_at,
         "last_heartbeat_at_db": node.last_heartbeat_at,
     }
     history = (
@@ -252,7 +254,7 @@ def _collect(*, node: Node, now: datetime) -> dict[str, Any]:
 
 
 def _error_event_q() -> Q:
-    q = Q(kind__in=ERROR_KINDS) | Q(new_state__in=list(_BAD_STATES))
+    q = Q(kind__in=ERROR_KINDS) | Q(new_state__in=UNHEALTHY)
     for word in _ERROR_WORDS:
         q |= Q(kind__contains=word)
     return q
@@ -359,14 +361,10 @@ def rpc_probe(*, host: str, port: int, timeout: float) -> dict[str, Any]:
 
 
 def _django_version() -> str:
-    import django  # noqa: PLC0415
-
     return django.get_version()
 
 
 def _db_vendor() -> str:
-    from django.db import connection  # noqa: PLC0415
-
     return connection.vendor
 
 
@@ -439,7 +437,7 @@ def _pack(files: dict[str, Any], *, now: datetime) -> bytes:
 
 
 def _secret_values() -> list[str]:
-    values = [str(getattr(settings, name, "") or "") for name in SECRET_SETTINGS]
+    values = [str(getattr(settings, name) or "") for name in SECRET_SETTINGS]
     # Short values would redact ordinary words; real secrets are long.
     return sorted({v for v in values if len(v) >= 8}, key=len, reverse=True)
 

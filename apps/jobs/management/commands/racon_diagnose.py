@@ -9,7 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from apps.nodes.diagnostics import UnknownNode, node_diagnostics, node_resolve
+from apps.jobs.diagnostics import UnknownNode, node_diagnostics, node_resolve
 
 
 class Command(BaseCommand):

@@ -1,0 +1,486 @@
+"""The commands a node runs, by name, and what ends a job that never reached a runtime.
+
+Each handler takes the command's payload and returns its result; a refusal is a CommandError
+(or a runtime, plan or fetch error), which the dispatcher turns into command_result {ok: false}.
+The handlers reach only the parts they need, never the Agent itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import redis
+
+from agent.client import ControllerClient
+from agent.config import AgentConfig
+from agent.hardware import HardwareSource
+from agent.hardware.benchmark import speed_challenge_digest
+from agent.links import probe_peer
+from agent.models import ShaCache, fetch_model, resolve_model, scan_models
+from agent.outbox import Outbox
+from agent.protocol import (
+    SAMPLING_DEFAULTS,
+    JobFinishedPayload,
+    LoadPrimaryPayload,
+    is_private_address,
+    job_cancel_key,
+)
+from agent.redis_link import RedisLink
+from agent.registry import DeploymentRegistry
+from agent.runtime import PrimaryHandle, RpcWorkerHandle, Runtime, RuntimeErrorReport
+from agent.runtime.primary import PlanError, check_memory, validate_plan_shape
+from agent.runtime.stream import append_done, append_error
+from agent.state import CommandError
+
+log = logging.getLogger("agent")
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+# Where each command runs (agent/agent.py has the threads' reasons). Run inline: the quick ones,
+# so a job reaches its primary with no extra hop. On the one control worker: the ones that must
+# never interleave. Every other command runs on the io workers.
+INLINE = frozenset({"run_job", "cancel_job"})
+CONTROL = frozenset({"rpc_start", "rpc_stop", "load_primary", "unload"})
+RUN_JOB_MAX_TOKENS = 256  # when a run_job carries none
+
+
+class AlreadyLoaded(Exception):
+    """load_primary for a deployment already here with the same plan: its earlier result."""
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        super().__init__("already loaded")
+        self.result = result
+
+
+class Commands:
+    def __init__(
+        self,
+        *,
+        config: AgentConfig,
+        registry: DeploymentRegistry,
+        runtime: Runtime,
+        client: ControllerClient,
+        outbox: Outbox,
+        hw: HardwareSource,
+        sha_cache: ShaCache,
+        redis_link: RedisLink,
+        node_id: Callable[[], str],
+        stop: threading.Event,
+        wake_heartbeat: Callable[[], None],
+        on_rpc_worker_started: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.runtime = runtime
+        self.client = client
+        self.outbox = outbox
+        self.hw = hw
+        self.sha_cache = sha_cache
+        self.redis_link = redis_link
+        self.node_id = node_id
+        self.stop = stop
+        self.wake_heartbeat = wake_heartbeat
+        self.on_rpc_worker_started = on_rpc_worker_started
+        self.log_dir = config.state_dir / "logs"
+        self.rpc_worker: RpcWorkerHandle | None = None
+        self.table: dict[str, Handler] = {
+            "rpc_start": self.rpc_start,
+            "rpc_stop": self.rpc_stop,
+            "load_primary": self.load_primary,
+            "unload": self.unload,
+            "run_job": self.run_job,
+            "cancel_job": self.cancel_job,
+            "probe_links": self.probe_links,
+            "rescan_models": self.rescan_models,
+            "hash_challenge": self.hash_challenge,
+            "speed_challenge": self.speed_challenge,
+            "fetch_model": self.fetch_model,
+        }
+
+    # --- the RPC worker ---------------------------------------------------------------------------
+
+    def start_rpc_worker(self) -> dict[str, Any]:
+        if self.rpc_worker is None:
+            self.rpc_worker = self.runtime.rpc_worker(
+                host=self.config.advertise_address,
+                port=self.config.rpc_port,
+                cache_dir=self.config.state_dir / "rpc-cache",
+                n_threads=self.config.rpc_threads or os.cpu_count() or 1,
+                log_path=self.log_dir / "rpc-worker.log",
+                on_event=self.outbox.event,
+            )
+        return self.rpc_worker.start()
+
+    def stop_rpc_worker(self) -> None:
+        """At shutdown: a worker that will not stop is logged, never raised."""
+        if self.rpc_worker is not None:
+            try:
+                self.rpc_worker.stop(timeout=3.0)
+            except Exception:
+                log.exception("stopping the RPC worker")
+
+    def rpc_start(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Start (or confirm) the worker and let the plan's primary through its tunnel."""
+        dep_id, key, primary = (
+            payload.get(k) for k in ("deployment_id", "tunnel_key", "primary_address")
+        )
+        if key is not None and not (isinstance(dep_id, str) and dep_id and isinstance(key, str)):
+            raise CommandError("malformed rpc_start: 'tunnel_key' needs 'deployment_id'")
+        if primary is not None and not (isinstance(primary, str) and is_private_address(primary)):
+            raise CommandError(
+                f"malformed rpc_start: 'primary_address' {primary!r} is not a private address"
+            )
+        status = self.start_rpc_worker()
+        # With a key, dep_id is a str (checked above); the isinstance narrows it for the checker.
+        if key is not None and isinstance(dep_id, str) and self.rpc_worker is not None:
+            try:
+                self.rpc_worker.authorize(dep_id, key, primary)
+            except ValueError as exc:
+                raise CommandError(f"malformed rpc_start: {exc}") from None
+        self.on_rpc_worker_started()
+        return {"rpc_worker": status}
+
+    def rpc_stop(self, payload: dict[str, Any]) -> dict[str, Any]:
+        if self.rpc_worker is not None:
+            self.rpc_worker.stop()
+        return {"rpc_worker": {"running": False, "endpoint": self.config.rpc_endpoint}}
+
+    # --- deployments ------------------------------------------------------------------------------
+
+    def register_load(self, payload: dict[str, Any]) -> LoadPrimaryPayload:
+        """Check a load_primary and register its deployment at once, so a run_job right behind
+        it waits for the load instead of failing. Raises AlreadyLoaded for a repeat."""
+        plan = validate_plan_shape(payload)
+        existing = self.registry.register(plan)
+        if existing is None:
+            return plan
+        if existing.plan == plan:
+            raise AlreadyLoaded(existing.result)
+        raise CommandError(
+            f"deployment {plan['deployment_id']} is already loaded with another plan; "
+            "unload it first"
+        )
+
+    def load_primary(self, payload: dict[str, Any]) -> dict[str, Any]:
+        plan = cast(LoadPrimaryPayload, payload)  # checked by register_load before it was queued
+        dep_id = plan["deployment_id"]
+        try:
+            model = resolve_model(
+                self.config.models_dir,
+                self.sha_cache,
+                sha256=plan["sha256"].lower(),
+                model_path=plan.get("model_path"),
+            )
+            if model is None:
+                where = (
+                    plan.get("model_path") or f"sha256 {plan['sha256']} in {self.config.models_dir}"
+                )
+                raise PlanError(f"model file not found: {where}")
+            check_memory(plan, self.hw.memory_total())
+            digest = self.sha_cache.sha256(model)
+            if digest != plan["sha256"].lower():
+                raise PlanError(
+                    f"sha256 mismatch for {model}: the plan expects {plan['sha256'].lower()}, "
+                    f"the file has {digest}; refusing to load"
+                )
+            if self.redis_link.client is None:
+                raise CommandError("Redis is not connected")
+            primary = self.runtime.primary(
+                plan=plan,
+                node_id=self.node_id(),
+                model_path=model,
+                redis_client=self.redis_link.client,
+                redis_url=self.redis_link.url,
+                log_path=self.log_dir / f"primary-{dep_id}.log",
+                on_event=self.outbox.event,
+                on_job_finished=self.job_finished,
+                on_exit=self.primary_exited,
+            )
+            self.registry.set_loading(dep_id, primary)
+            loaded = primary.load()
+        except Exception as exc:
+            self._fail_deployment(dep_id, str(exc))
+            raise
+        result = _load_result(dep_id, model, loaded)
+        pending = self.registry.mark_loaded(dep_id, primary, result)
+        if pending is None:  # unloaded while loading (only via drain): do not leak the process
+            primary.stop()
+            raise CommandError(f"deployment {dep_id} was unloaded while loading")
+        summary = ", ".join(
+            f"{a['device']}: {a.get('n_layers', 0)} layers" for a in result["assignment"]
+        )
+        self.outbox.event(
+            "PRIMARY_LOADED",
+            f"deployment {dep_id} loaded ({summary})",
+            {"deployment_id": dep_id, "assignment": result["assignment"]},
+        )
+        for job in pending:
+            self._submit_job(primary, job)
+        self.wake_heartbeat()
+        return result
+
+    def _fail_deployment(self, dep_id: str, reason: str) -> None:
+        dep = self.registry.pop(dep_id)
+        for job in dep.pending if dep else []:
+            self.fail_job(job["job_id"], f"deployment {dep_id} failed to load: {reason}")
+
+    def unload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        dep_id = payload.get("deployment_id")
+        if not isinstance(dep_id, str) or not dep_id:
+            raise CommandError("malformed unload: missing 'deployment_id'")
+        dep = self.registry.pop(dep_id)
+        if dep is None:
+            return {"deployment_id": dep_id, "unloaded": False, "reason": "not loaded"}
+        for job in dep.pending:
+            self.fail_job(job["job_id"], f"deployment {dep_id} was unloaded", cancelled=True)
+        if dep.primary is not None:
+            dep.primary.stop()
+        self.wake_heartbeat()
+        return {"deployment_id": dep_id, "unloaded": True}
+
+    def primary_exited(self, deployment_id: str) -> None:
+        if self.registry.pop(deployment_id) is not None:
+            log.warning("deployment %s is gone; the agent stays up", deployment_id)
+        self.wake_heartbeat()
+
+    # --- jobs -------------------------------------------------------------------------------------
+
+    def run_job(self, payload: dict[str, Any]) -> dict[str, Any]:
+        job_id = payload.get("job_id")
+        if not isinstance(job_id, str) or not job_id:
+            raise CommandError("malformed run_job: missing 'job_id'")
+        try:
+            job = validate_job(payload)
+        except CommandError as exc:
+            self.fail_job(job_id, str(exc))
+            raise
+        job["_received_at"] = time.time()
+        dep_id = job["deployment_id"]
+        dep, queued = self.registry.add_job(job)
+        if queued:
+            return {"job_id": job_id, "accepted": True, "queued_behind_load": True}
+        if dep is None or dep.primary is None:
+            msg = f"deployment {dep_id} is not loaded on this node"
+            self.fail_job(job_id, msg)
+            raise CommandError(msg)
+        error = self._submit_job(dep.primary, job)
+        if error is not None:
+            raise CommandError(error)
+        return {"job_id": job_id, "accepted": True}
+
+    def _submit_job(self, primary: PrimaryHandle, job: dict[str, Any]) -> str | None:
+        """Hand a job to its primary; on failure end the job and return why."""
+        try:
+            primary.submit(job)
+        except RuntimeErrorReport as exc:
+            self.fail_job(job["job_id"], str(exc))
+            return str(exc)
+        return None
+
+    def cancel_job(self, payload: dict[str, Any]) -> dict[str, Any]:
+        job_id = payload.get("job_id")
+        if not isinstance(job_id, str) or not job_id:
+            raise CommandError("malformed cancel_job: missing 'job_id'")
+        r = self.redis_link.client
+        if r is not None:
+            try:  # the primary also polls this key, which covers a job queued inside the child
+                r.set(job_cancel_key(job_id, self.node_id()), "1", ex=3600)
+            except redis.RedisError:
+                pass
+        dep, waiting = self.registry.withdraw_job(job_id)
+        if waiting:
+            self.fail_job(job_id, "cancelled before its deployment loaded", cancelled=True)
+            return {"job_id": job_id, "cancelled": True}
+        if dep is not None and dep.primary is not None and dep.primary.cancel(job_id):
+            return {"job_id": job_id, "cancelled": True}
+        return {"job_id": job_id, "cancelled": False, "reason": "job is not running on this node"}
+
+    def job_finished(self, payload: JobFinishedPayload) -> None:
+        self.registry.job_finished(payload)
+        log.info(
+            "job %s %s (%s tokens%s)",
+            payload["job_id"],
+            payload["status"],
+            payload.get("completion_tokens"),
+            f", {payload['error']}" if payload.get("error") else "",
+        )
+        self.outbox.report("job_finished", dict(payload))
+
+    def fail_job(self, job_id: str, reason: str, *, cancelled: bool = False) -> None:
+        """End a job that never reached a runtime: error in its stream, job_finished report."""
+        r = self.redis_link.client
+        if r is not None:
+            try:
+                if cancelled:
+                    append_done(
+                        r,
+                        job_id,
+                        "cancelled",
+                        {
+                            "prompt_tokens": 0,
+                            "completion_tokens": 0,
+                            "total_tokens": 0,
+                            "ttft_ms": None,
+                            "tokens_per_s": None,
+                        },
+                        node_id=self.node_id(),
+                    )
+                else:
+                    append_error(r, job_id, reason, node_id=self.node_id())
+            except redis.RedisError as exc:
+                log.error("job %s: cannot write to its stream: %s", job_id, exc)
+        self.job_finished(
+            JobFinishedPayload(
+                job_id=job_id,
+                status="cancelled" if cancelled else "failed",
+                finish_reason="cancelled" if cancelled else None,
+                prompt_tokens=0,
+                completion_tokens=0,
+                error=reason,
+            )
+        )
+
+    # --- models and links -------------------------------------------------------------------------
+
+    def probe_links(self, payload: dict[str, Any]) -> dict[str, Any]:
+        peers = payload.get("peers")
+        if not isinstance(peers, list):
+            raise CommandError("malformed probe_links: 'peers' must be a list")
+        links = []
+        for peer in peers:
+            if not isinstance(peer, dict):
+                links.append({"node_id": "", "error": "malformed peer entry"})
+                continue
+            probe = probe_peer(peer)
+            if probe.get("public"):
+                self.outbox.event(
+                    "PUBLIC_IP_VIOLATION",
+                    probe["error"],
+                    {"address": probe["address"], "role": "probe_links"},
+                )
+            links.append(probe)
+        self.outbox.report("links", {"links": links})
+        return {"links": len(links), "failed": sum(1 for p in links if "error" in p)}
+
+    def rescan_models(self, payload: dict[str, Any]) -> dict[str, Any]:
+        models = scan_models(self.config.models_dir, self.sha_cache)
+        self.outbox.report("models", {"models": models})
+        return {"models": len(models)}
+
+    def hash_challenge(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """sha256(nonce | bytes[offset:offset+length]) of this node's copy of a model file: the
+        controller compares it with its own copy before it trusts the claim "I hold this file"."""
+        try:
+            sha, nonce = str(payload["sha256"]).lower(), bytes.fromhex(str(payload["nonce"]))
+            offset, length = int(payload["offset"]), int(payload["length"])
+        except (KeyError, TypeError, ValueError):
+            raise CommandError(
+                "malformed hash_challenge: needs sha256, nonce (hex), offset and length"
+            ) from None
+        if offset < 0 or not 0 < length <= 16 * 2**20:
+            raise CommandError("malformed hash_challenge: offset >= 0 and 0 < length <= 16 MiB")
+        path = resolve_model(
+            self.config.models_dir, self.sha_cache, sha256=sha, model_path=payload.get("path")
+        )
+        if path is None:
+            raise CommandError(f"hash_challenge: no file with sha256 {sha} on this node")
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        return {"digest": hashlib.sha256(nonce + data).hexdigest(), "path": str(path)}
+
+    def speed_challenge(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The chain of matmuls the controller times to check this node's gflops claim upward
+        (agent.hardware.benchmark.speed_challenge_digest); bounded so a command cannot pin the node."""
+        try:
+            seed, n, reps = int(payload["seed"]), int(payload["n"]), int(payload["reps"])
+        except (KeyError, TypeError, ValueError):
+            raise CommandError("malformed speed_challenge: needs integer seed, n and reps") from None
+        if not (0 <= seed < 2**63 and 16 <= n <= 2048 and 1 <= reps <= 10_000):
+            raise CommandError("malformed speed_challenge: 0 <= seed < 2^63, 16 <= n <= 2048, 1 <= reps <= 10000")
+        return {"digest": speed_challenge_digest(seed=seed, n=n, reps=reps)}
+
+    def fetch_model(self, payload: dict[str, Any]) -> dict[str, Any]:
+        for key in ("sha256", "file_name", "url"):
+            if not isinstance(payload.get(key), str):
+                raise CommandError(f"malformed fetch_model: missing {key!r}")
+        size = payload.get("size")
+        url = payload["url"]
+        if url.startswith("/"):
+            url = self.config.controller_url + url
+        headers = self.client.auth_headers() if url.startswith(self.config.controller_url) else {}
+        path = fetch_model(
+            url=url,
+            dest_dir=self.config.models_dir,
+            file_name=payload["file_name"],
+            sha256=payload["sha256"],
+            size=size if isinstance(size, int) else None,
+            headers=headers,
+            stop=self.stop,
+        )
+        self.rescan_models({})
+        return {"path": str(path), "sha256": payload["sha256"].lower(), "size": path.stat().st_size}
+
+
+def _load_result(dep_id: str, model: Path, loaded: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "deployment_id": dep_id,
+        "model_path": str(model),
+        "n_layer": loaded.get("n_layer"),
+        "n_ctx": loaded.get("n_ctx"),
+        "load_ms": loaded.get("load_ms"),
+        "warmup_ms": loaded.get("warmup_ms"),
+        "assignment": loaded.get("assignment", []),
+        "layer_devices": loaded.get("layer_devices", {}),
+        "devices": loaded.get("devices", []),
+        "load_log": loaded.get("load_log", []),
+        "pid": loaded.get("pid"),
+    }
+
+
+def validate_job(payload: dict[str, Any]) -> dict[str, Any]:
+    """A run_job payload checked, with the defaults filled in (SAMPLING_DEFAULTS for sampling)."""
+    job = dict(payload)
+    if not isinstance(job.get("deployment_id"), str) or not job["deployment_id"]:
+        raise CommandError("malformed run_job: missing 'deployment_id'")
+    kind = job.setdefault("kind", "chat")
+    if kind == "chat":
+        msgs = job.get("messages")
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content", ""), str)
+                for m in msgs
+            )
+        ):
+            raise CommandError("malformed run_job: chat needs 'messages' [{role, content}]")
+    elif kind == "completion":
+        if not isinstance(job.get("prompt"), str):
+            raise CommandError("malformed run_job: completion needs a 'prompt' string")
+    else:
+        raise CommandError(f"malformed run_job: kind must be 'chat' or 'completion', got {kind!r}")
+    # object: a TypedDict unpacks as Mapping[str, object]; every value here is a number.
+    defaults: dict[str, object] = {"max_tokens": RUN_JOB_MAX_TOKENS, **SAMPLING_DEFAULTS}
+    for key, default in defaults.items():
+        v = job.setdefault(key, default)
+        if v is None:
+            job[key] = default
+        elif not isinstance(v, int | float) or isinstance(v, bool):
+            raise CommandError(f"malformed run_job: {key!r} must be a number")
+    stop = job.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise CommandError("malformed run_job: 'stop' must be a list of strings")
+    job["stop"] = stop
+    return job

@@ -1,0 +1,59 @@
+"""Who a request acts for: the bearer key's principal, or the signed-in user's account.
+
+The key check itself (hashing, the operator's AI_API_KEY, the cache) is apps.api.auth. A user's
+own account is found or created by the credits app (with its starting grant on first use), a layer
+above this one: it registers that function here at start-up (``user_account_provide``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .models import Account, ApiKey
+
+UserAccount = Callable[..., Account]  # (*, user) -> Account
+_providers: dict[str, UserAccount] = {}
+
+
+@dataclass
+class KeyPrincipal:
+    """Who a bearer key speaks for. Stands in for request.user on API-key requests."""
+
+    key_id: Any
+    account_id: Any
+    scopes: frozenset[str]
+    user: Any = None
+    is_operator_key: bool = False
+    is_authenticated: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_staff(self) -> bool:
+        if self.user is not None and getattr(self.user, "is_staff", False):
+            return True
+        return ApiKey.SCOPE_ADMIN in self.scopes
+
+    @property
+    def pk(self) -> Any:
+        return getattr(self.user, "pk", None)
+
+
+def user_account_provide(provider: UserAccount) -> None:
+    """Set the function that finds or creates a user's own account (apps.credits, at ready())."""
+    _providers["user"] = provider
+
+
+def request_account_id(request: Any) -> Any:
+    """The credit account a request acts for: the key's account, or the session user's."""
+    principal = getattr(request, "_racon_principal", None) or getattr(request, "auth", None)
+    if isinstance(principal, KeyPrincipal):
+        return principal.account_id
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated:
+        provider = _providers.get("user")
+        if provider is None:
+            raise RuntimeError("no user-account provider registered (apps.credits is not installed)")
+        return provider(user=user).id
+    return None

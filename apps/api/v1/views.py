@@ -1,0 +1,420 @@
+"""The /v1 views: /v1/chat/completions, /v1/completions, /v1/models.
+
+Each request: authenticate and validate (serializers), admit through apps.jobs.serving (the
+credit hold and the account's standing are computed here and passed in: jobs never imports
+credits), read the job's stream, and shape OpenAI's answer (responses). The sync front is one
+thread hop; the stream read is async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    JsonResponse,
+    StreamingHttpResponse,
+)
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+
+from apps.accounts.models import ApiKey
+from apps.credits.ledger import InsufficientCredits
+from apps.credits.selectors import account_standing
+from apps.credits.settlement import credit_reserve
+from apps.jobs import admission, serving
+from apps.jobs import services as job_services
+from apps.jobs.models import Job
+from apps.jobs.serving import Admission, pooled
+from apps.jobs.streams import StreamFailure, error_for_entry
+from apps.models_repo.models import Model
+from racon.logging import log_context
+
+from ..auth import KeyPrincipal, bearer_from_header, principal_for_key
+from ..errors import ApiError
+from . import responses as shape
+from .serializers import ChatCompletionIn, CompletionIn, max_tokens_asked, sampling, validate
+
+log = logging.getLogger("racon.api")
+
+
+# --- the synchronous front (one thread hop) -------------------------------------------------------
+
+
+def _principal(header: str) -> KeyPrincipal:
+    raw = bearer_from_header(header)
+    if not raw:
+        raise ApiError(
+            "You didn't provide an API key. Provide it as 'Authorization: Bearer YOUR_KEY'.",
+            status_code=401,
+            type_="invalid_request_error",
+            code="invalid_api_key",
+        )
+    principal = principal_for_key(raw)
+    if principal is None:
+        raise ApiError(
+            "Incorrect API key provided.",
+            status_code=401,
+            type_="invalid_request_error",
+            code="invalid_api_key",
+        )
+    if ApiKey.SCOPE_INFERENCE not in principal.scopes:
+        raise ApiError(
+            "This API key lacks the 'inference' scope.",
+            status_code=403,
+            type_="permission_error",
+            code="insufficient_scope",
+        )
+    return principal
+
+
+def _credit_hold(job: Job) -> None:
+    """Hold the job's worst case on its account, in the job's own transaction (none without one)."""
+    if job.account_id is not None:
+        credit_reserve(
+            account_id=job.account_id,
+            job_id=job.id,
+            max_tokens=job.max_tokens,
+            model_price_permille=job.model.price_weight_permille,
+            now=job.queued_at,
+        )
+
+
+def _standing(account_id: Any) -> float:
+    """The account's standing, read by admission only if the request has to queue."""
+    return float(account_standing(account_ids=[account_id]).get(account_id, 0))
+
+
+def _authorize_and_admit(
+    *, header: str, kind: str, body: Any, request_id: str
+) -> tuple[dict[str, Any], Admission]:
+    """Authenticate, validate, admit. Authentication comes first, as with OpenAI: a bad key is 401
+    whatever the body."""
+    principal = _principal(header)
+    v = validate(ChatCompletionIn if kind == "chat" else CompletionIn, body)
+    params = sampling(v)
+    if kind == "chat":
+        params["messages"] = v["messages"]
+    else:
+        params["prompt"] = v["prompt"]
+    try:
+        adm = serving.admission_open(
+            model_name=v["model"],
+            account_id=principal.account_id,
+            api_key_id=principal.key_id,
+            kind=kind,
+            params=params,
+            max_tokens=max_tokens_asked(v),
+            stream=bool(v.get("stream")),
+            request_id=request_id,
+            hold=_credit_hold,
+            now=timezone.now(),
+        )
+    except serving.ModelNotFound as exc:
+        raise ApiError(
+            f"The model '{exc.name}' does not exist",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+            type_="invalid_request_error",
+        ) from exc
+    except serving.ContextTooLong as exc:
+        raise ApiError(
+            f"max_tokens is too large: {exc.max_tokens}. "
+            f"This model's context length is {exc.n_ctx} tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        ) from exc
+    except InsufficientCredits as exc:
+        raise ApiError(
+            f"You exceeded your current quota: {exc}",
+            status_code=429,
+            type_="insufficient_quota",
+            code="insufficient_quota",
+        ) from exc
+    return v, adm
+
+
+async def _wait_and_dispatch(adm: Admission) -> None:
+    """Wait (bounded) for a serving deployment and a slot, then dispatch; else 503 with Retry-After."""
+    try:
+        await serving.admission_wait(adm=adm, standing=lambda: _standing(adm.account_id))
+    except admission.DeploymentUnavailable as exc:
+        raise _no_capacity(
+            f"No deployment of this model is available: {exc.reason}", retry_after=30
+        ) from exc
+    except admission.QueueFull as exc:
+        raise _no_capacity("The server is at capacity; retry shortly.", retry_after=2) from exc
+    except admission.WaitTimedOut as exc:
+        raise _no_capacity(
+            "The model is busy or still loading; retry shortly.", retry_after=5
+        ) from exc
+
+
+def _no_capacity(message: str, *, retry_after: int) -> ApiError:
+    return ApiError(
+        message,
+        status_code=503,
+        type_="server_error",
+        code="no_capacity",
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
+def _stream_error(exc: StreamFailure) -> ApiError:
+    """A failure before the answer began: context too long is the client's (400), else 502."""
+    if exc.code == "context_length_exceeded":
+        return ApiError(exc.message, param="messages", code="context_length_exceeded")
+    return ApiError(exc.message, status_code=502, type_="server_error", code=exc.code)
+
+
+# --- the completion views -------------------------------------------------------------------------
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponseBase:
+    return await _completion(request, kind="chat")
+
+
+@csrf_exempt
+async def completions(request: HttpRequest) -> HttpResponseBase:
+    return await _completion(request, kind="completion")
+
+
+async def _completion(request: HttpRequest, *, kind: str) -> HttpResponseBase:
+    if request.method != "POST":
+        return ApiError(
+            "Use POST for this endpoint.", status_code=405, code="method_not_allowed"
+        ).response()
+    request_id = getattr(request, "request_id", "")
+    adm: Admission | None = None
+    try:
+        try:
+            body = json.loads(request.body or b"")
+        except ValueError as exc:
+            raise ApiError(
+                f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+            ) from exc
+        header = request.headers.get("Authorization", "")
+        v, adm = await pooled(_authorize_and_admit)(
+            header=header, kind=kind, body=body, request_id=request_id
+        )
+        with log_context(job_id=adm.job_id, deployment_id=adm.deployment_id):
+            if not adm.dispatched:
+                await _wait_and_dispatch(adm)
+            log.info("job dispatched to %s", ",".join(adm.nodes))
+            stream = bool(v.get("stream"))
+            include_usage = bool((v.get("stream_options") or {}).get("include_usage"))
+            # Read the first entry before answering: an early error (context too long) is a 400.
+            try:
+                first, entries = await serving.stream_open(adm=adm)
+            except StreamFailure as exc:
+                raise _stream_error(exc) from exc
+            first_at = timezone.now()
+            if stream:
+                resp = StreamingHttpResponse(
+                    _sse_body(adm, kind, first, entries, include_usage, first_at),
+                    content_type="text/event-stream",
+                )
+                resp["Cache-Control"] = "no-cache"
+                resp["X-Accel-Buffering"] = "no"
+                adm.handed_off = True
+                return shape.with_job_headers(resp, adm)
+            await pooled(job_services.job_mark_running)(job_id=adm.job_id, now=first_at)
+            return shape.with_job_headers(await _collect(adm, kind, first, entries), adm)
+    except ApiError as exc:
+        if adm is not None and exc.status_code >= 500 and not adm.finished:
+            await pooled(serving.admission_finish)(
+                adm=adm, outcome="failed", error=exc.message, during=False
+            )
+        error = exc.response()
+        if adm is not None:
+            shape.with_job_headers(error, adm)
+        return error
+    except asyncio.CancelledError:
+        # The client went away before its response began (queued, dispatching, or before the
+        # first token): the wait already left the queue; the job is cancelled, its slot freed.
+        if adm is not None and not adm.handed_off:
+            serving.admission_cancel(adm=adm)
+        raise
+    except Exception:
+        log.exception("internal error in %s completion", kind)
+        if adm is not None and not adm.finished:
+            await pooled(serving.admission_finish)(
+                adm=adm, outcome="failed", error="internal error", during=None
+            )
+        return ApiError(
+            "The server had an error while processing your request.",
+            status_code=500,
+            type_="server_error",
+            code="internal_error",
+        ).response()
+
+
+async def _sse_body(
+    adm: Admission,
+    kind: str,
+    first: dict[str, str],
+    entries: AsyncIterator[dict[str, str]],
+    include_usage: bool,
+    first_at: datetime,
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    marked_running = False
+    done: dict[str, str] | None = None
+    finish = pooled(serving.admission_finish)
+    try:
+        if kind == "chat":
+            yield shape.sse(
+                shape.chat_chunk(
+                    adm, created, {"role": "assistant", "content": ""}, None, None, include_usage
+                )
+            )
+        entry: dict[str, str] | None = first
+        while entry is not None:
+            etype = entry.get("type")
+            if etype == "chunk":
+                yield shape.sse(
+                    shape.content_chunk(adm, kind, created, entry.get("text", ""), include_usage)
+                )
+                if not marked_running:
+                    # Recorded after the first token is on the wire, not in front of it.
+                    marked_running = True
+                    await pooled(job_services.job_mark_running)(job_id=adm.job_id, now=first_at)
+            elif etype == "done":
+                fr = entry.get("finish_reason") or "stop"
+                if fr == "cancelled":
+                    await finish(adm=adm, outcome="cancelled", entry=entry, error="cancelled")
+                    yield shape.sse_error("The request was cancelled.", "cancelled")
+                    yield shape.DONE
+                    return
+                yield shape.sse(shape.finish_chunk(adm, kind, created, fr, include_usage))
+                if include_usage:
+                    usage = shape.usage_body(
+                        serving.admission_usage(adm=adm, entry=entry, check=False)
+                    )
+                    yield shape.sse(shape.usage_chunk(adm, kind, created, usage))
+                # The client has everything: send [DONE] first, then record the job (settlement
+                # and metrics) before the response closes, so a client that reads to the end
+                # still finds the job COMPLETED. One that leaves at [DONE] is recorded below.
+                done = entry
+                yield shape.DONE
+                await finish(adm=adm, outcome="completed", entry=entry, finish_reason=fr)
+                return
+            elif etype == "error":
+                failure = error_for_entry(entry)
+                await finish(
+                    adm=adm, outcome="failed", entry=entry, error=failure.message, during=True
+                )
+                yield shape.sse_error(failure.message, failure.code)
+                yield shape.DONE
+                return
+            try:
+                entry = await entries.__anext__()
+            except StopAsyncIteration:
+                entry = None
+    except StreamFailure as exc:
+        await finish(adm=adm, outcome="failed", error=exc.message, during=True)
+        yield shape.sse_error(exc.message, exc.code)
+        yield shape.DONE
+    finally:
+        if done is not None:
+            serving.admission_finish_in_background(
+                adm=adm,
+                outcome="completed",
+                entry=done,
+                finish_reason=done.get("finish_reason") or "stop",
+            )
+        serving.admission_cancel(adm=adm)  # both no-ops once the job's end was recorded
+
+
+async def _collect(
+    adm: Admission, kind: str, first: dict[str, str], entries: AsyncIterator[dict[str, str]]
+) -> HttpResponse:
+    parts: list[str] = []
+    entry: dict[str, str] | None = first
+    finish = pooled(serving.admission_finish)
+    try:
+        while entry is not None:
+            etype = entry.get("type")
+            if etype == "chunk":
+                parts.append(entry.get("text", ""))
+            elif etype == "done":
+                fr = entry.get("finish_reason") or "stop"
+                if fr == "cancelled":
+                    await finish(adm=adm, outcome="cancelled", entry=entry, error="cancelled")
+                    raise ApiError(
+                        "The request was cancelled.",
+                        status_code=499,
+                        type_="server_error",
+                        code="cancelled",
+                    )
+                usage = shape.usage_body(serving.admission_usage(adm=adm, entry=entry, check=False))
+                await finish(adm=adm, outcome="completed", entry=entry, finish_reason=fr)
+                return JsonResponse(
+                    shape.completion_body(adm, kind, int(time.time()), "".join(parts), fr, usage)
+                )
+            elif etype == "error":
+                failure = error_for_entry(entry)
+                await finish(
+                    adm=adm, outcome="failed", entry=entry, error=failure.message, during=True
+                )
+                raise ApiError(
+                    failure.message, status_code=502, type_="server_error", code=failure.code
+                )
+            entry = await entries.__anext__()
+    except StreamFailure as exc:
+        await finish(adm=adm, outcome="failed", error=exc.message, during=True)
+        raise ApiError(exc.message, status_code=502, type_="server_error", code=exc.code) from exc
+    except (asyncio.CancelledError, GeneratorExit):
+        serving.admission_cancel(adm=adm)
+        raise
+    raise StreamFailure("the stream ended without a final entry")
+
+
+# --- /v1/models -----------------------------------------------------------------------------------
+
+
+def _models_payload(model_id: str | None = None) -> dict[str, Any] | None:
+    qs = Model.objects.filter(files__isnull=False).distinct()
+    if model_id is not None:
+        qs = qs.filter(name=model_id)
+    models = list(qs)
+    if model_id is not None:
+        return shape.model_body(models[0]) if models else None
+    return shape.models_body(models)
+
+
+@csrf_exempt
+async def models_list(request: HttpRequest) -> HttpResponse:
+    try:
+        await sync_to_async(_principal)(request.headers.get("Authorization", ""))
+    except ApiError as exc:
+        return exc.response()
+    return JsonResponse(await sync_to_async(_models_payload)())
+
+
+@csrf_exempt
+async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
+    try:
+        await sync_to_async(_principal)(request.headers.get("Authorization", ""))
+    except ApiError as exc:
+        return exc.response()
+    body = await sync_to_async(_models_payload)(model_id)
+    if body is None:
+        return ApiError(
+            f"The model '{model_id}' does not exist",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        ).response()
+    return JsonResponse(body)

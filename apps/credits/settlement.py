@@ -1,0 +1,435 @@
+"""Job settlement, holds (reservations) and standby pay, all posted through ledger.ledger_post.
+
+Locks follow the ledger's one order (ledger.accounts_lock: every account in primary-key order,
+in one query) before any entry is written; see the top of ledger.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Sum
+
+from apps.accounts.models import Account, AccountKind
+
+# Credits sits above jobs and nodes in the layering (docs/design/serving.md): it reads them directly.
+from apps.jobs.models import Deployment, Job, JobAttempt
+from apps.jobs.states import JOB_TERMINAL
+from apps.nodes.models import Node
+from apps.nodes.states import NodeState
+
+from .ledger import PostingLine, account_system, accounts_lock, entry_existing, ledger_post
+from .models import Entry, EntryKind
+from .receipts import Payout, receipts_issue
+from .rules import (
+    NodeWork,
+    amount_check,
+    plan_work,
+    seen_worker_bytes,
+    settlement_split,
+    standby_amount,
+    standby_capped,
+    standby_memory,
+    token_cost,
+)
+from .selectors import ESCROW, FEES, HOLDS, MINT, account_key, earnings_total, escrow_held, job_hold
+
+log = logging.getLogger("racon.credits")
+
+
+class JobNotTerminal(ValueError):
+    """Settlement was asked for a job that is still queued or running."""
+
+
+def credit_reserve(
+    *, account_id: Any, job_id: Any, max_tokens: int, model_price_permille: int, now: datetime
+) -> int:
+    """Hold max_tokens' worth of credits for the job (once per job); InsufficientCredits if short.
+
+    Call it in the transaction that creates the Job (the entry references it). The operator's
+    system account has no floor, so it is never refused. Returns the micro-credits held.
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if (
+        isinstance(model_price_permille, bool)
+        or not isinstance(model_price_permille, int)
+        or model_price_permille < 0
+    ):
+        raise ValueError(
+            f"model price weight must be a non-negative integer, got {model_price_permille!r}"
+        )
+    micro = settings.CREDITS_MICRO_PER_TOKEN
+    amount = token_cost(
+        tokens=max_tokens, price_permille=model_price_permille, micro_per_token=micro
+    )
+    if amount == 0:
+        return 0  # a free model: nothing to hold
+    amount_check(amount, what="reservation")
+    holds = account_system(name=HOLDS)
+    entry = ledger_post(
+        key=f"reserve:{job_id}",
+        kind=EntryKind.RESERVE,
+        postings=[(account_id, -amount), (holds.pk, amount)],
+        memo=f"hold for job {job_id}: {max_tokens} tokens",
+        now=now,
+        job_id=job_id,
+        data={
+            "max_tokens": max_tokens,
+            "price_permille": model_price_permille,
+            "micro_per_token": micro,
+        },
+    )
+    return int(entry.postings.filter(account_id=holds.pk).aggregate(s=Sum("amount"))["s"] or 0)
+
+
+@dataclass
+class _EarningRules:
+    escrow_on: bool
+    threshold: int
+    earned: dict[str, int] = field(default_factory=dict)
+
+
+def _earning_rules() -> _EarningRules:
+    return _EarningRules(
+        escrow_on=settings.CREDITS_ESCROW_ENABLED,
+        threshold=settings.CREDITS_ESCROW_TRUST_THRESHOLD,
+    )
+
+
+def _to_escrow(*, rules: _EarningRules, owner: Account) -> bool:
+    """A new contributor's earnings wait in escrow until its lifetime earnings reach the threshold."""
+    if not rules.escrow_on or owner.kind == AccountKind.SYSTEM:
+        return False
+    key = account_key(owner.pk)
+    if key not in rules.earned:
+        rules.earned[key] = earnings_total(account_id=owner.pk)  # read under the owner's lock
+    return rules.earned[key] < rules.threshold
+
+
+def _escrow_release_if_due(
+    *, owner_id: str, escrow_id: Any, trigger: str, now: datetime
+) -> Entry | None:
+    """Pay out what escrow holds for the owner once it is trusted (or escrow was switched off)."""
+    held = escrow_held(account_id=owner_id)
+    if held <= 0:
+        return None
+    rules = _earning_rules()
+    if rules.escrow_on and earnings_total(account_id=owner_id) < rules.threshold:
+        return None
+    return ledger_post(
+        key=f"escrow-release:{owner_id}:{trigger}",
+        kind=EntryKind.ESCROW_RELEASE,
+        postings=[(escrow_id, -held, owner_id), (owner_id, held, owner_id)],
+        memo="escrow released: trust threshold reached"
+        if rules.escrow_on
+        else "escrow released: escrow is off",
+        now=now,
+    )
+
+
+def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
+    """Settle a terminal job exactly once: charge what was delivered, release the rest, pay the nodes.
+
+    Charges prompt + completion tokens at the model's price, never more than the hold (what the
+    hold does not cover is not charged, and the overrun is recorded), pays each node
+    of the plan its share (settlement_split) to its owner or to escrow, releases the rest of the
+    hold, and signs one receipt per participating node, all in one transaction. Completed, failed
+    and cancelled jobs go through the same path. Repeated or concurrent calls return the one entry.
+    """
+
+    key = f"settle:{job_id}"
+    existing = entry_existing(key=key, kind=EntryKind.SETTLE)
+    if existing is not None:
+        return existing
+    job = Job.objects.select_related("model", "deployment").get(pk=job_id)
+    if job.state not in JOB_TERMINAL:
+        raise JobNotTerminal(f"job {job_id} is {job.state}, not terminal")
+
+    tokens = job.prompt_tokens + job.completion_tokens
+    parts = _attempt_parts(job)
+    nodes = {
+        str(n.pk): n
+        for n in Node.objects.filter(pk__in=[w.node_id for p in parts for w in p.work])
+    }
+    for part in parts:
+        part.work = [w for w in part.work if w.node_id in nodes]  # a gone node cannot be paid
+        if part.primary not in nodes:
+            part.primary = part.work[0].node_id if part.work else None
+    work = _work_merged(parts)
+    primaries = {p.primary for p in parts if p.primary is not None and p.weight > 0}
+    primary = parts[-1].primary
+    owners = {nid: account_key(n.account_id) for nid, n in nodes.items()}
+
+    price = job.model.price_weight_permille
+    micro = settings.CREDITS_MICRO_PER_TOKEN
+    cost = token_cost(tokens=tokens, price_permille=price, micro_per_token=micro)
+    fee_permille = min(max(settings.CREDITS_FEE_PERMILLE, 0), 1000)
+    primary_permille = settings.CREDITS_PRIMARY_SHARE_PERMILLE
+    holds, fees, escrow = (account_system(name=n) for n in (HOLDS, FEES, ESCROW))
+    rules = _earning_rules()
+
+    with transaction.atomic():
+        held, consumer_id = job_hold(job_id=job.pk)
+        if consumer_id is None and job.account_id is not None:
+            consumer_id = account_key(job.account_id)
+        lock = {holds.pk, fees.pk, escrow.pk, *owners.values()}
+        if consumer_id is not None:
+            lock.add(consumer_id)
+        accounts = accounts_lock(lock)
+        existing = entry_existing(key=key, kind=EntryKind.SETTLE)
+        if existing is not None:
+            return existing  # a concurrent settlement won while we waited for the locks
+
+        # Never more than the hold: usage is a node's claim until counted, and a forged figure
+        # (2,000,000,000 tokens) must not reach into the consumer's whole balance.
+        charge = 0 if consumer_id is None else min(cost, held)
+        fee = charge * fee_permille // 1000
+        pool = charge - fee
+        shares = _attempts_split(value=pool, parts=parts, primary_share_permille=primary_permille)
+        if not shares:
+            fee, pool = charge, 0  # nobody to pay (no plan): the value goes to fees
+
+        postings: list[PostingLine] = []
+        if held:
+            postings.append((holds.pk, -held))
+        if consumer_id is not None and held != charge:
+            postings.append((consumer_id, held - charge))
+        if fee:
+            postings.append((fees.pk, fee))
+        payouts: list[Payout] = []
+        for w in work:
+            owner = accounts[owners[w.node_id]]
+            amount = shares.get(w.node_id, 0)
+            escrowed = amount > 0 and _to_escrow(rules=rules, owner=owner)
+            payouts.append(
+                Payout(
+                    node_id=w.node_id,
+                    owner_id=owners[w.node_id],
+                    amount=amount,
+                    escrowed=escrowed,
+                    layers=w.layers,
+                    device_ms=w.device_ms,
+                    primary=w.node_id in primaries,
+                )
+            )
+            if amount > 0:
+                postings.append((escrow.pk if escrowed else owner.pk, amount, owner.pk))
+
+        entry = ledger_post(
+            key=key,
+            kind=EntryKind.SETTLE,
+            postings=postings,
+            memo=f"job {job.pk} {job.state}: {tokens} tokens of {job.model.name}",
+            now=now,
+            job_id=job.pk,
+            data={
+                "state": job.state,
+                "prompt_tokens": job.prompt_tokens,
+                "completion_tokens": job.completion_tokens,
+                "price_permille": price,
+                "micro_per_token": micro,
+                "cost": cost,
+                "held": held,
+                "charged": charge,
+                "uncharged": cost - charge,
+                "fee": fee,
+                "value": pool,
+                "primary_node_id": primary,
+                "shares": {p.node_id: p.amount for p in payouts},
+                **(
+                    {"attempts": [{"primary_node_id": p.primary, "tokens": p.weight} for p in parts]}
+                    if len(parts) > 1
+                    else {}
+                ),
+            },
+        )
+        receipts_issue(entry=entry, job=job, nodes=nodes, payouts=payouts, value=pool, now=now)
+        for owner_id in sorted({p.owner_id for p in payouts if p.amount > 0}):
+            _escrow_release_if_due(owner_id=owner_id, escrow_id=escrow.pk, trigger=key, now=now)
+    return entry
+
+
+@dataclass
+class _AttemptPart:
+    """One attempt's share of a job: its plan's work and the tokens it is paid for."""
+
+    primary: str | None
+    work: list[NodeWork]
+    weight: int  # tokens this attempt produced (the first attempt also evaluated the prompt)
+
+
+def _attempt_parts(job: Job) -> list[_AttemptPart]:
+    """The job's attempts as settlement parts; one part (the job's deployment) without failover.
+
+    After a failover each attempt is paid for the completion tokens the controller counted on
+    its own stream (JobAttempt.completion_tokens), the first also for the prompt: no node is paid
+    for tokens another produced. The weights only divide the pool; what is charged is the job's
+    own count, bounded by the hold, so a failover never charges the same tokens twice.
+    """
+    device_seconds = job.device_seconds if isinstance(job.device_seconds, dict) else None
+    attempts = list(
+        JobAttempt.objects.filter(job=job).select_related("deployment").order_by("number")
+    )
+    if len(attempts) <= 1:
+        plan = (job.deployment.plan if job.deployment is not None else None) or {}
+        primary, work = plan_work(plan, device_seconds)
+        return [_AttemptPart(primary=primary, work=work, weight=job.prompt_tokens + job.completion_tokens)]
+    parts = []
+    for i, a in enumerate(attempts):
+        plan = a.plan or (a.deployment.plan if a.deployment is not None else None) or {}
+        last = i == len(attempts) - 1
+        primary, work = plan_work(plan, device_seconds if last else None)
+        weight = int(a.completion_tokens) + (job.prompt_tokens if i == 0 else 0)
+        parts.append(_AttemptPart(primary=primary, work=work, weight=weight))
+    return parts
+
+
+def _work_merged(parts: list[_AttemptPart]) -> list[NodeWork]:
+    """One NodeWork per node over all attempts (a node in two attempts' plans appears once)."""
+    merged: dict[str, NodeWork] = {}
+    for part in parts:
+        for w in part.work:
+            had = merged.get(w.node_id)
+            if had is None:
+                merged[w.node_id] = NodeWork(node_id=w.node_id, layers=w.layers, device_ms=w.device_ms)
+            else:
+                ms = (had.device_ms or 0) + (w.device_ms or 0)
+                merged[w.node_id] = NodeWork(node_id=w.node_id, layers=max(had.layers, w.layers), device_ms=ms or None)
+    return list(merged.values())
+
+
+def attempts_split(*, value: int, weights: list[int]) -> list[int]:
+    """``value`` divided in proportion to ``weights``, exactly (the remainder to the last weighted part)."""
+    total = sum(max(w, 0) for w in weights)
+    if total <= 0:
+        return [0] * (len(weights) - 1) + [value] if weights else []
+    out = [value * max(w, 0) // total for w in weights]
+    last = max(i for i, w in enumerate(weights) if w > 0)
+    out[last] += value - sum(out)
+    return out
+
+
+def _attempts_split(
+    *, value: int, parts: list[_AttemptPart], primary_share_permille: int
+) -> dict[str, int]:
+    """Each attempt's part of ``value`` split over its own plan (settlement_split), summed per node."""
+    if not any(p.work for p in parts):
+        return {}  # nobody to pay: the caller sends the value to fees
+    # A part without a payable node gets nothing; its tokens' value goes to those that did work.
+    weights = [p.weight if p.work else 0 for p in parts]
+    if sum(weights) <= 0:
+        weights = [1 if p.work else 0 for p in parts]
+    shares: dict[str, int] = {}
+    values = attempts_split(value=value, weights=weights)
+    for part, part_value in zip(parts, values, strict=True):
+        got = settlement_split(
+            value=part_value,
+            work=part.work,
+            primary_node_id=part.primary,
+            tokens=part.weight,
+            primary_share_permille=primary_share_permille,
+        )
+        for node_id, amount in got.items():
+            shares[node_id] = shares.get(node_id, 0) + amount
+    return shares
+
+
+# --- standby reward --------------------------------------------------------------------------------
+
+
+def credit_standby_reward(*, now: datetime) -> list[Entry]:
+    """Pay every READY node for the time it lent since its last reward, once per node per period.
+
+    Pay = CREDITS_STANDBY_PER_GIB_HOUR × GiB offered (free RAM + free VRAM) × hours, counted
+    from the later of its last standby reward and its becoming READY, and at most one period
+    (CREDITS_STANDBY_PERIOD_SECONDS) back. The figures are the node's claims, so: memory past
+    CREDITS_STANDBY_UNSEEN_BYTES is paid only up to what the node was seen to hold (buffers another
+    node's primary loaded onto it), and one node's pay per period is at most
+    CREDITS_STANDBY_CAP_PER_PERIOD. Minted, to the owner or to escrow like any earning.
+    """
+
+    rate = settings.CREDITS_STANDBY_PER_GIB_HOUR
+    period_s = settings.CREDITS_STANDBY_PERIOD_SECONDS
+    if rate <= 0 or period_s <= 0:
+        return []
+    cap = settings.CREDITS_STANDBY_CAP_PER_PERIOD
+    unseen = settings.CREDITS_STANDBY_UNSEEN_BYTES
+    period = int(now.timestamp()) // period_s
+    mint, escrow = account_system(name=MINT), account_system(name=ESCROW)
+    seen = _seen_bytes_by_node() if unseen >= 0 else {}
+    paid: list[Entry] = []
+    for node in Node.objects.filter(state=NodeState.READY, revoked_at__isnull=True).order_by("pk"):
+        key = f"standby:{node.pk}:{period}"
+        if Entry.objects.filter(idempotency_key=key).exists():
+            continue
+        last = (
+            Entry.objects.filter(kind=EntryKind.STANDBY, node=node)
+            .order_by("-created_at")
+            .values_list("created_at", flat=True)
+            .first()
+        )
+        start = max(
+            t
+            for t in (last, node.state_changed_at, now - timedelta(seconds=period_s))
+            if t is not None
+        )
+        elapsed_ms = (now - start) // timedelta(milliseconds=1)
+        claimed = max(node.ram_available, 0) + max(node.vram_free, 0)
+        memory = standby_memory(claimed_bytes=claimed, seen_bytes=seen.get(str(node.pk), 0), unseen_allowance=unseen)
+        uncapped = standby_amount(per_gib_hour=rate, memory_bytes=memory, elapsed_ms=elapsed_ms)
+        amount = standby_capped(uncapped, cap=cap)
+        if amount <= 0:
+            continue
+        try:
+            amount_check(amount, what="standby reward")
+            with transaction.atomic():
+                accounts = accounts_lock({mint.pk, escrow.pk, node.account_id})
+                owner = accounts[account_key(node.account_id)]
+                escrowed = _to_escrow(rules=_earning_rules(), owner=owner)
+                entry = ledger_post(
+                    key=key,
+                    kind=EntryKind.STANDBY,
+                    postings=[
+                        (mint.pk, -amount),
+                        (escrow.pk if escrowed else owner.pk, amount, owner.pk),
+                    ],
+                    memo=f"standby: {memory / 1024**3:.1f} GiB for {elapsed_ms / 1000:.0f} s",
+                    now=now,
+                    node_id=node.pk,
+                    data={
+                        "memory_bytes": memory,
+                        "claimed_bytes": claimed,
+                        "seen_bytes": seen.get(str(node.pk), 0),
+                        "uncapped": uncapped,
+                        "elapsed_ms": elapsed_ms,
+                        "per_gib_hour": rate,
+                        "period": period,
+                        "escrowed": escrowed,
+                    },
+                )
+                _escrow_release_if_due(
+                    owner_id=account_key(owner.pk), escrow_id=escrow.pk, trigger=key, now=now
+                )
+        except (ValueError, IntegrityError):
+            log.exception("standby reward for node %s failed", node.pk)
+            continue
+        paid.append(entry)
+    return paid
+
+
+def _seen_bytes_by_node() -> dict[str, int]:
+    """Node → the most memory it was ever seen to hold for another node's primary (load reports)."""
+
+    best: dict[str, int] = {}
+    for plan, report in Deployment.objects.exclude(load_report={}).values_list("plan", "load_report").iterator():
+        if not isinstance(plan, dict) or not isinstance(report, dict):
+            continue
+        for node_id, nbytes in seen_worker_bytes(plan=plan, load_report=report).items():
+            best[node_id] = max(best.get(node_id, 0), nbytes)
+    return best

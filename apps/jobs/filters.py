@@ -1,0 +1,53 @@
+"""Query parameters of the deployment and job lists (django-filter: checked, and documented in /api/schema/)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import django_filters as filters
+from django.db.models import QuerySet
+from rest_framework.exceptions import NotFound
+
+from apps.nodes.models import Node
+from racon.filters import StrictFilterSet
+
+from .models import Deployment, Job
+from .states import DeploymentState, JobState
+
+
+class DeploymentFilter(StrictFilterSet):
+    state = filters.ChoiceFilter(choices=DeploymentState.choices)
+    model = filters.CharFilter(field_name="model__name", help_text="model name")
+
+    class Meta:
+        model = Deployment
+        fields: list[str] = []
+
+
+class JobFilter(StrictFilterSet):
+    state = filters.ChoiceFilter(choices=JobState.choices)
+    model = filters.CharFilter(field_name="model__name", help_text="model name")
+    node = filters.CharFilter(
+        method="filter_node", help_text="node id or name: jobs that ran on it"
+    )
+    since = filters.IsoDateTimeFilter(
+        field_name="queued_at", lookup_expr="gte", help_text="ISO 8601, inclusive"
+    )
+    until = filters.IsoDateTimeFilter(
+        field_name="queued_at", lookup_expr="lt", help_text="ISO 8601, exclusive"
+    )
+
+    class Meta:
+        model = Job
+        fields: list[str] = []
+
+    def filter_node(self, queryset: QuerySet[Job], name: str, value: str) -> QuerySet[Job]:
+        node_id: Any = value
+        try:
+            uuid.UUID(value)
+        except ValueError:
+            node_id = Node.objects.filter(name=value).values_list("id", flat=True).first()
+            if node_id is None:
+                raise NotFound(f"unknown node {value!r}") from None
+        return queryset.filter(nodes__id=node_id)

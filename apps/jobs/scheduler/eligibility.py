@@ -1,0 +1,108 @@
+"""Which nodes a request may use (pins, exclusions, one replica per node, node states)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from apps.models_repo.profile import ModelProfile
+from apps.nodes.states import FALLBACK, PLACEABLE, SCHEDULABLE
+
+from .inputs import ClusterSnapshot, NodeSnapshot, PlacementRequest
+from .plan import PlacementRefused
+
+
+def _select_nodes(
+    cluster: ClusterSnapshot, request: PlacementRequest
+) -> tuple[list[NodeSnapshot], list[NodeSnapshot], list[str]]:
+    """(ready nodes, degraded fallbacks, explanation lines) after pins, exclusions and states."""
+    by_id = {n.node_id: n for n in cluster.nodes}
+    notes: list[str] = []
+    excluded = set(request.exclude_nodes)
+    if request.pin_nodes is not None:
+        unknown = [p for p in request.pin_nodes if p not in by_id]
+        if unknown:
+            raise PlacementRefused(f"unknown pinned nodes: {', '.join(unknown)}", 0, ())
+        both = [p for p in request.pin_nodes if p in excluded]
+        if both:
+            raise PlacementRefused(f"pinned nodes are also excluded: {', '.join(both)}", 0, ())
+        candidates = [by_id[p] for p in dict.fromkeys(request.pin_nodes)]
+        bad = [n for n in candidates if n.state not in PLACEABLE]
+        if bad:
+            raise PlacementRefused(
+                "pinned nodes cannot take new work: "
+                + ", ".join(f"{n.name or n.node_id} ({n.state})" for n in bad),
+                0,
+                (),
+            )
+        serving = [n for n in candidates if n.serves_model]
+        if serving and not request.allow_same_node:
+            raise PlacementRefused(
+                "pinned nodes already serve this model: "
+                + ", ".join(n.name or n.node_id for n in serving)
+                + " (one replica per node; allow_same_node places another copy there)",
+                0,
+                tuple(n.node_id for n in serving),
+                code="already_served",
+            )
+    else:
+        candidates = [n for n in cluster.nodes if n.node_id not in excluded]
+        if excluded:
+            gone = [e for e in request.exclude_nodes if e in by_id]
+            if gone:
+                notes.append(f"excluded by request: {', '.join(gone)}")
+        serving = [n for n in candidates if n.serves_model]
+        if serving and not request.allow_same_node:
+            candidates = [n for n in candidates if not n.serves_model]
+            names = [n.name or n.node_id for n in serving]
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            notes.append(f"already serve this model (one replica per node): {shown}")
+    ready = [n for n in candidates if n.state in SCHEDULABLE]
+    degraded = [n for n in candidates if n.state in FALLBACK]
+    skipped = [n for n in candidates if n.state not in PLACEABLE]
+    if skipped:
+        by_state: dict[str, list[str]] = {}
+        for n in skipped:
+            by_state.setdefault(n.state, []).append(n.name or n.node_id)
+        parts = []
+        for state, names in sorted(by_state.items()):
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{state}: {shown}")
+        notes.append("never placed on: " + "; ".join(parts))
+    return ready, degraded, notes
+
+
+def _tiers(
+    request: PlacementRequest, ready: list[NodeSnapshot], degraded: list[NodeSnapshot]
+) -> list[tuple[list[NodeSnapshot], bool]]:
+    """Node sets to try in turn, each with whether it includes DEGRADED nodes."""
+    if request.spread and request.pin_nodes is not None:
+        # The operator named the nodes: every one of them takes part, DEGRADED included.
+        return [(ready + degraded, bool(degraded))]
+    tiers: list[tuple[list[NodeSnapshot], bool]] = []
+    if ready:
+        tiers.append((ready, False))
+    if degraded:
+        tiers.append((ready + degraded, True))
+    return tiers
+
+
+def _search_request(asked: PlacementRequest) -> PlacementRequest:
+    """The request the search runs with: one slot when the slots are left to memory."""
+    return dataclasses.replace(asked, n_parallel=1) if asked.n_parallel is None else asked
+
+
+def _check_request(profile: ModelProfile, request: PlacementRequest) -> None:
+    bad = [
+        f"{name} must be at least 1 (got {value})"
+        for name, value in (
+            ("n_ctx", request.n_ctx),
+            ("n_parallel", request.n_parallel if request.n_parallel is not None else 1),
+            ("max_parallel", request.max_parallel),
+            ("n_batch", request.n_batch),
+        )
+        if value <= 0
+    ]
+    if bad:
+        raise PlacementRefused("; ".join(bad), 0, (), code="invalid_request")
+    if profile.n_layer <= 0:
+        raise PlacementRefused("the model has no layers", 0, ())

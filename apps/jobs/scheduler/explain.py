@@ -1,0 +1,69 @@
+"""The plan's explanation: why these nodes and devices, and why the others were left out."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .plan import PlanDevice, fmt_bytes
+
+if TYPE_CHECKING:
+    from .evaluate import _Ctx, _Eval
+
+
+def _explain(
+    ctx: _Ctx, ev: _Eval, devices: list[PlanDevice], tg: float, notes: list[str]
+) -> list[str]:
+    lines: list[str] = []
+    primary = ev.primary.snap
+    holds = (
+        " (already holds the model file)"
+        if primary.has_model_file
+        else " (the model file will be copied there)"
+    )
+    lines.append(f"primary: {primary.name or primary.node_id}{holds}")
+    for d in devices:
+        if d.n_layers == 0 and d.endpoint is None:
+            lines.append(
+                f"{d.node_id} {d.device}: embeddings and host buffers only, {fmt_bytes(d.memory_bytes)} "
+                f"of {fmt_bytes(d.free_bytes)} free"
+            )
+            continue
+        where = "local" if d.endpoint is None else f"via RPC {d.endpoint}"
+        out = ", output layer" if d.holds_output else ""
+        lines.append(
+            f"{d.node_id} {d.device} ({where}): layers {d.layer_start}-{d.layer_end - 1}{out}, "
+            f"{fmt_bytes(d.memory_bytes)} of {fmt_bytes(d.free_bytes)} free"
+        )
+    layer_devs = [d for d in devices if d.n_layers > 0]
+    n_nodes = len({d.node_id for d in devices})
+    if n_nodes == 1 and len(layer_devs) <= 1:
+        lines.append("fits on one device: the fastest device that holds the whole model")
+    elif n_nodes == 1:
+        lines.append(
+            "one node: its fastest device is filled first, the rest of the layers go to its next device"
+        )
+    else:
+        lines.append(
+            f"split over {n_nodes} nodes: no smaller set holds the model as fast "
+            f"(layers go to the fastest devices first, up to their memory)"
+        )
+    used = {d.node_id for d in devices}
+    others = [n for n in ctx.nodes if n.snap.node_id not in used]
+    slowest_used = max((ev.devs[k].t_tg for k, c in ev.assign.items() if c > 0), default=0.0)
+    if others:
+        if len(others) <= 5:
+            for n in others:
+                if n.total_cap <= 0:
+                    why = "too little free memory for even one layer"
+                elif n.best_t >= slowest_used:
+                    why = "slower than every device used"
+                else:
+                    why = "not needed: adding it does not predict faster"
+                lines.append(f"not used: {n.snap.name or n.snap.node_id} ({why})")
+        else:
+            lines.append(
+                f"not used: {len(others)} other eligible nodes (slower, smaller or not needed)"
+            )
+    lines.extend(notes)
+    lines.append(f"predicted {1 / tg:.1f} tokens/s per stream" if tg > 0 else "predicted: instant")
+    return lines

@@ -1,0 +1,369 @@
+"""Serving one inference request: admit it, wait for a slot, dispatch it, open its stream, record its end.
+
+The request's path (docs/design/serving.md): find the model, create the job with its credit hold,
+route to a READY deployment (or place one and wait, bounded), take a slot, push run_job onto the
+primary's queue, then follow the job's Redis stream. Slots and the waiting queue are
+``admission``'s, the stream and its token counts ``streams``'; this module strings them together
+for the /v1 views (the api layer's v1 package), which validate, make these calls and shape OpenAI's responses.
+
+Jobs never imports credits: the api layer passes the credit hold in as a callback that runs in the
+transaction creating the job (what it raises, InsufficientCredits, propagates unchanged), and the
+account's standing as a callable read only if the request has to queue. Errors are this module's
+own exceptions (ModelNotFound, ContextTooLong, admission's wait errors, streams.StreamFailure),
+which the view turns into OpenAI's error bodies.
+
+This module sits above admission, services, selectors and streams (all of which import admission),
+so that admission stays the bottom of the app and nothing here forms a cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import connections
+from django.utils import timezone
+
+from agent.protocol import job_cancel_key
+from apps.models_repo.models import Model
+from racon import cache
+from racon.redis import get_redis
+
+from . import admission, selectors, services, streams
+from .models import Deployment, Job
+from .states import DEPLOYMENT_SERVING
+from .streams import StreamFailure
+
+log = logging.getLogger("racon.jobs.serving")
+
+MODEL_CACHE = "model"  # racon/cache.py: invalidated by Model and ModelFile writes (api signals)
+
+Outcome = Literal["completed", "cancelled", "failed"]
+CreditHold = Callable[[Job], None]
+
+
+def pooled(fn: Any) -> Any:
+    """Run a request's synchronous step on the shared thread pool, not the single thread
+    sync_to_async uses by default: with 8-16 streams, admission, first-token and finish steps of
+    different requests would otherwise queue behind each other (measured in bench/concurrency.py:
+    time to first token at 8 streams). Each pool thread keeps its own database connection."""
+    return sync_to_async(fn, thread_sensitive=False)
+
+
+class ModelNotFound(Exception):
+    """No servable model (one with a file) has this name."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class ContextTooLong(Exception):
+    """The request asks for more tokens than the routed deployment's context holds."""
+
+    def __init__(self, *, max_tokens: int, n_ctx: int) -> None:
+        super().__init__(f"{max_tokens} > {n_ctx}")
+        self.max_tokens = max_tokens
+        self.n_ctx = n_ctx
+
+
+@dataclass
+class Admission:
+    """One request's job on its way through admission, dispatch and its stream."""
+
+    job_id: str
+    model_name: str
+    model_id: Any = None
+    deployment_id: str | None = None
+    primary_id: str | None = None  # the node that runs it: its stream and cancel keys are under it
+    dispatched: bool = False
+    nodes: list[str] = field(default_factory=list)
+    n_parallel: int = 1
+    account_id: Any = None
+    queued_ts: float = 0.0
+    prompt_bound: int | None = None
+    follower: streams.StreamFollower | None = None
+    handed_off: bool = False  # the streaming body owns the job from here
+    finished: bool = False  # a finish (or a cancel) was recorded
+
+
+# --- admission (one sync hop) ---------------------------------------------------------------------
+
+
+def model_servable(*, name: str) -> Model | None:
+    """The servable model of this name (one with a file), through the process cache."""
+
+    def load() -> Model | None:
+        model = Model.objects.filter(name=name).first()
+        return model if model is not None and model.files.exists() else None
+
+    return cache.cached(MODEL_CACHE, name, load)
+
+
+def admission_open(
+    *,
+    model_name: str,
+    account_id: Any,
+    api_key_id: Any,
+    kind: str,
+    params: dict[str, Any],
+    max_tokens: int | None,
+    stream: bool,
+    request_id: str,
+    hold: CreditHold | None,
+    now: datetime,
+) -> Admission:
+    """Find the model, create the job with its credit hold; dispatch at once when a slot is free.
+
+    Raises ModelNotFound, ContextTooLong, or whatever ``hold`` raises (nothing stays: no job, no
+    slot, and a primary already sent the job is told to cancel it). Without a free slot the job
+    is QUEUED on a deployment (one is created when the model has none): admission_wait follows.
+    """
+    model = model_servable(name=model_name)
+    if model is None:
+        raise ModelNotFound(model_name)
+    max_tokens = int(max_tokens or settings.DEFAULT_MAX_TOKENS)
+    deployment = selectors.deployment_route(model_id=model.id, cached=True)
+    if deployment is not None and max_tokens > deployment.n_ctx:
+        raise ContextTooLong(max_tokens=max_tokens, n_ctx=deployment.n_ctx)
+    job_id = uuid.uuid4()
+    adm = Admission(
+        job_id=str(job_id),
+        model_name=model.name,
+        model_id=model.id,
+        account_id=account_id,
+        queued_ts=now.timestamp(),
+        prompt_bound=streams.prompt_token_bound(kind=kind, params=params),
+    )
+    fast = deployment if deployment is not None and deployment.state in DEPLOYMENT_SERVING else None
+    create = {
+        "model": model,
+        "account_id": account_id,
+        "api_key_id": api_key_id,
+        "kind": kind,
+        "params": params,
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "request_id": request_id,
+        "now": now,
+        "job_id": job_id,
+        "hold": hold,
+    }
+    # Fast path: a free slot with nobody waiting. Push run_job first, then write the job row,
+    # its credit hold and the dispatch in one transaction while the primary evaluates the prompt.
+    # If the credits are short, the primary is told to cancel before any token reaches anyone.
+    if fast is not None and admission.slot_try(
+        deployment_id=fast.id, job_id=job_id, cap=fast.n_parallel
+    ):
+        try:
+            services.command_send(
+                node_id=fast.primary_id,
+                kind="run_job",
+                payload=services.job_run_payload(
+                    job_id=job_id,
+                    deployment_id=fast.id,
+                    kind=kind,
+                    max_tokens=max_tokens,
+                    params=params,
+                ),
+            )
+            services.job_create(**create, dispatched_to=fast)
+        except BaseException:
+            get_redis().set(job_cancel_key(str(job_id), str(fast.primary_id)), 1, ex=3600)
+            admission.slot_release(deployment_id=fast.id, job_id=job_id)
+            raise
+        adm.deployment_id, adm.dispatched, adm.n_parallel = str(fast.id), True, fast.n_parallel
+        adm.primary_id = str(fast.primary_id)
+        adm.nodes = [selectors.node_name(n) for n in services.dispatch_node_ids(fast)]
+        return adm
+    services.job_create(**create)
+    if deployment is None:
+        deployment = services.deployment_ensure(model=model, now=now)
+    adm.deployment_id = str(deployment.id)
+    adm.n_parallel = deployment.n_parallel
+    return adm
+
+
+def priority_score(*, queued_at: float, standing: float) -> float:
+    """Lower is served first: arrival time minus a standing bonus capped at the max wait (bounded starvation)."""
+    bonus = min(float(settings.PRIORITY_MAX_WAIT_SECONDS), max(0.0, float(standing)) / 1_000_000.0)
+    return queued_at - bonus
+
+
+async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> None:
+    """Wait (bounded) for a serving deployment and a slot, then dispatch.
+
+    ``standing`` (the account's, from the api layer) is read only if the request has to queue.
+    On DeploymentUnavailable, QueueFull or WaitTimedOut the job is recorded FAILED (not during
+    execution) and the error propagates.
+    """
+    try:
+        await admission.wait_for_slot(
+            deployment_id=adm.deployment_id,
+            job_id=adm.job_id,
+            model_id=adm.model_id,
+            queued_at=adm.queued_ts,
+            priority=lambda: priority_score(queued_at=adm.queued_ts, standing=standing()),
+            load_timeout=max(settings.DEPLOYMENT_WAIT_SECONDS, settings.JOB_QUEUE_WAIT_SECONDS),
+            slot_timeout=settings.JOB_QUEUE_WAIT_SECONDS,
+        )
+    except admission.DeploymentUnavailable as exc:
+        await pooled(admission_give_up)(
+            adm=adm, reason=f"no deployment could serve the request: {exc.reason}"
+        )
+        raise
+    except admission.QueueFull:
+        await pooled(admission_give_up)(adm=adm, reason="no capacity: queue full")
+        raise
+    except admission.WaitTimedOut:
+        await pooled(admission_give_up)(adm=adm, reason="timed out waiting for capacity")
+        raise
+    await pooled(admission_dispatch)(adm=adm)
+
+
+def admission_dispatch(*, adm: Admission) -> None:
+    """Push the job to the deployment whose slot it holds (job_dispatch gives the slot back on failure)."""
+    assert adm.deployment_id is not None  # admission_open set it
+    try:
+        deployment = Deployment.objects.get(pk=adm.deployment_id)
+    except Deployment.DoesNotExist:
+        admission.slot_release(deployment_id=adm.deployment_id, job_id=adm.job_id)
+        raise
+    out = services.job_dispatch(job_id=adm.job_id, deployment=deployment, now=timezone.now())
+    adm.dispatched = True
+    adm.n_parallel = deployment.n_parallel
+    adm.primary_id = out["primary"]
+    adm.nodes = [selectors.node_name(n) for n in out["nodes"]]
+
+
+def admission_give_up(*, adm: Admission, reason: str) -> None:
+    """Record the job FAILED before it ran (no capacity, no deployment)."""
+    adm.finished = True
+    services.job_fail(job_id=adm.job_id, now=timezone.now(), error=reason, during_execution=False)
+
+
+# --- the stream -----------------------------------------------------------------------------------
+
+
+async def stream_open(*, adm: Admission) -> tuple[dict[str, str], AsyncIterator[dict[str, str]]]:
+    """Follow the dispatched job's stream and read its first entry, before any answer is sent.
+
+    An early failure (a stream failure, or an error entry such as context_length_exceeded) is
+    recorded on the job and raised as StreamFailure, so the view can answer with a status code.
+    """
+    adm.follower = streams.StreamFollower(
+        job_id=adm.job_id,
+        deployment_id=adm.deployment_id,
+        node_id=adm.primary_id,
+        prompt_bound=adm.prompt_bound,
+    )
+    entries = adm.follower.entries()
+    try:
+        first = await entries.__anext__()
+    except StreamFailure as exc:
+        await pooled(admission_finish)(adm=adm, outcome="failed", error=exc.message, during=True)
+        raise
+    if first.get("type") == "error":
+        failure = streams.error_for_entry(first)
+        await pooled(admission_finish)(
+            adm=adm,
+            outcome="failed",
+            entry=first,
+            error=failure.message,
+            during=failure.during_execution,
+        )
+        raise failure
+    return first, entries
+
+
+# --- finishing ------------------------------------------------------------------------------------
+
+
+def admission_usage(
+    *, adm: Admission, entry: dict[str, str] | None = None, check: bool = True
+) -> dict[str, Any]:
+    """The usage to record and bill so far, by the controller's own counts (streams.StreamFollower)."""
+    return adm.follower.usage(entry, check=check) if adm.follower is not None else {}
+
+
+def admission_finish(
+    *,
+    adm: Admission,
+    outcome: Outcome,
+    entry: dict[str, str] | None = None,
+    finish_reason: str = "stop",
+    error: str = "",
+    during: bool | None = None,
+) -> None:
+    """Record the job's end with the controller's own counts (streams.StreamFollower)."""
+    adm.finished = True
+    now = timezone.now()
+    chunks = adm.follower.chunks if adm.follower is not None else 0
+    if outcome == "completed":
+        services.job_complete(
+            job_id=adm.job_id,
+            usage=admission_usage(adm=adm, entry=entry),
+            finish_reason=finish_reason,
+            chunks=chunks,
+            now=now,
+        )
+    elif outcome == "cancelled":
+        services.job_cancel(
+            job_id=adm.job_id,
+            now=now,
+            reason=error or "client disconnected",
+            usage=admission_usage(adm=adm, entry=entry, check=False),
+            chunks=chunks,
+        )
+    else:
+        services.job_fail(
+            job_id=adm.job_id,
+            now=now,
+            error=error,
+            during_execution=during,
+            usage=admission_usage(adm=adm, entry=entry, check=False),
+            chunks=chunks,
+        )
+
+
+def admission_finish_in_background(
+    *,
+    adm: Admission,
+    outcome: Outcome,
+    entry: dict[str, str] | None = None,
+    finish_reason: str = "stop",
+    error: str = "",
+) -> None:
+    """Record the job's end off a task that is being cancelled (no await is safe there)."""
+    if adm.finished:
+        return
+    adm.finished = True
+
+    def run() -> None:
+        try:
+            admission_finish(
+                adm=adm, outcome=outcome, entry=entry, finish_reason=finish_reason, error=error
+            )
+        finally:
+            connections.close_all()  # this thread's own connection
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def admission_cancel(*, adm: Admission) -> None:
+    """Client gone: flag the primary at once (Redis), record CANCELLED off the cancelled task."""
+    if adm.finished:
+        return
+    try:
+        if adm.primary_id:
+            get_redis().set(job_cancel_key(adm.job_id, adm.primary_id), 1, ex=3600)
+    except Exception:  # noqa: BLE001
+        log.warning("could not set the cancel flag", exc_info=True)
+    admission_finish_in_background(adm=adm, outcome="cancelled", error="client disconnected")

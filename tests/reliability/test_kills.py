@@ -1,0 +1,159 @@
+"""kill -9 under load: 8 concurrent streaming chats on two replicas, one process killed per test.
+
+What each prints (and the summary table gathers): requests sent and lost, jobs left open, ledger
+violations (credits_check), holds still open, and the time from the kill until a retry succeeds.
+Required whatever the failover does (CLARIFICATIONS, Recovery): no stuck job, a ledger that
+verifies, every hold released, a retry that succeeds. Requests lost: the goal is 0 while a replica
+is available; where mid-stream failover is not in yet the figure is recorded, not asserted (TODO).
+
+Run alone: pytest tests/reliability -s -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+
+from tests.launcher.harness import is_redis
+
+from .harness import ACTIVE, Cluster, Outcome, Result, cmdline, run_scenario, wait_gone
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+def sigkill(p: psutil.Process, what: str) -> str:
+    os.kill(p.pid, signal.SIGKILL)
+    return f"{what} (pid {p.pid})"
+
+
+def launcher_child(cluster: Cluster, program: str, *args: str) -> psutil.Process:
+    """The launcher's child running `program` (a path ending so) with all of `args`."""
+
+    def match(cl: list[str]) -> bool:
+        return any(part.endswith(program) for part in cl[:2]) and all(a in cl for a in args)
+
+    p = cluster.launcher.child(match)
+    assert p is not None, f"no {program} {' '.join(args)} child of the launcher"
+    return p
+
+
+def record(results: list[Result], r: Result) -> Result:
+    results.append(r)
+    print(f"\n{r.line()}")
+    return r
+
+
+def assert_settled(r: Result) -> None:
+    """What must hold after any kill."""
+    assert r.recover_s is not None, f"no retry succeeded within the deadline: {r.line()}"
+    assert r.stuck_jobs == 0, f"jobs left open after the settle wait: {r.line()}"
+    assert r.holds_open == 0, f"holds not released: {r.line()}"
+    assert r.violations == 0, f"ledger violations: {r.line()}"
+    assert r.replicas_s is not None, f"two READY replicas did not come back: {r.line()}"
+
+
+def test_an_rpc_worker(cluster: Cluster, results: list[Result]) -> None:
+    split = [
+        d for d in cluster.deployments() if d["state"] in ACTIVE and d["plan"].get("rpc_endpoints")
+    ]
+    if not split:
+        reason = (
+            "skipped: no split plan in this cluster. SmolLM2 fits one node, so each replica is a "
+            "whole model on one agent; forcing a split needs a memory cap (node-agent "
+            "--hardware-profile / RACON_HARDWARE_PROFILE), which the launcher would give both local "
+            "agents alike, leaving no node for the second replica this suite needs"
+        )
+        record(results, Result("rpc worker", note=reason))
+        pytest.skip(reason)
+    dep = split[0]
+    workers = {
+        dev["node_id"]
+        for dev in dep["plan"]["devices"]
+        if dev.get("endpoint") and dev["node_id"] != dep["primary"]
+    }
+    names = {n["id"]: n["name"] for n in cluster.ready_nodes()}
+    agents = cluster.agents()
+
+    def kill() -> str:
+        for node_id in workers:
+            agent = agents.get(names.get(node_id, ""))
+            if agent is None:
+                continue
+            for p in agent.children(recursive=True):
+                if "agent.runtime.rpc_worker_main" in cmdline(p):
+                    return sigkill(p, f"the RPC worker of {names[node_id]}")
+        raise AssertionError(f"no RPC worker process for the plan's workers {workers}")
+
+    r = record(results, run_scenario(cluster, "rpc worker", kill))
+    assert_settled(r)
+    # TODO(failover, issue 13 item 1): assert r.lost == 0 once a worker's death fails over.
+
+
+def test_a_primary(cluster: Cluster, results: list[Result]) -> None:
+    target = cluster.serving()[0]
+
+    def kill() -> str:
+        p = cluster.primary_process(target["id"])
+        assert p is not None, f"no llama-server for deployment {target['id']}"
+        return sigkill(p, f"llama-server of {target['primary_name']}")
+
+    r = record(results, run_scenario(cluster, "primary", kill))
+    assert_settled(r)
+    # TODO(failover, issue 13 item 1): the streams on the killed primary are lost today
+    # (r.lost > 0, figure in the table); assert r.lost == 0 once mid-stream failover lands.
+
+
+def test_an_agent(cluster: Cluster, results: list[Result]) -> None:
+    target = cluster.serving()[0]
+    agent = cluster.agents()[target["primary_name"]]
+
+    def kill() -> str:
+        return sigkill(agent, f"node-agent {target['primary_name']}")
+
+    r = record(results, run_scenario(cluster, "agent", kill))
+    wait_gone(agent)
+    assert_settled(r)
+    # TODO(failover, issue 13 item 1): the dead agent's streams are lost today (r.lost > 0);
+    # assert r.lost == 0 once failover re-dispatches them.
+
+
+def test_the_celery_worker(cluster: Cluster, results: list[Result]) -> None:
+    worker = launcher_child(cluster, "celery", "worker")
+
+    def kill() -> str:
+        return sigkill(worker, "celery worker")
+
+    r = record(results, run_scenario(cluster, "celery worker", kill))
+    assert_settled(r)
+    # Streams go daphne - Redis - agent: the worker only places, sweeps and settles.
+    assert r.lost == 0, r.line()
+
+
+def test_redis(cluster: Cluster, results: list[Result]) -> None:
+    server = cluster.launcher.child(is_redis)
+    assert server is not None
+
+    def kill() -> str:
+        return sigkill(server, "embedded redis-server")
+
+    r = record(results, run_scenario(cluster, "redis", kill))
+    assert_settled(r)
+    # TODO(failover, issue 13 items 1 and 6): streams in flight when Redis dies are lost today
+    # (r.lost > 0); assert r.lost == 0 once a stream survives the restart.
+
+
+def test_a_daphne_process(cluster: Cluster, results: list[Result]) -> None:
+    daphne = launcher_child(cluster, "daphne")
+
+    def kill() -> str:
+        return sigkill(daphne, "daphne")
+
+    def dropped(o: Outcome) -> bool:  # its clients' connections die with it, by design
+        return o.kind == "dropped"
+
+    r = record(results, run_scenario(cluster, "daphne", kill, by_design=dropped))
+    assert_settled(r)
+    assert r.lost == 0, r.line()  # the other daphne process serves everyone else
