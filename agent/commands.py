@@ -268,7 +268,9 @@ class Commands:
             return {"job_id": job_id, "accepted": True, "queued_behind_load": True}
         if dep is None or dep.primary is None:
             msg = f"deployment {dep_id} is not loaded on this node"
-            self.fail_job(job_id, msg)
+            self.fail_job(
+                job_id, msg, code="deployment_not_loaded", attempt=int(job.get("attempt") or 1)
+            )
             raise CommandError(msg)
         error = self._submit_job(dep.primary, job)
         if error is not None:
@@ -313,8 +315,13 @@ class Commands:
         )
         self.outbox.report("job_finished", dict(payload))
 
-    def fail_job(self, job_id: str, reason: str, *, cancelled: bool = False) -> None:
-        """End a job that never reached a runtime: error in its stream, job_finished report."""
+    def fail_job(
+        self, job_id: str, reason: str, *, cancelled: bool = False, code: str = "", attempt: int = 1
+    ) -> None:
+        """End a job that never reached a runtime: error in its stream, job_finished report.
+
+        ``code`` ``deployment_not_loaded``: the job reached a node whose deployment is gone; the
+        controller moves it to another replica (docs/design/serving.md, "Failover")."""
         r = self.redis_link.client
         if r is not None:
             try:
@@ -333,7 +340,9 @@ class Commands:
                         node_id=self.node_id(),
                     )
                 else:
-                    append_error(r, job_id, reason, node_id=self.node_id())
+                    append_error(
+                        r, job_id, reason, node_id=self.node_id(), code=code, attempt=attempt
+                    )
             except redis.RedisError as exc:
                 log.error("job %s: cannot write to its stream: %s", job_id, exc)
         self.job_finished(
@@ -344,6 +353,7 @@ class Commands:
                 prompt_tokens=0,
                 completion_tokens=0,
                 error=reason,
+                attempt=attempt,
             )
         )
 
@@ -402,9 +412,13 @@ class Commands:
         try:
             seed, n, reps = int(payload["seed"]), int(payload["n"]), int(payload["reps"])
         except (KeyError, TypeError, ValueError):
-            raise CommandError("malformed speed_challenge: needs integer seed, n and reps") from None
+            raise CommandError(
+                "malformed speed_challenge: needs integer seed, n and reps"
+            ) from None
         if not (0 <= seed < 2**63 and 16 <= n <= 2048 and 1 <= reps <= 10_000):
-            raise CommandError("malformed speed_challenge: 0 <= seed < 2^63, 16 <= n <= 2048, 1 <= reps <= 10000")
+            raise CommandError(
+                "malformed speed_challenge: 0 <= seed < 2^63, 16 <= n <= 2048, 1 <= reps <= 10000"
+            )
         return {"digest": speed_challenge_digest(seed=seed, n=n, reps=reps)}
 
     def fetch_model(self, payload: dict[str, Any]) -> dict[str, Any]:

@@ -89,7 +89,9 @@ def probe_peer(peer: dict[str, Any], *, samples: int = 5) -> dict[str, Any]:
         return out
     except (OSError, ConnectionError) as exc:
         # An older agent's port has no probe mode (or the probe broke): say so, then fall back.
-        log.info("link probe to %s:%s: tunnel probe failed (%s); using TCP connect time", host, port, exc)
+        log.info(
+            "link probe to %s:%s: tunnel probe failed (%s); using TCP connect time", host, port, exc
+        )
         out["probe_error"] = str(exc)[:200]
     try:
         out["rtt_ms"] = tcp_rtt_ms(host, port, samples=samples)

@@ -150,6 +150,7 @@ class RunJobPayload(TypedDict):
     presence_penalty: float
     frequency_penalty: float
     attempt: NotRequired[int]  # the job attempt (1 first; failover adds one); stamped on entries
+    resume_tokens: NotRequired[list[int]]  # failover: token ids an earlier attempt streamed
 
 
 class SamplingParams(TypedDict):
@@ -214,6 +215,7 @@ class JobFinishedPayload(TypedDict):
     error: NotRequired[str]
     # measured compute seconds per plan member, when the runtime can tell
     device_seconds: NotRequired[dict[str, float]]
+    attempt: NotRequired[int]  # the job attempt this report is about (1 when absent)
 
 
 class ModelFileInfo(TypedDict):

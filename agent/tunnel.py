@@ -121,7 +121,9 @@ class _Listener:
                     conn, addr = self.sock.accept()
                 except OSError:
                     return
-                threading.Thread(target=handle, args=(conn, addr), name=f"{self.name}-conn", daemon=True).start()
+                threading.Thread(
+                    target=handle, args=(conn, addr), name=f"{self.name}-conn", daemon=True
+                ).start()
 
         t = threading.Thread(target=loop, name=self.name, daemon=True)
         t.start()
@@ -139,7 +141,9 @@ class _Listener:
 class TunnelServer:
     """Worker side: listens on host:port, forwards authenticated connections to 127.0.0.1:target_port."""
 
-    def __init__(self, *, host: str, port: int, target_port: int, on_refused: Refused | None = None) -> None:
+    def __init__(
+        self, *, host: str, port: int, target_port: int, on_refused: Refused | None = None
+    ) -> None:
         self.host = host
         self.port = port
         self.target_port = target_port
@@ -226,9 +230,13 @@ class TunnelServer:
     def _refuse(self, peer: str, reason: str) -> None:
         self._refusals += 1
         log.warning("RPC tunnel refused a connection from %s: %s", peer, reason)
-        if self.on_refused is not None and self._refusals <= 20:  # bounded: a scan is not an event storm
+        if (
+            self.on_refused is not None and self._refusals <= 20
+        ):  # bounded: a scan is not an event storm
             try:
-                self.on_refused(f"RPC tunnel refused {peer}: {reason}", {"peer": peer, "reason": reason})
+                self.on_refused(
+                    f"RPC tunnel refused {peer}: {reason}", {"peer": peer, "reason": reason}
+                )
             except Exception:  # noqa: BLE001 - reporting must never break the listener
                 log.exception("tunnel refusal callback failed")
 
@@ -273,7 +281,9 @@ def _same_host(peer: str, allowed: str) -> bool:
 class TunnelClient:
     """Primary side: 127.0.0.1:<port> for llama-server's --rpc, relayed to a worker's tunnel."""
 
-    def __init__(self, *, remote_host: str, remote_port: int, deployment_id: str, key_hex: str) -> None:
+    def __init__(
+        self, *, remote_host: str, remote_port: int, deployment_id: str, key_hex: str
+    ) -> None:
         self.remote = (remote_host, remote_port)
         self.deployment_id = deployment_id
         self.key = bytes.fromhex(key_hex)
@@ -286,7 +296,9 @@ class TunnelClient:
 
     def _handle(self, local: socket.socket, addr: Any) -> None:
         try:
-            remote = dial(self.remote[0], self.remote[1], deployment_id=self.deployment_id, key=self.key)
+            remote = dial(
+                self.remote[0], self.remote[1], deployment_id=self.deployment_id, key=self.key
+            )
         except (OSError, PermissionError) as exc:
             log.error("RPC tunnel to %s:%s failed: %s", self.remote[0], self.remote[1], exc)
             local.close()
@@ -294,7 +306,9 @@ class TunnelClient:
         relay(local, remote, f"tunnel-client-{self.deployment_id[:8]}")
 
 
-def dial(host: str, port: int, *, deployment_id: str, key: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> socket.socket:
+def dial(
+    host: str, port: int, *, deployment_id: str, key: bytes, timeout: float = HANDSHAKE_TIMEOUT
+) -> socket.socket:
     """An authenticated connection through a worker's tunnel (raises PermissionError when refused)."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
@@ -306,7 +320,9 @@ def dial(host: str, port: int, *, deployment_id: str, key: bytes, timeout: float
         except OSError:
             ok = b""
         if ok != b"\x01":
-            raise PermissionError(f"the RPC tunnel at {host}:{port} refused deployment {deployment_id}")
+            raise PermissionError(
+                f"the RPC tunnel at {host}:{port} refused deployment {deployment_id}"
+            )
         sock.settimeout(None)
         return sock
     except BaseException:
@@ -324,7 +340,9 @@ def reachable(host: str, port: int, *, timeout: float = 5.0) -> None:
         sock.sendall(MAGIC_PROBE + b"q")
 
 
-def probe(host: str, port: int, *, pings: int = 5, bulk_bytes: int = 2 * 2**20, timeout: float = 5.0) -> dict[str, float]:
+def probe(
+    host: str, port: int, *, pings: int = 5, bulk_bytes: int = 2 * 2**20, timeout: float = 5.0
+) -> dict[str, float]:
     """Application-level RTT (median of `pings` echoes) and a timed bulk transfer's Mbit/s."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
@@ -348,6 +366,9 @@ def probe(host: str, port: int, *, pings: int = 5, bulk_bytes: int = 2 * 2**20, 
         rtt = statistics.median(rtts)
         # The transfer also paid one round trip for the acknowledgement.
         transfer = max(seconds - rtt / 1000, 1e-6)
-        return {"rtt_ms": round(rtt, 3), "bandwidth_mbps": round(len(payload) * 8 / transfer / 1e6, 1)}
+        return {
+            "rtt_ms": round(rtt, 3),
+            "bandwidth_mbps": round(len(payload) * 8 / transfer / 1e6, 1),
+        }
     finally:
         sock.close()

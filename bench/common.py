@@ -140,7 +140,10 @@ def bench_environment(workdir: Path) -> Iterator[BenchEnv]:
         from django.core.management import call_command
 
         django.setup()
-        for noisy in ("httpx", "httpcore"):  # one INFO line per request would drown the bench output
+        for noisy in (
+            "httpx",
+            "httpcore",
+        ):  # one INFO line per request would drown the bench output
             logging.getLogger(noisy).setLevel(logging.WARNING)
         call_command("migrate", verbosity=0, interactive=False)
         yield env
@@ -171,13 +174,24 @@ def host_profile(models_dir: Path, cores: int) -> dict[str, Any]:
     cpu = dict(hw.detect_cpu())
     cpu["physical_cores"] = cpu["logical_cores"] = cores
     return {
-        "cpu": cpu, "memory": hw.detect_memory(), "swap": hw.detect_swap(),
-        "disk": hw.detect_disk(models_dir), "network": hw.detect_network(), "gpus": [],
+        "cpu": cpu,
+        "memory": hw.detect_memory(),
+        "swap": hw.detect_swap(),
+        "disk": hw.detect_disk(models_dir),
+        "network": hw.detect_network(),
+        "gpus": [],
     }
 
 
 def start_bench_agent(
-    ctl: Controller, token: str, name: str, workdir: Path, *, models_dir: Path, benchmark: bool = True, cores: int | None = None,
+    ctl: Controller,
+    token: str,
+    name: str,
+    workdir: Path,
+    *,
+    models_dir: Path,
+    benchmark: bool = True,
+    cores: int | None = None,
 ) -> AgentProc:
     """tests/e2e/harness.start_agent, but the agent measures its compute and memory bandwidth.
 
@@ -188,12 +202,27 @@ def start_bench_agent(
     state.mkdir(parents=True, exist_ok=True)
     rpc_port = free_port()
     log_path = workdir / f"agent-{name}.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")
+    }
     env["GGML_NO_BACKTRACE"] = "1"
     argv = [
-        str(BIN / "node-agent"), "--foreground", "--controller-url", ctl.url, "--enrollment-token", token,
-        "--node-name", name, "--state-dir", str(state), "--models-dir", str(models_dir),
-        "--advertise-address", "127.0.0.1", "--rpc-port", str(rpc_port),
+        str(BIN / "node-agent"),
+        "--foreground",
+        "--controller-url",
+        ctl.url,
+        "--enrollment-token",
+        token,
+        "--node-name",
+        name,
+        "--state-dir",
+        str(state),
+        "--models-dir",
+        str(models_dir),
+        "--advertise-address",
+        "127.0.0.1",
+        "--rpc-port",
+        str(rpc_port),
     ]
     if not benchmark:
         argv.append("--no-benchmark")
@@ -204,7 +233,9 @@ def start_bench_agent(
         profile.write_text(json.dumps(host_profile(models_dir, cores)))
         argv += ["--hardware-profile", str(profile)]
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+        )
     return AgentProc(name=name, proc=proc, state_dir=state, rpc_port=rpc_port, log_path=log_path)
 
 
@@ -230,10 +261,23 @@ class Cluster:
         return list(resp.json())
 
     def deploy(
-        self, nodes: list[str], *, spread: bool = True, n_ctx: int = 512, timeout: float = 300, n_parallel: int | None = None, **extra: Any
+        self,
+        nodes: list[str],
+        *,
+        spread: bool = True,
+        n_ctx: int = 512,
+        timeout: float = 300,
+        n_parallel: int | None = None,
+        **extra: Any,
     ) -> dict[str, Any]:
         """A deployment of SmolLM2 pinned to `nodes`; returns its detail once READY."""
-        body: dict[str, Any] = {"model": MODEL_NAME, "nodes": nodes, "spread": spread, "n_ctx": n_ctx, **extra}
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "nodes": nodes,
+            "spread": spread,
+            "n_ctx": n_ctx,
+            **extra,
+        }
         if n_parallel is not None:
             body["n_parallel"] = n_parallel
         resp = self.ctl.post("/api/admin/deployments", body)
@@ -245,7 +289,9 @@ class Cluster:
         def ready() -> Any:
             d = self.ctl.get(f"/api/admin/deployments/{dep_id}").json()
             if d["state"] in ("FAILED", "STOPPED"):
-                raise RuntimeError(f"deployment {dep_id} {d['state']}: {d.get('error')}\n{self.tail_logs()}")
+                raise RuntimeError(
+                    f"deployment {dep_id} {d['state']}: {d.get('error')}\n{self.tail_logs()}"
+                )
             return d if d["state"] == "READY" else None
 
         detail = wait_for(ready, timeout, f"deployment over {nodes} to be READY", interval=0.5)
@@ -326,7 +372,9 @@ def local_cluster(
             t0 = time.monotonic()
             with run_controller(root / "controller", **PRODUCTION_TIMINGS) as ctl:
                 log(f"  controller up at {ctl.url} in {time.monotonic() - t0:.1f} s")
-                cl = Cluster(env=env, ctl=ctl, workdir=root, model_path=model_path, agents=agents, log=log)
+                cl = Cluster(
+                    env=env, ctl=ctl, workdir=root, model_path=model_path, agents=agents, log=log
+                )
                 models_dir = root / "models"
                 _link_model(model_path, models_dir)
                 try:
@@ -336,19 +384,38 @@ def local_cluster(
                         if tok.status_code != 201:
                             raise RuntimeError(f"token refused: {tok.status_code} {tok.text[:300]}")
                         t1 = time.monotonic()
-                        agents.append(start_bench_agent(ctl, tok.json()["token"], name, root, models_dir=models_dir, benchmark=benchmark, cores=cores))
+                        agents.append(
+                            start_bench_agent(
+                                ctl,
+                                tok.json()["token"],
+                                name,
+                                root,
+                                models_dir=models_dir,
+                                benchmark=benchmark,
+                                cores=cores,
+                            )
+                        )
 
                         def is_ready(name: str = name) -> bool:
                             agent = agents[-1]
                             if agent.proc.poll() is not None:
-                                raise RuntimeError(f"agent {name} exited with {agent.proc.returncode}:\n{agent.log()[-3000:]}")
-                            return any(n["name"] == name for n in ctl.get("/api/admin/nodes?state=READY").json())
+                                raise RuntimeError(
+                                    f"agent {name} exited with {agent.proc.returncode}:\n{agent.log()[-3000:]}"
+                                )
+                            return any(
+                                n["name"] == name
+                                for n in ctl.get("/api/admin/nodes?state=READY").json()
+                            )
 
                         wait_for(is_ready, 180, f"agent {name} to be READY", interval=0.3)
                         log(f"  agent {name} READY in {time.monotonic() - t1:.1f} s")
-                    reg = ctl.post("/api/admin/models", {"path": str(model_path), "name": MODEL_NAME})
+                    reg = ctl.post(
+                        "/api/admin/models", {"path": str(model_path), "name": MODEL_NAME}
+                    )
                     if reg.status_code != 201:
-                        raise RuntimeError(f"model registration failed: {reg.status_code} {reg.text[:300]}")
+                        raise RuntimeError(
+                            f"model registration failed: {reg.status_code} {reg.text[:300]}"
+                        )
                     yield cl
                 finally:
                     for agent in reversed(agents):

@@ -73,7 +73,9 @@ class Turn:
         return sum(r.tokens for r in self.results) / self.wall if self.wall else 0.0
 
 
-def stream_once(client: httpx.Client, url: str, key: str, i: int, max_tokens: int, model: str) -> Result:
+def stream_once(
+    client: httpx.Client, url: str, key: str, i: int, max_tokens: int, model: str
+) -> Result:
     body = {
         "model": model, "messages": messages(i), "max_tokens": max_tokens, "temperature": 0.0,
         "stream": True, "stream_options": {"include_usage": True},
@@ -81,7 +83,9 @@ def stream_once(client: httpx.Client, url: str, key: str, i: int, max_tokens: in
     t0 = time.perf_counter()
     ttft: float | None = None
     tokens = 0
-    with connect_sse(client, "POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as events:
+    with connect_sse(
+        client, "POST", url, json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as events:
         resp = events.response
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
@@ -97,10 +101,14 @@ def stream_once(client: httpx.Client, url: str, key: str, i: int, max_tokens: in
                 ttft = (time.perf_counter() - t0) * 1000
             if obj.get("usage"):
                 tokens = int(obj["usage"]["completion_tokens"])
-    return Result(ttft_ms=ttft or 0.0, tokens=tokens, seconds=time.perf_counter() - t0, deployment=dep)
+    return Result(
+        ttft_ms=ttft or 0.0, tokens=tokens, seconds=time.perf_counter() - t0, deployment=dep
+    )
 
 
-def run_turn(url: str, key: str, *, streams: int, requests: int, max_tokens: int, model: str, offset: int) -> Turn:
+def run_turn(
+    url: str, key: str, *, streams: int, requests: int, max_tokens: int, model: str, offset: int
+) -> Turn:
     """`requests` streamed chats, `streams` at a time; bounded by count and by a 300 s deadline."""
     turn = Turn()
     lock = threading.Lock()
@@ -148,7 +156,9 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def start_anchor(server: Path, model: Path, *, slots: int, n_ctx: int, threads: int, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_anchor(
+    server: Path, model: Path, *, slots: int, n_ctx: int, threads: int, log_path: Path
+) -> tuple[subprocess.Popen[bytes], str]:
     """A bare llama-server of the same build: same slots, per-slot context, threads, batch and
     memory flags as the agent's, with llama.cpp's own defaults for everything else (thread polling
     included, which the agent turns off)."""
@@ -165,7 +175,9 @@ def start_anchor(server: Path, model: Path, *, slots: int, n_ctx: int, threads: 
 
     def up() -> bool:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+            raise RuntimeError(
+                f"llama-server exited with {proc.returncode}: {log_path.read_text()[-2000:]}"
+            )
         try:
             return httpx.get(base + "/health", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -176,7 +188,9 @@ def start_anchor(server: Path, model: Path, *, slots: int, n_ctx: int, threads: 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--n-ctx", type=int, default=512, help="context per slot")
@@ -192,15 +206,34 @@ def main() -> int:
     n_agents = 1 if (args.quick or args.no_replicas) else 2
     print(f"== concurrency: RACoN vs llama-server ({server.parent.parent.name}), SmolLM2, {args.slots} slots x {args.n_ctx} ctx, "
           f"{args.threads} threads, {args.max_tokens}-token streamed chats; {load_average()} ==", flush=True)  # fmt: skip
-    with local_cluster(n_agents, benchmark=False, cores=args.threads, log=lambda s: print(s, flush=True)) as cl:
+    with local_cluster(
+        n_agents, benchmark=False, cores=args.threads, log=lambda s: print(s, flush=True)
+    ) as cl:
         dep = cl.deploy([cl.node_names[0]], n_ctx=args.n_ctx, n_parallel=args.slots)
         racon_url = cl.ctl.url + "/v1/chat/completions"
-        anchor, base = start_anchor(server, cl.model_path, slots=args.slots, n_ctx=args.n_ctx, threads=args.threads, log_path=cl.workdir / "anchor.log")
+        anchor, base = start_anchor(
+            server,
+            cl.model_path,
+            slots=args.slots,
+            n_ctx=args.n_ctx,
+            threads=args.threads,
+            log_path=cl.workdir / "anchor.log",
+        )
         anchor_url = base + "/v1/chat/completions"
         try:
             # Warm both (first requests page weights in and compile the template).
-            run_turn(racon_url, cl.ctl.api_key, streams=2, requests=4, max_tokens=8, model=MODEL_NAME, offset=0)
-            run_turn(anchor_url, "none", streams=2, requests=4, max_tokens=8, model=MODEL_NAME, offset=0)
+            run_turn(
+                racon_url,
+                cl.ctl.api_key,
+                streams=2,
+                requests=4,
+                max_tokens=8,
+                model=MODEL_NAME,
+                offset=0,
+            )
+            run_turn(
+                anchor_url, "none", streams=2, requests=4, max_tokens=8, model=MODEL_NAME, offset=0
+            )
             rows: dict[int, dict[str, list[Turn]]] = {}
             for streams in levels:
                 n_req = 2 * streams if streams > 1 else 6
@@ -209,8 +242,20 @@ def main() -> int:
                 if args.quick:
                     order = order[:2]
                 for k, side in enumerate(order):
-                    url, key = (racon_url, cl.ctl.api_key) if side == "racon" else (anchor_url, "none")
-                    sides[side].append(run_turn(url, key, streams=streams, requests=n_req, max_tokens=args.max_tokens, model=MODEL_NAME, offset=100 * k))
+                    url, key = (
+                        (racon_url, cl.ctl.api_key) if side == "racon" else (anchor_url, "none")
+                    )
+                    sides[side].append(
+                        run_turn(
+                            url,
+                            key,
+                            streams=streams,
+                            requests=n_req,
+                            max_tokens=args.max_tokens,
+                            model=MODEL_NAME,
+                            offset=100 * k,
+                        )
+                    )
                 rows[streams] = sides
                 report_level(streams, sides)
             if n_agents == 2:
@@ -237,7 +282,9 @@ def report_level(streams: int, sides: dict[str, list[Turn]]) -> None:
     goal = GOAL_SINGLE if streams == 1 else GOAL_AGGREGATE
     verdict = "PASS" if ratio >= goal else "FAIL"
     label = "single stream decode" if streams == 1 else f"{streams:>2} streams aggregate"
-    print(f"[{label}] RACoN {agg('racon'):6.1f} tok/s, llama-server {agg('llama-server'):6.1f} tok/s: {ratio:.2f}x  [goal >= {goal}]  {verdict}")
+    print(
+        f"[{label}] RACoN {agg('racon'):6.1f} tok/s, llama-server {agg('llama-server'):6.1f} tok/s: {ratio:.2f}x  [goal >= {goal}]  {verdict}"
+    )
     extra = pct(rt, 0.5) - pct(lt, 0.5)
     line = (f"    TTFT p50 RACoN {pct(rt, 0.5):7.1f} ms vs {pct(lt, 0.5):7.1f} ms (+{extra:.1f} ms); "
             f"p99 {pct(rt, 0.99):7.1f} ms vs {pct(lt, 0.99):7.1f} ms")  # fmt: skip
@@ -254,9 +301,19 @@ def report_level(streams: int, sides: dict[str, list[Turn]]) -> None:
 
 def spread(cl: Any, dep: dict[str, Any], args: argparse.Namespace) -> None:
     """A second replica on the other agent; 32 requests, 8 at a time: who served what."""
-    second = cl.deploy([cl.node_names[1]], n_ctx=args.n_ctx, n_parallel=args.slots, allow_same_node=False)
+    second = cl.deploy(
+        [cl.node_names[1]], n_ctx=args.n_ctx, n_parallel=args.slots, allow_same_node=False
+    )
     url = cl.ctl.url + "/v1/chat/completions"
-    turn = run_turn(url, cl.ctl.api_key, streams=8, requests=32, max_tokens=args.max_tokens // 2 or 8, model=MODEL_NAME, offset=500)
+    turn = run_turn(
+        url,
+        cl.ctl.api_key,
+        streams=8,
+        requests=32,
+        max_tokens=args.max_tokens // 2 or 8,
+        model=MODEL_NAME,
+        offset=500,
+    )
     counts = Counter(r.deployment for r in turn.results)
     shares = {d: counts.get(d, 0) / max(1, len(turn.results)) for d in (dep["id"], second["id"])}
     worst = min(shares.values())

@@ -72,8 +72,13 @@ def seed_nodes(n: int) -> list[tuple[str, str]]:
     creds = [(f"bench-cred-{i}-{time.time_ns()}") for i in range(n)]
     nodes = [
         Node(
-            name=f"bench-{i}", machine_id=f"bench-machine-{i}-{time.time_ns()}", account=acct, state="READY",
-            state_changed_at=now, credential_hash=hashlib.sha256(c.encode()).hexdigest(), address="10.0.0.1",
+            name=f"bench-{i}",
+            machine_id=f"bench-machine-{i}-{time.time_ns()}",
+            account=acct,
+            state="READY",
+            state_changed_at=now,
+            credential_hash=hashlib.sha256(c.encode()).hexdigest(),
+            address="10.0.0.1",
         )
         for i, c in enumerate(creds)
     ]
@@ -89,9 +94,13 @@ def db_write_counter() -> int:
 
     with connection.cursor() as cur:
         if connection.vendor == "postgresql":
-            cur.execute("SELECT tup_inserted + tup_updated + tup_deleted FROM pg_stat_database WHERE datname = current_database()")
+            cur.execute(
+                "SELECT tup_inserted + tup_updated + tup_deleted FROM pg_stat_database WHERE datname = current_database()"
+            )
             return int(cur.fetchone()[0])
-        cur.execute("SELECT (SELECT COUNT(*) FROM nodes_event) + (SELECT COUNT(*) FROM nodes_node WHERE state_changed_at > datetime('now', '-1 hour'))")
+        cur.execute(
+            "SELECT (SELECT COUNT(*) FROM nodes_event) + (SELECT COUNT(*) FROM nodes_node WHERE state_changed_at > datetime('now', '-1 hour'))"
+        )
         return int(cur.fetchone()[0])
 
 
@@ -128,10 +137,23 @@ class Conn:
         return status
 
 
-BODY = json.dumps({"state": "READY", "telemetry": {"cpu_percent": 12.5, "mem_available": 8 << 30, "gpu_free": [], "rpc_worker": {"running": True}, "jobs": []}}).encode()
+BODY = json.dumps(
+    {
+        "state": "READY",
+        "telemetry": {
+            "cpu_percent": 12.5,
+            "mem_available": 8 << 30,
+            "gpu_free": [],
+            "rpc_worker": {"running": True},
+            "jobs": [],
+        },
+    }
+).encode()
 
 
-async def paced(port: int, nodes: list[tuple[str, str]], rate: float, seconds: float, connections: int) -> tuple[list[float], int, int]:
+async def paced(
+    port: int, nodes: list[tuple[str, str]], rate: float, seconds: float, connections: int
+) -> tuple[list[float], int, int]:
     """Send `rate` heartbeats/s for `seconds` (open loop, spread over connections)."""
     conns = [Conn("127.0.0.1", port) for _ in range(connections)]
     await asyncio.gather(*(c.open() for c in conns))
@@ -175,7 +197,9 @@ async def paced(port: int, nodes: list[tuple[str, str]], rate: float, seconds: f
     return lat, errors, int(len(lat) / elapsed)
 
 
-async def closed_loop(port: int, nodes: list[tuple[str, str]], seconds: float, connections: int) -> tuple[int, int, list[float]]:
+async def closed_loop(
+    port: int, nodes: list[tuple[str, str]], seconds: float, connections: int
+) -> tuple[int, int, list[float]]:
     conns = [Conn("127.0.0.1", port) for _ in range(connections)]
     await asyncio.gather(*(c.open() for c in conns))
     stop = time.perf_counter() + seconds
@@ -214,13 +238,25 @@ def pct(values: list[float], q: float) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--nodes", type=int, default=5000)
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--connections", type=int, default=64)
-    ap.add_argument("--processes", type=int, default=2, help="daphne processes sharing the listening socket (make run's default on 2+ cores)")
-    ap.add_argument("--compare-processes", type=int, default=1, help="also measure with this many processes, side by side (0: skip)")
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=2,
+        help="daphne processes sharing the listening socket (make run's default on 2+ cores)",
+    )
+    ap.add_argument(
+        "--compare-processes",
+        type=int,
+        default=1,
+        help="also measure with this many processes, side by side (0: skip)",
+    )
     ap.add_argument("--quick", action="store_true", help="a few seconds, for the smoke test")
     args = ap.parse_args()
     if args.quick:
@@ -234,19 +270,33 @@ def main() -> int:
         try:
             nodes = seed_nodes(args.nodes)
             load = os.getloadavg()[0]
-            print(f"== heartbeats: {args.nodes} nodes at a {args.interval:g} s interval (target {target:.0f}/s), {args.seconds:g} s per phase, load avg {load:.1f} on {os.cpu_count()} CPUs ==")
-            counts = [args.processes] + ([args.compare_processes] if args.compare_processes and args.compare_processes != args.processes else [])
+            print(
+                f"== heartbeats: {args.nodes} nodes at a {args.interval:g} s interval (target {target:.0f}/s), {args.seconds:g} s per phase, load avg {load:.1f} on {os.cpu_count()} CPUs =="
+            )
+            counts = [args.processes] + (
+                [args.compare_processes]
+                if args.compare_processes and args.compare_processes != args.processes
+                else []
+            )
             results = {n: run_phase(env, nodes, args, target, n) for n in counts}
             if len(results) == 2:
                 a, b = counts
-                print(f"{b} vs {a} daphne process(es): closed-loop throughput {results[b] / max(results[a], 1):.2f}x")
+                print(
+                    f"{b} vs {a} daphne process(es): closed-loop throughput {results[b] / max(results[a], 1):.2f}x"
+                )
             return 0 if all(v >= 0 for v in results.values()) else 1
         finally:
             if redis is not None:
                 redis.stop()  # type: ignore[attr-defined]
 
 
-def run_phase(env: dict[str, str], nodes: list[tuple[str, str]], args: argparse.Namespace, target: float, processes: int) -> int:
+def run_phase(
+    env: dict[str, str],
+    nodes: list[tuple[str, str]],
+    args: argparse.Namespace,
+    target: float,
+    processes: int,
+) -> int:
     """Paced then closed-loop load against `processes` daphne processes; returns the closed-loop rate."""
     import httpx
 
@@ -254,7 +304,9 @@ def run_phase(env: dict[str, str], nodes: list[tuple[str, str]], args: argparse.
 
     sock = bind_listener("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    daphnes = start_daphnes(sock, processes, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daphnes = start_daphnes(
+        sock, processes, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         for _ in range(200):
             try:
@@ -265,14 +317,24 @@ def run_phase(env: dict[str, str], nodes: list[tuple[str, str]], args: argparse.
         # Warm up every process (imports, caches, connections).
         asyncio.run(closed_loop(port, nodes[: min(len(nodes), 500)], 1.5, 16 * processes))
         writes_before = db_write_counter()
-        lat, errors, achieved = asyncio.run(paced(port, nodes, target, args.seconds, args.connections))
-        closed_rate, closed_errors, closed_lat = asyncio.run(closed_loop(port, nodes, min(args.seconds, 5.0), args.connections))
+        lat, errors, achieved = asyncio.run(
+            paced(port, nodes, target, args.seconds, args.connections)
+        )
+        closed_rate, closed_errors, closed_lat = asyncio.run(
+            closed_loop(port, nodes, min(args.seconds, 5.0), args.connections)
+        )
         writes = db_write_counter() - writes_before
         total = len(lat) + len(closed_lat)
         label = f"[{processes} daphne process{'es' if processes > 1 else ''}]"
-        print(f"{label} paced at the target: achieved {achieved}/s = {achieved / target:.2f}x the target; p50 {pct(lat, 0.5):.1f} ms, p99 {pct(lat, 0.99):.1f} ms = {pct(lat, 0.99) / 100:.2f}x the 100 ms limit; errors {errors}")
-        print(f"{label} closed loop ({args.connections} connections): sustained {closed_rate}/s = {closed_rate / 1000:.2f}x the 1,000/s target; p50 {pct(closed_lat, 0.5):.1f} ms, p99 {pct(closed_lat, 0.99):.1f} ms; errors {closed_errors}")
-        print(f"{label} database writes per heartbeat: {writes / max(total, 1):.4f} ({writes} rows over {total} heartbeats)")
+        print(
+            f"{label} paced at the target: achieved {achieved}/s = {achieved / target:.2f}x the target; p50 {pct(lat, 0.5):.1f} ms, p99 {pct(lat, 0.99):.1f} ms = {pct(lat, 0.99) / 100:.2f}x the 100 ms limit; errors {errors}"
+        )
+        print(
+            f"{label} closed loop ({args.connections} connections): sustained {closed_rate}/s = {closed_rate / 1000:.2f}x the 1,000/s target; p50 {pct(closed_lat, 0.5):.1f} ms, p99 {pct(closed_lat, 0.99):.1f} ms; errors {closed_errors}"
+        )
+        print(
+            f"{label} database writes per heartbeat: {writes / max(total, 1):.4f} ({writes} rows over {total} heartbeats)"
+        )
         return closed_rate if errors + closed_errors == 0 else -1
     finally:
         for d in daphnes:

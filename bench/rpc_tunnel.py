@@ -46,7 +46,9 @@ def main() -> int:
     from tests.e2e.harness import free_port
     from tests.smollm2 import smollm2_path
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--pairs", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
@@ -58,7 +60,10 @@ def main() -> int:
     workers: list[RpcWorker] = []
     primaries: dict[str, ServerPrimary] = {}
     finished: dict[str, dict[str, Any]] = {}
-    print(f"== RPC tunnel: split plan (2 ggml-rpc workers, loopback) through the tunnel vs direct; {load_average()} ==", flush=True)
+    print(
+        f"== RPC tunnel: split plan (2 ggml-rpc workers, loopback) through the tunnel vs direct; {load_average()} ==",
+        flush=True,
+    )
     try:
         for arm, tunnel in (("tunnel", True), ("direct", False)):
             ws = [
@@ -98,7 +103,11 @@ def main() -> int:
             f = finished.get(job_id)
             if f is None or f["status"] != "completed" or not f.get("tokens_per_s"):
                 raise RuntimeError(f"{arm} request {i} did not complete: {f}")
-            text = "".join(e["text"] for _, e in r.xrange(job_stream_key(job_id, "node-rt")) if e["type"] == "chunk")
+            text = "".join(
+                e["text"]
+                for _, e in r.xrange(job_stream_key(job_id, "node-rt"))
+                if e["type"] == "chunk"
+            )
             return float(f["tokens_per_s"]), text
 
         run("tunnel", 0), run("direct", 0)  # warm both

@@ -278,7 +278,10 @@ def _loopback_cluster() -> Any:
 
         stack = ExitStack()
         _LOOPBACK["stack"] = stack
-        print(f"  starting a controller and {LOOPBACK_AGENTS} loopback agents (agents run their benchmark)", flush=True)
+        print(
+            f"  starting a controller and {LOOPBACK_AGENTS} loopback agents (agents run their benchmark)",
+            flush=True,
+        )
         _LOOPBACK["cluster"] = stack.enter_context(
             local_cluster(LOOPBACK_AGENTS, log=lambda m: print(m, flush=True), name_prefix="loop")
         )
@@ -292,10 +295,20 @@ def close_loopback() -> None:
         stack.close()
 
 
-def _scaled_snapshot(snap: ClusterSnapshot, *, compute: float = 1.0, link: Link | None = None) -> ClusterSnapshot:
+def _scaled_snapshot(
+    snap: ClusterSnapshot, *, compute: float = 1.0, link: Link | None = None
+) -> ClusterSnapshot:
     """The snapshot with every device's gflops and bandwidth times `compute`, every link `link`."""
     nodes = tuple(
-        replace(n, devices=tuple(replace(d, gflops=d.gflops * compute, mem_bandwidth_gbps=d.mem_bandwidth_gbps * compute) for d in n.devices))
+        replace(
+            n,
+            devices=tuple(
+                replace(
+                    d, gflops=d.gflops * compute, mem_bandwidth_gbps=d.mem_bandwidth_gbps * compute
+                )
+                for d in n.devices
+            ),
+        )
         for n in snap.nodes
     )
     if link is None:
@@ -369,7 +382,9 @@ def measure_loopback(n_nodes: int) -> tuple[float, float] | None:
         "snap": snap,
         "profile": profile,
         "request": request,
-        "figures": sorted({(by_id[p].devices[0].gflops, by_id[p].devices[0].mem_bandwidth_gbps) for p in pins}),
+        "figures": sorted(
+            {(by_id[p].devices[0].gflops, by_id[p].devices[0].mem_bandwidth_gbps) for p in pins}
+        ),
         "layers": [(d.get("node_id"), d.get("n_layers")) for d in plan.get("devices", [])],
     }
     if not runtime:
@@ -398,9 +413,16 @@ def loopback_report() -> None:
             pass
     loop = Link(rtt_ms=rtt, bandwidth_mbps=LOOPBACK_MBPS)
 
-    def pred(n: int, *, compute: float = 1.0, link: Link | None = None, cost: CostModel = DEFAULT_COST) -> float:
+    def pred(
+        n: int, *, compute: float = 1.0, link: Link | None = None, cost: CostModel = DEFAULT_COST
+    ) -> float:
         r = res[n]
-        return plan_placement(r["profile"], _scaled_snapshot(r["snap"], compute=compute, link=link), r["request"], cost=cost).predicted_tokens_per_s
+        return plan_placement(
+            r["profile"],
+            _scaled_snapshot(r["snap"], compute=compute, link=link),
+            r["request"],
+            cost=cost,
+        ).predicted_tokens_per_s
 
     meas = {n: statistics.median(r["runtime"]) for n, r in res.items() if r["runtime"]}
     f = _solve(lambda x: pred(1, compute=x), meas[1], 1e-3, 1e3)
@@ -424,18 +446,36 @@ def loopback_report() -> None:
             f"(deployed {as_deployed / meas[n]:.2f}); with the 1-node compute calibration too {calibrated / meas[n]:.2f}"
         )
     if 2 in meas:
-        oh = _solve(lambda x: -pred(2, compute=f, link=loop, cost=replace(DEFAULT_COST, rpc_overhead_ms=x)), -meas[2], 0.0, 200.0)
+        oh = _solve(
+            lambda x: -pred(2, compute=f, link=loop, cost=replace(DEFAULT_COST, rpc_overhead_ms=x)),
+            -meas[2],
+            0.0,
+            200.0,
+        )
         if oh is None:
-            print(f"    rpc_overhead_ms: no value in [0, 200] ms matches 2 nodes (it is {DEFAULT_COST.rpc_overhead_ms} ms now)")
+            print(
+                f"    rpc_overhead_ms: no value in [0, 200] ms matches 2 nodes (it is {DEFAULT_COST.rpc_overhead_ms} ms now)"
+            )
         else:
             line = f"    rpc_overhead_ms would need {oh:.2f} ms per remote node per token (now {DEFAULT_COST.rpc_overhead_ms} ms), from the 2-node run"
             if 3 in meas:
-                check = pred(3, compute=f, link=loop, cost=replace(DEFAULT_COST, rpc_overhead_ms=oh))
+                check = pred(
+                    3, compute=f, link=loop, cost=replace(DEFAULT_COST, rpc_overhead_ms=oh)
+                )
                 line += f"; with it, 3 nodes predicted/measured {check / meas[3]:.2f}"
             print(line)
-            lo = _solve(lambda x: -pred(2, compute=f, link=loop, cost=replace(DEFAULT_COST, layer_overhead_ms=x)), -meas[2], 0.0, 50.0)
+            lo = _solve(
+                lambda x: (
+                    -pred(2, compute=f, link=loop, cost=replace(DEFAULT_COST, layer_overhead_ms=x))
+                ),
+                -meas[2],
+                0.0,
+                50.0,
+            )
             if lo is not None:
-                print(f"    (or layer_overhead_ms {lo:.3f} ms instead of {DEFAULT_COST.layer_overhead_ms} ms, if the extra cost is per layer rather than per hop)")
+                print(
+                    f"    (or layer_overhead_ms {lo:.3f} ms instead of {DEFAULT_COST.layer_overhead_ms} ms, if the extra cost is per layer rather than per hop)"
+                )
 
 
 LOOPBACK_RTT_MS = 0.05
@@ -455,14 +495,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--big-nodes", type=int, default=1000)
     ap.add_argument("--decisions", type=int, default=50)
-    ap.add_argument("--no-loopback", action="store_true", help="skip part 3 (real loopback deployments)")
+    ap.add_argument(
+        "--no-loopback", action="store_true", help="skip part 3 (real loopback deployments)"
+    )
     ap.add_argument("--loopback-requests", type=int, default=5)
     ap.add_argument("--loopback-warmup", type=int, default=2)
     ap.add_argument("--loopback-max-tokens", type=int, default=128)
-    ap.add_argument("--quick", action="store_true", help="tiny run for smoke tests (100 clusters, 200-node decisions, 2 loopback requests of 32 tokens)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny run for smoke tests (100 clusters, 200-node decisions, 2 loopback requests of 32 tokens)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
-        args.clusters, args.big_nodes, args.decisions = min(args.clusters, 100), min(args.big_nodes, 200), min(args.decisions, 10)
+        args.clusters, args.big_nodes, args.decisions = (
+            min(args.clusters, 100),
+            min(args.big_nodes, 200),
+            min(args.decisions, 10),
+        )
         args.loopback_requests, args.loopback_warmup, args.loopback_max_tokens = 2, 1, 32
 
     t0 = time.perf_counter()
@@ -516,7 +566,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_loopback:
         print("not run (--no-loopback)")
     else:
-        _LOOPBACK.update(requests=args.loopback_requests, max_tokens=args.loopback_max_tokens, warmup=args.loopback_warmup)
+        _LOOPBACK.update(
+            requests=args.loopback_requests,
+            max_tokens=args.loopback_max_tokens,
+            warmup=args.loopback_warmup,
+        )
         print(
             f"SmolLM2 spread over 1, 2 and 3 real agents on loopback; measured = the primary's decode tokens/s, "
             f"median of {args.loopback_requests} streamed requests ({args.loopback_max_tokens} tokens, temperature 0) "

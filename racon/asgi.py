@@ -56,9 +56,20 @@ async def http_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     body = await _read_body(receive, settings.MAX_AGENT_BODY_BYTES)
     if body is None:
         return
-    status, payload = await heartbeat_handle(method=scope.get("method", ""), authorization=auth, body=body)
+    status, payload = await heartbeat_handle(
+        method=scope.get("method", ""), authorization=auth, body=body
+    )
     data = json.dumps(payload, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -70,6 +81,8 @@ gc.freeze()
 application = ProtocolTypeRouter(
     {
         "http": http_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": AllowedHostsOriginValidator(
+            AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
+        ),
     }
 )

@@ -134,7 +134,12 @@ def publish(name: str) -> None:
     try:
         get_redis().publish(CHANNEL, name)
     except redis.RedisError:
-        log.warning("cache invalidation for %r not published; other processes see it within %ss", name, settings.API_CACHE_SECONDS, exc_info=True)
+        log.warning(
+            "cache invalidation for %r not published; other processes see it within %ss",
+            name,
+            settings.API_CACHE_SECONDS,
+            exc_info=True,
+        )
 
 
 def subscriber_ready(timeout: float = 0.0) -> bool:
@@ -155,7 +160,9 @@ def _subscriber_ensure() -> bool:
                 for c in _caches.values():
                     c.clear()
                 _subscriber_pid = pid
-                threading.Thread(target=_subscriber_run, name="racon-cache-invalidate", daemon=True).start()
+                threading.Thread(
+                    target=_subscriber_run, name="racon-cache-invalidate", daemon=True
+                ).start()
     return _subscribed.is_set()
 
 
@@ -164,7 +171,13 @@ def _subscriber_run() -> None:
     while not _subscriber_stop.is_set():
         pubsub = None
         try:
-            client = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True, socket_timeout=10, socket_connect_timeout=5, health_check_interval=5)
+            client = redis.Redis.from_url(
+                settings.REDIS_URL,
+                decode_responses=True,
+                socket_timeout=10,
+                socket_connect_timeout=5,
+                health_check_interval=5,
+            )
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             pubsub.subscribe(CHANNEL)
             # Anything published while we were not listening is lost: start from empty caches.
@@ -177,7 +190,10 @@ def _subscriber_run() -> None:
                     clear_local(str(msg.get("data") or ALL))
         except Exception:  # noqa: BLE001 - the thread must outlive any Redis fault
             if _subscribed.is_set() and not _subscriber_stop.is_set():
-                log.warning("cache invalidation subscriber lost Redis; caching paused until it reconnects", exc_info=True)
+                log.warning(
+                    "cache invalidation subscriber lost Redis; caching paused until it reconnects",
+                    exc_info=True,
+                )
         finally:
             _subscribed.clear()
             clear_local(ALL)

@@ -27,5 +27,7 @@ class StrictFilterSet(FilterSet):
             self._blanks_checked = True
             for name in self.filters:
                 if name in self.data and not str(self.data.get(name, "")).strip():
-                    self.form.add_error(name, f"{name} was given with no value; leave it out or give one")
+                    self.form.add_error(
+                        name, f"{name} was given with no value; leave it out or give one"
+                    )
         return valid and not self.form.errors

@@ -342,7 +342,9 @@ def env_defaults(url: str) -> None:
     # Named here, not left to settings' defaults, because the placement worker is started with
     # its queue's name (-Q) and settings must route to that same queue.
     os.environ.setdefault("CELERY_TASK_DEFAULT_QUEUE", "racon")
-    os.environ.setdefault("CELERY_PLACEMENT_QUEUE", f"{os.environ['CELERY_TASK_DEFAULT_QUEUE']}.placement")
+    os.environ.setdefault(
+        "CELERY_PLACEMENT_QUEUE", f"{os.environ['CELERY_TASK_DEFAULT_QUEUE']}.placement"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,10 @@ from typing import Any
 
 CONTEXT_FIELDS = ("request_id", "job_id", "node_id", "deployment_id")
 # The default is never mutated: every change sets a new dict.
-_context: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("racon_log_context", default={})  # noqa: B039
+_context: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar(
+    "racon_log_context",
+    default={},  # noqa: B039
+)
 
 
 @contextmanager
@@ -64,7 +67,9 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ctx = " ".join(
-            f"{k}={getattr(record, k)}" for k in CONTEXT_FIELDS if getattr(record, k, None) is not None
+            f"{k}={getattr(record, k)}"
+            for k in CONTEXT_FIELDS
+            if getattr(record, k, None) is not None
         )
         line = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {record.name}: {record.getMessage()}"
         if ctx:

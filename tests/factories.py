@@ -14,11 +14,23 @@ from apps.nodes.models import Node
 from apps.nodes.states import NodeState
 
 
-def hardware_profile(*, cores: int = 8, ram_gib: int = 16, gpus: list[dict[str, Any]] | None = None, gflops: float = 50.0, bw: float = 20.0) -> dict[str, Any]:
+def hardware_profile(
+    *,
+    cores: int = 8,
+    ram_gib: int = 16,
+    gpus: list[dict[str, Any]] | None = None,
+    gflops: float = 50.0,
+    bw: float = 20.0,
+) -> dict[str, Any]:
     """A protocol.Hardware dict, as an agent would send it."""
     gib = 1024**3
     return {
-        "cpu": {"model": "Test CPU", "physical_cores": cores // 2 or 1, "logical_cores": cores, "flags": ["avx2"]},
+        "cpu": {
+            "model": "Test CPU",
+            "physical_cores": cores // 2 or 1,
+            "logical_cores": cores,
+            "flags": ["avx2"],
+        },
         "memory": {"total": ram_gib * gib, "available": ram_gib * gib // 2},
         "swap": {"total": 0, "free": 0},
         "disk": {"path": "/models", "total": 500 * gib, "free": 200 * gib},

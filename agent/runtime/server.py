@@ -59,7 +59,9 @@ log = logging.getLogger("agent.runtime.server")
 
 # llama-server's stop_type → OpenAI's finish_reason.
 FINISH = {"eos": "stop", "word": "stop", "limit": "length", "none": "stop"}
-DEVICE_RE = re.compile(r"^\s*(RPC\d+|CPU\d*|CUDA\d+|Vulkan\d+|Metal\d*):\s*(.*?)(?:\s*\((\d+) MiB, (\d+) MiB free\))?\s*$")
+DEVICE_RE = re.compile(
+    r"^\s*(RPC\d+|CPU\d*|CUDA\d+|Vulkan\d+|Metal\d*):\s*(.*?)(?:\s*\((\d+) MiB, (\d+) MiB free\))?\s*$"
+)
 CONTEXT_WORDS = ("exceeds the available context", "context size", "context length", "too long")
 
 
@@ -236,7 +238,10 @@ class ServerPrimary:
             for ep in endpoints:
                 host, _, port = ep.rpartition(":")
                 client = TunnelClient(
-                    remote_host=host.strip("[]"), remote_port=int(port), deployment_id=self.deployment_id, key_hex=str(key)
+                    remote_host=host.strip("[]"),
+                    remote_port=int(port),
+                    deployment_id=self.deployment_id,
+                    key_hex=str(key),
                 )
                 self._tunnels.append(client)
                 self._local_endpoints[client.local_endpoint] = ep
@@ -245,7 +250,9 @@ class ServerPrimary:
         start_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as logf:
             self._proc = subprocess.Popen(
-                die_with_parent([str(exe), *server_args(self._engine_plan(), self.model_path, self.port)]),
+                die_with_parent(
+                    [str(exe), *server_args(self._engine_plan(), self.model_path, self.port)]
+                ),
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -401,7 +408,9 @@ class ServerPrimary:
         if finish == "__dead__":
             writer.close()
             proc = self._proc
-            self._end_with_error(job_id, self._death_reason(proc.returncode if proc else None))
+            self._end_with_error(
+                job_id, self._death_reason(proc.returncode if proc else None), attempt=attempt
+            )
             return
         if writer.error and error is None:
             error = _RequestError(writer.error)
@@ -428,6 +437,7 @@ class ServerPrimary:
             completion_tokens=n_tokens,
             ttft_ms=ttft,
             tokens_per_s=usage["tokens_per_s"],
+            attempt=attempt,
         )
         if error is not None:
             payload["error"] = str(error)
@@ -440,12 +450,16 @@ class ServerPrimary:
         if job.get("kind", "chat") == "chat":
             messages = job.get("messages")
             if not isinstance(messages, list) or not messages:
-                raise _RequestError("chat job needs a non-empty 'messages' list", code="invalid_request")
+                raise _RequestError(
+                    "chat job needs a non-empty 'messages' list", code="invalid_request"
+                )
             text = str(self._post(j, "/apply-template", {"messages": messages})["prompt"])
         else:
             prompt = job.get("prompt")
             if not isinstance(prompt, str):
-                raise _RequestError("completion job needs a 'prompt' string", code="invalid_request")
+                raise _RequestError(
+                    "completion job needs a 'prompt' string", code="invalid_request"
+                )
             text = prompt
         resume = [int(t) for t in job.get("resume_tokens") or []]
         return [text, *resume] if resume else text
@@ -476,7 +490,9 @@ class ServerPrimary:
     def _stream(self, j: _Job, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         conn = self._connect(j)
         try:
-            conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+            conn.request(
+                "POST", "/completion", json.dumps(body), {"Content-Type": "application/json"}
+            )
             resp = conn.getresponse()
             if resp.status != 200:
                 raise _error_from(resp.status, resp.read())
@@ -565,7 +581,9 @@ class ServerPrimary:
             elif n_layer is None and (m := N_LAYER_RE.search(line)):
                 n_layer = int(m.group(1))
         endpoints = list(self.plan.get("rpc_endpoints") or [])
-        devices = [{"name": f"RPC{i}", "description": ep, "type": "gpu"} for i, ep in enumerate(endpoints)]
+        devices = [
+            {"name": f"RPC{i}", "description": ep, "type": "gpu"} for i, ep in enumerate(endpoints)
+        ]
         devices.append({"name": "CPU", "description": "CPU", "type": "cpu"})
         if not layers and n_layer is not None:
             layers = _replay_layers(n_layer, self.plan)
@@ -595,7 +613,11 @@ class ServerPrimary:
             self.on_event,
             "RUNTIME_FAILED",
             f"deployment {self.deployment_id}: {reason}",
-            {"deployment_id": self.deployment_id, "exit_code": code, "log_tail": log_tail(self.log_path, 8)},
+            {
+                "deployment_id": self.deployment_id,
+                "exit_code": code,
+                "log_tail": log_tail(self.log_path, 8),
+            },
         )
         self._safe(self.on_exit, self.deployment_id)
 
@@ -608,14 +630,28 @@ class ServerPrimary:
             _shutdown(j.conn)
             if j.thread is not None and j.thread is not threading.current_thread():
                 j.thread.join(2.0)  # let its writer flush what it had before the end entry
-            self._end_with_error(j.job["job_id"], reason, cancelled=cancelled)
+            attempt = int(j.job.get("attempt") or 1)
+            self._end_with_error(j.job["job_id"], reason, cancelled=cancelled, attempt=attempt)
 
-    def _end_with_error(self, job_id: str, reason: str, *, cancelled: bool = False) -> None:
-        """End a job whose server went away: the error after what it streamed, and the report."""
+    def _end_with_error(
+        self, job_id: str, reason: str, *, cancelled: bool = False, attempt: int = 1
+    ) -> None:
+        """End a job whose server went away: the error after what it streamed, and the report.
+
+        A death (not an unload) carries the code ``primary_died``: the controller moves the job
+        to another replica, resuming from what was streamed (docs/design/serving.md, "Failover").
+        """
         streamed = 0
         try:
             streamed = last_seq(self.r, job_id, self.node_id) + 1
-            append_error(self.r, job_id, reason, node_id=self.node_id)
+            append_error(
+                self.r,
+                job_id,
+                reason,
+                node_id=self.node_id,
+                attempt=attempt,
+                code="" if cancelled else "primary_died",
+            )
         except redis.RedisError as exc:
             log.error("job %s: cannot write the error to its stream: %s", job_id, exc)
         self._safe(
@@ -627,6 +663,7 @@ class ServerPrimary:
                 prompt_tokens=0,
                 completion_tokens=streamed,
                 error=reason,
+                attempt=attempt,
             ),
         )
 
@@ -662,8 +699,12 @@ def _completion_body(job: dict[str, Any], prompt: str | list[Any]) -> dict[str, 
         "temperature": float(job.get("temperature", SAMPLING_DEFAULTS["temperature"])),
         "top_p": float(job.get("top_p", SAMPLING_DEFAULTS["top_p"])),
         "stop": list(job.get("stop") or []),
-        "presence_penalty": float(job.get("presence_penalty", SAMPLING_DEFAULTS["presence_penalty"])),
-        "frequency_penalty": float(job.get("frequency_penalty", SAMPLING_DEFAULTS["frequency_penalty"])),
+        "presence_penalty": float(
+            job.get("presence_penalty", SAMPLING_DEFAULTS["presence_penalty"])
+        ),
+        "frequency_penalty": float(
+            job.get("frequency_penalty", SAMPLING_DEFAULTS["frequency_penalty"])
+        ),
     }
     if job.get("seed") is not None:
         body["seed"] = int(job["seed"])
@@ -699,10 +740,15 @@ def _replay_layers(n_layer: int, plan: LoadPrimaryPayload) -> dict[int, str]:
     llama-server logs the per-layer lines only at debug verbosity, which also logs every token."""
     endpoints = list(plan.get("rpc_endpoints") or [])
     split = [float(x) for x in plan.get("tensor_split") or []]
-    names = [f"RPC{i}" if i < len(endpoints) else f"GPU{i - len(endpoints)}" for i in range(len(split))]
+    names = [
+        f"RPC{i}" if i < len(endpoints) else f"GPU{i - len(endpoints)}" for i in range(len(split))
+    ]
     ngl = int(plan.get("n_gpu_layers", -1))
     per_layer, output = llama_layer_assignment(n_layer, n_layer + 1 if ngl < 0 else ngl, split)
-    return {il: "CPU" if d < 0 else names[min(d, len(names) - 1)] for il, d in enumerate([*per_layer, output])}
+    return {
+        il: "CPU" if d < 0 else names[min(d, len(names) - 1)]
+        for il, d in enumerate([*per_layer, output])
+    }
 
 
 # Exec'd in front of llama-server: PR_SET_PDEATHSIG survives execve, so the server dies with the

@@ -156,7 +156,9 @@ class DirectStreamWriter(StreamWriter):
     whose generation runs in another process and never waits on this thread, so a handoff to a
     writer thread would only add a thread wake-up per token on cores the engine needs."""
 
-    def __init__(self, client: redis.Redis, job_id: str, cancel: threading.Event, **kw: Any) -> None:
+    def __init__(
+        self, client: redis.Redis, job_id: str, cancel: threading.Event, **kw: Any
+    ) -> None:
         super().__init__(client, job_id, cancel, start=False, **kw)
 
     def chunk(self, text: str, ids: list[int] | None = None) -> None:
@@ -167,7 +169,9 @@ class DirectStreamWriter(StreamWriter):
         self._write([entry(self._next(), "done", "", finish_reason, usage, attempt=self.attempt)])
 
     def fail(self, message: str, usage: StreamUsage | None = None, *, code: str = "") -> None:
-        self._write([entry(self._next(), "error", message, "error", usage, attempt=self.attempt, code=code)])
+        self._write(
+            [entry(self._next(), "error", message, "error", usage, attempt=self.attempt, code=code)]
+        )
 
     def close(self, timeout: float = 5.0) -> None:
         return
@@ -197,7 +201,14 @@ def stream_has_end(client: redis.Redis, job_id: str, node_id: str) -> bool:
 
 
 def append_error(
-    client: redis.Redis, job_id: str, message: str, *, node_id: str, ttl: int = STREAM_TTL_SECONDS
+    client: redis.Redis,
+    job_id: str,
+    message: str,
+    *,
+    node_id: str,
+    ttl: int = STREAM_TTL_SECONDS,
+    attempt: int = 1,
+    code: str = "",
 ) -> None:
     """End a job's stream with an error from outside the process that was writing it.
 
@@ -209,7 +220,12 @@ def append_error(
     seq = last_seq(client, job_id, node_id) + 1
     key = job_stream_key(job_id, node_id)
     pipe = client.pipeline(transaction=False)
-    pipe.xadd(key, entry(seq, "error", message, "error"), maxlen=STREAM_MAXLEN, approximate=True)
+    pipe.xadd(
+        key,
+        entry(seq, "error", message, "error", attempt=attempt, code=code),
+        maxlen=STREAM_MAXLEN,
+        approximate=True,
+    )
     pipe.expire(key, ttl)
     pipe.execute()
 
@@ -220,6 +236,8 @@ def append_done(
     seq = last_seq(client, job_id, node_id) + 1
     key = job_stream_key(job_id, node_id)
     pipe = client.pipeline(transaction=False)
-    pipe.xadd(key, entry(seq, "done", "", finish_reason, usage), maxlen=STREAM_MAXLEN, approximate=True)
+    pipe.xadd(
+        key, entry(seq, "done", "", finish_reason, usage), maxlen=STREAM_MAXLEN, approximate=True
+    )
     pipe.expire(key, STREAM_TTL_SECONDS)
     pipe.execute()

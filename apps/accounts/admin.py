@@ -10,6 +10,15 @@ from .models import ApiKey
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ("name", "prefix", "account", "user", "scopes", "created_at", "revoked_at", "last_used_at")
+    list_display = (
+        "name",
+        "prefix",
+        "account",
+        "user",
+        "scopes",
+        "created_at",
+        "revoked_at",
+        "last_used_at",
+    )
     list_filter = ("revoked_at",)
     readonly_fields = ("prefix", "key_hash")

@@ -57,7 +57,9 @@ class ApiKey(models.Model):
     prefix = models.CharField(max_length=16, db_index=True)
     key_hash = models.CharField(max_length=64, unique=True)
     account = models.ForeignKey(Account, on_delete=models.CASCADE, related_name="api_keys")
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE
+    )
     scopes = models.JSONField(default=list, help_text='subset of ["inference", "admin"]')
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)

@@ -12,7 +12,9 @@ class IsStaff(BasePermission):
 
     def has_permission(self, request: Any, view: Any) -> bool:
         user = request.user
-        return bool(user and getattr(user, "is_authenticated", False) and getattr(user, "is_staff", False))
+        return bool(
+            user and getattr(user, "is_authenticated", False) and getattr(user, "is_staff", False)
+        )
 
 
 class IsAuthenticatedAccount(BasePermission):

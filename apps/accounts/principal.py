@@ -54,6 +54,8 @@ def request_account_id(request: Any) -> Any:
     if user is not None and user.is_authenticated:
         provider = _providers.get("user")
         if provider is None:
-            raise RuntimeError("no user-account provider registered (apps.credits is not installed)")
+            raise RuntimeError(
+                "no user-account provider registered (apps.credits is not installed)"
+            )
         return provider(user=user).id
     return None

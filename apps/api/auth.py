@@ -24,14 +24,23 @@ def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def api_key_create(*, name: str, account_id: Any, scopes: list[str], user_id: Any = None) -> tuple[ApiKey, str]:
+def api_key_create(
+    *, name: str, account_id: Any, scopes: list[str], user_id: Any = None
+) -> tuple[ApiKey, str]:
     """Create a key; returns it with the plaintext, shown once."""
     unknown = set(scopes) - {ApiKey.SCOPE_INFERENCE, ApiKey.SCOPE_ADMIN}
     if unknown or not scopes:
-        raise ValueError(f"scopes must be a non-empty subset of ['inference', 'admin'], got {scopes!r}")
+        raise ValueError(
+            f"scopes must be a non-empty subset of ['inference', 'admin'], got {scopes!r}"
+        )
     plaintext = "rk_" + secrets.token_urlsafe(32)
     key = ApiKey.objects.create(
-        name=name, prefix=plaintext[:8], key_hash=key_hash(plaintext), account_id=account_id, scopes=sorted(set(scopes)), user_id=user_id
+        name=name,
+        prefix=plaintext[:8],
+        key_hash=key_hash(plaintext),
+        account_id=account_id,
+        scopes=sorted(set(scopes)),
+        user_id=user_id,
     )
     return key, plaintext  # the post_save signal invalidates the principal cache
 
@@ -55,7 +64,11 @@ def principal_for_key(raw: str) -> KeyPrincipal | None:
     if not raw:
         return None
     # The operator key's hash is part of the cache key: a changed AI_API_KEY is never served stale.
-    return cache.cached(PRINCIPAL_CACHE, (key_hash(raw), key_hash(settings.AI_API_KEY or "")), lambda: _principal_load(raw))
+    return cache.cached(
+        PRINCIPAL_CACHE,
+        (key_hash(raw), key_hash(settings.AI_API_KEY or "")),
+        lambda: _principal_load(raw),
+    )
 
 
 def _principal_load(raw: str) -> KeyPrincipal | None:
@@ -66,10 +79,16 @@ def _principal_load(raw: str) -> KeyPrincipal | None:
             scopes=frozenset({ApiKey.SCOPE_INFERENCE, ApiKey.SCOPE_ADMIN}),
             is_operator_key=True,
         )
-    key = ApiKey.objects.select_related("user").filter(key_hash=key_hash(raw), revoked_at__isnull=True).first()
+    key = (
+        ApiKey.objects.select_related("user")
+        .filter(key_hash=key_hash(raw), revoked_at__isnull=True)
+        .first()
+    )
     if key is None:
         return None
-    return KeyPrincipal(key_id=key.id, account_id=key.account_id, scopes=frozenset(key.scopes), user=key.user)
+    return KeyPrincipal(
+        key_id=key.id, account_id=key.account_id, scopes=frozenset(key.scopes), user=key.user
+    )
 
 
 def bearer_from_header(header: str) -> str:
@@ -90,7 +109,9 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         if principal is None:
             raise exceptions.AuthenticationFailed("invalid API key")
         request._racon_principal = principal
-        return (principal if principal.user is None else _UserWithPrincipal(principal.user, principal)), principal
+        return (
+            principal if principal.user is None else _UserWithPrincipal(principal.user, principal)
+        ), principal
 
     def authenticate_header(self, request: Any) -> str:
         return 'Bearer realm="racon"'

@@ -60,7 +60,16 @@ class JobStreamConsumer(AsyncWebsocketConsumer):
                 idle = 0
                 for entry_id, fields in got[0][1]:
                     last = entry_id
-                    await self.send(text_data=json.dumps({"type": fields.get("type"), "seq": int(fields.get("seq", -1)), "text": fields.get("text", ""), "finish_reason": fields.get("finish_reason", "")}))
+                    await self.send(
+                        text_data=json.dumps(
+                            {
+                                "type": fields.get("type"),
+                                "seq": int(fields.get("seq", -1)),
+                                "text": fields.get("text", ""),
+                                "finish_reason": fields.get("finish_reason", ""),
+                            }
+                        )
+                    )
                     if fields.get("type") in ("done", "error"):
                         await self.close()
                         return
@@ -91,7 +100,9 @@ class DashboardConsumer(AsyncWebsocketConsumer):
             await self.send(text_data=html)
 
     async def deployment_changed(self, event: dict[str, Any]) -> None:
-        html = await sync_to_async(_render_deployment_row)(self.scope.get("user"), event["deployment_id"])
+        html = await sync_to_async(_render_deployment_row)(
+            self.scope.get("user"), event["deployment_id"]
+        )
         if html:
             await self.send(text_data=html)
 

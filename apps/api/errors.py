@@ -33,12 +33,18 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 
 
 def openai_error(
-    message: str, *, status_code: int, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None,
+    message: str,
+    *,
+    status_code: int,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JsonResponse:
     """OpenAI's exact error body: {"error": {"message", "type", "param", "code"}}."""
     resp = JsonResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}}, status=status_code
+        {"error": {"message": message, "type": type_, "param": param, "code": code}},
+        status=status_code,
     )
     for k, v in (headers or {}).items():
         resp[k] = v
@@ -49,8 +55,14 @@ class ApiError(Exception):
     """An error the /v1 views turn into OpenAI's format."""
 
     def __init__(
-        self, message: str, *, status_code: int = status.HTTP_400_BAD_REQUEST, type_: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+        self,
+        message: str,
+        *,
+        status_code: int = status.HTTP_400_BAD_REQUEST,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -62,5 +74,10 @@ class ApiError(Exception):
 
     def response(self) -> JsonResponse:
         return openai_error(
-            self.message, status_code=self.status_code, type_=self.type, param=self.param, code=self.code, headers=self.headers
+            self.message,
+            status_code=self.status_code,
+            type_=self.type,
+            param=self.param,
+            code=self.code,
+            headers=self.headers,
         )

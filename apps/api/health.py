@@ -21,7 +21,11 @@ def service_health() -> dict[str, Any]:
     try:
         with connection.cursor() as cur:
             cur.execute("SELECT 1")
-        checks["database"] = {"ok": True, "vendor": connection.vendor, "ms": round((time.perf_counter() - t) * 1000, 2)}
+        checks["database"] = {
+            "ok": True,
+            "vendor": connection.vendor,
+            "ms": round((time.perf_counter() - t) * 1000, 2),
+        }
     except Exception as exc:  # noqa: BLE001
         checks["database"] = {"ok": False, "error": str(exc)[:200]}
     t = time.perf_counter()
@@ -32,7 +36,10 @@ def service_health() -> dict[str, Any]:
         # Celery workers refresh this key from a heartbeat signal (racon/celery_signals.py).
         age = r.get(CELERY_ALIVE_KEY)
         alive = age is not None and time.time() - float(age) < 60
-        checks["celery"] = {"ok": alive, "last_seen_s": None if age is None else round(time.time() - float(age), 1)}
+        checks["celery"] = {
+            "ok": alive,
+            "last_seen_s": None if age is None else round(time.time() - float(age), 1),
+        }
         if not alive:
             checks["celery"]["error"] = "no Celery worker seen in the last 60 s"
     except Exception as exc:  # noqa: BLE001

@@ -18,13 +18,21 @@ def _failures_keys(request: HttpRequest, username: str) -> list[tuple[str, int]]
     """(counter key, limit) pairs: per client address and username, and per username alone, so
     that a guesser who rotates addresses is still stopped at LOGIN_MAX_FAILURES_PER_USER."""
     user = username.strip().lower()
-    pairs = [(f"{client_address(request)}|{user}", settings.LOGIN_MAX_FAILURES), (f"*|{user}", settings.LOGIN_MAX_FAILURES_PER_USER)]
-    return [("racon:login:failures:" + hashlib.sha256(who.encode()).hexdigest()[:32], limit) for who, limit in pairs]
+    pairs = [
+        (f"{client_address(request)}|{user}", settings.LOGIN_MAX_FAILURES),
+        (f"*|{user}", settings.LOGIN_MAX_FAILURES_PER_USER),
+    ]
+    return [
+        ("racon:login:failures:" + hashlib.sha256(who.encode()).hexdigest()[:32], limit)
+        for who, limit in pairs
+    ]
 
 
 def safe_next(request: HttpRequest, target: str | None, fallback: str) -> str:
     """``target`` if it points into this site (same host, and https when the request is), else ``fallback``."""
-    if target and url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()}, require_https=request.is_secure()):
+    if target and url_has_allowed_host_and_scheme(
+        target, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
         return target
     return fallback
 
@@ -64,5 +72,7 @@ class ThrottledLoginView(auth_views.LoginView):
     def form_valid(self, form: Any) -> HttpResponse:
         # Only this address's counter is cleared: a correct password elsewhere does not reset the
         # per-username count another address is running up.
-        get_redis().delete(_failures_keys(self.request, self.request.POST.get("username", ""))[0][0])
+        get_redis().delete(
+            _failures_keys(self.request, self.request.POST.get("username", ""))[0][0]
+        )
         return super().form_valid(form)

@@ -15,7 +15,11 @@ class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
     name = "BearerApiKey"
 
     def get_security_definition(self, auto_schema: Any) -> dict[str, Any]:
-        return {"type": "http", "scheme": "bearer", "description": "AI_API_KEY or a per-account API key (scopes: inference, admin)"}
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "AI_API_KEY or a per-account API key (scopes: inference, admin)",
+        }
 
 
 class ErrorSerializer(serializers.Serializer):

@@ -36,6 +36,16 @@ def _job_finished(*, job_id: Any, state: str, fields: dict[str, Any], **kwargs: 
 def connect() -> None:
     job_finished.connect(_job_finished, dispatch_uid="racon-metrics-job-finished")
     for signal in (post_save, post_delete):
-        signal.connect(_principal_changed, sender=ApiKey, dispatch_uid=f"racon-cache-apikey-{signal is post_save}")
-        signal.connect(_model_changed, sender=Model, dispatch_uid=f"racon-cache-model-{signal is post_save}")
-        signal.connect(_model_changed, sender=ModelFile, dispatch_uid=f"racon-cache-modelfile-{signal is post_save}")
+        signal.connect(
+            _principal_changed,
+            sender=ApiKey,
+            dispatch_uid=f"racon-cache-apikey-{signal is post_save}",
+        )
+        signal.connect(
+            _model_changed, sender=Model, dispatch_uid=f"racon-cache-model-{signal is post_save}"
+        )
+        signal.connect(
+            _model_changed,
+            sender=ModelFile,
+            dispatch_uid=f"racon-cache-modelfile-{signal is post_save}",
+        )

@@ -32,7 +32,16 @@ from apps.nodes.models import EnrollmentToken, Node
 from apps.nodes.states import POOL, NodeState
 
 # Colours for the placement bar, one per node in plan order (kept in step with racon.css).
-NODE_COLOURS = ("#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2", "#4d7c0f", "#db2777")
+NODE_COLOURS = (
+    "#2563eb",
+    "#16a34a",
+    "#d97706",
+    "#9333ea",
+    "#dc2626",
+    "#0891b2",
+    "#4d7c0f",
+    "#db2777",
+)
 TOKENS_WINDOW_SECONDS = 60
 
 
@@ -51,7 +60,9 @@ class Viewer:
 
 
 def viewer_for(user: Any) -> Viewer:
-    return Viewer(user=user, is_staff=bool(user.is_staff), account_id=account_for_user(user=user).id)
+    return Viewer(
+        user=user, is_staff=bool(user.is_staff), account_id=account_for_user(user=user).id
+    )
 
 
 # --- nodes ---------------------------------------------------------------------------------------
@@ -147,8 +158,12 @@ def _live_capacity(viewer: Viewer, cap: dict[str, Any]) -> dict[str, Any]:
 def _tokens_now(viewer: Viewer, *, now: datetime) -> dict[str, Any]:
     """Throughput over the last minute (finished jobs) and the jobs generating right now."""
     since = now - timedelta(seconds=TOKENS_WINDOW_SECONDS)
-    jobs = Job.objects.all() if viewer.is_staff else Job.objects.filter(account_id=viewer.account_id)
-    done = jobs.filter(state=JobState.COMPLETED, finished_at__gte=since).aggregate(tokens=Sum("completion_tokens"), rate=Avg("tokens_per_s"))
+    jobs = (
+        Job.objects.all() if viewer.is_staff else Job.objects.filter(account_id=viewer.account_id)
+    )
+    done = jobs.filter(state=JobState.COMPLETED, finished_at__gte=since).aggregate(
+        tokens=Sum("completion_tokens"), rate=Avg("tokens_per_s")
+    )
     tokens = int(done["tokens"] or 0)
     return {
         "tokens_per_s": round(tokens / TOKENS_WINDOW_SECONDS, 2),
@@ -169,7 +184,12 @@ def dashboard_stats(*, user: Any, now: datetime) -> dict[str, Any]:
     """The numbers panel (capacity and tokens/s), refreshed by itself every few seconds."""
     viewer = viewer_for(user)
     counts = _state_counts(viewer)
-    return {**counts, "live": _live_capacity(viewer, counts["capacity"]), "tokens": _tokens_now(viewer, now=now), "is_staff": viewer.is_staff}
+    return {
+        **counts,
+        "live": _live_capacity(viewer, counts["capacity"]),
+        "tokens": _tokens_now(viewer, now=now),
+        "is_staff": viewer.is_staff,
+    }
 
 
 def dashboard_page(*, user: Any, now: datetime) -> dict[str, Any]:
@@ -190,14 +210,18 @@ def dashboard_page(*, user: Any, now: datetime) -> dict[str, Any]:
 
 def token_list_page(*, now: datetime) -> dict[str, Any]:
     tokens = list(EnrollmentToken.objects.select_related("account")[:200])
-    return {"tokens": [{"token": t, "status": node_selectors.token_status(t, now=now)} for t in tokens]}
+    return {
+        "tokens": [{"token": t, "status": node_selectors.token_status(t, now=now)} for t in tokens]
+    }
 
 
 def model_list_page() -> dict[str, Any]:
     return {"models": list(Model.objects.prefetch_related("files__replicas").order_by("name"))}
 
 
-def deployment_rows(deps: list[Deployment], viewer: Viewer | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def deployment_rows(
+    deps: list[Deployment], viewer: Viewer | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Rows for these deployments and a summary per model that has replicas (slots, queue),
     from one read of admission's figures."""
     load = job_selectors.replica_load(deployments=deps)
@@ -211,7 +235,9 @@ def deployment_rows(deps: list[Deployment], viewer: Viewer | None = None) -> tup
     return rows, models
 
 
-def deployment_row(dep: Deployment, viewer: Viewer | None = None, load: Any = None) -> dict[str, Any]:
+def deployment_row(
+    dep: Deployment, viewer: Viewer | None = None, load: Any = None
+) -> dict[str, Any]:
     """One deployment's row: nodes (as this viewer may see them), prediction, slots and queue."""
     if load is None:
         load = job_selectors.replica_load(deployments=[dep])
@@ -257,7 +283,9 @@ def deployment_detail(*, deployment_id: Any) -> Deployment:
 
 def explanation(plan: dict[str, Any]) -> list[str]:
     """The scheduler's reasons, with node ids replaced by the names an operator knows."""
-    ids = {d["node_id"] for d in plan.get("devices", [])} | ({plan["primary_node_id"]} if plan.get("primary_node_id") else set())
+    ids = {d["node_id"] for d in plan.get("devices", [])} | (
+        {plan["primary_node_id"]} if plan.get("primary_node_id") else set()
+    )
     names = {nid: job_selectors.node_name(nid) for nid in ids}
     out = []
     for line in plan.get("explanation") or []:
@@ -271,17 +299,31 @@ def placement_bar(plan: dict[str, Any], *, n_layer: int) -> dict[str, Any]:
     """Cells for the layer bar: one per layer, coloured by the node that holds it, plus a legend."""
     colour_of: dict[str, str] = {}
     legend: list[dict[str, Any]] = []
-    cells: list[dict[str, Any]] = [{"layer": i, "node": "", "colour": "", "device": ""} for i in range(n_layer)]
+    cells: list[dict[str, Any]] = [
+        {"layer": i, "node": "", "colour": "", "device": ""} for i in range(n_layer)
+    ]
     for d in plan.get("devices", []):
         nid = d["node_id"]
         name = d.get("node_name") or job_selectors.node_name(nid)
         if nid not in colour_of:
             colour_of[nid] = NODE_COLOURS[len(colour_of) % len(NODE_COLOURS)]
-            legend.append({"node": name, "colour": colour_of[nid], "layers": 0, "memory_bytes": 0, "devices": []})
+            legend.append(
+                {
+                    "node": name,
+                    "colour": colour_of[nid],
+                    "layers": 0,
+                    "memory_bytes": 0,
+                    "devices": [],
+                }
+            )
         entry = next(e for e in legend if e["colour"] == colour_of[nid])
         entry["layers"] += int(d.get("n_layers") or (d["layer_end"] - d["layer_start"]))
         entry["memory_bytes"] += int(d.get("memory_bytes") or 0)
-        entry["devices"].append(f"{d['device']} {d['layer_start']}–{d['layer_end'] - 1}" if d["layer_end"] > d["layer_start"] else d["device"])
+        entry["devices"].append(
+            f"{d['device']} {d['layer_start']}–{d['layer_end'] - 1}"
+            if d["layer_end"] > d["layer_start"]
+            else d["device"]
+        )
         for i in range(max(0, d["layer_start"]), min(n_layer, d["layer_end"])):
             cells[i] = {"layer": i, "node": name, "colour": colour_of[nid], "device": d["device"]}
     # Layers no device lists stay on the primary's CPU (n_gpu_layers below n_layer).
@@ -304,7 +346,9 @@ def job_list_page(*, user: Any, state: str = "", model: str = "", node: str = ""
     if node:
         found = _visible_nodes(viewer).filter(Q(name=node)).values_list("id", flat=True).first()
         node_id = found if found is not None else "00000000-0000-0000-0000-000000000000"
-    qs = job_selectors.job_list(state=state or None, model=model or None, node_id=node_id, account_id=viewer.scope)
+    qs = job_selectors.job_list(
+        state=state or None, model=model or None, node_id=node_id, account_id=viewer.scope
+    )
     return {
         "jobs": list(qs.prefetch_related("nodes")[:200]),
         "states": JobState.values,
@@ -356,7 +400,11 @@ def credits_page(*, user: Any, account: str | None, now: datetime) -> dict[str, 
     viewer = viewer_for(user)
     account_id = viewer.account_id
     if account and viewer.is_staff:
-        found = Account.objects.filter(pk=account).values_list("id", flat=True).first() if _is_uuid(account) else None
+        found = (
+            Account.objects.filter(pk=account).values_list("id", flat=True).first()
+            if _is_uuid(account)
+            else None
+        )
         if found is None:
             raise Http404("no such account")
         account_id = found
@@ -366,7 +414,9 @@ def credits_page(*, user: Any, account: str | None, now: datetime) -> dict[str, 
     return {
         "summary": summary,
         "ledger": list(credit_selectors.ledger_postings(account_id=account_id)[:100]),
-        "receipts": list(credit_selectors.receipt_list(account_id=receipts_scope).select_related("node")[:100]),
+        "receipts": list(
+            credit_selectors.receipt_list(account_id=receipts_scope).select_related("node")[:100]
+        ),
         "accounts": list(Account.objects.order_by("name")) if viewer.is_staff else [],
         "selected_account": str(account_id),
         "is_staff": viewer.is_staff,
@@ -393,9 +443,18 @@ def _is_uuid(value: str) -> bool:
 
 
 def playground_page() -> dict[str, Any]:
-    ready = job_selectors.deployment_list(state=DeploymentState.READY).values_list("model__name", flat=True)
+    ready = job_selectors.deployment_list(state=DeploymentState.READY).values_list(
+        "model__name", flat=True
+    )
     served = sorted(set(ready))
-    others = [m for m in Model.objects.filter(files__isnull=False).distinct().order_by("name").values_list("name", flat=True) if m not in served]
+    others = [
+        m
+        for m in Model.objects.filter(files__isnull=False)
+        .distinct()
+        .order_by("name")
+        .values_list("name", flat=True)
+        if m not in served
+    ]
     return {"served": served, "others": others}
 
 
@@ -417,7 +476,8 @@ def render_node_row(*, user: Any, node_id: str) -> str:
     row = _node_rows([node], now=timezone.now())[0]
     ctx = {**row, "oob": True, "is_staff": viewer.is_staff, **_state_counts(viewer)}
     return "".join(
-        render_to_string(f"ui/nodes/list.html#{name}", ctx) for name in ("node-row", "node-badge", "node-actions")
+        render_to_string(f"ui/nodes/list.html#{name}", ctx)
+        for name in ("node-row", "node-badge", "node-actions")
     ) + render_to_string("ui/dashboard.html#node-states", ctx)
 
 

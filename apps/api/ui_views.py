@@ -57,7 +57,14 @@ def _wants_partial(request: HttpRequest) -> bool:
     return not htmx.history_restore_request
 
 
-def render_ui(request: HttpRequest, template: str, context: dict[str, Any], *, partial: str | None = None, status: int = 200) -> HttpResponse:
+def render_ui(
+    request: HttpRequest,
+    template: str,
+    context: dict[str, Any],
+    *,
+    partial: str | None = None,
+    status: int = 200,
+) -> HttpResponse:
     """The one place that picks the page or, for an htmx request, just ``template#partial``."""
     name = f"{template}#{partial}" if partial and _wants_partial(request) else template
     resp = render(request, name, context, status=status)
@@ -102,8 +109,17 @@ def static(request: HttpRequest, path: str) -> HttpResponseBase:
 @require_GET
 def dashboard(request: HttpRequest) -> HttpResponse:
     if _wants_partial(request):
-        return render_ui(request, "ui/dashboard.html", ui_render.dashboard_stats(user=request.user, now=timezone.now()), partial="stats")
-    return render_ui(request, "ui/dashboard.html", ui_render.dashboard_page(user=request.user, now=timezone.now()))
+        return render_ui(
+            request,
+            "ui/dashboard.html",
+            ui_render.dashboard_stats(user=request.user, now=timezone.now()),
+            partial="stats",
+        )
+    return render_ui(
+        request,
+        "ui/dashboard.html",
+        ui_render.dashboard_page(user=request.user, now=timezone.now()),
+    )
 
 
 # --- nodes -------------------------------------------------------------------------------------------
@@ -112,14 +128,20 @@ def dashboard(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_GET
 def node_list(request: HttpRequest) -> HttpResponse:
-    ctx = ui_render.node_list_page(user=request.user, state=request.GET.get("state"), now=timezone.now())
+    ctx = ui_render.node_list_page(
+        user=request.user, state=request.GET.get("state"), now=timezone.now()
+    )
     return render_ui(request, "ui/nodes/list.html", ctx, partial="node-table")
 
 
 @login_required
 @require_GET
 def node_detail(request: HttpRequest, node_id: str) -> HttpResponse:
-    return render_ui(request, "ui/nodes/detail.html", ui_render.node_detail_page(user=request.user, node_id=node_id, now=timezone.now()))
+    return render_ui(
+        request,
+        "ui/nodes/detail.html",
+        ui_render.node_detail_page(user=request.user, node_id=node_id, now=timezone.now()),
+    )
 
 
 def _node_action(request: HttpRequest, node_id: str, action: Callable[..., Node]) -> HttpResponse:
@@ -129,7 +151,9 @@ def _node_action(request: HttpRequest, node_id: str, action: Callable[..., Node]
         # The new buttons, plus the badge out of band: the page shows the change even before the
         # dashboard socket's broadcast arrives.
         ctx = {"node": node, "is_staff": True}
-        html = render_to_string("ui/nodes/list.html#node-actions", ctx, request) + render_to_string("ui/nodes/list.html#node-badge", {**ctx, "oob": True})
+        html = render_to_string("ui/nodes/list.html#node-actions", ctx, request) + render_to_string(
+            "ui/nodes/list.html#node-badge", {**ctx, "oob": True}
+        )
         return HttpResponse(html)
     return _back(request, f"/nodes/{node_id}/")
 
@@ -153,7 +177,12 @@ def node_undrain(request: HttpRequest, node_id: str) -> HttpResponse:
 def token_list(request: HttpRequest) -> HttpResponse:
     if request.method == "POST":
         return token_create(request)
-    return render_ui(request, "ui/tokens/list.html", ui_render.token_list_page(now=timezone.now()), partial="token-table")
+    return render_ui(
+        request,
+        "ui/tokens/list.html",
+        ui_render.token_list_page(now=timezone.now()),
+        partial="token-table",
+    )
 
 
 def token_create(request: HttpRequest) -> HttpResponse:
@@ -162,14 +191,33 @@ def token_create(request: HttpRequest) -> HttpResponse:
         ttl = int(request.POST.get("ttl_hours") or 0) or None
         max_uses = max(1, min(10_000, int(request.POST.get("max_uses") or 1)))
     except ValueError:
-        return render_ui(request, "ui/tokens/list.html", {**ui_render.token_list_page(now=timezone.now()), "error": "TTL and uses must be whole numbers"}, partial="token-created", status=422)
+        return render_ui(
+            request,
+            "ui/tokens/list.html",
+            {
+                **ui_render.token_list_page(now=timezone.now()),
+                "error": "TTL and uses must be whole numbers",
+            },
+            partial="token-created",
+            status=422,
+        )
     try:
         token, plaintext = node_services.enrollment_token_issue(
-            account_id=account_for_user(user=request.user).id, label=label, ttl_hours=ttl, max_uses=max_uses,
-            created_by_id=request.user.pk, now=timezone.now(),
+            account_id=account_for_user(user=request.user).id,
+            label=label,
+            ttl_hours=ttl,
+            max_uses=max_uses,
+            created_by_id=request.user.pk,
+            now=timezone.now(),
         )
     except (node_services.EnrollmentError, ValueError) as exc:
-        return render_ui(request, "ui/tokens/list.html", {**ui_render.token_list_page(now=timezone.now()), "error": str(exc)}, partial="token-created", status=422)
+        return render_ui(
+            request,
+            "ui/tokens/list.html",
+            {**ui_render.token_list_page(now=timezone.now()), "error": str(exc)},
+            partial="token-created",
+            status=422,
+        )
     # The plaintext exists only in this one response: it is never stored and never shown again.
     ctx = {
         **ui_render.token_list_page(now=timezone.now()),
@@ -186,7 +234,11 @@ def token_revoke(request: HttpRequest, token_id: str) -> HttpResponse:
         return HttpResponse("no such token", status=404)
     node_services.enrollment_token_revoke(token_id=token_id, now=timezone.now())
     if getattr(request, "htmx", False):
-        return render(request, "ui/tokens/list.html#token-table", ui_render.token_list_page(now=timezone.now()))
+        return render(
+            request,
+            "ui/tokens/list.html#token-table",
+            ui_render.token_list_page(now=timezone.now()),
+        )
     return redirect("/tokens/")
 
 
@@ -196,7 +248,9 @@ def token_revoke(request: HttpRequest, token_id: str) -> HttpResponse:
 @staff_required
 def model_list(request: HttpRequest) -> HttpResponse:
     if request.method != "POST":
-        return render_ui(request, "ui/models/list.html", ui_render.model_list_page(), partial="model-table")
+        return render_ui(
+            request, "ui/models/list.html", ui_render.model_list_page(), partial="model-table"
+        )
     path = (request.POST.get("path") or "").strip()
     pypi = (request.POST.get("pypi") or "").strip()
     name = (request.POST.get("name") or "").strip() or None
@@ -212,7 +266,9 @@ def model_list(request: HttpRequest) -> HttpResponse:
         except model_services.ModelRegistrationError as exc:
             error = str(exc)
     ctx = {**ui_render.model_list_page(), "error": error, "registered": not error}
-    return render_ui(request, "ui/models/list.html", ctx, partial="model-section", status=422 if error else 200)
+    return render_ui(
+        request, "ui/models/list.html", ctx, partial="model-section", status=422 if error else 200
+    )
 
 
 # --- deployments -------------------------------------------------------------------------------
@@ -236,11 +292,24 @@ def _placement_input(request: HttpRequest) -> tuple[Model | None, dict[str, Any]
         except ValueError:
             return model, {}, "n_parallel must be a whole number."
         if not 1 <= data["n_parallel"] <= 64:
-            return model, {}, "n_parallel must be between 1 and 64 (leave it empty: as many as memory allows)."
+            return (
+                model,
+                {},
+                "n_parallel must be between 1 and 64 (leave it empty: as many as memory allows).",
+            )
     nodes = [n for n in request.POST.getlist("nodes") if n]
     if nodes and Node.objects.filter(pk__in=nodes).count() != len(set(nodes)):
         return model, {}, "Unknown node in the selection."
-    return model, {**data, "nodes": nodes, "spread": request.POST.get("spread") == "on", "allow_same_node": request.POST.get("allow_same_node") == "on"}, ""
+    return (
+        model,
+        {
+            **data,
+            "nodes": nodes,
+            "spread": request.POST.get("spread") == "on",
+            "allow_same_node": request.POST.get("allow_same_node") == "on",
+        },
+        "",
+    )
 
 
 @staff_required
@@ -254,21 +323,33 @@ def deployment_preview(request: HttpRequest) -> HttpResponse:
             ctx["error"] = f"Model {model.name} has no registered file."
         else:
             try:
-                plan = job_services.deployment_preview(model_file=mf, request=job_services.placement_request_from(data)).to_dict()
+                plan = job_services.deployment_preview(
+                    model_file=mf, request=job_services.placement_request_from(data)
+                ).to_dict()
             except PlacementRefused as exc:
                 ctx["error"] = exc.reason
             else:
                 ctx.update(
-                    plan=plan, model=model, n_layer=mf.n_layer, bar=ui_render.placement_bar(plan, n_layer=mf.n_layer),
+                    plan=plan,
+                    model=model,
+                    n_layer=mf.n_layer,
+                    bar=ui_render.placement_bar(plan, n_layer=mf.n_layer),
                     explanation=ui_render.explanation(plan),
                 )
-    return render(request, "ui/deployments/list.html#preview", ctx, status=422 if ctx["error"] else 200)
+    return render(
+        request, "ui/deployments/list.html#preview", ctx, status=422 if ctx["error"] else 200
+    )
 
 
 @staff_required
 def deployment_list(request: HttpRequest) -> HttpResponse:
     if request.method != "POST":
-        return render_ui(request, "ui/deployments/list.html", ui_render.deployment_list_page(user=request.user), partial="dep-table")
+        return render_ui(
+            request,
+            "ui/deployments/list.html",
+            ui_render.deployment_list_page(user=request.user),
+            partial="dep-table",
+        )
     model, data, error = _placement_input(request)
     if not error and model is not None:
         req = job_services.placement_request_from(data)
@@ -276,7 +357,9 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
             mf = model.files.order_by("-created_at").first()
             if mf is None:
                 raise job_services.DeploymentError(f"model {model.name} has no registered file")
-            job_services.deployment_preview(model_file=mf, request=req)  # refuse impossible constraints up front, as the API does
+            job_services.deployment_preview(
+                model_file=mf, request=req
+            )  # refuse impossible constraints up front, as the API does
             job_services.deployment_create(model=model, request=req, now=timezone.now())
         except PlacementRefused as exc:
             error = exc.reason
@@ -286,7 +369,11 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
         if error:
             messages.error(request, error)
         return redirect("/deployments/")
-    ctx = {**ui_render.deployment_list_page(user=request.user), "error": error, "deployed": not error}
+    ctx = {
+        **ui_render.deployment_list_page(user=request.user),
+        "error": error,
+        "deployed": not error,
+    }
     return render(request, "ui/deployments/list.html#dep-table", ctx, status=422 if error else 200)
 
 
@@ -294,9 +381,15 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
 @require_POST
 def deployment_stop(request: HttpRequest, deployment_id: str) -> HttpResponse:
     ui_render.deployment_detail(deployment_id=deployment_id)
-    dep = job_services.deployment_stop(deployment_id=deployment_id, now=timezone.now(), reason="stopped from the web UI")
+    dep = job_services.deployment_stop(
+        deployment_id=deployment_id, now=timezone.now(), reason="stopped from the web UI"
+    )
     if getattr(request, "htmx", False):
-        return render(request, "ui/deployments/list.html#dep-row", {**ui_render.deployment_row(dep), "is_staff": True})
+        return render(
+            request,
+            "ui/deployments/list.html#dep-row",
+            {**ui_render.deployment_row(dep), "is_staff": True},
+        )
     return redirect("/deployments/")
 
 
@@ -307,14 +400,21 @@ def deployment_stop(request: HttpRequest, deployment_id: str) -> HttpResponse:
 @require_GET
 def job_list(request: HttpRequest) -> HttpResponse:
     q = request.GET
-    ctx = ui_render.job_list_page(user=request.user, state=q.get("state", ""), model=q.get("model", ""), node=q.get("node", ""))
+    ctx = ui_render.job_list_page(
+        user=request.user,
+        state=q.get("state", ""),
+        model=q.get("model", ""),
+        node=q.get("node", ""),
+    )
     return render_ui(request, "ui/jobs/list.html", ctx, partial="job-table")
 
 
 @login_required
 @require_GET
 def job_detail(request: HttpRequest, job_id: str) -> HttpResponse:
-    return render_ui(request, "ui/jobs/detail.html", ui_render.job_detail_page(user=request.user, job_id=job_id))
+    return render_ui(
+        request, "ui/jobs/detail.html", ui_render.job_detail_page(user=request.user, job_id=job_id)
+    )
 
 
 @login_required
@@ -332,7 +432,13 @@ def job_cancel(request: HttpRequest, job_id: str) -> HttpResponse:
 @login_required
 @require_GET
 def credits_page(request: HttpRequest) -> HttpResponse:
-    return render_ui(request, "ui/credits.html", ui_render.credits_page(user=request.user, account=request.GET.get("account"), now=timezone.now()))
+    return render_ui(
+        request,
+        "ui/credits.html",
+        ui_render.credits_page(
+            user=request.user, account=request.GET.get("account"), now=timezone.now()
+        ),
+    )
 
 
 @login_required
@@ -346,9 +452,18 @@ def receipt_verify(request: HttpRequest) -> HttpResponse:
         try:
             document = json.loads(request.POST.get("document") or "")
         except ValueError as exc:
-            return render(request, "ui/credits.html#verify-result", {"valid": False, "reason": f"not JSON: {exc}"}, status=422)
+            return render(
+                request,
+                "ui/credits.html#verify-result",
+                {"valid": False, "reason": f"not JSON: {exc}"},
+                status=422,
+            )
     result = receipt_check(receipt=document)
-    return render(request, "ui/credits.html#verify-result", {"valid": result.valid, "reason": result.reason, "receipt_id": receipt_id})
+    return render(
+        request,
+        "ui/credits.html#verify-result",
+        {"valid": result.valid, "reason": result.reason, "receipt_id": receipt_id},
+    )
 
 
 # --- playground ---------------------------------------------------------------------------------
@@ -362,7 +477,10 @@ def playground(request: HttpRequest) -> HttpResponse:
 
 def _ephemeral_key(user: Any) -> tuple[Any, str]:
     return api_key_create(
-        name="playground (web session)", account_id=account_for_user(user=user).id, scopes=[ApiKey.SCOPE_INFERENCE], user_id=user.pk
+        name="playground (web session)",
+        account_id=account_for_user(user=user).id,
+        scopes=[ApiKey.SCOPE_INFERENCE],
+        user_id=user.pk,
     )
 
 
@@ -377,15 +495,37 @@ async def playground_chat(request: HttpRequest) -> HttpResponseBase:
     """
     user = await request.auser()
     if not user.is_authenticated:
-        return JsonResponse({"error": {"message": "sign in first", "type": "invalid_request_error", "code": "not_authenticated"}}, status=401)
+        return JsonResponse(
+            {
+                "error": {
+                    "message": "sign in first",
+                    "type": "invalid_request_error",
+                    "code": "not_authenticated",
+                }
+            },
+            status=401,
+        )
     if request.method != "POST":
-        return JsonResponse({"error": {"message": "use POST", "type": "invalid_request_error", "code": "method_not_allowed"}}, status=405)
+        return JsonResponse(
+            {
+                "error": {
+                    "message": "use POST",
+                    "type": "invalid_request_error",
+                    "code": "method_not_allowed",
+                }
+            },
+            status=405,
+        )
     key, plaintext = await sync_to_async(_ephemeral_key)(user)
     request.META["HTTP_AUTHORIZATION"] = f"Bearer {plaintext}"
-    request.__dict__.pop("headers", None)  # HttpRequest.headers is cached; the /v1 view must see the key
+    request.__dict__.pop(
+        "headers", None
+    )  # HttpRequest.headers is cached; the /v1 view must see the key
     revoke = sync_to_async(api_key_revoke)
     try:
-        resp = await v1_views.chat_completions(request)  # the /v1 view itself: the playground is the API
+        resp = await v1_views.chat_completions(
+            request
+        )  # the /v1 view itself: the playground is the API
     except BaseException:
         await revoke(key_id=key.id)
         raise
@@ -397,11 +537,13 @@ async def playground_chat(request: HttpRequest) -> HttpResponseBase:
 
     async def revoke_after() -> AsyncIterator[bytes]:
         try:
-            async for chunk in source:  # type: ignore[union-attr]
+            # /v1 streams asynchronously; Django's type also allows a plain iterator.
+            if not isinstance(source, AsyncIterator):
+                raise TypeError("the /v1 view's stream is not asynchronous")
+            async for chunk in source:
                 yield chunk
         finally:
             await revoke(key_id=key.id)
 
     resp.streaming_content = revoke_after()
     return resp
-

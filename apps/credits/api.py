@@ -122,7 +122,9 @@ class LedgerApi(GenericAPIView):
     """GET /api/credits/ledger?kind=&since=&until=&limit=&offset= — the account's postings, newest first."""
 
     permission_classes = [IsAuthenticatedAccount]
-    queryset = Posting.objects.none()  # names the model for the schema; get() starts from the account's rows
+    queryset = (
+        Posting.objects.none()
+    )  # names the model for the schema; get() starts from the account's rows
     filter_backends = [DjangoFilterBackend]  # documents LedgerFilter; get() applies it itself
     filterset_class = LedgerFilter
 
@@ -167,7 +169,9 @@ class ReceiptListApi(GenericAPIView):
     """GET /api/credits/receipts?job=&node= — receipts of the caller's nodes (staff: all)."""
 
     permission_classes = [IsAuthenticatedAccount]
-    queryset = Receipt.objects.none()  # names the model for the schema; get() starts from the account's rows
+    queryset = (
+        Receipt.objects.none()
+    )  # names the model for the schema; get() starts from the account's rows
     filter_backends = [DjangoFilterBackend]  # documents ReceiptFilter; get() applies it itself
     filterset_class = ReceiptFilter
 
@@ -175,7 +179,9 @@ class ReceiptListApi(GenericAPIView):
     def get(self, request: Request) -> Response:
         filters = ReceiptFilter(request.query_params, request=request)
         requested = filters_checked(filters).get("account")
-        account_id = requested if _is_staff(request, self) else _target_account(request, self, requested)
+        account_id = (
+            requested if _is_staff(request, self) else _target_account(request, self, requested)
+        )
         qs = filters.filter_queryset(selectors.receipt_list(account_id=account_id))
         page = self.paginate_queryset(qs)
         return self.get_paginated_response(ReceiptOut(page, many=True).data)

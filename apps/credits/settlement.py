@@ -154,8 +154,7 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
     tokens = job.prompt_tokens + job.completion_tokens
     parts = _attempt_parts(job)
     nodes = {
-        str(n.pk): n
-        for n in Node.objects.filter(pk__in=[w.node_id for p in parts for w in p.work])
+        str(n.pk): n for n in Node.objects.filter(pk__in=[w.node_id for p in parts for w in p.work])
     }
     for part in parts:
         part.work = [w for w in part.work if w.node_id in nodes]  # a gone node cannot be paid
@@ -243,7 +242,11 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
                 "primary_node_id": primary,
                 "shares": {p.node_id: p.amount for p in payouts},
                 **(
-                    {"attempts": [{"primary_node_id": p.primary, "tokens": p.weight} for p in parts]}
+                    {
+                        "attempts": [
+                            {"primary_node_id": p.primary, "tokens": p.weight} for p in parts
+                        ]
+                    }
                     if len(parts) > 1
                     else {}
                 ),
@@ -279,7 +282,11 @@ def _attempt_parts(job: Job) -> list[_AttemptPart]:
     if len(attempts) <= 1:
         plan = (job.deployment.plan if job.deployment is not None else None) or {}
         primary, work = plan_work(plan, device_seconds)
-        return [_AttemptPart(primary=primary, work=work, weight=job.prompt_tokens + job.completion_tokens)]
+        return [
+            _AttemptPart(
+                primary=primary, work=work, weight=job.prompt_tokens + job.completion_tokens
+            )
+        ]
     parts = []
     for i, a in enumerate(attempts):
         plan = a.plan or (a.deployment.plan if a.deployment is not None else None) or {}
@@ -297,10 +304,14 @@ def _work_merged(parts: list[_AttemptPart]) -> list[NodeWork]:
         for w in part.work:
             had = merged.get(w.node_id)
             if had is None:
-                merged[w.node_id] = NodeWork(node_id=w.node_id, layers=w.layers, device_ms=w.device_ms)
+                merged[w.node_id] = NodeWork(
+                    node_id=w.node_id, layers=w.layers, device_ms=w.device_ms
+                )
             else:
                 ms = (had.device_ms or 0) + (w.device_ms or 0)
-                merged[w.node_id] = NodeWork(node_id=w.node_id, layers=max(had.layers, w.layers), device_ms=ms or None)
+                merged[w.node_id] = NodeWork(
+                    node_id=w.node_id, layers=max(had.layers, w.layers), device_ms=ms or None
+                )
     return list(merged.values())
 
 
@@ -381,7 +392,9 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
         )
         elapsed_ms = (now - start) // timedelta(milliseconds=1)
         claimed = max(node.ram_available, 0) + max(node.vram_free, 0)
-        memory = standby_memory(claimed_bytes=claimed, seen_bytes=seen.get(str(node.pk), 0), unseen_allowance=unseen)
+        memory = standby_memory(
+            claimed_bytes=claimed, seen_bytes=seen.get(str(node.pk), 0), unseen_allowance=unseen
+        )
         uncapped = standby_amount(per_gib_hour=rate, memory_bytes=memory, elapsed_ms=elapsed_ms)
         amount = standby_capped(uncapped, cap=cap)
         if amount <= 0:
@@ -427,7 +440,9 @@ def _seen_bytes_by_node() -> dict[str, int]:
     """Node → the most memory it was ever seen to hold for another node's primary (load reports)."""
 
     best: dict[str, int] = {}
-    for plan, report in Deployment.objects.exclude(load_report={}).values_list("plan", "load_report").iterator():
+    for plan, report in (
+        Deployment.objects.exclude(load_report={}).values_list("plan", "load_report").iterator()
+    ):
         if not isinstance(plan, dict) or not isinstance(report, dict):
             continue
         for node_id, nbytes in seen_worker_bytes(plan=plan, load_report=report).items():

@@ -13,6 +13,15 @@ class DeploymentAdmin(admin.ModelAdmin):
 
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
-    list_display = ("id", "model", "state", "deployment", "prompt_tokens", "completion_tokens", "finish_reason", "queued_at")
+    list_display = (
+        "id",
+        "model",
+        "state",
+        "deployment",
+        "prompt_tokens",
+        "completion_tokens",
+        "finish_reason",
+        "queued_at",
+    )
     list_filter = ("state", "model", "finish_reason")
     date_hierarchy = "queued_at"

@@ -208,11 +208,19 @@ def _now(now: float | datetime | None) -> float:
 # --- slots -----------------------------------------------------------------------------------------
 
 
-def slot_try(*, deployment_id: Any, job_id: Any, cap: int, now: float | datetime | None = None) -> bool:
+def slot_try(
+    *, deployment_id: Any, job_id: Any, cap: int, now: float | datetime | None = None
+) -> bool:
     """Take a slot when one is free and nobody waiting ahead would be passed over (atomic)."""
     t = _now(now)
     keys = [slots_key(deployment_id), waiting_key(deployment_id), waitlease_key(deployment_id)]
-    args = [int(cap), str(job_id), repr(t), repr(t + slot_lease_seconds()), repr(t + WAIT_LEASE_SECONDS)]
+    args = [
+        int(cap),
+        str(job_id),
+        repr(t),
+        repr(t + slot_lease_seconds()),
+        repr(t + WAIT_LEASE_SECONDS),
+    ]
     return int(_script(_TAKE_LUA)(keys=keys, args=args)) == 1
 
 
@@ -220,19 +228,33 @@ async def _aslot_take(*, deployment_id: Any, job_id: Any, cap: int) -> int:
     """The take script on the asyncio client: 1 took a slot, 0 still queued, -1 not queued."""
     t = time.time()
     keys = [slots_key(deployment_id), waiting_key(deployment_id), waitlease_key(deployment_id)]
-    args = [int(cap), str(job_id), repr(t), repr(t + slot_lease_seconds()), repr(t + WAIT_LEASE_SECONDS)]
+    args = [
+        int(cap),
+        str(job_id),
+        repr(t),
+        repr(t + slot_lease_seconds()),
+        repr(t + WAIT_LEASE_SECONDS),
+    ]
     return int(await _script(_TAKE_LUA, asynchronous=True)(keys=keys, args=args))
 
 
 def slot_renew(*, deployment_id: Any, job_id: Any, now: float | datetime | None = None) -> bool:
     """Extend a held slot's lease; False when the job holds none (released or reclaimed)."""
     t = _now(now)
-    return bool(get_redis().zadd(slots_key(deployment_id), {str(job_id): t + slot_lease_seconds()}, xx=True, ch=True))
+    return bool(
+        get_redis().zadd(
+            slots_key(deployment_id), {str(job_id): t + slot_lease_seconds()}, xx=True, ch=True
+        )
+    )
 
 
 async def aslot_renew(*, deployment_id: Any, job_id: Any, now: float | None = None) -> bool:
     t = _now(now)
-    return bool(await get_async_redis().zadd(slots_key(deployment_id), {str(job_id): t + slot_lease_seconds()}, xx=True, ch=True))
+    return bool(
+        await get_async_redis().zadd(
+            slots_key(deployment_id), {str(job_id): t + slot_lease_seconds()}, xx=True, ch=True
+        )
+    )
 
 
 def slot_release(*, deployment_id: Any, job_id: Any) -> None:
@@ -254,7 +276,9 @@ async def aslot_release(*, deployment_id: Any, job_id: Any) -> None:
         await pipe.execute()
 
 
-def _live_leases(key: Callable[[Any], str], deployment_ids: Iterable[Any], now: float | datetime | None) -> dict[str, int]:
+def _live_leases(
+    key: Callable[[Any], str], deployment_ids: Iterable[Any], now: float | datetime | None
+) -> dict[str, int]:
     """Unexpired leases in each deployment's lease ZSET, in one pipelined round trip."""
     ids = [str(d) for d in deployment_ids]
     if not ids:
@@ -267,7 +291,9 @@ def _live_leases(key: Callable[[Any], str], deployment_ids: Iterable[Any], now: 
     return {d: int(c) for d, c in zip(ids, counts, strict=True)}
 
 
-def slots_in_use(deployment_ids: Iterable[Any], *, now: float | datetime | None = None) -> dict[str, int]:
+def slots_in_use(
+    deployment_ids: Iterable[Any], *, now: float | datetime | None = None
+) -> dict[str, int]:
     """Live (unexpired) slot leases per deployment id."""
     return _live_leases(slots_key, deployment_ids, now)
 
@@ -292,7 +318,9 @@ def failover_end(*, job_id: Any) -> None:
     get_redis().delete(failover_key(job_id))
 
 
-def job_reader_live(*, deployment_id: Any, job_id: Any, now: float | datetime | None = None) -> bool:
+def job_reader_live(
+    *, deployment_id: Any, job_id: Any, now: float | datetime | None = None
+) -> bool:
     """Whether a live reader owns the job's end: it holds an unexpired slot lease on the
     deployment, or it is failing the job over. Such a job is the reader's to fail over or to
     finish, never a failure handler's."""
@@ -324,21 +352,66 @@ def deployments_dead(deployment_ids: Iterable[Any]) -> set[str]:
 # --- the waiting queue -----------------------------------------------------------------------------
 
 
-def _join_call(*, deployment_id: Any, job_id: Any, priority: float, model_id: Any, now: float, max_depth: int | None) -> tuple[list[str], list[Any]]:
+def _join_call(
+    *,
+    deployment_id: Any,
+    job_id: Any,
+    priority: float,
+    model_id: Any,
+    now: float,
+    max_depth: int | None,
+) -> tuple[list[str], list[Any]]:
     keys = [waiting_key(deployment_id), waitlease_key(deployment_id), model_wait_key(model_id)]
     cap = int(settings.JOB_QUEUE_MAX if max_depth is None else max_depth)
-    args = [str(job_id), repr(float(priority)), repr(now), repr(now + WAIT_LEASE_SECONDS), cap, MODEL_WAIT_TTL_SECONDS, "0" if model_id is None else "1"]
+    args = [
+        str(job_id),
+        repr(float(priority)),
+        repr(now),
+        repr(now + WAIT_LEASE_SECONDS),
+        cap,
+        MODEL_WAIT_TTL_SECONDS,
+        "0" if model_id is None else "1",
+    ]
     return keys, args
 
 
-def queue_join(*, deployment_id: Any, job_id: Any, priority: float, model_id: Any = None, now: float | datetime | None = None, max_depth: int | None = None) -> bool:
+def queue_join(
+    *,
+    deployment_id: Any,
+    job_id: Any,
+    priority: float,
+    model_id: Any = None,
+    now: float | datetime | None = None,
+    max_depth: int | None = None,
+) -> bool:
     """Join (or stay in, renewing the lease) the deployment's queue at ``priority``; False when full."""
-    keys, args = _join_call(deployment_id=deployment_id, job_id=job_id, priority=priority, model_id=model_id, now=_now(now), max_depth=max_depth)
+    keys, args = _join_call(
+        deployment_id=deployment_id,
+        job_id=job_id,
+        priority=priority,
+        model_id=model_id,
+        now=_now(now),
+        max_depth=max_depth,
+    )
     return bool(_script(_JOIN_LUA)(keys=keys, args=args))
 
 
-async def aqueue_join(*, deployment_id: Any, job_id: Any, priority: float, model_id: Any = None, max_depth: int | None = None) -> bool:
-    keys, args = _join_call(deployment_id=deployment_id, job_id=job_id, priority=priority, model_id=model_id, now=time.time(), max_depth=max_depth)
+async def aqueue_join(
+    *,
+    deployment_id: Any,
+    job_id: Any,
+    priority: float,
+    model_id: Any = None,
+    max_depth: int | None = None,
+) -> bool:
+    keys, args = _join_call(
+        deployment_id=deployment_id,
+        job_id=job_id,
+        priority=priority,
+        model_id=model_id,
+        now=time.time(),
+        max_depth=max_depth,
+    )
     return bool(await _script(_JOIN_LUA, asynchronous=True)(keys=keys, args=args))
 
 
@@ -350,7 +423,9 @@ def queue_leave(*, deployment_id: Any, job_id: Any) -> None:
         pipe.execute()
 
 
-def queue_depth(deployment_ids: Iterable[Any], *, now: float | datetime | None = None) -> dict[str, int]:
+def queue_depth(
+    deployment_ids: Iterable[Any], *, now: float | datetime | None = None
+) -> dict[str, int]:
     """Live waiters (unlapsed wait leases) per deployment id."""
     return _live_leases(waitlease_key, deployment_ids, now)
 
@@ -363,16 +438,30 @@ def queue_order(*, deployment_id: Any) -> list[str]:
 # --- the model's queue wait (read by the replica autoscaler) --------------------------------------
 
 
-def queue_wait_record(*, model_id: Any, seconds: float, now: float | datetime | None = None) -> float:
+def queue_wait_record(
+    *, model_id: Any, seconds: float, now: float | datetime | None = None
+) -> float:
     """Fold one waiter's time in the queue into the model's EWMA; returns the new EWMA."""
     t = _now(now)
-    args = [repr(max(0.0, float(seconds))), repr(t), WAIT_EWMA_ALPHA, WAIT_HALF_LIFE_SECONDS, MODEL_WAIT_TTL_SECONDS]
+    args = [
+        repr(max(0.0, float(seconds))),
+        repr(t),
+        WAIT_EWMA_ALPHA,
+        WAIT_HALF_LIFE_SECONDS,
+        MODEL_WAIT_TTL_SECONDS,
+    ]
     return float(_script(_WAIT_RECORD_LUA)(keys=[model_wait_key(model_id)], args=args))
 
 
 async def _aqueue_wait_record(*, model_id: Any, seconds: float) -> None:
     t = time.time()
-    args = [repr(max(0.0, float(seconds))), repr(t), WAIT_EWMA_ALPHA, WAIT_HALF_LIFE_SECONDS, MODEL_WAIT_TTL_SECONDS]
+    args = [
+        repr(max(0.0, float(seconds))),
+        repr(t),
+        WAIT_EWMA_ALPHA,
+        WAIT_HALF_LIFE_SECONDS,
+        MODEL_WAIT_TTL_SECONDS,
+    ]
     await _script(_WAIT_RECORD_LUA, asynchronous=True)(keys=[model_wait_key(model_id)], args=args)
 
 
@@ -393,7 +482,9 @@ def model_last_queued(model_id: Any) -> float | None:
 
 def model_queue_depth(model_id: Any, *, now: float | datetime | None = None) -> int:
     """Live waiters over every active deployment of the model."""
-    dep_ids = Deployment.objects.filter(model_id=model_id, state__in=list(DEPLOYMENT_ACTIVE)).values_list("id", flat=True)
+    dep_ids = Deployment.objects.filter(
+        model_id=model_id, state__in=list(DEPLOYMENT_ACTIVE)
+    ).values_list("id", flat=True)
     return sum(queue_depth(dep_ids, now=now).values())
 
 
@@ -409,7 +500,11 @@ class _DeploymentRow:
 
 def _deployment_row(deployment_id: Any) -> _DeploymentRow | None:
     row = Deployment.objects.filter(pk=deployment_id).values("state", "n_parallel", "error").first()
-    return _DeploymentRow(row["state"], int(row["n_parallel"] or 1), row["error"] or "") if row else None
+    return (
+        _DeploymentRow(row["state"], int(row["n_parallel"] or 1), row["error"] or "")
+        if row
+        else None
+    )
 
 
 _background: set[asyncio.Task[Any]] = set()
@@ -429,8 +524,14 @@ async def _shielded(coro: Any) -> None:
 
 
 async def wait_for_slot(
-    *, deployment_id: Any, job_id: Any, priority: float | Callable[[], float], model_id: Any = None,
-    queued_at: float | None = None, load_timeout: float, slot_timeout: float,
+    *,
+    deployment_id: Any,
+    job_id: Any,
+    priority: float | Callable[[], float],
+    model_id: Any = None,
+    queued_at: float | None = None,
+    load_timeout: float,
+    slot_timeout: float,
 ) -> None:
     """Wait for the deployment to serve and for a slot; return holding it.
 
@@ -473,14 +574,18 @@ async def wait_for_slot(
             if not joined:
                 score = (await sync_to_async(priority)()) if callable(priority) else float(priority)
                 joined = True  # before the await: a cancel during it may land after Redis joined us
-                if not await aqueue_join(deployment_id=dep_id, job_id=job, priority=score, model_id=model_id):
+                if not await aqueue_join(
+                    deployment_id=dep_id, job_id=job, priority=score, model_id=model_id
+                ):
                     joined = False
                     raise QueueFull(f"{settings.JOB_QUEUE_MAX} requests are already waiting")
                 continue  # at the head now, perhaps: try again without sleeping
             if taken == -1:
                 # Not serving yet (the take script renews a ready deployment's waiters), or our
                 # entry lapsed while this loop was starved: renew or rejoin at the same score.
-                if not await aqueue_join(deployment_id=dep_id, job_id=job, priority=score, model_id=model_id):
+                if not await aqueue_join(
+                    deployment_id=dep_id, job_id=job, priority=score, model_id=model_id
+                ):
                     raise QueueFull(f"{settings.JOB_QUEUE_MAX} requests are already waiting")
             if now_m > deadline or (slot_deadline is not None and now_m > slot_deadline):
                 raise WaitTimedOut("timed out waiting for capacity")
@@ -490,7 +595,9 @@ async def wait_for_slot(
         if not acquired:
             await _shielded(aslot_release(deployment_id=dep_id, job_id=job))
         if joined and model_id is not None:
-            await _shielded(_aqueue_wait_record(model_id=model_id, seconds=time.time() - queued_wall))
+            await _shielded(
+                _aqueue_wait_record(model_id=model_id, seconds=time.time() - queued_wall)
+            )
 
 
 # --- the sweep -------------------------------------------------------------------------------------
@@ -506,7 +613,12 @@ def _finished_jobs(job_ids: Iterable[str]) -> set[str]:
             continue
     if not valid:
         return set()
-    return {str(pk) for pk in Job.objects.filter(pk__in=valid, state__in=list(JOB_TERMINAL)).values_list("id", flat=True)}
+    return {
+        str(pk)
+        for pk in Job.objects.filter(pk__in=valid, state__in=list(JOB_TERMINAL)).values_list(
+            "id", flat=True
+        )
+    }
 
 
 def admission_sweep(*, now: float | datetime) -> dict[str, int]:
@@ -524,7 +636,11 @@ def admission_sweep(*, now: float | datetime) -> dict[str, int]:
     sweep = _script(_SWEEP_QUEUE_LUA)
     for dep_id in dep_ids:
         finished = _finished_jobs(r.zrange(waiting_key(dep_id), 0, -1))
-        counts["waiters_dropped"] += int(sweep(keys=[waiting_key(dep_id), waitlease_key(dep_id)], args=[repr(t), *sorted(finished)]))
+        counts["waiters_dropped"] += int(
+            sweep(
+                keys=[waiting_key(dep_id), waitlease_key(dep_id)], args=[repr(t), *sorted(finished)]
+            )
+        )
     if any(counts.values()):
         log.info("admission sweep reclaimed %s", counts)
     return counts

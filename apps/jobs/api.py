@@ -49,13 +49,32 @@ class PlacementIn(serializers.Serializer):
     model = serializers.CharField(max_length=200)
     n_ctx = serializers.IntegerField(required=False, min_value=128, max_value=1_048_576)
     n_parallel = serializers.IntegerField(
-        required=False, min_value=1, max_value=64, help_text="slots; omitted: as many as memory allows, up to DEFAULT_N_PARALLEL_MAX",
-        error_messages={"min_value": "n_parallel must be at least 1", "max_value": "n_parallel is at most 64"},
+        required=False,
+        min_value=1,
+        max_value=64,
+        help_text="slots; omitted: as many as memory allows, up to DEFAULT_N_PARALLEL_MAX",
+        error_messages={
+            "min_value": "n_parallel must be at least 1",
+            "max_value": "n_parallel is at most 64",
+        },
     )
-    nodes = serializers.ListField(child=serializers.CharField(max_length=120), required=False, max_length=64, help_text="pin to these nodes (ids or names)")
-    exclude_nodes = serializers.ListField(child=serializers.CharField(max_length=120), required=False, max_length=64)
-    spread = serializers.BooleanField(required=False, default=False, help_text="use every pinned node even when one would do")
-    allow_same_node = serializers.BooleanField(required=False, default=False, help_text="place on nodes that already serve this model (one replica per node otherwise)")
+    nodes = serializers.ListField(
+        child=serializers.CharField(max_length=120),
+        required=False,
+        max_length=64,
+        help_text="pin to these nodes (ids or names)",
+    )
+    exclude_nodes = serializers.ListField(
+        child=serializers.CharField(max_length=120), required=False, max_length=64
+    )
+    spread = serializers.BooleanField(
+        required=False, default=False, help_text="use every pinned node even when one would do"
+    )
+    allow_same_node = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="place on nodes that already serve this model (one replica per node otherwise)",
+    )
 
 
 def _resolve(request_data: dict[str, Any]) -> tuple[Model, dict[str, Any]] | Response:
@@ -66,7 +85,9 @@ def _resolve(request_data: dict[str, Any]) -> tuple[Model, dict[str, Any]] | Res
     for key in ("nodes", "exclude_nodes"):
         resolved = []
         for ref in request_data.get(key) or []:
-            node = Node.objects.filter(name=ref).first() or (Node.objects.filter(pk=ref).first() if _looks_uuid(ref) else None)
+            node = Node.objects.filter(name=ref).first() or (
+                Node.objects.filter(pk=ref).first() if _looks_uuid(ref) else None
+            )
             if node is None:
                 return _error(f"unknown node {ref!r}", 404, "not_found", param=key)
             resolved.append(str(node.id))
@@ -77,7 +98,13 @@ def _resolve(request_data: dict[str, Any]) -> tuple[Model, dict[str, Any]] | Res
 def _refused(exc: PlacementRefused) -> Response:
     """400 when the request itself is wrong (n_parallel 0, more slots than fit), 422 otherwise."""
     if exc.bad_input:
-        return _error(exc.reason, 400, exc.code, param="n_parallel" if exc.code == "n_parallel_too_large" else None, **exc.to_dict())
+        return _error(
+            exc.reason,
+            400,
+            exc.code,
+            param="n_parallel" if exc.code == "n_parallel_too_large" else None,
+            **exc.to_dict(),
+        )
     return _error(exc.reason, 422, "placement_refused", **exc.to_dict())
 
 
@@ -94,26 +121,55 @@ class DeploymentOut(serializers.ModelSerializer):
     queue, and its model's replicas and queue."""
 
     model = serializers.CharField(source="model.name")
-    primary_name = serializers.CharField(source="primary.name", default=None, allow_null=True)  # no primary until planned
+    primary_name = serializers.CharField(
+        source="primary.name", default=None, allow_null=True
+    )  # no primary until planned
     node_names = serializers.SerializerMethodField()
-    slots_in_use = serializers.SerializerMethodField(help_text="slots held by running jobs, of n_parallel")
-    queue_depth = serializers.SerializerMethodField(help_text="requests waiting for a slot of this deployment")
+    slots_in_use = serializers.SerializerMethodField(
+        help_text="slots held by running jobs, of n_parallel"
+    )
+    queue_depth = serializers.SerializerMethodField(
+        help_text="requests waiting for a slot of this deployment"
+    )
     replicas = serializers.SerializerMethodField(help_text="active deployments of the model")
-    model_queue_depth = serializers.SerializerMethodField(help_text="requests waiting over every replica of the model")
-    model_queue_wait_seconds = serializers.SerializerMethodField(help_text="the model's recent queue wait (EWMA)")
+    model_queue_depth = serializers.SerializerMethodField(
+        help_text="requests waiting over every replica of the model"
+    )
+    model_queue_wait_seconds = serializers.SerializerMethodField(
+        help_text="the model's recent queue wait (EWMA)"
+    )
 
     class Meta:
         model = Deployment
         fields = [
-            "id", "model", "state", "primary", "primary_name", "node_names", "n_ctx", "n_parallel", "slots_in_use", "queue_depth",
-            "replicas", "model_queue_depth", "model_queue_wait_seconds", "plan", "request", "error", "revision", "created_at",
-            "ready_at", "stopped_at",
+            "id",
+            "model",
+            "state",
+            "primary",
+            "primary_name",
+            "node_names",
+            "n_ctx",
+            "n_parallel",
+            "slots_in_use",
+            "queue_depth",
+            "replicas",
+            "model_queue_depth",
+            "model_queue_wait_seconds",
+            "plan",
+            "request",
+            "error",
+            "revision",
+            "created_at",
+            "ready_at",
+            "stopped_at",
         ]
 
     def get_node_names(self, obj: Deployment) -> list[str]:
         return [n.name for n in obj.nodes.all()]
 
-    def _load(self, obj: Deployment) -> tuple[dict[str, int], dict[str, int], dict[str, selectors.ModelLoad]]:
+    def _load(
+        self, obj: Deployment
+    ) -> tuple[dict[str, int], dict[str, int], dict[str, selectors.ModelLoad]]:
         load = self.context.get("load")
         if load is not None and str(obj.id) in load[0]:
             return load
@@ -161,7 +217,9 @@ class DeploymentPreviewApi(APIView):
         if mf is None:
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
         try:
-            plan = services.deployment_preview(model_file=mf, request=services.placement_request_from(v))
+            plan = services.deployment_preview(
+                model_file=mf, request=services.placement_request_from(v)
+            )
         except PlacementRefused as exc:
             return _refused(exc)
         body = plan.to_dict()
@@ -174,7 +232,9 @@ class DeploymentPreviewApi(APIView):
 
 
 class DeploymentListCreateApi(GenericAPIView):
-    queryset = Deployment.objects.none()  # names the model for the schema; get_queryset() reads the selector
+    queryset = (
+        Deployment.objects.none()
+    )  # names the model for the schema; get_queryset() reads the selector
     filter_backends = [DjangoFilterBackend]
     filterset_class = DeploymentFilter
     pagination_class = None
@@ -185,7 +245,11 @@ class DeploymentListCreateApi(GenericAPIView):
     @extend_schema(responses=DeploymentOut(many=True))
     def get(self, request: Request) -> Response:
         deps = list(self.filter_queryset(self.get_queryset())[:500])
-        return Response(DeploymentOut(deps, many=True, context={"load": selectors.replica_load(deployments=deps)}).data)
+        return Response(
+            DeploymentOut(
+                deps, many=True, context={"load": selectors.replica_load(deployments=deps)}
+            ).data
+        )
 
     @extend_schema(request=PlacementIn, responses={202: DeploymentOut, 400: dict, 422: dict})
     def post(self, request: Request) -> Response:
@@ -200,7 +264,9 @@ class DeploymentListCreateApi(GenericAPIView):
         if mf is None:
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
         try:
-            services.deployment_preview(model_file=mf, request=req)  # refuse impossible constraints up front
+            services.deployment_preview(
+                model_file=mf, request=req
+            )  # refuse impossible constraints up front
         except PlacementRefused as exc:
             return _refused(exc)
         dep = services.deployment_create(model=model, request=req, now=timezone.now())
@@ -217,18 +283,27 @@ class DeploymentDetailApi(APIView):
 
         def get_events(self, obj: Deployment) -> list[dict[str, Any]]:
             # many=True makes a ListSerializer, whose .data is a list; the stubs say ReturnDict.
-            return cast("list[dict[str, Any]]", EventOut(Event.objects.filter(deployment=obj)[:100], many=True).data)
+            return cast(
+                "list[dict[str, Any]]",
+                EventOut(Event.objects.filter(deployment=obj)[:100], many=True).data,
+            )
 
     @extend_schema(responses=DeploymentDetailOut)
     def get(self, request: Request, deployment_id: str) -> Response:
-        return Response(self.DeploymentDetailOut(get_object_or_404(Deployment, pk=deployment_id)).data)
+        return Response(
+            self.DeploymentDetailOut(get_object_or_404(Deployment, pk=deployment_id)).data
+        )
 
 
 class DeploymentStopApi(APIView):
     @extend_schema(request=None, responses=DeploymentOut)
     def post(self, request: Request, deployment_id: str) -> Response:
         get_object_or_404(Deployment, pk=deployment_id)
-        return Response(DeploymentOut(services.deployment_stop(deployment_id=deployment_id, now=timezone.now())).data)
+        return Response(
+            DeploymentOut(
+                services.deployment_stop(deployment_id=deployment_id, now=timezone.now())
+            ).data
+        )
 
 
 class JobOut(serializers.ModelSerializer):
@@ -238,9 +313,28 @@ class JobOut(serializers.ModelSerializer):
     class Meta:
         model = Job
         fields = [
-            "id", "kind", "state", "model", "deployment", "account", "stream", "max_tokens", "prompt_tokens", "completion_tokens",
-            "finish_reason", "error", "failed_during_execution", "ttft_ms", "tokens_per_s", "stream_chunks", "node_names",
-            "queued_at", "dispatched_at", "first_token_at", "finished_at", "request_id",
+            "id",
+            "kind",
+            "state",
+            "model",
+            "deployment",
+            "account",
+            "stream",
+            "max_tokens",
+            "prompt_tokens",
+            "completion_tokens",
+            "finish_reason",
+            "error",
+            "failed_during_execution",
+            "ttft_ms",
+            "tokens_per_s",
+            "stream_chunks",
+            "node_names",
+            "queued_at",
+            "dispatched_at",
+            "first_token_at",
+            "finished_at",
+            "request_id",
         ]
 
     def get_node_names(self, obj: Job) -> list[str]:
@@ -264,19 +358,26 @@ def live_job_figures(jobs: list[Job]) -> dict[str, tuple[int, Any]]:
     if not active:
         return {}
     primaries: dict[uuid.UUID | None, uuid.UUID | None] = dict(
-        Deployment.objects.filter(id__in={j.deployment_id for j in active}).values_list("id", "primary_id")
+        Deployment.objects.filter(id__in={j.deployment_id for j in active}).values_list(
+            "id", "primary_id"
+        )
     )
     with get_redis().pipeline(transaction=False) as pipe:
         for j in active:
             pipe.xlen(job_stream_key(str(j.id), str(primaries.get(j.deployment_id))))
         lengths = pipe.execute()
-    return {str(j.id): (int(n), j.first_token_at or j.dispatched_at) for j, n in zip(active, lengths, strict=True)}
+    return {
+        str(j.id): (int(n), j.first_token_at or j.dispatched_at)
+        for j, n in zip(active, lengths, strict=True)
+    }
 
 
 class JobListApi(GenericAPIView):
     """GET /api/admin/jobs?state=&model=&node=&since=&until=&limit="""
 
-    queryset = Job.objects.none()  # names the model for the schema; get_queryset() reads the selector
+    queryset = (
+        Job.objects.none()
+    )  # names the model for the schema; get_queryset() reads the selector
     filter_backends = [DjangoFilterBackend]
     filterset_class = JobFilter
     pagination_class = LimitPagination
@@ -284,11 +385,15 @@ class JobListApi(GenericAPIView):
     def get_queryset(self) -> QuerySet[Job]:
         return selectors.job_list().prefetch_related("nodes")
 
-    @extend_schema(responses={200: JobOut(many=True), 404: AgentErrorSerializer})  # 404: node names no node
+    @extend_schema(
+        responses={200: JobOut(many=True), 404: AgentErrorSerializer}
+    )  # 404: node names no node
     def get(self, request: Request) -> Response:
         jobs = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
         assert jobs is not None  # LimitPagination always pages
-        return self.get_paginated_response(JobOut(jobs, many=True, context={"live": live_job_figures(jobs)}).data)
+        return self.get_paginated_response(
+            JobOut(jobs, many=True, context={"live": live_job_figures(jobs)}).data
+        )
 
 
 class JobDetailApi(APIView):
@@ -297,11 +402,23 @@ class JobDetailApi(APIView):
         timings = serializers.SerializerMethodField()
 
         class Meta(JobOut.Meta):
-            fields = [*JobOut.Meta.fields, "placement", "device_seconds", "params", "events", "timings"]
+            fields = [
+                *JobOut.Meta.fields,
+                "placement",
+                "device_seconds",
+                "params",
+                "events",
+                "timings",
+            ]
 
         def get_events(self, obj: Job) -> list[dict[str, Any]]:
             # many=True makes a ListSerializer, whose .data is a list; the stubs say ReturnDict.
-            return cast("list[dict[str, Any]]", EventOut(Event.objects.filter(job=obj).order_by("created_at", "id"), many=True).data)
+            return cast(
+                "list[dict[str, Any]]",
+                EventOut(
+                    Event.objects.filter(job=obj).order_by("created_at", "id"), many=True
+                ).data,
+            )
 
         def get_timings(self, obj: Job) -> dict[str, Any]:
             def ms(a: Any, b: Any) -> float | None:
@@ -340,7 +457,13 @@ class AgentReportsApi(APIView):
 
     @extend_schema(
         request=ReportSerializer,
-        responses={202: ReportAcceptedSerializer, 400: AgentErrorSerializer, 401: AgentErrorSerializer, 409: AgentErrorSerializer, 413: AgentErrorSerializer},
+        responses={
+            202: ReportAcceptedSerializer,
+            400: AgentErrorSerializer,
+            401: AgentErrorSerializer,
+            409: AgentErrorSerializer,
+            413: AgentErrorSerializer,
+        },
         description="409: the report is not from the node the controller's record names (not a member of the job's or deployment's plan, or not the node the command was sent to).",
     )
     def post(self, request: Request) -> Response:
@@ -350,17 +473,33 @@ class AgentReportsApi(APIView):
         try:
             node = node_services.node_authenticate(node_id=creds[0], credential=creds[1])
         except (node_services.NodeAuthError, ValueError) as exc:
-            return Response({"error": {"message": str(exc), "code": "node_revoked" if "revoked" in str(exc) else "invalid_credential"}}, status=401)
+            return Response(
+                {
+                    "error": {
+                        "message": str(exc),
+                        "code": "node_revoked" if "revoked" in str(exc) else "invalid_credential",
+                    }
+                },
+                status=401,
+            )
         data = ReportSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         payload = data.validated_data["payload"]
-        with log_context(node_id=node.id, job_id=payload.get("job_id"), deployment_id=payload.get("deployment_id")):
+        with log_context(
+            node_id=node.id,
+            job_id=payload.get("job_id"),
+            deployment_id=payload.get("deployment_id"),
+        ):
             try:
-                result = report_accept(node_id=node.id, report=data.validated_data, now=timezone.now())
+                result = report_accept(
+                    node_id=node.id, report=data.validated_data, now=timezone.now()
+                )
             except ReportRefused as exc:
                 # 409, not 403: the agent takes 401/403 as "my credential is gone" and stops, and an
                 # honest node can send a late report (it was dropped from a revised plan).
                 return Response({"error": {"message": str(exc), "code": exc.code}}, status=409)
             except ValueError as exc:
-                return Response({"error": {"message": str(exc), "code": "invalid_report"}}, status=400)
+                return Response(
+                    {"error": {"message": str(exc), "code": "invalid_report"}}, status=400
+                )
         return Response({"accepted": True, **(result or {})}, status=202)

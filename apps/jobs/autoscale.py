@@ -70,7 +70,11 @@ def replicas_autoscale(*, now: datetime) -> AutoscaleReport:
     if not lock.acquire():
         return report
     try:
-        model_ids = Deployment.objects.filter(state__in=list(DEPLOYMENT_ACTIVE)).values_list("model_id", flat=True).distinct()
+        model_ids = (
+            Deployment.objects.filter(state__in=list(DEPLOYMENT_ACTIVE))
+            .values_list("model_id", flat=True)
+            .distinct()
+        )
         for model in Model.objects.filter(pk__in=list(model_ids)).order_by("name"):
             try:
                 _autoscale_model(model=model, now=now, report=report)
@@ -88,7 +92,11 @@ def _autoscale_model(*, model: Model, now: datetime, report: AutoscaleReport) ->
     t = now.timestamp()
     r = get_redis()
     key = autoscale_key(model.id)
-    deps = list(Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_ACTIVE)).order_by("created_at"))
+    deps = list(
+        Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_ACTIVE)).order_by(
+            "created_at"
+        )
+    )
     serving = [d for d in deps if d.state in DEPLOYMENT_SERVING]
     dep_ids = [str(d.id) for d in deps]
     waiting = admission.queue_depth(dep_ids, now=t)
@@ -98,7 +106,9 @@ def _autoscale_model(*, model: Model, now: datetime, report: AutoscaleReport) ->
     last_queued = admission.model_last_queued(model.id)
     period = float(settings.REPLICA_AUTOSCALE_SECONDS)
     recently_queued = last_queued is not None and t - last_queued <= 2 * period
-    pressure = wait > float(settings.REPLICA_SCALE_UP_WAIT_SECONDS) and (depth > 0 or recently_queued)
+    pressure = wait > float(settings.REPLICA_SCALE_UP_WAIT_SECONDS) and (
+        depth > 0 or recently_queued
+    )
     state = r.hgetall(key)
     with r.pipeline(transaction=False) as pipe:
         # Idle markers of replicas that are gone, and every one while the model is under
@@ -129,7 +139,9 @@ def _autoscale_model(*, model: Model, now: datetime, report: AutoscaleReport) ->
 
     removable = _idle_candidates(serving=serving, in_use=in_use, waiting=waiting, depth=depth)
     idle_for = float(settings.REPLICA_IDLE_SECONDS)
-    busy = [f"idle:{d.id}" for d in serving if str(d.id) not in removable and f"idle:{d.id}" in state]
+    busy = [
+        f"idle:{d.id}" for d in serving if str(d.id) not in removable and f"idle:{d.id}" in state
+    ]
     if busy:
         r.hdel(key, *busy)
     # Youngest first, and never the last serving replica.
@@ -140,7 +152,11 @@ def _autoscale_model(*, model: Model, now: datetime, report: AutoscaleReport) ->
             r.hset(key, field_name, repr(t))
             continue
         if t - float(idle_since) >= idle_for and len(serving) > 1:
-            _replica_remove(deployment=next(d for d in serving if str(d.id) == dep_id), now=now, idle_seconds=t - float(idle_since))
+            _replica_remove(
+                deployment=next(d for d in serving if str(d.id) == dep_id),
+                now=now,
+                idle_seconds=t - float(idle_since),
+            )
             r.hdel(key, field_name)
             report.removed.append(dep_id)
             return
@@ -160,13 +176,21 @@ def _replica_request(*, model: Model, serving: list[Deployment]) -> PlacementReq
     """The newest serving replica's request (same context and slots rule), on no node that
     serves the model: pins, spread and same-node permission do not carry over to a copy."""
     template = serving[-1] if serving else None
-    base = services.placement_request_from(dict(template.request)) if template is not None else services.placement_request_from({})
+    base = (
+        services.placement_request_from(dict(template.request))
+        if template is not None
+        else services.placement_request_from({})
+    )
     serving_nodes = selectors.nodes_serving_model(model_id=model.id)
     exclude = tuple(dict.fromkeys([*base.exclude_nodes, *sorted(serving_nodes)]))
-    return dataclasses.replace(base, pin_nodes=None, spread=False, allow_same_node=False, exclude_nodes=exclude)
+    return dataclasses.replace(
+        base, pin_nodes=None, spread=False, allow_same_node=False, exclude_nodes=exclude
+    )
 
 
-def _replica_add(*, model: Model, serving: list[Deployment], now: datetime, wait: float, depth: int) -> tuple[Deployment | None, str]:
+def _replica_add(
+    *, model: Model, serving: list[Deployment], now: datetime, wait: float, depth: int
+) -> tuple[Deployment | None, str]:
     """Place one more replica when a node can host it: (the deployment, "") or (None, why not)."""
     model_file = model.files.order_by("-created_at").first()
     if model_file is None:
@@ -180,20 +204,36 @@ def _replica_add(*, model: Model, serving: list[Deployment], now: datetime, wait
     with transaction.atomic():
         dep = services.deployment_create(model=model, request=request, now=now, auto=True)
         event_record(
-            kind="REPLICA_ADDED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=plan.primary_node_id,
+            kind="REPLICA_ADDED",
+            category=EventCategory.PLACEMENT,
+            now=now,
+            deployment_id=dep.id,
+            node_id=plan.primary_node_id,
             message=f"replica {replicas} of {model.name}: queue wait {wait:.1f}s with {depth} waiting",
-            data={"queue_wait_seconds": round(wait, 3), "queue_depth": depth, "replicas": replicas, "excluded": list(request.exclude_nodes)},
+            data={
+                "queue_wait_seconds": round(wait, 3),
+                "queue_depth": depth,
+                "replicas": replicas,
+                "excluded": list(request.exclude_nodes),
+            },
         )
     log.info("added replica %s of %s (wait %.1fs, %d waiting)", dep.id, model.name, wait, depth)
     return dep, ""
 
 
-def _idle_candidates(*, serving: list[Deployment], in_use: dict[str, int], waiting: dict[str, int], depth: int) -> dict[str, datetime]:
+def _idle_candidates(
+    *, serving: list[Deployment], in_use: dict[str, int], waiting: dict[str, int], depth: int
+) -> dict[str, datetime]:
     """Serving replicas this autoscaler added that are idle now → their creation time."""
     if depth > 0 or len(serving) <= 1:
         return {}
     ids = [d.id for d in serving]
-    added = {str(i) for i in Event.objects.filter(kind="REPLICA_ADDED", deployment_id__in=ids).values_list("deployment_id", flat=True)}
+    added = {
+        str(i)
+        for i in Event.objects.filter(kind="REPLICA_ADDED", deployment_id__in=ids).values_list(
+            "deployment_id", flat=True
+        )
+    }
     return {
         str(d.id): d.created_at
         for d in serving
@@ -204,9 +244,18 @@ def _idle_candidates(*, serving: list[Deployment], in_use: dict[str, int], waiti
 def _replica_remove(*, deployment: Deployment, now: datetime, idle_seconds: float) -> None:
     """Stop an idle replica and record REPLICA_REMOVED."""
     with transaction.atomic():
-        services.deployment_stop(deployment_id=deployment.id, now=now, reason=f"idle replica removed after {idle_seconds:.0f}s")
+        services.deployment_stop(
+            deployment_id=deployment.id,
+            now=now,
+            reason=f"idle replica removed after {idle_seconds:.0f}s",
+        )
         event_record(
-            kind="REPLICA_REMOVED", category=EventCategory.PLACEMENT, now=now, deployment_id=deployment.id, node_id=deployment.primary_id,
-            message=f"idle for {idle_seconds:.0f}s (no slot in use, no queue)", data={"idle_seconds": round(idle_seconds, 1)},
+            kind="REPLICA_REMOVED",
+            category=EventCategory.PLACEMENT,
+            now=now,
+            deployment_id=deployment.id,
+            node_id=deployment.primary_id,
+            message=f"idle for {idle_seconds:.0f}s (no slot in use, no queue)",
+            data={"idle_seconds": round(idle_seconds, 1)},
         )
     log.info("removed idle replica %s", deployment.id)

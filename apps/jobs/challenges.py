@@ -73,7 +73,11 @@ def node_speed_challenge(*, node_id: Any, now: datetime) -> SpeedVerdict:
     # Generous: ten times the claimed duration, plus the command queue's own latency.
     timeout = 10.0 + 10.0 * flops / (claimed * 1e9)
     started = time.monotonic()
-    command_id = command_send(node_id=node.id, kind="speed_challenge", payload={"seed": seed, "n": CHALLENGE_N, "reps": reps})
+    command_id = command_send(
+        node_id=node.id,
+        kind="speed_challenge",
+        payload={"seed": seed, "n": CHALLENGE_N, "reps": reps},
+    )
     result = command_wait(command_id=command_id, timeout=timeout)
     elapsed = time.monotonic() - started
     # Recomputed only after the node answered, so the check never competes with the work it times.
@@ -97,11 +101,23 @@ def node_speed_challenge(*, node_id: Any, now: datetime) -> SpeedVerdict:
     )
     if updated:
         event_record(
-            kind={"verified": "SPEED_VERIFIED", "reduced": "SPEED_CLAIM_REDUCED", "failed": "SPEED_CHALLENGE_FAILED"}[outcome],
+            kind={
+                "verified": "SPEED_VERIFIED",
+                "reduced": "SPEED_CLAIM_REDUCED",
+                "failed": "SPEED_CHALLENGE_FAILED",
+            }[outcome],
             category=EventCategory.SECURITY,
             now=now,
             node_id=node.id,
             message=message,
-            data={"claimed_gflops": claimed, "measured_gflops": measured, "credited_gflops": credited, "reps": reps, "n": CHALLENGE_N, "seconds": round(elapsed, 3), "answered": answered},
+            data={
+                "claimed_gflops": claimed,
+                "measured_gflops": measured,
+                "credited_gflops": credited,
+                "reps": reps,
+                "n": CHALLENGE_N,
+                "seconds": round(elapsed, 3),
+                "answered": answered,
+            },
         )
     return SpeedVerdict(outcome=outcome, claimed=claimed, measured=measured, credited=credited)

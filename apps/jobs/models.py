@@ -11,16 +11,26 @@ from .states import DeploymentState, JobState
 
 class Deployment(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    model = models.ForeignKey("models_repo.Model", on_delete=models.PROTECT, related_name="deployments")
-    model_file = models.ForeignKey("models_repo.ModelFile", on_delete=models.PROTECT, related_name="deployments")
-    state = models.CharField(max_length=16, choices=DeploymentState.choices, default=DeploymentState.PLANNING)
-    primary = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="primary_of")
+    model = models.ForeignKey(
+        "models_repo.Model", on_delete=models.PROTECT, related_name="deployments"
+    )
+    model_file = models.ForeignKey(
+        "models_repo.ModelFile", on_delete=models.PROTECT, related_name="deployments"
+    )
+    state = models.CharField(
+        max_length=16, choices=DeploymentState.choices, default=DeploymentState.PLANNING
+    )
+    primary = models.ForeignKey(
+        "nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="primary_of"
+    )
     nodes = models.ManyToManyField("nodes.Node", related_name="deployments", blank=True)
     plan = models.JSONField(default=dict, help_text="scheduler Plan.to_dict()")
     request = models.JSONField(default=dict, help_text="placement request: n_ctx, slots, pins")
     n_ctx = models.PositiveIntegerField(default=2048)
     n_parallel = models.PositiveIntegerField(default=1)
-    load_report = models.JSONField(default=dict, blank=True, help_text="what the runtime reported on load")
+    load_report = models.JSONField(
+        default=dict, blank=True, help_text="what the runtime reported on load"
+    )
     error = models.TextField(blank=True)
     revision = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -40,10 +50,16 @@ class Job(models.Model):
     kind = models.CharField(max_length=16, default="chat")
     state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.QUEUED)
     model = models.ForeignKey("models_repo.Model", on_delete=models.PROTECT, related_name="jobs")
-    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    deployment = models.ForeignKey(
+        Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
+    )
     nodes = models.ManyToManyField("nodes.Node", related_name="jobs", blank=True)
-    account = models.ForeignKey("accounts.Account", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
-    api_key = models.ForeignKey("accounts.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    account = models.ForeignKey(
+        "accounts.Account", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
+    )
+    api_key = models.ForeignKey(
+        "accounts.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
+    )
     request_id = models.CharField(max_length=64, blank=True)
     stream = models.BooleanField(default=False)
     params = models.JSONField(default=dict, help_text="sampling parameters")
@@ -79,19 +95,35 @@ class JobAttempt(models.Model):
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
     number = models.PositiveIntegerField()
-    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="job_attempts")
-    primary = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="job_attempts")
-    plan = models.JSONField(default=dict, blank=True, help_text="the deployment's plan when the attempt ran (settlement)")
+    deployment = models.ForeignKey(
+        Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="job_attempts"
+    )
+    primary = models.ForeignKey(
+        "nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="job_attempts"
+    )
+    plan = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="the deployment's plan when the attempt ran (settlement)",
+    )
     started_at = models.DateTimeField()
     ended_at = models.DateTimeField(null=True, blank=True)
-    completion_tokens = models.PositiveIntegerField(default=0, help_text="counted by the controller from this attempt's stream")
+    completion_tokens = models.PositiveIntegerField(
+        default=0, help_text="counted by the controller from this attempt's stream"
+    )
     chunks = models.PositiveIntegerField(default=0)
-    outcome = models.CharField(max_length=32, blank=True, help_text="empty while running; COMPLETED, FAILED, CANCELLED or the failover cause")
+    outcome = models.CharField(
+        max_length=32,
+        blank=True,
+        help_text="empty while running; COMPLETED, FAILED, CANCELLED or the failover cause",
+    )
     error = models.TextField(blank=True)
 
     class Meta:
         ordering = ["job", "number"]
-        constraints = [models.UniqueConstraint(fields=["job", "number"], name="job_attempt_unique_number")]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "number"], name="job_attempt_unique_number")
+        ]
 
     def __str__(self) -> str:
         return f"job {self.job_id} attempt {self.number} {self.outcome or 'running'}"

@@ -35,7 +35,13 @@ def connect() -> None:
     # State changes go through deployment_transition (an .update(), which invalidates the
     # route cache itself); this covers saves elsewhere (admin, n_parallel edits).
     for signal in (post_save, post_delete):
-        signal.connect(_deployment_changed, sender=Deployment, dispatch_uid=f"racon-cache-deployment-{signal is post_save}")
+        signal.connect(
+            _deployment_changed,
+            sender=Deployment,
+            dispatch_uid=f"racon-cache-deployment-{signal is post_save}",
+        )
     node_hooks.running_work_check_register(name="jobs", check=node_has_jobs_in_flight)
     node_hooks.drain_step_register(name="jobs", step=deployments_drain_step)
-    node_hooks.node_state_moved.connect(_node_state_moved, dispatch_uid="racon-jobs-node-state-moved")
+    node_hooks.node_state_moved.connect(
+        _node_state_moved, dispatch_uid="racon-jobs-node-state-moved"
+    )

@@ -40,38 +40,79 @@ def report_accept(*, node_id: Any, report: dict[str, Any], now: datetime) -> dic
     kind = report["kind"]
     payload = report["payload"]
     try:
-        return _dispatch(node_id=node_id, kind=kind, payload=payload, command_id=report.get("command_id"), now=now)
+        return _dispatch(
+            node_id=node_id,
+            kind=kind,
+            payload=payload,
+            command_id=report.get("command_id"),
+            now=now,
+        )
     except Exception as exc:
         # Let the agent retry: forget that we saw this report id (a refusal is refused again).
         r.delete(f"racon:report:{report['id']}")
         if isinstance(exc, ReportRefused):
-            _refusal_record(node_id=node_id, kind=kind, exc=exc, payload=payload, command_id=report.get("command_id"), now=now)
+            _refusal_record(
+                node_id=node_id,
+                kind=kind,
+                exc=exc,
+                payload=payload,
+                command_id=report.get("command_id"),
+                now=now,
+            )
         raise
 
 
 REFUSAL_EVENT_WINDOW_SECONDS = 60
 
 
-def _refusal_record(*, node_id: Any, kind: str, exc: Any, payload: dict[str, Any], command_id: str | None, now: datetime) -> None:
+def _refusal_record(
+    *,
+    node_id: Any,
+    kind: str,
+    exc: Any,
+    payload: dict[str, Any],
+    command_id: str | None,
+    now: datetime,
+) -> None:
     """REPORT_REFUSED, at most one row per node, report kind and reason a minute (a hostile node
     could send thousands)."""
-    if not get_redis().set(f"racon:report-refused:{node_id}:{kind}:{exc.code}", 1, nx=True, ex=REFUSAL_EVENT_WINDOW_SECONDS):
+    if not get_redis().set(
+        f"racon:report-refused:{node_id}:{kind}:{exc.code}",
+        1,
+        nx=True,
+        ex=REFUSAL_EVENT_WINDOW_SECONDS,
+    ):
         return
     event_record(
-        kind="REPORT_REFUSED", category=EventCategory.SECURITY, now=now, node_id=node_id, message=f"{kind} refused: {exc}"[:500],
-        data={"report_kind": kind, "code": exc.code, "command_id": command_id, "job_id": str(payload.get("job_id") or "")[:64] or None,
-              "deployment_id": str((payload.get("data") or {}).get("deployment_id") or "")[:64] or None},
+        kind="REPORT_REFUSED",
+        category=EventCategory.SECURITY,
+        now=now,
+        node_id=node_id,
+        message=f"{kind} refused: {exc}"[:500],
+        data={
+            "report_kind": kind,
+            "code": exc.code,
+            "command_id": command_id,
+            "job_id": str(payload.get("job_id") or "")[:64] or None,
+            "deployment_id": str((payload.get("data") or {}).get("deployment_id") or "")[:64]
+            or None,
+        },
     )
 
 
-def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: str | None, now: datetime) -> dict[str, Any] | None:
+def _dispatch(
+    *, node_id: Any, kind: str, payload: dict[str, Any], command_id: str | None, now: datetime
+) -> dict[str, Any] | None:
     if kind == "event":
         name = str(payload.get("event", "")).upper()[:40]
         if not name:
             raise ValueError("event report needs payload.event")
         if name == "MODEL_FETCH_PROGRESS":
             # Progress is frequent: keep the latest in Redis, not one row per step.
-            get_redis().hset(f"racon:fetch:{node_id}", mapping={"data": json.dumps(payload.get("data") or {}), "at": now.timestamp()})
+            get_redis().hset(
+                f"racon:fetch:{node_id}",
+                mapping={"data": json.dumps(payload.get("data") or {}), "at": now.timestamp()},
+            )
             return None
         data = payload.get("data") or {}
         if not isinstance(data, dict):
@@ -97,10 +138,20 @@ def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: s
             data=data,
         )
         if name == "RUNTIME_FAILED" and dep_id:
-            jobs.deployment_runtime_failed(deployment_id=dep_id, node_id=node_id, message=str(payload.get("message", "runtime failed")), now=now)
+            jobs.deployment_runtime_failed(
+                deployment_id=dep_id,
+                node_id=node_id,
+                message=str(payload.get("message", "runtime failed")),
+                now=now,
+            )
         return None
     if kind == "fault":
-        node_report_fault(node_id=node_id, fatal=bool(payload.get("fatal")), message=str(payload.get("message", "")), now=now)
+        node_report_fault(
+            node_id=node_id,
+            fatal=bool(payload.get("fatal")),
+            message=str(payload.get("message", "")),
+            now=now,
+        )
         return None
     if kind == "models":
         files = payload.get("models")
@@ -118,7 +169,11 @@ def _dispatch(*, node_id: Any, kind: str, payload: dict[str, Any], command_id: s
             if link.get("error") or not link.get("rtt_ms") and not link.get("bandwidth_mbps"):
                 continue  # a failed probe measures nothing; the scheduler keeps its default
             mapping[f"{node_id}|{link['node_id']}"] = json.dumps(
-                {"rtt_ms": float(link.get("rtt_ms", 0)), "bandwidth_mbps": float(link.get("bandwidth_mbps", 0)), "at": now.timestamp()}
+                {
+                    "rtt_ms": float(link.get("rtt_ms", 0)),
+                    "bandwidth_mbps": float(link.get("bandwidth_mbps", 0)),
+                    "at": now.timestamp(),
+                }
             )
         if mapping:
             get_redis().hset(LINKS_KEY, mapping=mapping)

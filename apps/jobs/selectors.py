@@ -76,7 +76,9 @@ def nodes_serving_model(*, model_id: Any, exclude_deployment: Any = None) -> set
     return out
 
 
-def cluster_snapshot(*, model_file: ModelFile | None = None, exclude_deployment: Any = None) -> ClusterSnapshot:
+def cluster_snapshot(
+    *, model_file: ModelFile | None = None, exclude_deployment: Any = None
+) -> ClusterSnapshot:
     """Nodes the scheduler may consider, their free memory net of other deployments, and links.
 
     exclude_deployment is the deployment being (re)placed: its own earlier plan neither holds
@@ -85,15 +87,22 @@ def cluster_snapshot(*, model_file: ModelFile | None = None, exclude_deployment:
     busy = rpc_workers_in_use(exclude_deployment=exclude_deployment)
     nodes = [
         n
-        for n in Node.objects.filter(revoked_at__isnull=True).exclude(state__in=[NodeState.UNINITIALIZED, NodeState.REGISTERING])
+        for n in Node.objects.filter(revoked_at__isnull=True).exclude(
+            state__in=[NodeState.UNINITIALIZED, NodeState.REGISTERING]
+        )
         if str(n.id) not in busy
     ]
     reserved = reserved_memory_by_node(exclude_deployment=exclude_deployment)
     holders: set[str] = set()
     serving: set[str] = set()
     if model_file is not None:
-        holders = {str(n) for n in Replica.objects.filter(model_file=model_file).values_list("node_id", flat=True)}
-        serving = nodes_serving_model(model_id=model_file.model_id, exclude_deployment=exclude_deployment)
+        holders = {
+            str(n)
+            for n in Replica.objects.filter(model_file=model_file).values_list("node_id", flat=True)
+        }
+        serving = nodes_serving_model(
+            model_id=model_file.model_id, exclude_deployment=exclude_deployment
+        )
     r = get_redis()
     with r.pipeline(transaction=False) as pipe:
         for n in nodes:
@@ -113,18 +122,37 @@ def cluster_snapshot(*, model_file: ModelFile | None = None, exclude_deployment:
         eff = float(settings.SCHEDULER_MEASURED_EFFICIENCY)
         gflops = n.gflops * eff if n.gflops else DEFAULT_GFLOPS
         bw = n.mem_bandwidth_gbps * eff if n.mem_bandwidth_gbps else DEFAULT_BANDWIDTH_GBPS
-        devices = [DeviceSnapshot(node_id=nid, device="CPU", kind="cpu", free_bytes=ram_free, gflops=gflops, mem_bandwidth_gbps=bw)]
+        devices = [
+            DeviceSnapshot(
+                node_id=nid,
+                device="CPU",
+                kind="cpu",
+                free_bytes=ram_free,
+                gflops=gflops,
+                mem_bandwidth_gbps=bw,
+            )
+        ]
         for gpu in (n.hardware or {}).get("gpus") or []:
             devices.append(
                 DeviceSnapshot(
-                    node_id=nid, device=f"GPU{gpu.get('index', 0)}", kind="gpu", free_bytes=int(gpu.get("vram_free") or 0),
-                    gflops=float(gpu.get("gflops") or gflops * 20), mem_bandwidth_gbps=float(gpu.get("mem_bandwidth_gbps") or 300.0),
+                    node_id=nid,
+                    device=f"GPU{gpu.get('index', 0)}",
+                    kind="gpu",
+                    free_bytes=int(gpu.get("vram_free") or 0),
+                    gflops=float(gpu.get("gflops") or gflops * 20),
+                    mem_bandwidth_gbps=float(gpu.get("mem_bandwidth_gbps") or 300.0),
                 )
             )
         snaps.append(
             NodeSnapshot(
-                node_id=nid, name=n.name, state=n.state, address=n.address, rpc_port=n.rpc_port, devices=tuple(devices),
-                threads=max(1, n.cpu_physical_cores or n.cpu_logical_cores or 1), has_model_file=nid in holders,
+                node_id=nid,
+                name=n.name,
+                state=n.state,
+                address=n.address,
+                rpc_port=n.rpc_port,
+                devices=tuple(devices),
+                threads=max(1, n.cpu_physical_cores or n.cpu_logical_cores or 1),
+                has_model_file=nid in holders,
                 serves_model=nid in serving,
             )
         )
@@ -154,7 +182,9 @@ def deployments_off_drained_nodes(qs: QuerySet[Deployment]) -> QuerySet[Deployme
 
 def deployments_on_drained_nodes(qs: QuerySet[Deployment]) -> QuerySet[Deployment]:
     """Those of ``qs`` with a member draining or drained: they finish their own jobs, and take none."""
-    return qs.filter(Q(nodes__state__in=DRAIN_STATES) | Q(primary__state__in=DRAIN_STATES)).distinct()
+    return qs.filter(
+        Q(nodes__state__in=DRAIN_STATES) | Q(primary__state__in=DRAIN_STATES)
+    ).distinct()
 
 
 def deployment_route_candidates(*, model_id: Any, cached: bool = False) -> list[Deployment]:
@@ -163,15 +193,17 @@ def deployment_route_candidates(*, model_id: Any, cached: bool = False) -> list[
 
     def load() -> list[Deployment]:
         return list(
-            deployments_off_drained_nodes(Deployment.objects.filter(model_id=model_id, state__in=DEPLOYMENT_SERVING)).only(
-                "id", "state", "primary_id", "plan", "n_ctx", "n_parallel", "model_id"
-            )
+            deployments_off_drained_nodes(
+                Deployment.objects.filter(model_id=model_id, state__in=DEPLOYMENT_SERVING)
+            ).only("id", "state", "primary_id", "plan", "n_ctx", "n_parallel", "model_id")
         )
 
     return cache.cached(ROUTE_CACHE, str(model_id), load) if cached else load()
 
 
-def deployment_route(*, model_id: Any, cached: bool = False, exclude: Iterable[Any] = ()) -> Deployment | None:
+def deployment_route(
+    *, model_id: Any, cached: bool = False, exclude: Iterable[Any] = ()
+) -> Deployment | None:
     """The READY deployment of this model with the largest share of its slots free (DEGRADED
     only as fallback), then the most free slots.
 
@@ -184,7 +216,11 @@ def deployment_route(*, model_id: Any, cached: bool = False, exclude: Iterable[A
     ``exclude`` skips more (a failover's own failed deployment).
     """
     skip = {str(d) for d in exclude}
-    candidates = [d for d in deployment_route_candidates(model_id=model_id, cached=cached) if str(d.id) not in skip]
+    candidates = [
+        d
+        for d in deployment_route_candidates(model_id=model_id, cached=cached)
+        if str(d.id) not in skip
+    ]
     if candidates:
         dead = admission.deployments_dead(d.id for d in candidates)
         candidates = [d for d in candidates if str(d.id) not in dead]
@@ -215,8 +251,13 @@ def deployment_list(*, state: str | None = None, model: str | None = None) -> Qu
 
 
 def job_list(
-    *, state: str | None = None, model: str | None = None, node_id: Any = None, since: datetime | None = None,
-    until: datetime | None = None, account_id: Any = None,
+    *,
+    state: str | None = None,
+    model: str | None = None,
+    node_id: Any = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    account_id: Any = None,
 ) -> QuerySet[Job]:
     qs = Job.objects.select_related("model", "deployment").all()
     if state:
@@ -234,7 +275,6 @@ def job_list(
     return qs.distinct()
 
 
-
 @dataclass(frozen=True)
 class ModelLoad:
     """A model's replicas and queue, as the deployments pages, the CLI and /metrics show them."""
@@ -248,7 +288,10 @@ class ModelLoad:
 
 
 def replica_load(
-    *, deployments: Iterable[Deployment] = (), model_ids: Iterable[Any] = (), now: float | None = None
+    *,
+    deployments: Iterable[Deployment] = (),
+    model_ids: Iterable[Any] = (),
+    now: float | None = None,
 ) -> tuple[dict[str, int], dict[str, int], dict[str, ModelLoad]]:
     """(slots in use by deployment id, live waiters by deployment id, ModelLoad by model id) for
     the given deployments and models, the models of those deployments included.
@@ -259,7 +302,9 @@ def replica_load(
     listed = list(deployments)
     models = {str(m) for m in model_ids} | {str(d.model_id) for d in listed}
     active = list(
-        Deployment.objects.filter(model_id__in=models, state__in=list(DEPLOYMENT_ACTIVE)).values_list("id", "model_id", "state", "n_parallel")
+        Deployment.objects.filter(
+            model_id__in=models, state__in=list(DEPLOYMENT_ACTIVE)
+        ).values_list("id", "model_id", "state", "n_parallel")
     )
     dep_ids = list(dict.fromkeys([str(d.id) for d in listed] + [str(a[0]) for a in active]))
     in_use = admission.slots_in_use(dep_ids, now=now)

@@ -103,16 +103,24 @@ def command_wait(*, command_id: str, timeout: float) -> dict[str, Any] | None:
     return json.loads(got[1])
 
 
-def command_result_accept(*, node_id: Any, command_id: str | None, payload: dict[str, Any], now: datetime) -> None:
+def command_result_accept(
+    *, node_id: Any, command_id: str | None, payload: dict[str, Any], now: datetime
+) -> None:
     """Hand a command's result to whoever waits for it (placement), kept briefly for late readers."""
     if not command_id:
         raise ValueError("command_result needs command_id")
     r = get_redis()
     sent_to = r.get(_command_node_key(command_id))
     if sent_to is None:
-        raise ReportRefused(f"command_result refused: command {command_id} was never sent, or its result is over {COMMAND_NODE_TTL_SECONDS}s late", code="unknown_command")
+        raise ReportRefused(
+            f"command_result refused: command {command_id} was never sent, or its result is over {COMMAND_NODE_TTL_SECONDS}s late",
+            code="unknown_command",
+        )
     if sent_to != str(node_id):
-        raise ReportRefused(f"command_result refused: command {command_id} was sent to another node, not to node {node_id}", code="not_command_node")
+        raise ReportRefused(
+            f"command_result refused: command {command_id} was sent to another node, not to node {node_id}",
+            code="not_command_node",
+        )
     key = _result_key(command_id)
     with r.pipeline(transaction=False) as pipe:
         pipe.rpush(key, json.dumps({**payload, "node_id": str(node_id)}, default=str))
@@ -134,8 +142,14 @@ def command_result_accept(*, node_id: Any, command_id: str | None, payload: dict
 
 
 def deployment_transition(
-    *, deployment_id: Any, to: str, now: datetime, expected: str | Collection[str] | None = None,
-    kind: str = "DEPLOYMENT_STATE_CHANGED", message: str = "", data: dict[str, Any] | None = None,
+    *,
+    deployment_id: Any,
+    to: str,
+    now: datetime,
+    expected: str | Collection[str] | None = None,
+    kind: str = "DEPLOYMENT_STATE_CHANGED",
+    message: str = "",
+    data: dict[str, Any] | None = None,
     fields: dict[str, Any] | None = None,
 ) -> bool:
     """Guarded move of a deployment's state with its event (racon.transitions); a stale caller changes nothing."""
@@ -146,24 +160,43 @@ def deployment_transition(
         extra.setdefault("stopped_at", now)
 
     def record(src: str) -> None:
-        if src != to or kind != "DEPLOYMENT_STATE_CHANGED":  # PLANNING → PLANNING is a re-plan, not news
+        if (
+            src != to or kind != "DEPLOYMENT_STATE_CHANGED"
+        ):  # PLANNING → PLANNING is a re-plan, not news
             event_record(
-                kind=kind, category=EventCategory.PLACEMENT, now=now, deployment_id=deployment_id,
-                old_state=src, new_state=to, message=message or f"deployment {src} → {to}", data=data,
+                kind=kind,
+                category=EventCategory.PLACEMENT,
+                now=now,
+                deployment_id=deployment_id,
+                old_state=src,
+                new_state=to,
+                message=message or f"deployment {src} → {to}",
+                data=data,
             )
 
     def after_commit(src: str) -> None:
-        broadcast("nodes.dashboard", {"type": "deployment.changed", "deployment_id": str(deployment_id), "state": to})
+        broadcast(
+            "nodes.dashboard",
+            {"type": "deployment.changed", "deployment_id": str(deployment_id), "state": to},
+        )
 
     moved = transition_guarded(
-        model=Deployment, pk=deployment_id, to=to, table=DEPLOYMENT_TRANSITIONS, expected=expected,
-        fields=extra, record=record, after_commit=after_commit,
+        model=Deployment,
+        pk=deployment_id,
+        to=to,
+        table=DEPLOYMENT_TRANSITIONS,
+        expected=expected,
+        fields=extra,
+        record=record,
+        after_commit=after_commit,
     )
     if moved is None:
         return False
     if to in (D.FAILED, D.STOPPED):
         # Routing skips it at once in every process, before the cache invalidation is heard.
-        admission.deployment_mark_dead(deployment_id=deployment_id, seconds=max(60.0, 3 * float(settings.API_CACHE_SECONDS)))
+        admission.deployment_mark_dead(
+            deployment_id=deployment_id, seconds=max(60.0, 3 * float(settings.API_CACHE_SECONDS))
+        )
     # The route candidates (READY deployments of a model) every daphne process caches.
     cache.invalidate(selectors.ROUTE_CACHE)
     return True
@@ -189,10 +222,14 @@ def placement_request_from(data: dict[str, Any]) -> PlacementRequest:
     )
 
 
-def deployment_preview(*, model_file: ModelFile, request: PlacementRequest, exclude_deployment: Any = None) -> Plan:
+def deployment_preview(
+    *, model_file: ModelFile, request: PlacementRequest, exclude_deployment: Any = None
+) -> Plan:
     """The plan and predictions for this model now, without loading anything."""
     profile = ModelProfile.from_dict(model_file.profile)
-    snapshot = selectors.cluster_snapshot(model_file=model_file, exclude_deployment=exclude_deployment)
+    snapshot = selectors.cluster_snapshot(
+        model_file=model_file, exclude_deployment=exclude_deployment
+    )
     t0 = time.perf_counter()
     try:
         return plan_placement(profile, snapshot, request, cost=scheduler_cost_model())
@@ -213,7 +250,9 @@ def scheduler_cost_model() -> CostModel:
     return CostModel(rpc_overhead_ms=float(settings.SCHEDULER_RPC_OVERHEAD_MS))
 
 
-def deployment_create(*, model: Model, request: PlacementRequest, now: datetime, auto: bool = False) -> Deployment:
+def deployment_create(
+    *, model: Model, request: PlacementRequest, now: datetime, auto: bool = False
+) -> Deployment:
     """Record a deployment (PLANNING) and ask Celery to place it once this transaction commits."""
     model_file = model.files.order_by("-created_at").first()
     if model_file is None:
@@ -221,19 +260,29 @@ def deployment_create(*, model: Model, request: PlacementRequest, now: datetime,
     with transaction.atomic():
         # n_parallel left to memory is known once planned (deployment_place records the plan's).
         dep = Deployment.objects.create(
-            model=model, model_file=model_file, state=D.PLANNING, request=request.to_dict(),
-            n_ctx=request.n_ctx, n_parallel=request.n_parallel or 1,
+            model=model,
+            model_file=model_file,
+            state=D.PLANNING,
+            request=request.to_dict(),
+            n_ctx=request.n_ctx,
+            n_parallel=request.n_parallel or 1,
         )
         event_record(
-            kind="DEPLOYMENT_CREATED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id,
-            new_state=D.PLANNING, message=f"{'automatic ' if auto else ''}deployment of {model.name}",
+            kind="DEPLOYMENT_CREATED",
+            category=EventCategory.PLACEMENT,
+            now=now,
+            deployment_id=dep.id,
+            new_state=D.PLANNING,
+            message=f"{'automatic ' if auto else ''}deployment of {model.name}",
             data={"request": request.to_dict(), "auto": auto},
         )
         task_send_on_commit("racon.jobs.place_deployment", deployment_id=str(dep.id))
     return dep
 
 
-def deployment_place(*, deployment_id: Any, clock: Callable[[], datetime] = timezone.now, max_revisions: int = 3) -> Deployment:
+def deployment_place(
+    *, deployment_id: Any, clock: Callable[[], datetime] = timezone.now, max_revisions: int = 3
+) -> Deployment:
     """Plan, start the RPC workers, load the primary and confirm every member; READY or FAILED.
 
     A node lost before execution (a step fails on it) is excluded and the plan revised.
@@ -245,55 +294,136 @@ def deployment_place(*, deployment_id: Any, clock: Callable[[], datetime] = time
     excluded: list[str] = list(request.exclude_nodes)
     with log_context(deployment_id=dep.id):
         for revision in range(max_revisions + 1):
-            pins = (tuple(p for p in request.pin_nodes if p not in excluded) or None) if request.pin_nodes else None
+            pins = (
+                (tuple(p for p in request.pin_nodes if p not in excluded) or None)
+                if request.pin_nodes
+                else None
+            )
             req = dataclasses.replace(request, exclude_nodes=tuple(excluded), pin_nodes=pins)
             try:
                 with _placement_lock():
-                    plan = deployment_preview(model_file=dep.model_file, request=req, exclude_deployment=dep.id)
+                    plan = deployment_preview(
+                        model_file=dep.model_file, request=req, exclude_deployment=dep.id
+                    )
                     with transaction.atomic():
                         Deployment.objects.filter(pk=dep.id).update(
-                            plan=plan.to_dict(), primary_id=plan.primary_node_id, revision=revision, n_ctx=plan.n_ctx, n_parallel=plan.n_parallel,
+                            plan=plan.to_dict(),
+                            primary_id=plan.primary_node_id,
+                            revision=revision,
+                            n_ctx=plan.n_ctx,
+                            n_parallel=plan.n_parallel,
                         )
                         dep.nodes.set(list(plan.node_ids))  # type: ignore[arg-type]  # pks; the stubs take only int pks
                         event_record(
-                            kind="PLAN_REVISED" if revision else "PLAN_CHOSEN", category=EventCategory.PLACEMENT, now=clock(),
-                            deployment_id=dep.id, node_id=plan.primary_node_id,
+                            kind="PLAN_REVISED" if revision else "PLAN_CHOSEN",
+                            category=EventCategory.PLACEMENT,
+                            now=clock(),
+                            deployment_id=dep.id,
+                            node_id=plan.primary_node_id,
                             message=f"primary {selectors.node_name(plan.primary_node_id)}, {len(plan.layer_devices)} device(s), {plan.n_parallel} slot(s), predicted {plan.predicted_tokens_per_s:.1f} tok/s",
-                            data={"plan": plan.to_dict(), "revision": revision, "excluded": excluded},
+                            data={
+                                "plan": plan.to_dict(),
+                                "revision": revision,
+                                "excluded": excluded,
+                            },
                         )
             except PlacementRefused as exc:
-                deployment_transition(deployment_id=dep.id, to=D.FAILED, now=clock(), kind="PLACEMENT_REFUSED", message=exc.reason[:500], data=exc.to_dict(), fields={"error": exc.reason})
+                deployment_transition(
+                    deployment_id=dep.id,
+                    to=D.FAILED,
+                    now=clock(),
+                    kind="PLACEMENT_REFUSED",
+                    message=exc.reason[:500],
+                    data=exc.to_dict(),
+                    fields={"error": exc.reason},
+                )
                 return Deployment.objects.get(pk=dep.id)
-            deployment_transition(deployment_id=dep.id, to=D.LOADING, expected=D.PLANNING, now=clock())
+            deployment_transition(
+                deployment_id=dep.id, to=D.LOADING, expected=D.PLANNING, now=clock()
+            )
             try:
                 report = _deployment_load(dep=dep, plan=plan, clock=clock)
             except _NodeLost as lost:
                 excluded.append(lost.node_id)
-                event_record(kind="NODE_LOST_BEFORE_EXECUTION", category=EventCategory.PLACEMENT, now=clock(), deployment_id=dep.id, node_id=lost.node_id, message=lost.reason)
-                if not deployment_transition(deployment_id=dep.id, to=D.PLANNING, expected=D.LOADING, now=clock(), message="re-scoring without the lost node"):
+                event_record(
+                    kind="NODE_LOST_BEFORE_EXECUTION",
+                    category=EventCategory.PLACEMENT,
+                    now=clock(),
+                    deployment_id=dep.id,
+                    node_id=lost.node_id,
+                    message=lost.reason,
+                )
+                if not deployment_transition(
+                    deployment_id=dep.id,
+                    to=D.PLANNING,
+                    expected=D.LOADING,
+                    now=clock(),
+                    message="re-scoring without the lost node",
+                ):
                     return Deployment.objects.get(pk=dep.id)
                 continue
             except DeploymentError as exc:
-                deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_FAILED", message=str(exc)[:500], fields={"error": str(exc)})
+                deployment_transition(
+                    deployment_id=dep.id,
+                    to=D.FAILED,
+                    expected=D.LOADING,
+                    now=clock(),
+                    kind="DEPLOYMENT_FAILED",
+                    message=str(exc)[:500],
+                    fields={"error": str(exc)},
+                )
                 return Deployment.objects.get(pk=dep.id)
             except SoftTimeLimitExceeded:
                 # The placement worker's bound (settings.PLACEMENT_SOFT_TIME_LIMIT): fail visibly
                 # rather than be killed at the hard limit with the deployment left LOADING.
                 message = f"placement timed out after {settings.PLACEMENT_SOFT_TIME_LIMIT:.0f}s (PLACEMENT_SOFT_TIME_LIMIT)"
-                deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_FAILED", message=message, fields={"error": message})
+                deployment_transition(
+                    deployment_id=dep.id,
+                    to=D.FAILED,
+                    expected=D.LOADING,
+                    now=clock(),
+                    kind="DEPLOYMENT_FAILED",
+                    message=message,
+                    fields={"error": message},
+                )
                 return Deployment.objects.get(pk=dep.id)
             except Exception as exc:
                 # Never leave a deployment LOADING forever: an unexpected fault fails it, visibly.
                 log.exception("placement of deployment %s failed", dep.id)
-                deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_FAILED", message=f"internal error during placement: {exc}"[:500], fields={"error": str(exc)})
+                deployment_transition(
+                    deployment_id=dep.id,
+                    to=D.FAILED,
+                    expected=D.LOADING,
+                    now=clock(),
+                    kind="DEPLOYMENT_FAILED",
+                    message=f"internal error during placement: {exc}"[:500],
+                    fields={"error": str(exc)},
+                )
                 return Deployment.objects.get(pk=dep.id)
             if deployment_transition(
-                deployment_id=dep.id, to=D.READY, expected=D.LOADING, now=clock(), kind="DEPLOYMENT_READY",
-                message="every member confirmed ready", fields={"load_report": report},
+                deployment_id=dep.id,
+                to=D.READY,
+                expected=D.LOADING,
+                now=clock(),
+                kind="DEPLOYMENT_READY",
+                message="every member confirmed ready",
+                fields={"load_report": report},
             ):
-                _drains_advance(deployments=Deployment.objects.filter(model_id=dep.model_id, state__in=list(DEPLOYMENT_SERVING)), now=clock())
+                _drains_advance(
+                    deployments=Deployment.objects.filter(
+                        model_id=dep.model_id, state__in=list(DEPLOYMENT_SERVING)
+                    ),
+                    now=clock(),
+                )
             return Deployment.objects.get(pk=dep.id)
-        deployment_transition(deployment_id=dep.id, to=D.FAILED, now=clock(), kind="DEPLOYMENT_FAILED", message="too many plan revisions", fields={"error": "too many plan revisions"})
+        deployment_transition(
+            deployment_id=dep.id,
+            to=D.FAILED,
+            now=clock(),
+            kind="DEPLOYMENT_FAILED",
+            message="too many plan revisions",
+            fields={"error": "too many plan revisions"},
+        )
         return Deployment.objects.get(pk=dep.id)
 
 
@@ -304,7 +434,9 @@ class _NodeLost(Exception):
         self.reason = reason
 
 
-def _deployment_load(*, dep: Deployment, plan: Plan, clock: Callable[[], datetime]) -> dict[str, Any]:
+def _deployment_load(
+    *, dep: Deployment, plan: Plan, clock: Callable[[], datetime]
+) -> dict[str, Any]:
     """Setup and validation: RPC workers, model file on the primary, primary load, member check."""
     timeout_rpc = settings.DEPLOYMENT_RPC_TIMEOUT
     timeout_load = settings.DEPLOYMENT_LOAD_TIMEOUT
@@ -312,18 +444,41 @@ def _deployment_load(*, dep: Deployment, plan: Plan, clock: Callable[[], datetim
     # their tunnels: a fresh key per deployment (and placement attempt), never stored, sent only
     # in the commands of the plan's members.
     tunnel_key = secrets.token_hex(32)
-    primary_address = Node.objects.filter(pk=plan.primary_node_id).values_list("address", flat=True).first()
+    primary_address = (
+        Node.objects.filter(pk=plan.primary_node_id).values_list("address", flat=True).first()
+    )
     for worker in plan.rpc_workers():
         node_id = worker["node_id"]
         _require_live(node_id)
-        grant = {"deployment_id": str(dep.id), "tunnel_key": tunnel_key, "primary_address": primary_address}
+        grant = {
+            "deployment_id": str(dep.id),
+            "tunnel_key": tunnel_key,
+            "primary_address": primary_address,
+        }
         cid = command_send(node_id=node_id, kind="rpc_start", payload=grant)
         result = command_wait(command_id=cid, timeout=timeout_rpc)
         if result is None:
-            raise _NodeLost(node_id, f"RPC worker on {selectors.node_name(node_id)} did not confirm within {timeout_rpc:.0f}s")
+            raise _NodeLost(
+                node_id,
+                f"RPC worker on {selectors.node_name(node_id)} did not confirm within {timeout_rpc:.0f}s",
+            )
         if not result.get("ok"):
-            raise _NodeLost(node_id, f"RPC worker on {selectors.node_name(node_id)} failed: {result.get('error', '')}")
-        event_record(kind="RPC_WORKER_CONFIRMED", category=EventCategory.RUNTIME, now=clock(), node_id=node_id, deployment_id=dep.id, message=f"RPC worker ready at {worker['endpoint']}", data={"endpoint": worker["endpoint"], "result": {k: v for k, v in result.items() if k != "node_id"}})
+            raise _NodeLost(
+                node_id,
+                f"RPC worker on {selectors.node_name(node_id)} failed: {result.get('error', '')}",
+            )
+        event_record(
+            kind="RPC_WORKER_CONFIRMED",
+            category=EventCategory.RUNTIME,
+            now=clock(),
+            node_id=node_id,
+            deployment_id=dep.id,
+            message=f"RPC worker ready at {worker['endpoint']}",
+            data={
+                "endpoint": worker["endpoint"],
+                "result": {k: v for k, v in result.items() if k != "node_id"},
+            },
+        )
     # 2. the model file on the primary (only the primary needs it: workers get tensors over RPC)
     primary = plan.primary_node_id
     _require_live(primary)
@@ -348,13 +503,24 @@ def _deployment_load(*, dep: Deployment, plan: Plan, clock: Callable[[], datetim
     cid = command_send(node_id=primary, kind="load_primary", payload=payload)
     result = command_wait(command_id=cid, timeout=timeout_load)
     if result is None:
-        raise _NodeLost(primary, f"primary {selectors.node_name(primary)} did not load within {timeout_load:.0f}s")
+        raise _NodeLost(
+            primary,
+            f"primary {selectors.node_name(primary)} did not load within {timeout_load:.0f}s",
+        )
     if not result.get("ok"):
         error = str(result.get("error", "load failed"))
         if "sha256" in error.lower() or "memory" in error.lower() or "missing" in error.lower():
             raise DeploymentError(f"primary refused the plan: {error}")
         raise _NodeLost(primary, f"primary {selectors.node_name(primary)} failed to load: {error}")
-    event_record(kind="PRIMARY_LOADED", category=EventCategory.RUNTIME, now=clock(), node_id=primary, deployment_id=dep.id, message=f"{dep.model.name} loaded", data={k: v for k, v in result.items() if k != "node_id"})
+    event_record(
+        kind="PRIMARY_LOADED",
+        category=EventCategory.RUNTIME,
+        now=clock(),
+        node_id=primary,
+        deployment_id=dep.id,
+        message=f"{dep.model.name} loaded",
+        data={k: v for k, v in result.items() if k != "node_id"},
+    )
     # 4. every member confirmed ready (cheap re-check of their states right before READY)
     for node_id in plan.node_ids:
         _require_live(node_id)
@@ -372,7 +538,13 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
     replica = Replica.objects.filter(node_id=node_id, model_file=dep.model_file).first()
     if replica is not None:
         # A node's "I hold this file" is a claim: trusted only once its bytes answer a challenge.
-        if replica_challenge(node_id=node_id, model_file=dep.model_file, path=replica.path, deployment_id=dep.id, now=clock()):
+        if replica_challenge(
+            node_id=node_id,
+            model_file=dep.model_file,
+            path=replica.path,
+            deployment_id=dep.id,
+            now=clock(),
+        ):
             return replica.path
         Replica.objects.filter(pk=replica.pk).delete()  # the store's copy is sent instead
     mf = dep.model_file
@@ -380,16 +552,48 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
     timeout = settings.MODEL_FETCH_TIMEOUT
     last_error = ""
     for attempt in (1, 2):
-        event_record(kind="MODEL_TRANSFER_STARTED", category=EventCategory.PLACEMENT, now=clock(), node_id=node_id, deployment_id=dep.id, message=f"copying {mf.file_name} to the primary (attempt {attempt})", data={"size": mf.size})
-        cid = command_send(node_id=node_id, kind="fetch_model", payload={"sha256": mf.sha256, "file_name": mf.file_name, "size": mf.size, "url": url})
+        event_record(
+            kind="MODEL_TRANSFER_STARTED",
+            category=EventCategory.PLACEMENT,
+            now=clock(),
+            node_id=node_id,
+            deployment_id=dep.id,
+            message=f"copying {mf.file_name} to the primary (attempt {attempt})",
+            data={"size": mf.size},
+        )
+        cid = command_send(
+            node_id=node_id,
+            kind="fetch_model",
+            payload={"sha256": mf.sha256, "file_name": mf.file_name, "size": mf.size, "url": url},
+        )
         result = command_wait(command_id=cid, timeout=timeout)
         if result is None:
             raise _NodeLost(node_id, "model transfer timed out")
         if result.get("ok") and result.get("path"):
-            if not replica_challenge(node_id=node_id, model_file=mf, path=str(result["path"]), deployment_id=dep.id, now=clock()):
-                raise _NodeLost(node_id, "the primary's copy of the model failed its hash challenge")
-            replicas_sync(node_id=node_id, files=[{"sha256": mf.sha256, "path": result["path"]}], now=clock(), prune=False)
-            event_record(kind="MODEL_TRANSFER_DONE", category=EventCategory.PLACEMENT, now=clock(), node_id=node_id, deployment_id=dep.id, message=f"{mf.file_name} verified on the primary")
+            if not replica_challenge(
+                node_id=node_id,
+                model_file=mf,
+                path=str(result["path"]),
+                deployment_id=dep.id,
+                now=clock(),
+            ):
+                raise _NodeLost(
+                    node_id, "the primary's copy of the model failed its hash challenge"
+                )
+            replicas_sync(
+                node_id=node_id,
+                files=[{"sha256": mf.sha256, "path": result["path"]}],
+                now=clock(),
+                prune=False,
+            )
+            event_record(
+                kind="MODEL_TRANSFER_DONE",
+                category=EventCategory.PLACEMENT,
+                now=clock(),
+                node_id=node_id,
+                deployment_id=dep.id,
+                message=f"{mf.file_name} verified on the primary",
+            )
             return str(result["path"])
         last_error = str(result.get("error", "transfer failed"))
     raise DeploymentError(f"model transfer failed twice; file not used: {last_error}")
@@ -398,7 +602,9 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
 REPLICA_CHALLENGE_BYTES = 1 << 20
 
 
-def replica_challenge(*, node_id: Any, model_file: Any, path: str, deployment_id: Any = None, now: datetime) -> bool:
+def replica_challenge(
+    *, node_id: Any, model_file: Any, path: str, deployment_id: Any = None, now: datetime
+) -> bool:
     """Whether the node's copy of a model file answers a hash challenge on a random range.
 
     The node returns sha256(nonce | bytes[offset:offset+length]) of its file; the controller
@@ -407,7 +613,14 @@ def replica_challenge(*, node_id: Any, model_file: Any, path: str, deployment_id
     """
     store = Path(model_file.store_path) if model_file.store_path else None
     if store is None or not store.is_file():
-        event_record(kind="REPLICA_UNVERIFIABLE", category=EventCategory.SECURITY, now=now, node_id=node_id, deployment_id=deployment_id, message=f"no store copy of {model_file.file_name} to challenge the node's claim against")
+        event_record(
+            kind="REPLICA_UNVERIFIABLE",
+            category=EventCategory.SECURITY,
+            now=now,
+            node_id=node_id,
+            deployment_id=deployment_id,
+            message=f"no store copy of {model_file.file_name} to challenge the node's claim against",
+        )
         return False
     size = store.stat().st_size
     length = min(REPLICA_CHALLENGE_BYTES, size)
@@ -416,28 +629,58 @@ def replica_challenge(*, node_id: Any, model_file: Any, path: str, deployment_id
     with open(store, "rb") as f:
         f.seek(offset)
         expected = hashlib.sha256(nonce + f.read(length)).hexdigest()
-    cid = command_send(node_id=node_id, kind="hash_challenge", payload={"sha256": model_file.sha256, "path": path, "offset": offset, "length": length, "nonce": nonce.hex()})
+    cid = command_send(
+        node_id=node_id,
+        kind="hash_challenge",
+        payload={
+            "sha256": model_file.sha256,
+            "path": path,
+            "offset": offset,
+            "length": length,
+            "nonce": nonce.hex(),
+        },
+    )
     result = command_wait(command_id=cid, timeout=float(settings.DEPLOYMENT_RPC_TIMEOUT))
-    ok = bool(result and result.get("ok") and hmac.compare_digest(str(result.get("digest", "")), expected))
+    ok = bool(
+        result and result.get("ok") and hmac.compare_digest(str(result.get("digest", "")), expected)
+    )
     event_record(
-        kind="REPLICA_VERIFIED" if ok else "REPLICA_CHALLENGE_FAILED", category=EventCategory.SECURITY, now=now, node_id=node_id, deployment_id=deployment_id,
+        kind="REPLICA_VERIFIED" if ok else "REPLICA_CHALLENGE_FAILED",
+        category=EventCategory.SECURITY,
+        now=now,
+        node_id=node_id,
+        deployment_id=deployment_id,
         message=f"{model_file.file_name}: bytes {offset}-{offset + length} {'match' if ok else 'do not match'} the store's copy",
         data={"offset": offset, "length": length, "answered": result is not None},
     )
     return ok
 
 
-def deployment_stop(*, deployment_id: Any, now: datetime, reason: str = "stopped by operator") -> Deployment:
+def deployment_stop(
+    *, deployment_id: Any, now: datetime, reason: str = "stopped by operator"
+) -> Deployment:
     """Stop a deployment: unload its primary; running jobs are cancelled."""
     dep = Deployment.objects.get(pk=deployment_id)
     if dep.state == D.STOPPED:
         return dep
-    if dep.state == D.FAILED or deployment_transition(deployment_id=dep.id, to=D.STOPPED, now=now, kind="DEPLOYMENT_STOPPED", message=reason):
+    if dep.state == D.FAILED or deployment_transition(
+        deployment_id=dep.id, to=D.STOPPED, now=now, kind="DEPLOYMENT_STOPPED", message=reason
+    ):
         if dep.state == D.FAILED:
-            deployment_transition(deployment_id=dep.id, to=D.STOPPED, now=now, kind="DEPLOYMENT_STOPPED", message=reason)
+            deployment_transition(
+                deployment_id=dep.id,
+                to=D.STOPPED,
+                now=now,
+                kind="DEPLOYMENT_STOPPED",
+                message=reason,
+            )
         if dep.primary_id:
-            command_send(node_id=dep.primary_id, kind="unload", payload={"deployment_id": str(dep.id)})
-        for job_id in Job.objects.filter(deployment=dep, state__in=JOB_OPEN).values_list("id", flat=True):
+            command_send(
+                node_id=dep.primary_id, kind="unload", payload={"deployment_id": str(dep.id)}
+            )
+        for job_id in Job.objects.filter(deployment=dep, state__in=JOB_OPEN).values_list(
+            "id", flat=True
+        ):
             job_cancel(job_id=job_id, now=now, reason="deployment stopped")
     dep.refresh_from_db()
     return dep
@@ -445,22 +688,70 @@ def deployment_stop(*, deployment_id: Any, now: datetime, reason: str = "stopped
 
 def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> None:
     """A member node changed health: degrade, fail and replace, or restore its deployments."""
-    deps = list(Deployment.objects.filter(nodes__id=node_id, state__in=list(DEPLOYMENT_ACTIVE)).select_related("model"))
+    deps = list(
+        Deployment.objects.filter(
+            nodes__id=node_id, state__in=list(DEPLOYMENT_ACTIVE)
+        ).select_related("model")
+    )
     for dep in deps:
         if state == NodeState.DEGRADED and dep.state == D.READY:
-            deployment_transition(deployment_id=dep.id, to=D.DEGRADED, expected=D.READY, now=now, kind="DEPLOYMENT_DEGRADED", message=f"member {selectors.node_name(node_id)} degraded")
+            deployment_transition(
+                deployment_id=dep.id,
+                to=D.DEGRADED,
+                expected=D.READY,
+                now=now,
+                kind="DEPLOYMENT_DEGRADED",
+                message=f"member {selectors.node_name(node_id)} degraded",
+            )
         elif state == NodeState.READY and dep.state == D.DEGRADED:
-            members_ok = not Node.objects.filter(pk__in=dep.nodes.values("id")).exclude(state__in=HEALTHY).exists()
+            members_ok = (
+                not Node.objects.filter(pk__in=dep.nodes.values("id"))
+                .exclude(state__in=HEALTHY)
+                .exists()
+            )
             if members_ok:
-                deployment_transition(deployment_id=dep.id, to=D.READY, expected=D.DEGRADED, now=now, kind="DEPLOYMENT_RESTORED", message="all members healthy again")
+                deployment_transition(
+                    deployment_id=dep.id,
+                    to=D.READY,
+                    expected=D.DEGRADED,
+                    now=now,
+                    kind="DEPLOYMENT_RESTORED",
+                    message="all members healthy again",
+                )
         elif state in LOST and dep.state in DEPLOYMENT_SERVING:
-            if deployment_transition(deployment_id=dep.id, to=D.FAILED, now=now, kind="DEPLOYMENT_FAILED", message=f"member {selectors.node_name(node_id)} is {state}", fields={"error": f"member node {node_id} {state}"}):
-                _jobs_fail_unread(dep=dep, now=now, error=f"a node of the plan went {state} during execution")
+            if deployment_transition(
+                deployment_id=dep.id,
+                to=D.FAILED,
+                now=now,
+                kind="DEPLOYMENT_FAILED",
+                message=f"member {selectors.node_name(node_id)} is {state}",
+                fields={"error": f"member node {node_id} {state}"},
+            ):
+                _jobs_fail_unread(
+                    dep=dep, now=now, error=f"a node of the plan went {state} during execution"
+                )
                 if dep.primary_id and str(dep.primary_id) != node_id:
-                    command_send(node_id=dep.primary_id, kind="unload", payload={"deployment_id": str(dep.id)})
+                    command_send(
+                        node_id=dep.primary_id,
+                        kind="unload",
+                        payload={"deployment_id": str(dep.id)},
+                    )
                 # Replace it: a new placement without the lost node.
-                replacement = deployment_create(model=dep.model, request=PlacementRequest(**{**_request_of(dep), "exclude_nodes": (node_id,)}), now=now, auto=True)
-                event_record(kind="DEPLOYMENT_REPLACED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=node_id, message=f"replaced by {replacement.id}", data={"replacement": str(replacement.id)})
+                replacement = deployment_create(
+                    model=dep.model,
+                    request=PlacementRequest(**{**_request_of(dep), "exclude_nodes": (node_id,)}),
+                    now=now,
+                    auto=True,
+                )
+                event_record(
+                    kind="DEPLOYMENT_REPLACED",
+                    category=EventCategory.PLACEMENT,
+                    now=now,
+                    deployment_id=dep.id,
+                    node_id=node_id,
+                    message=f"replaced by {replacement.id}",
+                    data={"replacement": str(replacement.id)},
+                )
         elif state in LOST and dep.state in DEPLOYMENT_PENDING:
             pass  # the placement task sees the lost node and re-scores (PLAN_REVISED)
 
@@ -469,7 +760,9 @@ def _jobs_fail_unread(*, dep: Deployment, now: datetime, error: str) -> None:
     """Fail the failed deployment's open jobs that nobody reads. A job whose reader is live (it
     holds the slot lease, or is failing the job over) is the reader's: it moves the job to
     another replica (docs/design/serving.md, "Failover"), or fails it if no capacity appears."""
-    for job_id in Job.objects.filter(deployment=dep, state__in=JOB_OPEN).values_list("id", flat=True):
+    for job_id in Job.objects.filter(deployment=dep, state__in=JOB_OPEN).values_list(
+        "id", flat=True
+    ):
         if admission.job_reader_live(deployment_id=dep.id, job_id=job_id):
             log.info("job %s: deployment %s failed; its reader fails it over", job_id, dep.id)
             continue
@@ -490,7 +783,9 @@ def deployment_member_check(*, deployment_id: Any, node_id: Any) -> Deployment:
     if dep is None:
         raise ValueError(f"unknown deployment {dep_id}")
     if str(dep.primary_id) != str(node_id) and not dep.nodes.filter(pk=node_id).exists():
-        raise ReportRefused(f"node {node_id} is not a member of deployment {dep_id}'s plan", code="not_plan_member")
+        raise ReportRefused(
+            f"node {node_id} is not a member of deployment {dep_id}'s plan", code="not_plan_member"
+        )
     return dep
 
 
@@ -500,15 +795,27 @@ def job_primary_check(*, job_id: Any, node_id: Any) -> uuid.UUID:
     job = Job.objects.filter(pk=job_uuid).values("placement", "deployment__primary_id").first()
     if job is None:
         raise ValueError(f"unknown job {job_uuid}")
-    primaries = {str(p) for p in (job["deployment__primary_id"], (job["placement"] or {}).get("primary")) if p}
+    primaries = {
+        str(p)
+        for p in (job["deployment__primary_id"], (job["placement"] or {}).get("primary"))
+        if p
+    }
     # After a failover, each attempt's primary may still report on its own attempt (stale: ignored).
-    primaries |= {str(p) for p in JobAttempt.objects.filter(job_id=job_uuid).values_list("primary_id", flat=True) if p}
+    primaries |= {
+        str(p)
+        for p in JobAttempt.objects.filter(job_id=job_uuid).values_list("primary_id", flat=True)
+        if p
+    }
     if str(node_id) not in primaries:
-        raise ReportRefused(f"node {node_id} is not the primary of job {job_uuid}'s plan", code="not_plan_member")
+        raise ReportRefused(
+            f"node {node_id} is not the primary of job {job_uuid}'s plan", code="not_plan_member"
+        )
     return job_uuid
 
 
-def deployment_runtime_failed(*, deployment_id: Any, node_id: Any, message: str, now: datetime) -> bool:
+def deployment_runtime_failed(
+    *, deployment_id: Any, node_id: Any, message: str, now: datetime
+) -> bool:
     """The primary process died (an RPC peer crashed, or it aborted): FAILED, jobs failed, replaced.
 
     Only a member of the deployment's plan may say so (ReportRefused otherwise; nothing changes).
@@ -516,11 +823,29 @@ def deployment_runtime_failed(*, deployment_id: Any, node_id: Any, message: str,
     dep = deployment_member_check(deployment_id=deployment_id, node_id=node_id)
     if dep.state not in DEPLOYMENT_SERVING:
         return False  # while LOADING, the placement task owns failures (and re-plans)
-    if not deployment_transition(deployment_id=dep.id, to=D.FAILED, expected=dep.state, now=now, kind="DEPLOYMENT_FAILED", message=message[:500], fields={"error": message[:2000]}):
+    if not deployment_transition(
+        deployment_id=dep.id,
+        to=D.FAILED,
+        expected=dep.state,
+        now=now,
+        kind="DEPLOYMENT_FAILED",
+        message=message[:500],
+        fields={"error": message[:2000]},
+    ):
         return False
     _jobs_fail_unread(dep=dep, now=now, error=f"runtime failure during execution: {message}")
-    replacement = deployment_create(model=dep.model, request=PlacementRequest(**_request_of(dep)), now=now, auto=True)
-    event_record(kind="DEPLOYMENT_REPLACED", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=node_id, message=f"replaced by {replacement.id}", data={"replacement": str(replacement.id)})
+    replacement = deployment_create(
+        model=dep.model, request=PlacementRequest(**_request_of(dep)), now=now, auto=True
+    )
+    event_record(
+        kind="DEPLOYMENT_REPLACED",
+        category=EventCategory.PLACEMENT,
+        now=now,
+        deployment_id=dep.id,
+        node_id=node_id,
+        message=f"replaced by {replacement.id}",
+        data={"replacement": str(replacement.id)},
+    )
     return True
 
 
@@ -528,7 +853,9 @@ def links_probe_request(*, node_id: Any, max_peers: int = 32) -> str | None:
     """Ask a node that just became READY to measure its links to the other live nodes."""
     peers = [
         {"node_id": str(n.id), "address": n.address, "rpc_port": n.rpc_port}
-        for n in Node.objects.filter(state__in=ONLINE).exclude(pk=node_id).only("id", "address", "rpc_port")[:max_peers]
+        for n in Node.objects.filter(state__in=ONLINE)
+        .exclude(pk=node_id)
+        .only("id", "address", "rpc_port")[:max_peers]
     ]
     if not peers:
         return None
@@ -585,6 +912,7 @@ def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
     A deployment with a draining member takes no new job: its replacement (being placed on other
     nodes, or FAILED when no capacity exists, so the request fails with the reason) is returned.
     """
+
     def active() -> Deployment | None:
         qs = Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_ACTIVE))
         return selectors.deployments_off_drained_nodes(qs).order_by("-created_at").first()
@@ -596,14 +924,22 @@ def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
         existing = active()
         if existing is not None:
             return existing
-        draining = selectors.deployments_on_drained_nodes(
-            Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_SERVING))
-        ).select_related("model").first()
+        draining = (
+            selectors.deployments_on_drained_nodes(
+                Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_SERVING))
+            )
+            .select_related("model")
+            .first()
+        )
         if draining is not None:
-            replacement = _drain_replacement_locked(dep=draining, node_id=_draining_member(draining), now=now)
+            replacement = _drain_replacement_locked(
+                dep=draining, node_id=_draining_member(draining), now=now
+            )
             if replacement is not None:
                 return replacement
-        return deployment_create(model=model, request=placement_request_from({}), now=now, auto=True)
+        return deployment_create(
+            model=model, request=placement_request_from({}), now=now, auto=True
+        )
 
 
 # --- drain ------------------------------------------------------------------------------------
@@ -621,8 +957,11 @@ def deployments_drain_step(*, node_id: Any, now: datetime) -> bool:
     """Move a draining node's deployments off it, stop those done; whether any work is still on it."""
     remaining = False
     deps = (
-        Deployment.objects.filter(Q(nodes__id=node_id) | Q(primary_id=node_id), state__in=list(DEPLOYMENT_ACTIVE))
-        .distinct().select_related("model")
+        Deployment.objects.filter(
+            Q(nodes__id=node_id) | Q(primary_id=node_id), state__in=list(DEPLOYMENT_ACTIVE)
+        )
+        .distinct()
+        .select_related("model")
     )
     for dep in deps:
         if dep.state in DEPLOYMENT_PENDING:
@@ -638,24 +977,36 @@ def deployments_drain_step(*, node_id: Any, now: datetime) -> bool:
         name = selectors.node_name(node_id)
         moved = replacement is not None and replacement.state in DEPLOYMENT_SERVING
         deployment_stop(
-            deployment_id=dep.id, now=now,
-            reason=f"node {name} drained: moved to deployment {replacement.id}" if moved and replacement is not None
+            deployment_id=dep.id,
+            now=now,
+            reason=f"node {name} drained: moved to deployment {replacement.id}"
+            if moved and replacement is not None
             else f"node {name} drained: no capacity elsewhere for a replacement",
         )
     return remaining or Job.objects.filter(nodes__id=node_id, state__in=JOB_IN_FLIGHT).exists()
 
 
 def _draining_member(dep: Deployment) -> str:
-    node_id = Node.objects.filter(Q(deployments=dep) | Q(primary_of=dep), state__in=DRAIN_STATES).values_list("id", flat=True).first()
+    node_id = (
+        Node.objects.filter(Q(deployments=dep) | Q(primary_of=dep), state__in=DRAIN_STATES)
+        .values_list("id", flat=True)
+        .first()
+    )
     return str(node_id or dep.primary_id)
 
 
 def _drain_replacement_recorded(dep: Deployment) -> tuple[bool, Deployment | None]:
-    event = Event.objects.filter(kind="DEPLOYMENT_MIGRATING", deployment_id=dep.id).order_by("-created_at", "-id").first()
+    event = (
+        Event.objects.filter(kind="DEPLOYMENT_MIGRATING", deployment_id=dep.id)
+        .order_by("-created_at", "-id")
+        .first()
+    )
     if event is None:
         return False, None
     replacement_id = (event.data or {}).get("replacement")
-    return True, (Deployment.objects.filter(pk=str(replacement_id)).first() if replacement_id else None)
+    return True, (
+        Deployment.objects.filter(pk=str(replacement_id)).first() if replacement_id else None
+    )
 
 
 def _drain_replacement(*, dep: Deployment, node_id: Any, now: datetime) -> Deployment | None:
@@ -680,14 +1031,22 @@ def _drain_replacement_locked(*, dep: Deployment, node_id: Any, now: datetime) -
         # placement is sent (under eager Celery the placement runs at the commit, and its READY
         # advances this drain again, which must find the replacement already recorded).
         with transaction.atomic():
-            replacement = deployment_create(model=dep.model, request=PlacementRequest(**request), now=now, auto=True)
+            replacement = deployment_create(
+                model=dep.model, request=PlacementRequest(**request), now=now, auto=True
+            )
             event_record(
-                kind="DEPLOYMENT_MIGRATING", category=EventCategory.PLACEMENT, now=now, deployment_id=dep.id, node_id=node_id,
+                kind="DEPLOYMENT_MIGRATING",
+                category=EventCategory.PLACEMENT,
+                now=now,
+                deployment_id=dep.id,
+                node_id=node_id,
                 message=f"node {selectors.node_name(node_id)} drains: replacement {replacement.id} is placed on other nodes",
                 data={"replacement": str(replacement.id)},
             )
     except DeploymentError as exc:
-        log.warning("no replacement for deployment %s off draining node %s: %s", dep.id, node_id, exc)
+        log.warning(
+            "no replacement for deployment %s off draining node %s: %s", dep.id, node_id, exc
+        )
         return None
     replacement.refresh_from_db()
     return replacement
@@ -696,8 +1055,9 @@ def _drain_replacement_locked(*, dep: Deployment, node_id: Any, now: datetime) -
 def _drains_advance(*, deployments: QuerySet[Deployment], now: datetime) -> None:
     """Advance the drain of every draining node that is a member of these deployments."""
     node_ids = set(
-        Node.objects.filter(Q(deployments__in=deployments) | Q(primary_of__in=deployments), state=NodeState.DRAINING)
-        .values_list("id", flat=True)
+        Node.objects.filter(
+            Q(deployments__in=deployments) | Q(primary_of__in=deployments), state=NodeState.DRAINING
+        ).values_list("id", flat=True)
     )
     for node_id in node_ids:
         node_drain_advance(node_id=node_id, now=now)
@@ -707,27 +1067,56 @@ def _drains_advance(*, deployments: QuerySet[Deployment], now: datetime) -> None
 
 
 def job_transition(
-    *, job_id: Any, to: str, now: datetime, expected: str | Collection[str] | None = None, fields: dict[str, Any] | None = None,
-    kind: str | None = None, message: str = "", data: dict[str, Any] | None = None,
+    *,
+    job_id: Any,
+    to: str,
+    now: datetime,
+    expected: str | Collection[str] | None = None,
+    fields: dict[str, Any] | None = None,
+    kind: str | None = None,
+    message: str = "",
+    data: dict[str, Any] | None = None,
 ) -> bool:
     """Guarded move of a job's state (racon.transitions); writes its event when ``kind`` names one. Terminal states are final."""
 
     def record(src: str) -> None:
         event_record(
-            kind=kind or "", category=EventCategory.EXECUTION, now=now, job_id=job_id,
-            deployment_id=(fields or {}).get("deployment_id"), old_state=src, new_state=to, message=message, data=data,
+            kind=kind or "",
+            category=EventCategory.EXECUTION,
+            now=now,
+            job_id=job_id,
+            deployment_id=(fields or {}).get("deployment_id"),
+            old_state=src,
+            new_state=to,
+            message=message,
+            data=data,
         )
 
     moved = transition_guarded(
-        model=Job, pk=job_id, to=to, table=JOB_TRANSITIONS, expected=expected, fields=fields,
+        model=Job,
+        pk=job_id,
+        to=to,
+        table=JOB_TRANSITIONS,
+        expected=expected,
+        fields=fields,
         record=record if kind else None,
     )
     return moved is not None
 
 
 def job_create(
-    *, model: Model, account_id: Any, api_key_id: Any, kind: str, params: dict[str, Any], max_tokens: int,
-    stream: bool, request_id: str, now: datetime, job_id: Any = None, dispatched_to: Deployment | None = None,
+    *,
+    model: Model,
+    account_id: Any,
+    api_key_id: Any,
+    kind: str,
+    params: dict[str, Any],
+    max_tokens: int,
+    stream: bool,
+    request_id: str,
+    now: datetime,
+    job_id: Any = None,
+    dispatched_to: Deployment | None = None,
     hold: Callable[[Job], None] | None = None,
 ) -> Job:
     """Record a QUEUED job and its credit hold (what ``hold`` raises propagates; nothing stays).
@@ -740,34 +1129,67 @@ def job_create(
     """
     with transaction.atomic():
         job = Job.objects.create(
-            id=job_id or uuid.uuid4(), model=model, account_id=account_id, api_key_id=api_key_id, kind=kind, params=params,
-            max_tokens=max_tokens, stream=stream, request_id=request_id, queued_at=now, state=J.QUEUED,
+            id=job_id or uuid.uuid4(),
+            model=model,
+            account_id=account_id,
+            api_key_id=api_key_id,
+            kind=kind,
+            params=params,
+            max_tokens=max_tokens,
+            stream=stream,
+            request_id=request_id,
+            queued_at=now,
+            state=J.QUEUED,
         )
         if hold is not None:
             hold(job)
-        if dispatched_to is not None and not _record_dispatch(job=job, deployment=dispatched_to, now=now):
+        if dispatched_to is not None and not _record_dispatch(
+            job=job, deployment=dispatched_to, now=now
+        ):
             raise DeploymentError("job is no longer queued")
     return job
 
 
-def job_run_payload(*, job_id: Any, deployment_id: Any, kind: str, max_tokens: int, params: dict[str, Any]) -> dict[str, Any]:
+def job_run_payload(
+    *, job_id: Any, deployment_id: Any, kind: str, max_tokens: int, params: dict[str, Any]
+) -> dict[str, Any]:
     """The run_job command's payload (protocol.RunJobPayload)."""
-    return {"job_id": str(job_id), "deployment_id": str(deployment_id), "kind": kind, "max_tokens": max_tokens, **params}
+    return {
+        "job_id": str(job_id),
+        "deployment_id": str(deployment_id),
+        "kind": kind,
+        "max_tokens": max_tokens,
+        **params,
+    }
 
 
 def _record_dispatch(*, job: Job, deployment: Deployment, now: datetime) -> bool:
     """QUEUED → DISPATCHED with the plan's nodes and layers (the JOB_DISPATCHED event)."""
     plan = deployment.plan or {}
     placement = [
-        {"node_id": d["node_id"], "node": selectors.node_name(d["node_id"]), "device": d["device"], "layers": [d["layer_start"], d["layer_end"]]}
+        {
+            "node_id": d["node_id"],
+            "node": selectors.node_name(d["node_id"]),
+            "device": d["device"],
+            "layers": [d["layer_start"], d["layer_end"]],
+        }
         for d in plan.get("devices", [])
     ]
     node_ids = list(dict.fromkeys(d["node_id"] for d in plan.get("devices", [])))
     with transaction.atomic():
         moved = job_transition(
-            job_id=job.id, to=J.DISPATCHED, expected=J.QUEUED, now=now,
-            fields={"deployment_id": deployment.id, "dispatched_at": now, "placement": {"devices": placement, "primary": plan.get("primary_node_id")}},
-            kind="JOB_DISPATCHED", message=f"to deployment {deployment.id}", data={"nodes": node_ids},
+            job_id=job.id,
+            to=J.DISPATCHED,
+            expected=J.QUEUED,
+            now=now,
+            fields={
+                "deployment_id": deployment.id,
+                "dispatched_at": now,
+                "placement": {"devices": placement, "primary": plan.get("primary_node_id")},
+            },
+            kind="JOB_DISPATCHED",
+            message=f"to deployment {deployment.id}",
+            data={"nodes": node_ids},
         )
         if moved:
             job.nodes.set(node_ids)
@@ -783,7 +1205,13 @@ def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[
     """
     try:
         job = Job.objects.only("id", "kind", "max_tokens", "params").get(pk=job_id)
-        payload = job_run_payload(job_id=job.id, deployment_id=deployment.id, kind=job.kind, max_tokens=job.max_tokens, params=job.params)
+        payload = job_run_payload(
+            job_id=job.id,
+            deployment_id=deployment.id,
+            kind=job.kind,
+            max_tokens=job.max_tokens,
+            params=job.params,
+        )
         command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
         if not _record_dispatch(job=job, deployment=deployment, now=now):
             get_redis().set(job_cancel_key(str(job.id), str(deployment.primary_id)), 1, ex=3600)
@@ -794,38 +1222,263 @@ def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[
     return {"nodes": dispatch_node_ids(deployment), "primary": str(deployment.primary_id)}
 
 
+# --- failover (docs/design/serving.md, "Failover") ---------------------------------------------
+#
+# The job's reader (apps/jobs/streams.py) sees its attempt end because the primary died, vanished
+# or went silent. job_failover_begin records that attempt's end and stops routing to a dead
+# deployment; the reader then takes a slot on another serving replica (serving.py) and
+# job_failover_dispatch starts the next attempt there, resuming from the token ids relayed so far.
+
+
+def job_failover_begin(
+    *,
+    job_id: Any,
+    deployment_id: Any,
+    node_id: Any,
+    attempt: int,
+    cause: str,
+    message: str,
+    chunks: int,
+    completion_tokens: int,
+    wait_seconds: float,
+    now: datetime,
+) -> bool:
+    """End attempt ``attempt`` (``chunks``/``completion_tokens``: the reader's counts of it).
+
+    The job's JobAttempt rows start here (the first from the job itself). A deployment whose
+    primary died or was lost is FAILED at once (routing skips it, a replacement is placed), as a
+    runtime failure report would; the old primary is told to stop in case it still runs. False
+    when the job is no longer open (cancelled meanwhile): there is nothing to fail over.
+    """
+    job = Job.objects.filter(pk=job_id).select_related("deployment").first()
+    if job is None or job.state in JOB_TERMINAL:
+        return False
+    admission.failover_begin(job_id=job_id, seconds=wait_seconds + 60)
+    get_redis().set(job_cancel_key(str(job_id), str(node_id)), 1, ex=3600)
+    dep = job.deployment
+    with transaction.atomic():
+        if attempt == 1 and not JobAttempt.objects.filter(job_id=job_id).exists():
+            JobAttempt.objects.create(
+                job_id=job_id,
+                number=1,
+                deployment=dep,
+                primary_id=node_id,
+                plan=(dep.plan if dep is not None else {}) or {},
+                started_at=job.dispatched_at or job.queued_at,
+            )
+        JobAttempt.objects.filter(job_id=job_id, number=attempt, ended_at__isnull=True).update(
+            ended_at=now,
+            outcome=cause.upper(),
+            error=message[:2000],
+            completion_tokens=completion_tokens,
+            chunks=chunks,
+        )
+    if cause in ("primary_died", "primary_lost", "deployment_not_loaded") and dep is not None:
+        # Before the slot is given back: no waiter may take it on a dead deployment.
+        _deployment_failed_replace(
+            dep=dep, node_id=node_id, message=f"job {job_id}: {message}", now=now
+        )
+    admission.slot_release(deployment_id=deployment_id, job_id=job_id)
+    return True
+
+
+def _deployment_failed_replace(
+    *, dep: Deployment, node_id: Any, message: str, now: datetime
+) -> None:
+    """A serving deployment whose primary died: FAILED (routing skips it) and replaced, once."""
+    fresh = Deployment.objects.select_related("model").filter(pk=dep.pk).first()
+    if fresh is None or fresh.state not in DEPLOYMENT_SERVING:
+        return  # already failed (a RUNTIME_FAILED report, a lost node), or never served
+    if not deployment_transition(
+        deployment_id=fresh.id,
+        to=D.FAILED,
+        expected=fresh.state,
+        now=now,
+        kind="DEPLOYMENT_FAILED",
+        message=message[:500],
+        fields={"error": message[:2000]},
+    ):
+        return
+    _jobs_fail_unread(dep=fresh, now=now, error=f"runtime failure during execution: {message}")
+    replacement = deployment_create(
+        model=fresh.model, request=PlacementRequest(**_request_of(fresh)), now=now, auto=True
+    )
+    event_record(
+        kind="DEPLOYMENT_REPLACED",
+        category=EventCategory.PLACEMENT,
+        now=now,
+        deployment_id=fresh.id,
+        node_id=node_id,
+        message=f"replaced by {replacement.id}",
+        data={"replacement": str(replacement.id)},
+    )
+
+
+def job_failover_left(*, job_id: Any, tokens_so_far: int) -> int:
+    """Completion tokens the next attempt may still produce."""
+    max_tokens = Job.objects.filter(pk=job_id).values_list("max_tokens", flat=True).first() or 0
+    return int(max_tokens) - int(tokens_so_far)
+
+
+def job_failover_dispatch(
+    *,
+    job_id: Any,
+    deployment: Deployment,
+    attempt: int,
+    resume_tokens: list[int],
+    from_deployment_id: Any,
+    from_node_id: Any,
+    cause: str,
+    now: datetime,
+) -> dict[str, Any]:
+    """Start attempt ``attempt`` on ``deployment`` (the caller holds a slot there): run_job with
+    the token ids so far as ``resume_tokens`` and what is left of max_tokens, the job moved to
+    the new plan, its JobAttempt row and the JOB_FAILOVER event. DeploymentError (slot given back)
+    when the job ended meanwhile."""
+    try:
+        deployment = Deployment.objects.get(
+            pk=deployment.pk
+        )  # placed while the caller waited: its primary now
+        job = Job.objects.only("id", "kind", "max_tokens", "params", "state").get(pk=job_id)
+        left = int(job.max_tokens) - len(resume_tokens)
+        if job.state in JOB_TERMINAL or left <= 0:
+            raise DeploymentError("job is no longer open")
+        payload = {
+            **job_run_payload(
+                job_id=job.id,
+                deployment_id=deployment.id,
+                kind=job.kind,
+                max_tokens=left,
+                params=job.params,
+            ),
+            "resume_tokens": list(resume_tokens),
+            "attempt": attempt,
+        }
+        command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
+        plan = deployment.plan or {}
+        placement = [
+            {
+                "node_id": d["node_id"],
+                "node": selectors.node_name(d["node_id"]),
+                "device": d["device"],
+                "layers": [d["layer_start"], d["layer_end"]],
+            }
+            for d in plan.get("devices", [])
+        ]
+        node_ids = dispatch_node_ids(deployment)
+        with transaction.atomic():
+            moved = Job.objects.filter(pk=job_id, state__in=JOB_IN_FLIGHT).update(
+                deployment_id=deployment.id,
+                placement={"devices": placement, "primary": plan.get("primary_node_id")},
+            )
+            if not moved:
+                raise DeploymentError("job is no longer open")
+            job.nodes.add(*node_ids)  # type: ignore[arg-type]  # pks; the stubs take only int pks
+            JobAttempt.objects.create(
+                job_id=job_id,
+                number=attempt,
+                deployment=deployment,
+                primary_id=deployment.primary_id,
+                plan=plan,
+                started_at=now,
+            )
+            event_record(
+                kind="JOB_FAILOVER",
+                category=EventCategory.EXECUTION,
+                now=now,
+                job_id=job_id,
+                deployment_id=deployment.id,
+                node_id=deployment.primary_id,
+                message=f"attempt {attempt}: {cause} on deployment {from_deployment_id}; continues on {deployment.id} after {len(resume_tokens)} tokens",
+                data={
+                    "from_deployment": str(from_deployment_id),
+                    "to_deployment": str(deployment.id),
+                    "from_node": str(from_node_id),
+                    "to_node": str(deployment.primary_id),
+                    "attempt": attempt,
+                    "tokens_so_far": len(resume_tokens),
+                    "cause": cause,
+                },
+            )
+    except BaseException:
+        get_redis().set(job_cancel_key(str(job_id), str(deployment.primary_id)), 1, ex=3600)
+        admission.slot_release(deployment_id=deployment.id, job_id=job_id)
+        raise
+    finally:
+        admission.failover_end(job_id=job_id)
+    return {
+        "nodes": node_ids,
+        "primary": str(deployment.primary_id),
+        "n_parallel": deployment.n_parallel,
+    }
+
+
+def job_failover_route(
+    *, model_id: Any, exclude: Collection[Any], now: datetime
+) -> Deployment | None:
+    """Where a failed-over job can go: the best serving replica but those excluded, else the
+    model's active deployment (a replacement being placed; one is created when there is none)."""
+    dep = selectors.deployment_route(model_id=model_id, exclude=exclude)
+    if dep is not None:
+        return Deployment.objects.get(pk=dep.pk)
+    model = Model.objects.get(pk=model_id)
+    ensured = deployment_ensure(model=model, now=now)
+    return None if str(ensured.id) in {str(e) for e in exclude} else ensured
+
+
 def dispatch_node_ids(deployment: Deployment) -> list[str]:
     return list(dict.fromkeys(d["node_id"] for d in (deployment.plan or {}).get("devices", [])))
 
 
 def job_mark_running(*, job_id: Any, now: datetime) -> bool:
     """DISPATCHED → RUNNING at the first token."""
-    return job_transition(job_id=job_id, to=J.RUNNING, expected=J.DISPATCHED, now=now, fields={"first_token_at": now})
+    return job_transition(
+        job_id=job_id, to=J.RUNNING, expected=J.DISPATCHED, now=now, fields={"first_token_at": now}
+    )
 
 
-def _finish(*, job_id: Any, to: str, now: datetime, fields: dict[str, Any], kind: str, message: str) -> bool:
+def _finish(
+    *, job_id: Any, to: str, now: datetime, fields: dict[str, Any], kind: str, message: str
+) -> bool:
     job = Job.objects.filter(pk=job_id).values("state", "deployment_id").first()
     if job is None or job["state"] in JOB_TERMINAL:
         return False
-    moved = job_transition(job_id=job_id, to=to, now=now, fields={"finished_at": now, **fields}, kind=kind, message=message)
+    with transaction.atomic():  # the job's end and its last attempt's, seen together
+        moved = job_transition(
+            job_id=job_id,
+            to=to,
+            now=now,
+            fields={"finished_at": now, **fields},
+            kind=kind,
+            message=message,
+        )
+        if moved:
+            _attempt_close(job_id=job_id, to=to, now=now, fields=fields)
     if moved:
-        _attempt_close(job_id=job_id, to=to, now=now, fields=fields)
         if job["deployment_id"]:
             admission.slot_release(deployment_id=job["deployment_id"], job_id=job_id)
-        task_send_on_commit("racon.credits.settle_job", job_id=str(job_id))  # credits' task, by name
+        task_send_on_commit(
+            "racon.credits.settle_job", job_id=str(job_id)
+        )  # credits' task, by name
         _record_job_metrics(job_id=job_id, to=to, fields=fields)
         if job["deployment_id"]:
             # A draining node's last job may just have ended: its drain moves on (after commit,
             # so that the drain's own queries see this job finished).
-            transaction.on_commit(functools.partial(
-                _drains_advance, deployments=Deployment.objects.filter(pk=job["deployment_id"]), now=now,
-            ))
+            transaction.on_commit(
+                functools.partial(
+                    _drains_advance,
+                    deployments=Deployment.objects.filter(pk=job["deployment_id"]),
+                    now=now,
+                )
+            )
     return moved
 
 
 def _attempt_close(*, job_id: Any, to: str, now: datetime, fields: dict[str, Any]) -> None:
     """A failed-over job's end closes its last attempt, which produced what the others did not."""
-    last = JobAttempt.objects.filter(job_id=job_id, ended_at__isnull=True).order_by("-number").first()
+    last = (
+        JobAttempt.objects.filter(job_id=job_id, ended_at__isnull=True).order_by("-number").first()
+    )
     if last is None:
         return  # never failed over: the job is its one attempt
     before = JobAttempt.objects.filter(job_id=job_id, number__lt=last.number).aggregate(
@@ -834,8 +1487,11 @@ def _attempt_close(*, job_id: Any, to: str, now: datetime, fields: dict[str, Any
     total = int(fields.get("completion_tokens") or 0)
     chunks = int(fields.get("stream_chunks") or 0)
     JobAttempt.objects.filter(pk=last.pk).update(
-        ended_at=now, outcome=to, error=str(fields.get("error") or "")[:2000],
-        completion_tokens=max(0, total - int(before["tokens"] or 0)), chunks=max(0, chunks - int(before["chunks"] or 0)),
+        ended_at=now,
+        outcome=to,
+        error=str(fields.get("error") or "")[:2000],
+        completion_tokens=max(0, total - int(before["tokens"] or 0)),
+        chunks=max(0, chunks - int(before["chunks"] or 0)),
     )
 
 
@@ -843,7 +1499,15 @@ def _record_job_metrics(*, job_id: Any, to: str, fields: dict[str, Any]) -> None
     hooks.job_finished.send(sender=Job, job_id=job_id, state=to, fields=fields)
 
 
-def job_complete(*, job_id: Any, usage: dict[str, Any], finish_reason: str, chunks: int, now: datetime, device_seconds: dict[str, float] | None = None) -> bool:
+def job_complete(
+    *,
+    job_id: Any,
+    usage: dict[str, Any],
+    finish_reason: str,
+    chunks: int,
+    now: datetime,
+    device_seconds: dict[str, float] | None = None,
+) -> bool:
     """→ COMPLETED with usage and timings; settlement follows."""
     fields = {
         "prompt_tokens": int(usage.get("prompt_tokens") or 0),
@@ -855,33 +1519,75 @@ def job_complete(*, job_id: Any, usage: dict[str, Any], finish_reason: str, chun
     }
     if device_seconds:
         fields["device_seconds"] = device_seconds
-    return _finish(job_id=job_id, to=J.COMPLETED, now=now, fields=fields, kind="JOB_COMPLETED", message=f"{fields['completion_tokens']} tokens, {fields['finish_reason']}")
+    return _finish(
+        job_id=job_id,
+        to=J.COMPLETED,
+        now=now,
+        fields=fields,
+        kind="JOB_COMPLETED",
+        message=f"{fields['completion_tokens']} tokens, {fields['finish_reason']}",
+    )
 
 
-def job_fail(*, job_id: Any, now: datetime, error: str, during_execution: bool | None = None, usage: dict[str, Any] | None = None, chunks: int | None = None) -> bool:
+def job_fail(
+    *,
+    job_id: Any,
+    now: datetime,
+    error: str,
+    during_execution: bool | None = None,
+    usage: dict[str, Any] | None = None,
+    chunks: int | None = None,
+) -> bool:
     """→ FAILED with the error; only what was delivered is charged."""
-    fields: dict[str, Any] = {"error": error[:2000], "failed_during_execution": during_execution, "finish_reason": "error"}
+    fields: dict[str, Any] = {
+        "error": error[:2000],
+        "failed_during_execution": during_execution,
+        "finish_reason": "error",
+    }
     if usage:
         fields["prompt_tokens"] = int(usage.get("prompt_tokens") or 0)
         fields["completion_tokens"] = int(usage.get("completion_tokens") or 0)
     if chunks is not None:
         fields["stream_chunks"] = chunks
-    return _finish(job_id=job_id, to=J.FAILED, now=now, fields=fields, kind="JOB_FAILED", message=error[:300])
+    return _finish(
+        job_id=job_id, to=J.FAILED, now=now, fields=fields, kind="JOB_FAILED", message=error[:300]
+    )
 
 
-def job_cancel(*, job_id: Any, now: datetime, reason: str = "cancelled", usage: dict[str, Any] | None = None, chunks: int | None = None) -> bool:
+def job_cancel(
+    *,
+    job_id: Any,
+    now: datetime,
+    reason: str = "cancelled",
+    usage: dict[str, Any] | None = None,
+    chunks: int | None = None,
+) -> bool:
     """→ CANCELLED; sets the cancel flag the primary checks between tokens."""
     job = Job.objects.filter(pk=job_id).select_related("deployment").first()
-    if job is not None and job.deployment is not None and job.deployment.primary_id and job.state in JOB_IN_FLIGHT:
+    if (
+        job is not None
+        and job.deployment is not None
+        and job.deployment.primary_id
+        and job.state in JOB_IN_FLIGHT
+    ):
         get_redis().set(job_cancel_key(str(job_id), str(job.deployment.primary_id)), 1, ex=3600)
-        command_send(node_id=job.deployment.primary_id, kind="cancel_job", payload={"job_id": str(job_id)})
+        command_send(
+            node_id=job.deployment.primary_id, kind="cancel_job", payload={"job_id": str(job_id)}
+        )
     fields: dict[str, Any] = {"finish_reason": "cancelled", "error": reason[:2000]}
     if usage:
         fields["prompt_tokens"] = int(usage.get("prompt_tokens") or 0)
         fields["completion_tokens"] = int(usage.get("completion_tokens") or 0)
     if chunks is not None:
         fields["stream_chunks"] = chunks
-    return _finish(job_id=job_id, to=J.CANCELLED, now=now, fields=fields, kind="JOB_CANCELLED", message=reason[:300])
+    return _finish(
+        job_id=job_id,
+        to=J.CANCELLED,
+        now=now,
+        fields=fields,
+        kind="JOB_CANCELLED",
+        message=reason[:300],
+    )
 
 
 def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: datetime) -> None:
@@ -902,33 +1608,88 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
     if job is None or job["state"] in JOB_TERMINAL:
         return  # the stream reader (or a sweep) finished it first, as it usually does
     attempt = _report_attempt(payload)
-    current = JobAttempt.objects.filter(job_id=job_id).order_by("-number").values("number", "primary_id").first()
-    if current is not None and (attempt < current["number"] or str(current["primary_id"]) != str(node_id)):
+    current = (
+        JobAttempt.objects.filter(job_id=job_id)
+        .order_by("-number")
+        .values("number", "primary_id", "ended_at")
+        .first()
+    )
+    if current is not None and (
+        attempt < current["number"]
+        or str(current["primary_id"]) != str(node_id)
+        or current["ended_at"] is not None
+    ):
         # The same job id after a failover is the same job: the superseded attempt's end is news
         # about that attempt only, already recorded when the job moved on.
-        log.info("job %s: job_finished (%s) of superseded attempt %d from node %s ignored; attempt %d runs on node %s",
-                 job_id, status, attempt, node_id, current["number"], current["primary_id"])
+        log.info(
+            "job %s: job_finished (%s) of superseded attempt %d from node %s ignored; attempt %d runs on node %s",
+            job_id,
+            status,
+            attempt,
+            node_id,
+            current["number"],
+            current["primary_id"],
+        )
         return
-    if status == "failed" and admission.job_reader_live(deployment_id=job["deployment_id"], job_id=job_id):
-        # A live reader saw the same end in the stream: it fails the job over, or records it.
-        log.info("job %s: job_finished (failed) from node %s left to the job's live reader", job_id, node_id)
+    if status != "completed" and admission.job_reader_live(
+        deployment_id=job["deployment_id"], job_id=job_id
+    ):
+        # A live reader saw the same end in the stream (or flagged the old primary to stop while
+        # it fails the job over): it moves the job on, or records the end itself.
+        log.info(
+            "job %s: job_finished (%s) from node %s left to the job's live reader",
+            job_id,
+            status,
+            node_id,
+        )
         return
-    claimed = {k: payload.get(k) for k in ("prompt_tokens", "completion_tokens", "ttft_ms", "tokens_per_s") if payload.get(k) is not None}
-    chunks, tokens = streams.stream_tally(job_id, node_id, attempt=current["number"] if current is not None else None)
+    claimed = {
+        k: payload.get(k)
+        for k in ("prompt_tokens", "completion_tokens", "ttft_ms", "tokens_per_s")
+        if payload.get(k) is not None
+    }
+    chunks, tokens = streams.stream_tally(
+        job_id, node_id, attempt=current["number"] if current is not None else None
+    )
     if current is not None:
-        before = JobAttempt.objects.filter(job_id=job_id, number__lt=current["number"]).aggregate(t=Sum("completion_tokens"), c=Sum("chunks"))
+        before = JobAttempt.objects.filter(job_id=job_id, number__lt=current["number"]).aggregate(
+            t=Sum("completion_tokens"), c=Sum("chunks")
+        )
         tokens += int(before["t"] or 0)
         chunks += int(before["c"] or 0)
     usage = streams.billed_usage(
-        completion_tokens=tokens, agent_usage=claimed, prompt_bound=streams.prompt_token_bound(kind=job["kind"], params=job["params"] or {}),
-        job_id=job_id, check=status == "completed",
+        completion_tokens=tokens,
+        agent_usage=claimed,
+        prompt_bound=streams.prompt_token_bound(kind=job["kind"], params=job["params"] or {}),
+        job_id=job_id,
+        check=status == "completed",
     )
     if status == "completed":
-        job_complete(job_id=job_id, usage=usage, finish_reason=payload.get("finish_reason") or "stop", chunks=chunks, now=now, device_seconds=payload.get("device_seconds"))
+        job_complete(
+            job_id=job_id,
+            usage=usage,
+            finish_reason=payload.get("finish_reason") or "stop",
+            chunks=chunks,
+            now=now,
+            device_seconds=payload.get("device_seconds"),
+        )
     elif status == "failed":
-        job_fail(job_id=job_id, now=now, error=str(payload.get("error") or "failed on the node"), during_execution=True, usage=usage, chunks=chunks)
+        job_fail(
+            job_id=job_id,
+            now=now,
+            error=str(payload.get("error") or "failed on the node"),
+            during_execution=True,
+            usage=usage,
+            chunks=chunks,
+        )
     else:
-        job_cancel(job_id=job_id, now=now, reason=str(payload.get("error") or "cancelled on the node"), usage=usage, chunks=chunks)
+        job_cancel(
+            job_id=job_id,
+            now=now,
+            reason=str(payload.get("error") or "cancelled on the node"),
+            usage=usage,
+            chunks=chunks,
+        )
 
 
 def _report_attempt(payload: dict[str, Any]) -> int:
@@ -945,40 +1706,78 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
     entry, so credits are settled for what was delivered and no hold stays open.
     """
     idle = float(settings.STREAM_IDLE_TIMEOUT_SECONDS) * 2
-    queued_limit = float(settings.DEPLOYMENT_WAIT_SECONDS) + float(settings.JOB_QUEUE_WAIT_SECONDS) + 60
+    queued_limit = (
+        float(settings.DEPLOYMENT_WAIT_SECONDS) + float(settings.JOB_QUEUE_WAIT_SECONDS) + 60
+    )
     r = get_redis()
     counts = {"queued": 0, "silent": 0, "finished_from_stream": 0}
     cutoff_q = now.timestamp() - queued_limit
     for job in Job.objects.filter(state=J.QUEUED).only("id", "queued_at", "deployment_id"):
         if job.queued_at.timestamp() < cutoff_q:
-            if job_fail(job_id=job.id, now=now, error="never dispatched: no capacity in time", during_execution=False):
+            if job_fail(
+                job_id=job.id,
+                now=now,
+                error="never dispatched: no capacity in time",
+                during_execution=False,
+            ):
                 counts["queued"] += 1
-    running = Job.objects.filter(state__in=JOB_IN_FLIGHT).select_related("deployment").only(
-        "id", "dispatched_at", "queued_at", "kind", "params", "deployment__primary_id"
+    running = (
+        Job.objects.filter(state__in=JOB_IN_FLIGHT)
+        .select_related("deployment")
+        .only("id", "dispatched_at", "queued_at", "kind", "params", "deployment__primary_id")
     )
     for job in running:
         if r.exists(admission.failover_key(job.id)):
             continue  # its reader is moving it to another replica
-        node = str(job.deployment.primary_id) if job.deployment is not None and job.deployment.primary_id else ""
+        node = (
+            str(job.deployment.primary_id)
+            if job.deployment is not None and job.deployment.primary_id
+            else ""
+        )
         last = r.xrevrange(job_stream_key(str(job.id), node), count=1) if node else []
         if last:
             entry_id, fields = last[0]
             if fields.get("type") in ("done", "error"):
                 # Billed on the controller's own count of the stream, as the follower would have.
                 chunks, tokens = streams.stream_tally(job.id, node)
-                usage = streams.billed_usage(completion_tokens=tokens, agent_usage=streams.entry_usage(fields), prompt_bound=streams.prompt_token_bound(kind=job.kind, params=job.params), job_id=job.id)
+                usage = streams.billed_usage(
+                    completion_tokens=tokens,
+                    agent_usage=streams.entry_usage(fields),
+                    prompt_bound=streams.prompt_token_bound(kind=job.kind, params=job.params),
+                    job_id=job.id,
+                )
                 if fields.get("type") == "done" and fields.get("finish_reason") != "cancelled":
-                    done = job_complete(job_id=job.id, usage=usage, finish_reason=fields.get("finish_reason") or "stop", chunks=chunks, now=now)
+                    done = job_complete(
+                        job_id=job.id,
+                        usage=usage,
+                        finish_reason=fields.get("finish_reason") or "stop",
+                        chunks=chunks,
+                        now=now,
+                    )
                 elif fields.get("type") == "done":
-                    done = job_cancel(job_id=job.id, now=now, reason="cancelled", usage=usage, chunks=chunks)
+                    done = job_cancel(
+                        job_id=job.id, now=now, reason="cancelled", usage=usage, chunks=chunks
+                    )
                 else:
-                    done = job_fail(job_id=job.id, now=now, error=fields.get("text") or "failed", during_execution=True, usage=usage, chunks=chunks)
+                    done = job_fail(
+                        job_id=job.id,
+                        now=now,
+                        error=fields.get("text") or "failed",
+                        during_execution=True,
+                        usage=usage,
+                        chunks=chunks,
+                    )
                 counts["finished_from_stream"] += int(done)
                 continue
             last_ts = int(entry_id.split("-")[0]) / 1000.0
         else:
             last_ts = (job.dispatched_at or job.queued_at).timestamp()
         if now.timestamp() - last_ts > idle:
-            if job_fail(job_id=job.id, now=now, error=f"no output for {idle:.0f}s; the primary is gone", during_execution=True):
+            if job_fail(
+                job_id=job.id,
+                now=now,
+                error=f"no output for {idle:.0f}s; the primary is gone",
+                during_execution=True,
+            ):
                 counts["silent"] += 1
     return counts

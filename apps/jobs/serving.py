@@ -18,8 +18,10 @@ so that admission stays the bottom of the app and nothing here forms a cycle.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ from racon.redis import get_redis
 from . import admission, selectors, services, streams
 from .models import Deployment, Job
 from .states import DEPLOYMENT_SERVING
-from .streams import StreamFailure
+from .streams import FailoverTarget, StreamFailure
 
 log = logging.getLogger("racon.jobs.serving")
 
@@ -204,16 +206,38 @@ async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> No
     On DeploymentUnavailable, QueueFull or WaitTimedOut the job is recorded FAILED (not during
     execution) and the error propagates.
     """
+    load_timeout = max(settings.DEPLOYMENT_WAIT_SECONDS, settings.JOB_QUEUE_WAIT_SECONDS)
+    deadline = time.monotonic() + load_timeout
+    tried: set[str] = set()
     try:
-        await admission.wait_for_slot(
-            deployment_id=adm.deployment_id,
-            job_id=adm.job_id,
-            model_id=adm.model_id,
-            queued_at=adm.queued_ts,
-            priority=lambda: priority_score(queued_at=adm.queued_ts, standing=standing()),
-            load_timeout=max(settings.DEPLOYMENT_WAIT_SECONDS, settings.JOB_QUEUE_WAIT_SECONDS),
-            slot_timeout=settings.JOB_QUEUE_WAIT_SECONDS,
-        )
+        while True:
+            try:
+                await admission.wait_for_slot(
+                    deployment_id=adm.deployment_id,
+                    job_id=adm.job_id,
+                    model_id=adm.model_id,
+                    queued_at=adm.queued_ts,
+                    priority=lambda: priority_score(queued_at=adm.queued_ts, standing=standing()),
+                    load_timeout=max(0.0, deadline - time.monotonic()),
+                    slot_timeout=settings.JOB_QUEUE_WAIT_SECONDS,
+                )
+                break
+            except admission.DeploymentUnavailable:
+                # The deployment it queued on failed (or was stopped): a queued job is not lost
+                # with it, it waits on another replica, or on the replacement being placed.
+                tried.add(str(adm.deployment_id))
+                other = await pooled(services.job_failover_route)(
+                    model_id=adm.model_id, exclude=tried, now=timezone.now()
+                )
+                if other is None or time.monotonic() >= deadline:
+                    raise
+                log.warning(
+                    "job %s: its deployment %s ended while it queued; it waits on %s",
+                    adm.job_id,
+                    adm.deployment_id,
+                    other.id,
+                )
+                adm.deployment_id, adm.n_parallel = str(other.id), other.n_parallel
     except admission.DeploymentUnavailable as exc:
         await pooled(admission_give_up)(
             adm=adm, reason=f"no deployment could serve the request: {exc.reason}"
@@ -258,11 +282,18 @@ async def stream_open(*, adm: Admission) -> tuple[dict[str, str], AsyncIterator[
     An early failure (a stream failure, or an error entry such as context_length_exceeded) is
     recorded on the job and raised as StreamFailure, so the view can answer with a status code.
     """
+
+    async def failover(
+        follower: streams.StreamFollower, failure: StreamFailure
+    ) -> FailoverTarget | None:
+        return await job_failover(adm=adm, follower=follower, failure=failure)
+
     adm.follower = streams.StreamFollower(
         job_id=adm.job_id,
         deployment_id=adm.deployment_id,
         node_id=adm.primary_id,
         prompt_bound=adm.prompt_bound,
+        failover=failover,
     )
     entries = adm.follower.entries()
     try:
@@ -281,6 +312,116 @@ async def stream_open(*, adm: Admission) -> tuple[dict[str, str], AsyncIterator[
         )
         raise failure
     return first, entries
+
+
+# --- failover -------------------------------------------------------------------------------------
+
+
+async def job_failover(
+    *, adm: Admission, follower: streams.StreamFollower, failure: StreamFailure
+) -> FailoverTarget | None:
+    """Move a job whose primary died, vanished or went silent to another replica (the
+    follower's hook; docs/design/serving.md, "Failover").
+
+    Records the attempt's end and fails a dead deployment (routing skips it at once), then waits
+    at most FAILOVER_WAIT_SECONDS for a slot on another serving replica, or on the replacement
+    being placed, ahead of every queued request, and dispatches the next attempt there with the
+    token ids relayed so far. None (the job ends with ``failure``) when no capacity appears in
+    time, or when the job ended meanwhile.
+    """
+    cause = streams.failover_cause(code=failure.code, text=failure.message) or failure.code
+    wait = float(settings.FAILOVER_WAIT_SECONDS)
+    old_dep, old_node, attempt = follower.deployment_id, follower.node_id, follower.attempt
+    log.warning(
+        "job %s: attempt %d on deployment %s ended (%s: %s) after %d tokens; failing over",
+        adm.job_id,
+        attempt,
+        old_dep,
+        cause,
+        failure.message,
+        follower.completion_tokens,
+    )
+    began = await pooled(services.job_failover_begin)(
+        job_id=adm.job_id,
+        deployment_id=old_dep,
+        node_id=old_node,
+        attempt=attempt,
+        cause=cause,
+        message=failure.message,
+        chunks=follower.attempt_chunks,
+        completion_tokens=follower.attempt_tokens,
+        wait_seconds=wait,
+        now=timezone.now(),
+    )
+    if not began:
+        return None
+    try:
+        if follower.completion_tokens >= await pooled(services.job_failover_left)(
+            job_id=adm.job_id, tokens_so_far=0
+        ):
+            return FailoverTarget(done=True)  # the dead attempt had produced everything asked for
+        deadline = time.monotonic() + wait
+        exclude = {str(old_dep)} if old_dep else set()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("job %s: no replica could take it over within %.0fs", adm.job_id, wait)
+                return None
+            dep = await pooled(services.job_failover_route)(
+                model_id=adm.model_id, exclude=exclude, now=timezone.now()
+            )
+            if dep is None:
+                await asyncio.sleep(min(0.5, left))
+                continue
+            try:
+                # Score 0: ahead of every queued request (their scores are arrival times).
+                await admission.wait_for_slot(
+                    deployment_id=dep.id,
+                    job_id=adm.job_id,
+                    priority=0.0,
+                    load_timeout=left,
+                    slot_timeout=left,
+                )
+            except admission.DeploymentUnavailable:
+                exclude.add(str(dep.id))
+                continue
+            except (admission.QueueFull, admission.WaitTimedOut):
+                return None
+            try:
+                out = await pooled(services.job_failover_dispatch)(
+                    job_id=adm.job_id,
+                    deployment=dep,
+                    attempt=attempt + 1,
+                    resume_tokens=list(follower.ids),
+                    from_deployment_id=old_dep,
+                    from_node_id=old_node,
+                    cause=cause,
+                    now=timezone.now(),
+                )
+            except services.DeploymentError:
+                return None
+            adm.deployment_id, adm.primary_id = str(dep.id), out["primary"]
+            adm.n_parallel = int(out.get("n_parallel") or dep.n_parallel)
+            adm.nodes = [selectors.node_name(n) for n in out["nodes"]]
+            gap = (
+                time.monotonic() - follower.last_chunk_at
+                if follower.last_chunk_at is not None
+                else None
+            )
+            log.warning(
+                "job %s: attempt %d dispatched to deployment %s (node %s), %d tokens resumed%s",
+                adm.job_id,
+                attempt + 1,
+                dep.id,
+                out["primary"],
+                len(follower.ids),
+                f", {gap:.2f}s since the last token" if gap is not None else "",
+            )
+            return FailoverTarget(
+                deployment_id=str(dep.id), node_id=out["primary"], attempt=attempt + 1
+            )
+    finally:
+        await pooled(admission.failover_end)(job_id=adm.job_id)
 
 
 # --- finishing ------------------------------------------------------------------------------------

@@ -41,7 +41,9 @@ COMPLETION_TEMPLATE_TOKENS = 4  # BOS and the like
 class StreamFailure(Exception):
     """The stream cannot deliver the job: ``code`` is the OpenAI-style error code shown to the client."""
 
-    def __init__(self, message: str, *, code: str = "stream_error", during_execution: bool = True) -> None:
+    def __init__(
+        self, message: str, *, code: str = "stream_error", during_execution: bool = True
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
@@ -94,7 +96,9 @@ def error_for_entry(fields: dict[str, str]) -> StreamFailure:
 # Why an attempt ended that another replica can make good (docs/design/serving.md, "Failover"):
 # the agent's error entry when llama-server (or an RPC worker of its plan) died under the job, and
 # the follower's own findings that the primary is gone or silent.
-FAILOVER_CODES = frozenset({"primary_died", "primary_lost", "primary_timeout"})
+FAILOVER_CODES = frozenset(
+    {"primary_died", "primary_lost", "primary_timeout", "deployment_not_loaded"}
+)
 # Agents from before the `primary_died` code end such a job with a bare error whose text says so.
 _DEATH_PREFIXES = ("the primary process", "rpc worker disconnected")
 
@@ -137,11 +141,23 @@ def prompt_token_bound(*, kind: str, params: dict[str, Any]) -> int:
     """The most prompt tokens this request can have: its UTF-8 bytes plus the template's tokens."""
     if kind == "chat":
         messages = params.get("messages") or []
-        return CHAT_TEMPLATE_TOKENS + sum(len(str(m.get("content") or "").encode()) + len(str(m.get("role") or "").encode()) + CHAT_MESSAGE_TOKENS for m in messages)
+        return CHAT_TEMPLATE_TOKENS + sum(
+            len(str(m.get("content") or "").encode())
+            + len(str(m.get("role") or "").encode())
+            + CHAT_MESSAGE_TOKENS
+            for m in messages
+        )
     return COMPLETION_TEMPLATE_TOKENS + len(str(params.get("prompt") or "").encode())
 
 
-def billed_usage(*, completion_tokens: int, agent_usage: dict[str, Any], prompt_bound: int | None, job_id: Any = None, check: bool = True) -> dict[str, Any]:
+def billed_usage(
+    *,
+    completion_tokens: int,
+    agent_usage: dict[str, Any],
+    prompt_bound: int | None,
+    job_id: Any = None,
+    check: bool = True,
+) -> dict[str, Any]:
     """Usage to record and bill: the controller's completion count, the bounded prompt count.
 
     The agent's timings (ttft_ms, tokens_per_s) are kept. With ``check``, a completion count of
@@ -150,7 +166,13 @@ def billed_usage(*, completion_tokens: int, agent_usage: dict[str, Any], prompt_
     out = dict(agent_usage)
     prompt = int(agent_usage.get("prompt_tokens") or 0)
     if prompt_bound is not None and prompt > prompt_bound:
-        log.warning("job %s: the node claims %d prompt tokens, more than the prompt's bound %d; billing %d", job_id, prompt, prompt_bound, prompt_bound)
+        log.warning(
+            "job %s: the node claims %d prompt tokens, more than the prompt's bound %d; billing %d",
+            job_id,
+            prompt,
+            prompt_bound,
+            prompt_bound,
+        )
         prompt = prompt_bound
     claimed = agent_usage.get("completion_tokens")
     if check and claimed is not None:
@@ -159,7 +181,12 @@ def billed_usage(*, completion_tokens: int, agent_usage: dict[str, Any], prompt_
         except (TypeError, ValueError):
             diff = 0
         if diff > max(2, completion_tokens // 10):
-            log.warning("job %s: the node reports %s completion tokens, the controller relayed %d", job_id, claimed, completion_tokens)
+            log.warning(
+                "job %s: the node reports %s completion tokens, the controller relayed %d",
+                job_id,
+                claimed,
+                completion_tokens,
+            )
     out["prompt_tokens"] = prompt
     out["completion_tokens"] = completion_tokens
     return out
@@ -169,14 +196,24 @@ class StreamFollower:
     """Reads one job's stream for the view; counts chunks and tokens as it yields them."""
 
     def __init__(
-        self, *, job_id: Any, deployment_id: Any, node_id: Any, prompt_bound: int | None = None, idle_timeout: float | None = None,
+        self,
+        *,
+        job_id: Any,
+        deployment_id: Any,
+        node_id: Any,
+        prompt_bound: int | None = None,
+        idle_timeout: float | None = None,
         failover: Failover | None = None,
     ) -> None:
         self.job_id = str(job_id)
-        self.node_id = str(node_id)  # the primary that runs this attempt: the stream is under its prefix
+        self.node_id = str(
+            node_id
+        )  # the primary that runs this attempt: the stream is under its prefix
         self.deployment_id = str(deployment_id) if deployment_id else None
         self.prompt_bound = prompt_bound
-        self.idle_timeout = float(settings.STREAM_IDLE_TIMEOUT_SECONDS if idle_timeout is None else idle_timeout)
+        self.idle_timeout = float(
+            settings.STREAM_IDLE_TIMEOUT_SECONDS if idle_timeout is None else idle_timeout
+        )
         self.failover = failover
         self.chunks = 0  # over every attempt: what the client was sent
         self.completion_tokens = 0
@@ -190,8 +227,11 @@ class StreamFollower:
     def usage(self, entry: dict[str, str] | None = None, *, check: bool = True) -> dict[str, Any]:
         """What to record for the job so far (``entry``: the final done or error entry, if any)."""
         return billed_usage(
-            completion_tokens=self.completion_tokens, agent_usage=entry_usage(entry or {}), prompt_bound=self.prompt_bound,
-            job_id=self.job_id, check=check,
+            completion_tokens=self.completion_tokens,
+            agent_usage=entry_usage(entry or {}),
+            prompt_bound=self.prompt_bound,
+            job_id=self.job_id,
+            check=check,
         )
 
     async def entries(self) -> AsyncIterator[dict[str, str]]:
@@ -208,8 +248,12 @@ class StreamFollower:
             error_entry: dict[str, str] | None = None
             try:
                 async for fields in self._attempt_entries():
-                    if fields.get("type") == "error" and self.failover is not None and failover_cause(
-                        code=fields.get("code") or "", text=fields.get("text") or ""
+                    if (
+                        fields.get("type") == "error"
+                        and self.failover is not None
+                        and failover_cause(
+                            code=fields.get("code") or "", text=fields.get("text") or ""
+                        )
                     ):
                         error_entry = fields
                         break
@@ -224,9 +268,13 @@ class StreamFollower:
                 return
             if failure is None:
                 assert error_entry is not None
-                failure = StreamFailure(error_entry.get("text") or "the primary died", code=failover_cause(
-                    code=error_entry.get("code") or "", text=error_entry.get("text") or ""
-                ) or "primary_died")
+                failure = StreamFailure(
+                    error_entry.get("text") or "the primary died",
+                    code=failover_cause(
+                        code=error_entry.get("code") or "", text=error_entry.get("text") or ""
+                    )
+                    or "primary_died",
+                )
             assert self.failover is not None
             target = await self.failover(self, failure)
             if target is None:
@@ -235,13 +283,28 @@ class StreamFollower:
                     return
                 raise failure
             if target.done:
-                yield {"seq": "0", "attempt": str(self.attempt), "type": "done", "finish_reason": "length", "usage": ""}
+                yield {
+                    "seq": "0",
+                    "attempt": str(self.attempt),
+                    "type": "done",
+                    "finish_reason": "length",
+                    "usage": "",
+                }
                 return
-            self.failovers.append({
-                "from_node": self.node_id, "to_node": target.node_id, "attempt": target.attempt,
-                "tokens": self.completion_tokens, "cause": failure.code,
-            })
-            self.node_id, self.deployment_id, self.attempt = target.node_id, target.deployment_id, target.attempt
+            self.failovers.append(
+                {
+                    "from_node": self.node_id,
+                    "to_node": target.node_id,
+                    "attempt": target.attempt,
+                    "tokens": self.completion_tokens,
+                    "cause": failure.code,
+                }
+            )
+            self.node_id, self.deployment_id, self.attempt = (
+                target.node_id,
+                target.deployment_id,
+                target.attempt,
+            )
             self.attempt_chunks = self.attempt_tokens = 0
 
     async def _attempt_entries(self) -> AsyncIterator[dict[str, str]]:
@@ -259,9 +322,15 @@ class StreamFollower:
                 await admission.aslot_renew(deployment_id=self.deployment_id, job_id=self.job_id)
             if not got:
                 if now_m - idle_since > self.idle_timeout:
-                    raise StreamFailure(f"no output from the primary for {self.idle_timeout:.0f}s", code="primary_timeout")
+                    raise StreamFailure(
+                        f"no output from the primary for {self.idle_timeout:.0f}s",
+                        code="primary_timeout",
+                    )
                 if await self._primary_gone():
-                    raise StreamFailure("the primary node of this deployment stopped responding", code="primary_lost")
+                    raise StreamFailure(
+                        "the primary node of this deployment stopped responding",
+                        code="primary_lost",
+                    )
                 continue
             idle_since = now_m
             for entry_id, fields in got[0][1]:
@@ -278,7 +347,9 @@ class StreamFollower:
                     self.attempt, expected = attempt, 0
                     self.attempt_chunks = self.attempt_tokens = 0
                 if seq != expected:
-                    raise StreamFailure(f"token stream gap: expected chunk {expected}, got {seq}", code="stream_gap")
+                    raise StreamFailure(
+                        f"token stream gap: expected chunk {expected}, got {seq}", code="stream_gap"
+                    )
                 expected += 1
                 if fields.get("type") == "chunk":
                     n = entry_tokens(fields)
@@ -296,7 +367,9 @@ class StreamFollower:
         dep_id = self.deployment_id
         if not dep_id:
             return False
-        dep = await sync_to_async(lambda: Deployment.objects.filter(pk=dep_id).values("state", "primary_id").first())()
+        dep = await sync_to_async(
+            lambda: Deployment.objects.filter(pk=dep_id).values("state", "primary_id").first()
+        )()
         if dep is None or dep["state"] in DEPLOYMENT_ENDED:
             return True
         state = await get_async_redis().hget(f"racon:node:{dep['primary_id']}:meta", "state")

@@ -13,7 +13,15 @@ class ModelAdmin(admin.ModelAdmin):
 
 @admin.register(ModelFile)
 class ModelFileAdmin(admin.ModelAdmin):
-    list_display = ("file_name", "model", "quantization", "architecture", "n_layer", "size", "sha256")
+    list_display = (
+        "file_name",
+        "model",
+        "quantization",
+        "architecture",
+        "n_layer",
+        "size",
+        "sha256",
+    )
     list_filter = ("quantization", "architecture")
     search_fields = ("file_name", "sha256")
 

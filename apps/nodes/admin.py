@@ -8,10 +8,28 @@ from .models import EnrollmentToken, Event, Node
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
-    list_display = ("name", "state", "address", "account", "cpu_logical_cores", "ram_total", "vram_total", "drain_requested", "enrolled_at")
+    list_display = (
+        "name",
+        "state",
+        "address",
+        "account",
+        "cpu_logical_cores",
+        "ram_total",
+        "vram_total",
+        "drain_requested",
+        "enrolled_at",
+    )
     list_filter = ("state", "drain_requested", "account")
     search_fields = ("name", "machine_id", "address")
-    readonly_fields = ("id", "machine_id", "credential_hash", "state", "state_changed_at", "hardware", "enrolled_at")
+    readonly_fields = (
+        "id",
+        "machine_id",
+        "credential_hash",
+        "state",
+        "state_changed_at",
+        "hardware",
+        "enrolled_at",
+    )
 
 
 @admin.register(EnrollmentToken)
@@ -23,7 +41,17 @@ class EnrollmentTokenAdmin(admin.ModelAdmin):
 
 @admin.register(Event)
 class EventAdmin(admin.ModelAdmin):
-    list_display = ("created_at", "kind", "category", "node", "job", "deployment", "old_state", "new_state", "message")
+    list_display = (
+        "created_at",
+        "kind",
+        "category",
+        "node",
+        "job",
+        "deployment",
+        "old_state",
+        "new_state",
+        "message",
+    )
     list_filter = ("category", "kind")
     search_fields = ("message",)
     date_hierarchy = "created_at"

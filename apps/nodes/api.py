@@ -143,7 +143,9 @@ def parse_node_auth(header: str) -> tuple[str, str] | None:
 
 
 def node_credentials(request: Any) -> tuple[str, str] | None:
-    return parse_node_auth(request.headers.get("Authorization", "") if hasattr(request, "headers") else "")
+    return parse_node_auth(
+        request.headers.get("Authorization", "") if hasattr(request, "headers") else ""
+    )
 
 
 # --- agent endpoints --------------------------------------------------------------------------
@@ -158,8 +160,13 @@ class AgentEnrollApi(APIView):
     @extend_schema(
         request=EnrollRequestSerializer,
         responses={
-            201: EnrollResponseSerializer, 200: EnrollResponseSerializer, 400: AgentErrorSerializer, 401: AgentErrorSerializer,
-            409: AgentErrorSerializer, 413: AgentErrorSerializer, 503: AgentErrorSerializer,
+            201: EnrollResponseSerializer,
+            200: EnrollResponseSerializer,
+            400: AgentErrorSerializer,
+            401: AgentErrorSerializer,
+            409: AgentErrorSerializer,
+            413: AgentErrorSerializer,
+            503: AgentErrorSerializer,
         },
         description=(
             "Re-enrolling a machine already enrolled needs that node's current credential in "
@@ -185,14 +192,22 @@ class AgentEnrollApi(APIView):
                 source_address=client_address(request),
             )
         except services.EnrollmentConflict as exc:
-            return Response({"error": {"message": str(exc), "code": exc.code}}, status=status.HTTP_409_CONFLICT)
+            return Response(
+                {"error": {"message": str(exc), "code": exc.code}}, status=status.HTTP_409_CONFLICT
+            )
         except services.EnrollmentError as exc:
-            return Response({"error": {"message": str(exc), "code": "enrollment_refused"}}, status=status.HTTP_401_UNAUTHORIZED)
+            return Response(
+                {"error": {"message": str(exc), "code": "enrollment_refused"}},
+                status=status.HTTP_401_UNAUTHORIZED,
+            )
         node = enrollment.node
         try:
             redis_url = node_redis_url(node_id=node.id)
         except AclUnavailable as exc:
-            return Response({"error": {"message": str(exc), "code": "redis_acl_unavailable"}}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+            return Response(
+                {"error": {"message": str(exc), "code": "redis_acl_unavailable"}},
+                status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            )
         body = {
             "node_id": str(node.id),
             "credential": enrollment.credential,
@@ -200,36 +215,70 @@ class AgentEnrollApi(APIView):
             "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
             "state": node.state,
         }
-        return Response(body, status=status.HTTP_201_CREATED if enrollment.created else status.HTTP_200_OK)
+        return Response(
+            body, status=status.HTTP_201_CREATED if enrollment.created else status.HTTP_200_OK
+        )
 
 
-async def heartbeat_handle(*, method: str, authorization: str, body: bytes) -> tuple[int, dict[str, Any]]:
+async def heartbeat_handle(
+    *, method: str, authorization: str, body: bytes
+) -> tuple[int, dict[str, Any]]:
     """The heartbeat endpoint's logic, shared by the Django view and the ASGI fast path."""
     if method != "POST":
         return 405, {"error": {"message": "method not allowed"}}
     creds = parse_node_auth(authorization)
     if creds is None:
-        return 401, {"error": {"message": "missing or malformed 'Authorization: Node <id>:<credential>'"}}
+        return 401, {
+            "error": {"message": "missing or malformed 'Authorization: Node <id>:<credential>'"}
+        }
     node_id, credential = creds
     if not services.node_id_valid(node_id):
-        return 401, {"error": {"message": "malformed node id in 'Authorization: Node <id>:<credential>': expected a UUID", "code": "invalid_credential"}}
+        return 401, {
+            "error": {
+                "message": "malformed node id in 'Authorization: Node <id>:<credential>': expected a UUID",
+                "code": "invalid_credential",
+            }
+        }
     if len(body) > settings.MAX_AGENT_BODY_BYTES:
-        return 413, {"error": {"message": f"heartbeat body over {settings.MAX_AGENT_BODY_BYTES} bytes", "code": "request_too_large"}}
+        return 413, {
+            "error": {
+                "message": f"heartbeat body over {settings.MAX_AGENT_BODY_BYTES} bytes",
+                "code": "request_too_large",
+            }
+        }
     try:
         payload = json.loads(body or b"{}")
     except ValueError as exc:
         return 400, {"error": {"message": f"malformed JSON: {exc}"}}
     if not isinstance(payload, dict) or not isinstance(payload.get("telemetry", {}), dict):
-        return 400, {"error": {"message": "heartbeat must be an object with a 'telemetry' object", "fields": {"telemetry": ["must be an object"]}}}
+        return 400, {
+            "error": {
+                "message": "heartbeat must be an object with a 'telemetry' object",
+                "fields": {"telemetry": ["must be an object"]},
+            }
+        }
     wanted = payload.get("state")
     if wanted is not None and wanted not in NodeState.values:
-        return 400, {"error": {"message": f"unknown state {wanted!r}", "fields": {"state": [f"not one of {NodeState.values}"]}}}
+        return 400, {
+            "error": {
+                "message": f"unknown state {wanted!r}",
+                "fields": {"state": [f"not one of {NodeState.values}"]},
+            }
+        }
     try:
         payload = {**payload, "telemetry": services.telemetry_clean(payload.get("telemetry") or {})}
     except ValueError as exc:
-        return 400, {"error": {"message": f"malformed telemetry: {exc}", "code": "invalid", "fields": {"telemetry": [str(exc)]}}}
+        return 400, {
+            "error": {
+                "message": f"malformed telemetry: {exc}",
+                "code": "invalid",
+                "fields": {"telemetry": [str(exc)]},
+            }
+        }
     try:
-        state = await services.node_heartbeat(node_id=node_id, credential=credential, payload=payload, now=timezone.now())
+        state = await services.node_heartbeat(
+            node_id=node_id, credential=credential, payload=payload, now=timezone.now()
+        )
     except services.NodeAuthError as exc:
         code = "node_revoked" if "revoked" in str(exc) else "invalid_credential"
         return 401, {"error": {"message": str(exc), "code": code}}
@@ -243,7 +292,9 @@ async def agent_heartbeat(request: HttpRequest) -> JsonResponse:
     Under daphne, racon.asgi answers this path before Django's request machinery (same logic).
     """
     status_code, body = await heartbeat_handle(
-        method=request.method or "", authorization=request.headers.get("Authorization", ""), body=request.body
+        method=request.method or "",
+        authorization=request.headers.get("Authorization", ""),
+        body=request.body,
     )
     return JsonResponse(body, status=status_code)
 
@@ -263,10 +314,29 @@ class NodeOut(serializers.ModelSerializer):
     class Meta:
         model = Node
         fields = [
-            "id", "name", "state", "state_changed_at", "account", "address", "rpc_port", "agent_version",
-            "cpu_model", "cpu_physical_cores", "cpu_logical_cores", "ram_total", "ram_available", "vram_total",
-            "vram_free", "gpu_count", "disk_free", "gflops", "mem_bandwidth_gbps", "drain_requested",
-            "enrolled_at", "revoked_at", "heartbeat_age",
+            "id",
+            "name",
+            "state",
+            "state_changed_at",
+            "account",
+            "address",
+            "rpc_port",
+            "agent_version",
+            "cpu_model",
+            "cpu_physical_cores",
+            "cpu_logical_cores",
+            "ram_total",
+            "ram_available",
+            "vram_total",
+            "vram_free",
+            "gpu_count",
+            "disk_free",
+            "gflops",
+            "mem_bandwidth_gbps",
+            "drain_requested",
+            "enrolled_at",
+            "revoked_at",
+            "heartbeat_age",
         ]
 
     def get_heartbeat_age(self, obj: Node) -> float | None:
@@ -277,7 +347,19 @@ class NodeOut(serializers.ModelSerializer):
 class EventOut(serializers.ModelSerializer):
     class Meta:
         model = Event
-        fields = ["id", "kind", "category", "node", "job", "deployment", "old_state", "new_state", "message", "data", "created_at"]
+        fields = [
+            "id",
+            "kind",
+            "category",
+            "node",
+            "job",
+            "deployment",
+            "old_state",
+            "new_state",
+            "message",
+            "data",
+            "created_at",
+        ]
 
 
 class NodeListApi(GenericAPIView):
@@ -307,13 +389,19 @@ class NodeDetailApi(APIView):
 
         def get_events(self, obj: Node) -> list[dict[str, Any]]:
             # many=True makes a ListSerializer, whose .data is a list; the stubs say ReturnDict.
-            return cast("list[dict[str, Any]]", EventOut(selectors.node_events(node_id=obj.id, limit=50), many=True).data)
+            return cast(
+                "list[dict[str, Any]]",
+                EventOut(selectors.node_events(node_id=obj.id, limit=50), many=True).data,
+            )
 
         def get_telemetry(self, obj: Node) -> dict[str, Any]:
             return selectors.node_telemetry(node_id=str(obj.id))
 
         def get_deployments(self, obj: Node) -> list[dict[str, Any]]:
-            return [{"id": str(d.id), "model": d.model.name, "state": d.state} for d in obj.deployments.select_related("model")]
+            return [
+                {"id": str(d.id), "model": d.model.name, "state": d.state}
+                for d in obj.deployments.select_related("model")
+            ]
 
     @extend_schema(responses=NodeDetailOut)
     def get(self, request: Request, node_id: str) -> Response:
@@ -368,7 +456,18 @@ class TokenOut(serializers.ModelSerializer):
 
     class Meta:
         model = EnrollmentToken
-        fields = ["id", "label", "prefix", "account", "expires_at", "max_uses", "uses", "revoked_at", "created_at", "status"]
+        fields = [
+            "id",
+            "label",
+            "prefix",
+            "account",
+            "expires_at",
+            "max_uses",
+            "uses",
+            "revoked_at",
+            "created_at",
+            "status",
+        ]
 
     def get_status(self, obj: EnrollmentToken) -> str:
         return selectors.token_status(obj, now=timezone.now())
@@ -379,7 +478,9 @@ class TokenListCreateApi(APIView):
         label = serializers.CharField(max_length=120)  # type: ignore[assignment]  # a declared field; the metaclass moves it off the class
         ttl_hours = serializers.IntegerField(min_value=1, max_value=24 * 365, required=False)
         max_uses = serializers.IntegerField(min_value=1, max_value=10_000, default=1)
-        account = serializers.UUIDField(required=False, help_text="account that will own the nodes; default: yours")
+        account = serializers.UUIDField(
+            required=False, help_text="account that will own the nodes; default: yours"
+        )
 
     class CreatedOut(TokenOut):
         token = serializers.CharField()
@@ -399,15 +500,24 @@ class TokenListCreateApi(APIView):
         v = data.validated_data
         account_id = v.get("account") or request_account_id(request)
         if not Account.objects.filter(pk=account_id).exists():
-            return Response({"error": {"message": f"unknown account {account_id}", "code": "not_found"}}, status=404)
+            return Response(
+                {"error": {"message": f"unknown account {account_id}", "code": "not_found"}},
+                status=404,
+            )
         user = getattr(request.user, "_user", request.user)
         try:
             token, plaintext = services.enrollment_token_issue(
-                account_id=account_id, label=v["label"], ttl_hours=v.get("ttl_hours"), max_uses=v["max_uses"],
-                created_by_id=getattr(user, "pk", None), now=timezone.now(),
+                account_id=account_id,
+                label=v["label"],
+                ttl_hours=v.get("ttl_hours"),
+                max_uses=v["max_uses"],
+                created_by_id=getattr(user, "pk", None),
+                now=timezone.now(),
             )
         except services.EnrollmentError as exc:
-            return Response({"error": {"message": str(exc), "code": "enrollment_disabled"}}, status=409)
+            return Response(
+                {"error": {"message": str(exc), "code": "enrollment_disabled"}}, status=409
+            )
         out = dict(TokenOut(token).data)
         out["token"] = plaintext
         out["command"] = selectors.agent_command_line(token=plaintext)
@@ -418,7 +528,9 @@ class TokenRevokeApi(APIView):
     @extend_schema(request=None, responses=TokenOut)
     def post(self, request: Request, token_id: str) -> Response:
         get_object_or_404(EnrollmentToken, pk=token_id)
-        return Response(TokenOut(services.enrollment_token_revoke(token_id=token_id, now=timezone.now())).data)
+        return Response(
+            TokenOut(services.enrollment_token_revoke(token_id=token_id, now=timezone.now())).data
+        )
 
 
 class EventListApi(GenericAPIView):

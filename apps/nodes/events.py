@@ -43,7 +43,11 @@ def event_record(
         message,
         extra={
             k: str(v)
-            for k, v in {"node_id": node_id, "job_id": job_id, "deployment_id": deployment_id}.items()
+            for k, v in {
+                "node_id": node_id,
+                "job_id": job_id,
+                "deployment_id": deployment_id,
+            }.items()
             if v is not None
         },
     )

@@ -29,8 +29,12 @@ class EnrollmentToken(models.Model):
     label = models.CharField(max_length=120)
     token_hash = models.CharField(max_length=64, unique=True)
     prefix = models.CharField(max_length=12, help_text="first characters, to recognise a token")
-    account = models.ForeignKey("accounts.Account", on_delete=models.PROTECT, related_name="enrollment_tokens")
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    account = models.ForeignKey(
+        "accounts.Account", on_delete=models.PROTECT, related_name="enrollment_tokens"
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
     expires_at = models.DateTimeField()
     max_uses = models.PositiveIntegerField(default=1)
     uses = models.PositiveIntegerField(default=0)
@@ -49,8 +53,12 @@ class Node(models.Model):
     name = models.CharField(max_length=120)
     machine_id = models.CharField(max_length=128, unique=True)
     account = models.ForeignKey("accounts.Account", on_delete=models.PROTECT, related_name="nodes")
-    enrollment_token = models.ForeignKey(EnrollmentToken, null=True, blank=True, on_delete=models.SET_NULL)
-    state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.UNINITIALIZED)
+    enrollment_token = models.ForeignKey(
+        EnrollmentToken, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    state = models.CharField(
+        max_length=16, choices=NodeState.choices, default=NodeState.UNINITIALIZED
+    )
     state_changed_at = models.DateTimeField(null=True, blank=True)
     credential_hash = models.CharField(max_length=64)
     revoked_at = models.DateTimeField(null=True, blank=True)
@@ -79,7 +87,9 @@ class Node(models.Model):
     # The operator's drain, kept through an OFFLINE spell (the next heartbeat drains again); the
     # drain's progress is the state itself (DRAINING → DRAINED, with NODE_DRAINED).
     drain_requested = models.BooleanField(default=False)
-    last_heartbeat_at = models.DateTimeField(null=True, blank=True, help_text="as of the last state change")
+    last_heartbeat_at = models.DateTimeField(
+        null=True, blank=True, help_text="as of the last state change"
+    )
     enrolled_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -104,8 +114,12 @@ class Event(models.Model):
     id = models.BigAutoField(primary_key=True)
     kind = models.CharField(max_length=40, db_index=True)
     category = models.CharField(max_length=16, choices=EventCategory.choices)
-    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
-    job = models.ForeignKey("jobs.Job", null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
+    node = models.ForeignKey(
+        Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="events"
+    )
+    job = models.ForeignKey(
+        "jobs.Job", null=True, blank=True, on_delete=models.SET_NULL, related_name="events"
+    )
     deployment = models.ForeignKey(
         "jobs.Deployment", null=True, blank=True, on_delete=models.SET_NULL, related_name="events"
     )

@@ -19,7 +19,9 @@ from .states import POOL
 NODE_LIST_MAX = 5000  # nodes a list answers with, at most
 
 
-def node_list(*, state: str | None = None, name: str | None = None, account_id: Any = None) -> list[Node]:
+def node_list(
+    *, state: str | None = None, name: str | None = None, account_id: Any = None
+) -> list[Node]:
     qs: QuerySet[Node] = Node.objects.all()
     if state:
         qs = qs.filter(state=state)
@@ -35,8 +37,15 @@ def node_events(*, node_id: Any, limit: int = 50) -> list[Event]:
 
 
 def event_list(
-    *, kind: str | None = None, category: str | None = None, node_id: Any = None, job_id: Any = None,
-    deployment_id: Any = None, since: datetime | None = None, until: datetime | None = None, limit: int = 100,
+    *,
+    kind: str | None = None,
+    category: str | None = None,
+    node_id: Any = None,
+    job_id: Any = None,
+    deployment_id: Any = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int = 100,
     account_id: Any = None,
 ) -> list[Event]:
     qs: QuerySet[Event] = Event.objects.all()
@@ -65,7 +74,10 @@ def heartbeat_ages(node_ids: list[str], *, now: datetime) -> dict[str, float | N
         return {}
     scores = get_redis().zmscore(HEARTBEATS_ZSET, node_ids)
     ts = now.timestamp()
-    return {nid: (round(max(0.0, ts - s), 3) if s is not None else None) for nid, s in zip(node_ids, scores, strict=True)}
+    return {
+        nid: (round(max(0.0, ts - s), 3) if s is not None else None)
+        for nid, s in zip(node_ids, scores, strict=True)
+    }
 
 
 def node_telemetry(*, node_id: str) -> dict[str, Any]:
@@ -100,7 +112,10 @@ def cluster_capacity(*, account_id: Any = None) -> dict[str, Any]:
     by_state = {row["state"]: row["n"] for row in qs.values("state").annotate(n=Count("id"))}
     usable = qs.filter(state__in=POOL)
     agg = usable.aggregate(
-        cores=Sum("cpu_logical_cores"), ram_total=Sum("ram_total"), ram_free=Sum("ram_available"),
-        vram_total=Sum("vram_total"), vram_free=Sum("vram_free"),
+        cores=Sum("cpu_logical_cores"),
+        ram_total=Sum("ram_total"),
+        ram_free=Sum("ram_available"),
+        vram_total=Sum("vram_total"),
+        vram_free=Sum("vram_free"),
     )
     return {"by_state": by_state, **{k: int(v or 0) for k, v in agg.items()}}

@@ -100,7 +100,13 @@ def _cache_node(node: Node) -> None:
 
 
 def enrollment_token_issue(
-    *, account_id: Any, label: str, now: datetime, ttl_hours: int | None = None, max_uses: int = 1, created_by_id: Any = None
+    *,
+    account_id: Any,
+    label: str,
+    now: datetime,
+    ttl_hours: int | None = None,
+    max_uses: int = 1,
+    created_by_id: Any = None,
 ) -> tuple[EnrollmentToken, str]:
     """Create a token; returns it with the plaintext, which is never stored or shown again."""
     if max_uses < 1:
@@ -154,14 +160,27 @@ def node_transition(
 
     def record(src: str) -> None:
         event_record(
-            kind=kind, category=category, now=now, node_id=node_id, old_state=src, new_state=to,
-            message=message or f"{src} → {to}", data=data,
+            kind=kind,
+            category=category,
+            now=now,
+            node_id=node_id,
+            old_state=src,
+            new_state=to,
+            message=message or f"{src} → {to}",
+            data=data,
         )
 
     moved = transition_guarded(
-        model=Node, pk=node_id, to=to, table=TRANSITIONS, expected=expected,
-        fields={"state_changed_at": now, **(extra or {})}, record=record,
-        after_commit=lambda src: _after_transition(node_id, src, to), must_exist=True, log=log,
+        model=Node,
+        pk=node_id,
+        to=to,
+        table=TRANSITIONS,
+        expected=expected,
+        fields={"state_changed_at": now, **(extra or {})},
+        record=record,
+        after_commit=lambda src: _after_transition(node_id, src, to),
+        must_exist=True,
+        log=log,
     )
     if moved is None:
         return False
@@ -181,7 +200,9 @@ def _after_transition(node_id: Any, src: str, to: str) -> None:
     broadcast("nodes.dashboard", {"type": "node.changed", "node_id": str(node_id), "state": to})
     hooks.node_state_moved.send(sender=Node, node_id=str(node_id), old=src, new=to)
     if to in DEPLOYMENT_SIGNALS:
-        task_send("racon.jobs.node_state_changed", node_id=str(node_id), state=to)  # jobs' task, by name
+        task_send(
+            "racon.jobs.node_state_changed", node_id=str(node_id), state=to
+        )  # jobs' task, by name
 
 
 # --- enrollment -------------------------------------------------------------------------------
@@ -242,19 +263,41 @@ def hardware_bounds_errors(hardware: dict[str, Any]) -> dict[str, list[str]]:
     mem = hardware.get("memory") or {}
     for key, value in mem.items():
         check("memory", value, mem_max, f"memory.{key}", "bytes", "NODE_MAX_MEMORY_BYTES")
-    if isinstance(mem.get("available"), int) and isinstance(mem.get("total"), int) and mem["available"] > mem["total"]:
-        errors.setdefault("memory", []).append(f"memory.available {mem['available']} is more than memory.total {mem['total']}")
+    if (
+        isinstance(mem.get("available"), int)
+        and isinstance(mem.get("total"), int)
+        and mem["available"] > mem["total"]
+    ):
+        errors.setdefault("memory", []).append(
+            f"memory.available {mem['available']} is more than memory.total {mem['total']}"
+        )
     for key, value in (hardware.get("swap") or {}).items():
         check("swap", value, mem_max, f"swap.{key}", "bytes", "NODE_MAX_MEMORY_BYTES")
     disk = hardware.get("disk") or {}
     for key in ("total", "free"):
         if key in disk:
-            check("disk", disk[key], settings.NODE_MAX_DISK_BYTES, f"disk.{key}", "bytes", "NODE_MAX_DISK_BYTES")
+            check(
+                "disk",
+                disk[key],
+                settings.NODE_MAX_DISK_BYTES,
+                f"disk.{key}",
+                "bytes",
+                "NODE_MAX_DISK_BYTES",
+            )
     for i, gpu in enumerate(hardware.get("gpus") or []):
         for key in ("vram_total", "vram_free"):
-            check("gpus", gpu.get(key, 0), vram_max, f"gpus[{i}].{key}", "bytes per GPU", "NODE_MAX_VRAM_BYTES")
+            check(
+                "gpus",
+                gpu.get(key, 0),
+                vram_max,
+                f"gpus[{i}].{key}",
+                "bytes per GPU",
+                "NODE_MAX_VRAM_BYTES",
+            )
         if int(gpu.get("vram_free") or 0) > int(gpu.get("vram_total") or 0):
-            errors.setdefault("gpus", []).append(f"gpus[{i}].vram_free is more than gpus[{i}].vram_total")
+            errors.setdefault("gpus", []).append(
+                f"gpus[{i}].vram_free is more than gpus[{i}].vram_total"
+            )
         for key, bound, unit, setting in (
             ("gflops", gflops_max * 100, "GFLOPS", "100 × NODE_MAX_GFLOPS"),
             ("mem_bandwidth_gbps", bw_max * 5, "GB/s", "5 × NODE_MAX_BANDWIDTH_GBPS"),
@@ -263,9 +306,23 @@ def hardware_bounds_errors(hardware: dict[str, Any]) -> dict[str, list[str]]:
                 check("gpus", gpu[key], bound, f"gpus[{i}].{key}", unit, setting)
     bench = hardware.get("benchmark") or {}
     if "gflops" in bench:
-        check("benchmark", bench["gflops"], gflops_max, "benchmark.gflops", "GFLOPS", "NODE_MAX_GFLOPS")
+        check(
+            "benchmark",
+            bench["gflops"],
+            gflops_max,
+            "benchmark.gflops",
+            "GFLOPS",
+            "NODE_MAX_GFLOPS",
+        )
     if "mem_bandwidth_gbps" in bench:
-        check("benchmark", bench["mem_bandwidth_gbps"], bw_max, "benchmark.mem_bandwidth_gbps", "GB/s", "NODE_MAX_BANDWIDTH_GBPS")
+        check(
+            "benchmark",
+            bench["mem_bandwidth_gbps"],
+            bw_max,
+            "benchmark.mem_bandwidth_gbps",
+            "GB/s",
+            "NODE_MAX_BANDWIDTH_GBPS",
+        )
     return errors
 
 
@@ -288,7 +345,9 @@ def telemetry_clean(telemetry: Any) -> dict[str, Any]:
     out = dict(telemetry)
     clamped: list[str] = []
     if "cpu_percent" in telemetry:
-        out["cpu_percent"] = min(_num(telemetry.get("cpu_percent"), "cpu_percent"), 100.0 * settings.NODE_MAX_CORES)
+        out["cpu_percent"] = min(
+            _num(telemetry.get("cpu_percent"), "cpu_percent"), 100.0 * settings.NODE_MAX_CORES
+        )
     if "mem_available" in telemetry:
         mem = int(_num(telemetry.get("mem_available"), "mem_available", integer=True))
         if mem > settings.NODE_MAX_MEMORY_BYTES:
@@ -362,8 +421,16 @@ def node_enroll(
                 raise EnrollmentError("enrollment token has expired")
             if public is None:
                 enrollment = _enroll_locked(
-                    tok=tok, node_name=node_name, machine_id=machine_id, hardware=hardware, address=address, rpc_port=rpc_port,
-                    agent_version=agent_version, now=now, models=models, presented=presented,
+                    tok=tok,
+                    node_name=node_name,
+                    machine_id=machine_id,
+                    hardware=hardware,
+                    address=address,
+                    rpc_port=rpc_port,
+                    agent_version=agent_version,
+                    now=now,
+                    models=models,
+                    presented=presented,
                 )
     except IntegrityError as exc:
         # Two enrollments with other tokens raced for one name or machine: the database kept one.
@@ -379,17 +446,33 @@ def node_enroll(
             category=EventCategory.SECURITY,
             now=now,
             message=f"Public IP security violation: enrollment of {node_name!r} {what} {public}",
-            data={"address": address, "source_address": source_address or "", "node_name": node_name, "token_prefix": tok.prefix},
+            data={
+                "address": address,
+                "source_address": source_address or "",
+                "node_name": node_name,
+                "token_prefix": tok.prefix,
+            },
         )
-        raise EnrollmentError(f"Public IP security violation: {'advertise address' if public == address else 'the enrollment came from'} {public}, which is not private")
+        raise EnrollmentError(
+            f"Public IP security violation: {'advertise address' if public == address else 'the enrollment came from'} {public}, which is not private"
+        )
     enrollment.node.refresh_from_db()
     _cache_node(enrollment.node)
     return enrollment
 
 
 def _enroll_locked(
-    *, tok: EnrollmentToken, node_name: str, machine_id: str, hardware: dict[str, Any], address: str, rpc_port: int,
-    agent_version: str, now: datetime, models: list[dict[str, Any]] | None, presented: tuple[str, str] | None,
+    *,
+    tok: EnrollmentToken,
+    node_name: str,
+    machine_id: str,
+    hardware: dict[str, Any],
+    address: str,
+    rpc_port: int,
+    agent_version: str,
+    now: datetime,
+    models: list[dict[str, Any]] | None,
+    presented: tuple[str, str] | None,
 ) -> Enrollment:
     """node_enroll's writes, under the token's row lock (its caller's transaction)."""
     existing = Node.objects.select_for_update().filter(machine_id=machine_id).first()
@@ -473,8 +556,16 @@ def _speed_fields(*, existing: Node | None, claimed: float) -> dict[str, Any]:
     floor = float(settings.SPEED_UNVERIFIED_GFLOPS)
     if not settings.SPEED_CHALLENGE or claimed <= floor:
         return {"gflops": claimed, "gflops_claimed": claimed, "speed_verified_at": None}
-    if existing is not None and existing.speed_verified_at is not None and existing.gflops_claimed == claimed:
-        return {"gflops": existing.gflops, "gflops_claimed": claimed, "speed_verified_at": existing.speed_verified_at}
+    if (
+        existing is not None
+        and existing.speed_verified_at is not None
+        and existing.gflops_claimed == claimed
+    ):
+        return {
+            "gflops": existing.gflops,
+            "gflops_claimed": claimed,
+            "speed_verified_at": existing.speed_verified_at,
+        }
     return {"gflops": floor, "gflops_claimed": claimed, "speed_verified_at": None}
 
 
@@ -485,13 +576,19 @@ def _reenroll_key(node_id: Any) -> str:
 def _reenroll_check(*, existing: Node, presented: tuple[str, str] | None) -> None:
     """Refuse taking over an enrolled machine without its node's current credential or an
     operator's permission (EnrollmentConflict)."""
-    if presented is not None and presented[0] == str(existing.pk) and hmac.compare_digest(
-        existing.credential_hash, credential_hash(presented[1])
+    if (
+        presented is not None
+        and presented[0] == str(existing.pk)
+        and hmac.compare_digest(existing.credential_hash, credential_hash(presented[1]))
     ):
         return
     if get_redis().exists(_reenroll_key(existing.pk)):
         return
-    why = "the credential presented is not its current one" if presented is not None else "no node credential was presented"
+    why = (
+        "the credential presented is not its current one"
+        if presented is not None
+        else "no node credential was presented"
+    )
     raise EnrollmentConflict(
         f"machine {existing.machine_id!r} is already enrolled as node {existing.name!r} ({existing.pk}) and {why}: "
         "re-enrolling it needs that node's current credential (Authorization: Node <id>:<credential>) "
@@ -507,7 +604,10 @@ def node_reenroll_allow(*, node_id: Any, now: datetime, ttl_seconds: int | None 
     node = Node.objects.get(pk=node_id)
     get_redis().set(_reenroll_key(node.pk), 1, ex=ttl)
     event_record(
-        kind="NODE_REENROLL_ALLOWED", category=EventCategory.SECURITY, now=now, node_id=node.pk,
+        kind="NODE_REENROLL_ALLOWED",
+        category=EventCategory.SECURITY,
+        now=now,
+        node_id=node.pk,
         message=f"an operator allowed {node.name} to be enrolled again without its credential, for {ttl}s",
         data={"ttl_seconds": ttl},
     )
@@ -541,7 +641,13 @@ def node_revoke(*, node_id: Any, now: datetime) -> None:
     """Revoke a node's credential: its heartbeats and reports get 401 from now on."""
     with transaction.atomic():
         Node.objects.filter(pk=node_id).update(revoked_at=now)
-        event_record(kind="NODE_REVOKED", category=EventCategory.SECURITY, now=now, node_id=node_id, message="node revoked")
+        event_record(
+            kind="NODE_REVOKED",
+            category=EventCategory.SECURITY,
+            now=now,
+            node_id=node_id,
+            message="node revoked",
+        )
         node_transition(node_id=node_id, to=S.OFFLINE, now=now, message="revoked")
     get_redis().delete(_meta_key(node_id))
     if settings.NODE_REDIS_ACL:
@@ -551,7 +657,9 @@ def node_revoke(*, node_id: Any, now: datetime) -> None:
 # --- heartbeats --------------------------------------------------------------------------------
 
 
-def heartbeat_target(*, current: str, wanted: str | None, busy: bool, drain_requested: bool) -> str | None:
+def heartbeat_target(
+    *, current: str, wanted: str | None, busy: bool, drain_requested: bool
+) -> str | None:
     """The state a heartbeat should move the node to, or None to stay. Pure."""
     if wanted == S.ERROR:
         return S.ERROR if current != S.ERROR else None
@@ -595,7 +703,9 @@ def _heartbeat_script(r: Any) -> Any:
     return script
 
 
-async def node_heartbeat(*, node_id: str, credential: str, payload: dict[str, Any], now: datetime) -> str:
+async def node_heartbeat(
+    *, node_id: str, credential: str, payload: dict[str, Any], now: datetime
+) -> str:
     """Record a heartbeat in Redis; touch the database only when the state must change.
 
     The controller's clock decides: the agent's ``sent_at`` is stored as telemetry only.
@@ -606,10 +716,15 @@ async def node_heartbeat(*, node_id: str, credential: str, payload: dict[str, An
     ts = now.timestamp()
     jobs = telemetry.get("jobs") or []
     args = [
-        credential_hash(credential), ts, node_id,
-        float(telemetry.get("cpu_percent") or 0.0), int(telemetry.get("mem_available") or 0),
+        credential_hash(credential),
+        ts,
+        node_id,
+        float(telemetry.get("cpu_percent") or 0.0),
+        int(telemetry.get("mem_available") or 0),
         ",".join(str(int(x)) for x in telemetry.get("gpu_free") or []),
-        int(bool((telemetry.get("rpc_worker") or {}).get("running"))), len(jobs), _json_dumps(telemetry),
+        int(bool((telemetry.get("rpc_worker") or {}).get("running"))),
+        len(jobs),
+        _json_dumps(telemetry),
     ]
     keys = [_meta_key(node_id), HEARTBEATS_ZSET, heartbeat_key(node_id)]
     script = _heartbeat_script(r)
@@ -626,7 +741,9 @@ async def node_heartbeat(*, node_id: str, credential: str, payload: dict[str, An
     _, current, drain = result[:3]
     if telemetry.get("clamped"):
         await sync_to_async(_telemetry_clamped)(node_id, telemetry["clamped"], now)
-    target = heartbeat_target(current=current, wanted=payload.get("state"), busy=bool(jobs), drain_requested=drain == "1")
+    target = heartbeat_target(
+        current=current, wanted=payload.get("state"), busy=bool(jobs), drain_requested=drain == "1"
+    )
     if target is not None:
         moved = await sync_to_async(_heartbeat_transition)(node_id, current, target, now, telemetry)
         if moved:
@@ -641,8 +758,12 @@ def _telemetry_clamped(node_id: str, fields: list[str], now: datetime) -> None:
     # One row an hour per node at most: never one per heartbeat.
     if get_redis().set(f"racon:node:{node_id}:clamped", 1, nx=True, ex=3600):
         event_record(
-            kind="TELEMETRY_CLAMPED", category=EventCategory.SECURITY, now=now, node_id=node_id,
-            message=f"heartbeat figures over the plausible bounds were clamped: {', '.join(fields)}", data={"fields": fields},
+            kind="TELEMETRY_CLAMPED",
+            category=EventCategory.SECURITY,
+            now=now,
+            node_id=node_id,
+            message=f"heartbeat figures over the plausible bounds were clamped: {', '.join(fields)}",
+            data={"fields": fields},
         )
 
 
@@ -658,7 +779,9 @@ def _meta_from_db(node_id: str) -> dict[str, str] | None:
     return get_redis().hgetall(_meta_key(node_id))
 
 
-def _heartbeat_transition(node_id: str, current: str, target: str, now: datetime, telemetry: dict[str, Any]) -> bool:
+def _heartbeat_transition(
+    node_id: str, current: str, target: str, now: datetime, telemetry: dict[str, Any]
+) -> bool:
     if target == S.ERROR:
         kind, category, message = "NODE_FAULT", EventCategory.HEALTH, "agent reported a fatal fault"
     elif current in HEALTH_VERDICTS:
@@ -673,7 +796,14 @@ def _heartbeat_transition(node_id: str, current: str, target: str, now: datetime
         total = Node.objects.filter(pk=node_id).values_list("ram_total", flat=True).first() or 0
         extra["ram_available"] = min(int(telemetry.get("mem_available") or 0), int(total))
     moved = node_transition(
-        node_id=node_id, to=target, expected=current, now=now, kind=kind, category=category, message=message, extra=extra
+        node_id=node_id,
+        to=target,
+        expected=current,
+        now=now,
+        kind=kind,
+        category=category,
+        message=message,
+        extra=extra,
     )
     if not moved:
         _refresh_cache(node_id)  # the mirror was stale
@@ -684,7 +814,12 @@ def node_report_fault(*, node_id: Any, fatal: bool, message: str, now: datetime)
     """An agent reported a fault: fatal → ERROR, otherwise DEGRADED (fallback only)."""
     target = S.ERROR if fatal else S.DEGRADED
     node_transition(
-        node_id=node_id, to=target, now=now, kind="NODE_FAULT", category=EventCategory.HEALTH, message=message[:500]
+        node_id=node_id,
+        to=target,
+        now=now,
+        kind="NODE_FAULT",
+        category=EventCategory.HEALTH,
+        message=message[:500],
     )
 
 
@@ -716,8 +851,13 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
     for (pk, state, last_db, changed_at), score in zip(watched, scores, strict=True):
         if state != S.DEGRADED:
             live_count += 1
-        last = score if score is not None else max(
-            (t.timestamp() for t in (last_db, changed_at) if t is not None), default=now.timestamp()
+        last = (
+            score
+            if score is not None
+            else max(
+                (t.timestamp() for t in (last_db, changed_at) if t is not None),
+                default=now.timestamp(),
+            )
         )
         age = max(0.0, now.timestamp() - last)
         verdict = health_state(
@@ -740,7 +880,9 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
         # fault than that many machines failing together. Raise one event, keep them DEGRADED.
         suppressed = [n for n, _, _ in to_offline]
         r = get_redis()
-        if r.set("racon:cluster:partition", now.timestamp(), nx=True, ex=int(max(60, interval * 12))):
+        if r.set(
+            "racon:cluster:partition", now.timestamp(), nx=True, ex=int(max(60, interval * 12))
+        ):
             event_record(
                 kind="CLUSTER_PARTITION_SUSPECTED",
                 category=EventCategory.HEALTH,
@@ -798,8 +940,13 @@ def node_drain(*, node_id: Any, now: datetime) -> Node:
             if state not in DRAINABLE:
                 break
             if node_transition(
-                node_id=node_id, to=S.DRAINING, expected=state, now=now, kind="NODE_DRAIN_REQUESTED",
-                category=EventCategory.MANAGEMENT, message="drain requested",
+                node_id=node_id,
+                to=S.DRAINING,
+                expected=state,
+                now=now,
+                kind="NODE_DRAIN_REQUESTED",
+                category=EventCategory.MANAGEMENT,
+                message="drain requested",
             ):
                 break
     node.refresh_from_db()
@@ -821,8 +968,13 @@ def node_drain_advance(*, node_id: Any, now: datetime) -> bool:
     if hooks.node_drain_step(node_id=node_id, now=now):
         return False
     return node_transition(
-        node_id=node_id, to=S.DRAINED, expected=S.DRAINING, now=now, kind="NODE_DRAINED",
-        category=EventCategory.MANAGEMENT, message="node drained: its deployments moved or stopped, and its last job has ended",
+        node_id=node_id,
+        to=S.DRAINED,
+        expected=S.DRAINING,
+        now=now,
+        kind="NODE_DRAINED",
+        category=EventCategory.MANAGEMENT,
+        message="node drained: its deployments moved or stopped, and its last job has ended",
     )
 
 
@@ -833,8 +985,13 @@ def node_undrain(*, node_id: Any, now: datetime) -> Node:
         state = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
         if state in DRAIN_STATES:
             node_transition(
-                node_id=node_id, to=S.READY, expected=state, now=now, kind="NODE_UNDRAINED",
-                category=EventCategory.MANAGEMENT, message="drain lifted",
+                node_id=node_id,
+                to=S.READY,
+                expected=state,
+                now=now,
+                kind="NODE_UNDRAINED",
+                category=EventCategory.MANAGEMENT,
+                message="drain lifted",
             )
     node = Node.objects.get(pk=node_id)
     _cache_node(node)

@@ -75,7 +75,9 @@ def can_transition(src: str, dst: str) -> bool:
     return dst in TRANSITIONS.get(src, frozenset())
 
 
-def health_state(*, age: float, interval: float, degraded_after: float, offline_after: float) -> str | None:
+def health_state(
+    *, age: float, interval: float, degraded_after: float, offline_after: float
+) -> str | None:
     """What a heartbeat this many seconds old means: None (healthy), DEGRADED or OFFLINE."""
     if age >= offline_after * interval:
         return S.OFFLINE

@@ -14,4 +14,8 @@ from .services import node_health_sweep
 def health_sweep(**kwargs: Any) -> dict[str, int]:
     """Apply heartbeat thresholds to every watched node (beat: HEALTH_SWEEP_SECONDS)."""
     result = node_health_sweep(now=timezone.now())
-    return {"degraded": len(result.degraded), "offline": len(result.offline), "suppressed": len(result.suppressed)}
+    return {
+        "degraded": len(result.degraded),
+        "offline": len(result.offline),
+        "suppressed": len(result.suppressed),
+    }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -29,11 +29,11 @@ G = GlobalOptions()
 out = render.console
 
 
-def handled[F: Callable[..., Any]](fn: F) -> F:
+def handled[**P, R](fn: Callable[P, R]) -> Callable[P, R]:
     """Turn every failure into one line on stderr and a non-zero exit code."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except ApiError as exc:
@@ -46,7 +46,7 @@ def handled[F: Callable[..., Any]](fn: F) -> F:
             render.err("interrupted")
             raise typer.Exit(130) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def settings() -> Settings:

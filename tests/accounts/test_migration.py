@@ -23,7 +23,9 @@ def test_account_move_keeps_rows() -> None:
         old = executor.loader.project_state(BEFORE_STATE).apps
         OldAccount = old.get_model("credits", "Account")
         OldApiKey = old.get_model("api", "ApiKey")
-        acct = OldAccount.objects.create(name="user:before-the-move", kind="USER", balance=1234, floor=0)
+        acct = OldAccount.objects.create(
+            name="user:before-the-move", kind="USER", balance=1234, floor=0
+        )
         key = OldApiKey.objects.create(
             name="old key", prefix="rk_old12", key_hash="a" * 64, account=acct, scopes=["inference"]
         )
@@ -33,9 +35,18 @@ def test_account_move_keeps_rows() -> None:
         executor.migrate(executor.loader.graph.leaf_nodes())
 
     moved = Account.objects.get(pk=acct.pk)
-    assert (moved.name, moved.kind, moved.balance, moved.floor) == ("user:before-the-move", "USER", 1234, 0)
+    assert (moved.name, moved.kind, moved.balance, moved.floor) == (
+        "user:before-the-move",
+        "USER",
+        1234,
+        0,
+    )
     moved_key = ApiKey.objects.get(pk=key.pk)
-    assert (moved_key.name, moved_key.prefix, moved_key.key_hash) == ("old key", "rk_old12", "a" * 64)
+    assert (moved_key.name, moved_key.prefix, moved_key.key_hash) == (
+        "old key",
+        "rk_old12",
+        "a" * 64,
+    )
     assert moved_key.account_id == acct.pk and moved_key.scopes == ["inference"]
     assert list(moved.api_keys.values_list("pk", flat=True)) == [key.pk]
     # The tables kept their names, and the content types (and their permissions) moved along.

@@ -33,6 +33,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 REDIS_URL = os.environ.get("RACON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
 def _model() -> Path:
     """The real SmolLM2 (downloaded once into the user cache when the checkout has none)."""
     try:

@@ -485,11 +485,28 @@ def test_stop_lets_short_work_finish_within_the_bound(h: Harness) -> None:
 def test_a_hash_challenge_is_answered_from_the_file_itself(h: Harness) -> None:
     agent = h.start()
     nonce = "ab" * 16
-    res = h.controller.result(h.send(agent, "hash_challenge", {"sha256": MODEL_SHA, "offset": 2, "length": 5, "nonce": nonce}))
-    assert res["ok"] and res["digest"] == hashlib.sha256(bytes.fromhex(nonce) + MODEL_BYTES[2:7]).hexdigest()
-    missing = h.controller.result(h.send(agent, "hash_challenge", {"sha256": "0" * 64, "offset": 0, "length": 5, "nonce": nonce}))
+    res = h.controller.result(
+        h.send(
+            agent, "hash_challenge", {"sha256": MODEL_SHA, "offset": 2, "length": 5, "nonce": nonce}
+        )
+    )
+    assert (
+        res["ok"]
+        and res["digest"] == hashlib.sha256(bytes.fromhex(nonce) + MODEL_BYTES[2:7]).hexdigest()
+    )
+    missing = h.controller.result(
+        h.send(
+            agent, "hash_challenge", {"sha256": "0" * 64, "offset": 0, "length": 5, "nonce": nonce}
+        )
+    )
     assert not missing["ok"] and "no file" in missing["error"]
-    bad = h.controller.result(h.send(agent, "hash_challenge", {"sha256": MODEL_SHA, "offset": -1, "length": 5, "nonce": nonce}))
+    bad = h.controller.result(
+        h.send(
+            agent,
+            "hash_challenge",
+            {"sha256": MODEL_SHA, "offset": -1, "length": 5, "nonce": nonce},
+        )
+    )
     assert not bad["ok"] and "malformed" in bad["error"]
 
 

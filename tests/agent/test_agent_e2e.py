@@ -60,7 +60,11 @@ def test_three_agents_split_a_model_and_survive_a_worker_dying_mid_generation(h:
     )
     # As the controller does: each worker lets this deployment's primary through its tunnel.
     for worker in (a, b):
-        grant = {"deployment_id": plan["deployment_id"], "tunnel_key": plan["rpc_tunnel_key"], "primary_address": "127.0.0.1"}
+        grant = {
+            "deployment_id": plan["deployment_id"],
+            "tunnel_key": plan["rpc_tunnel_key"],
+            "primary_address": "127.0.0.1",
+        }
         assert h.controller.result(h.send(worker, "rpc_start", grant))["ok"]
     loaded = h.controller.result(h.send(c, "load_primary", plan), timeout=120)
     assert loaded["ok"], loaded

@@ -142,7 +142,9 @@ def test_doctor_checks_the_pieces_and_writes_a_bundle_without_the_credential(
     save_identity(state, Identity("node-doc", "TOPSECRETCRED", controller.url, REDIS_URL, "doc"))
     # A secret that slipped into the logs must still never leave the machine.
     (state / "logs").mkdir(parents=True)
-    (state / "agent.log").write_text("debug: Authorization: Node node-doc:TOPSECRETCRED\nredis://u:hunter2@10.0.0.1/0\n")
+    (state / "agent.log").write_text(
+        "debug: Authorization: Node node-doc:TOPSECRETCRED\nredis://u:hunter2@10.0.0.1/0\n"
+    )
     (state / "logs" / "primary-dep1.log").write_text("llama.cpp: RPC worker crashed\n")
     models = tmp_path / "models"
     models.mkdir()

@@ -108,7 +108,9 @@ def test_a_stored_credential_is_presented_on_re_enrollment() -> None:
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen[request.url.path] = request.headers.get("Authorization")
-        return httpx.Response(201, json={"node_id": "n", "credential": "c", "redis_url": "redis://x"})
+        return httpx.Response(
+            201, json={"node_id": "n", "credential": "c", "redis_url": "redis://x"}
+        )
 
     client, _ = make(handler)
     client.enroll({"token": "t"}, presented=("node-7", "abc"))  # type: ignore[typeddict-item]

@@ -225,7 +225,9 @@ def _job(messages: list[dict[str, str]], redis_client: Any, **kw: Any) -> dict[s
     return job
 
 
-def _wait_finished(finished: list[dict[str, Any]], job_ids: set[str], timeout: float = 120) -> dict[str, dict[str, Any]]:
+def _wait_finished(
+    finished: list[dict[str, Any]], job_ids: set[str], timeout: float = 120
+) -> dict[str, dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         done = {f["job_id"]: f for f in list(finished) if f["job_id"] in job_ids}
@@ -240,10 +242,17 @@ def _text(redis_client: Any, job_id: str) -> str:
 
 
 def _ids(redis_client: Any, job_id: str) -> list[int]:
-    return [t for e in read_stream(redis_client, job_id) if e["type"] == "chunk" for t in json.loads(e["ids"])]
+    return [
+        t
+        for e in read_stream(redis_client, job_id)
+        if e["type"] == "chunk"
+        for t in json.loads(e["ids"])
+    ]
 
 
-def _batching_primary(plan_extra: dict[str, Any], redis_client: Any, tmp_path: Path, finished: list[dict[str, Any]]) -> ServerPrimary:
+def _batching_primary(
+    plan_extra: dict[str, Any], redis_client: Any, tmp_path: Path, finished: list[dict[str, Any]]
+) -> ServerPrimary:
     plan = {
         "deployment_id": "dep-batch", "model_name": "smollm2", "sha256": "0" * 64, "rpc_endpoints": [], "tensor_split": [],
         "n_gpu_layers": 0, "n_ctx": 256, "n_parallel": 4, "n_threads": 2, **plan_extra,
@@ -254,7 +263,9 @@ def _batching_primary(plan_extra: dict[str, Any], redis_client: Any, tmp_path: P
     )  # fmt: skip
 
 
-def _two_at_once_match_alone(primary: ServerPrimary, redis_client: Any, finished: list[dict[str, Any]]) -> None:
+def _two_at_once_match_alone(
+    primary: ServerPrimary, redis_client: Any, finished: list[dict[str, Any]]
+) -> None:
     alone = []
     for messages in (STORY, COLOURS):
         job = _job(messages, redis_client)
@@ -275,10 +286,14 @@ def _two_at_once_match_alone(primary: ServerPrimary, redis_client: Any, finished
     for job, ref in zip(pair, alone, strict=True):
         assert done[job["job_id"]]["status"] == "completed"
         assert _ids(redis_client, job["job_id"])[:4] == _ids(redis_client, ref)[:4]
-        assert done[job["job_id"]]["completion_tokens"] == len(_ids(redis_client, job["job_id"])) > 4
+        assert (
+            done[job["job_id"]]["completion_tokens"] == len(_ids(redis_client, job["job_id"])) > 4
+        )
 
 
-def test_two_sequences_at_once_give_the_text_each_gives_alone_on_one_node(redis_client: Any, tmp_path: Path) -> None:
+def test_two_sequences_at_once_give_the_text_each_gives_alone_on_one_node(
+    redis_client: Any, tmp_path: Path
+) -> None:
     _need_llama()
     finished: list[dict[str, Any]] = []
     primary = _batching_primary({}, redis_client, tmp_path, finished)
@@ -307,7 +322,9 @@ def test_two_sequences_at_once_give_the_text_each_gives_alone_on_a_split_plan(
         primary.stop()
 
 
-def test_cancelling_one_of_four_running_streams_leaves_the_other_three_to_finish(redis_client: Any, tmp_path: Path) -> None:
+def test_cancelling_one_of_four_running_streams_leaves_the_other_three_to_finish(
+    redis_client: Any, tmp_path: Path
+) -> None:
     _need_llama()
     finished: list[dict[str, Any]] = []
     primary = _batching_primary({}, redis_client, tmp_path, finished)
@@ -326,7 +343,9 @@ def test_cancelling_one_of_four_running_streams_leaves_the_other_three_to_finish
         primary.stop()
     assert done[victim]["status"] == "cancelled"
     victim_entries = read_stream(redis_client, victim)
-    assert victim_entries[-1]["type"] == "done" and victim_entries[-1]["finish_reason"] == "cancelled"
+    assert (
+        victim_entries[-1]["type"] == "done" and victim_entries[-1]["finish_reason"] == "cancelled"
+    )
     assert done[victim]["completion_tokens"] < 96
     for job in jobs:
         if job["job_id"] == victim:
@@ -340,7 +359,9 @@ def test_cancelling_one_of_four_running_streams_leaves_the_other_three_to_finish
         assert n == 96 or entries[-1]["finish_reason"] == "stop"
 
 
-def test_a_request_longer_than_its_slot_is_refused_not_truncated(redis_client: Any, tmp_path: Path) -> None:
+def test_a_request_longer_than_its_slot_is_refused_not_truncated(
+    redis_client: Any, tmp_path: Path
+) -> None:
     _need_llama()
     finished: list[dict[str, Any]] = []
     primary = _batching_primary({}, redis_client, tmp_path, finished)

@@ -50,7 +50,12 @@ class Upstream:
 def tunnel() -> Iterator[tuple[TunnelServer, Upstream, list[tuple[str, dict[str, Any]]]]]:
     up = Upstream()
     refused: list[tuple[str, dict[str, Any]]] = []
-    server = TunnelServer(host="127.0.0.1", port=free_port(), target_port=up.port, on_refused=lambda m, d: refused.append((m, d)))
+    server = TunnelServer(
+        host="127.0.0.1",
+        port=free_port(),
+        target_port=up.port,
+        on_refused=lambda m, d: refused.append((m, d)),
+    )
     server.start()
     try:
         yield server, up, refused
@@ -77,7 +82,9 @@ def test_the_deployments_key_from_its_primary_relays_bytes_both_ways(tunnel: Any
 
 
 @pytest.mark.parametrize("case", ["no handshake", "wrong key", "other deployment", "other host"])
-def test_a_connection_without_the_deployments_key_gets_no_byte_through(tunnel: Any, case: str) -> None:
+def test_a_connection_without_the_deployments_key_gets_no_byte_through(
+    tunnel: Any, case: str
+) -> None:
     server, up, refused = tunnel
     key = secrets.token_hex(32)
     server.authorize("dep-1", key, "10.9.9.9" if case == "other host" else "127.0.0.1")
@@ -116,7 +123,9 @@ def test_the_primarys_tunnel_client_gives_llama_server_a_plain_local_endpoint(tu
     server, up, _ = tunnel
     key = secrets.token_hex(32)
     server.authorize("dep-1", key, "127.0.0.1")
-    client = TunnelClient(remote_host="127.0.0.1", remote_port=server.port, deployment_id="dep-1", key_hex=key)
+    client = TunnelClient(
+        remote_host="127.0.0.1", remote_port=server.port, deployment_id="dep-1", key_hex=key
+    )
     try:
         host, port = client.local_endpoint.split(":")
         with socket.create_connection((host, int(port)), timeout=5) as s:

@@ -90,7 +90,11 @@ def run_daphne(workdir: Path, **overrides: str) -> Iterator[Daphne]:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port), "racon.asgi:application"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     d = Daphne(url=f"http://127.0.0.1:{port}", log_path=log_path)
     try:
@@ -174,11 +178,53 @@ class FakePrimary:
 
         r = get_redis()
         key = job_stream_key(job_id, self.node_id)
-        r.xadd(key, {"seq": "0", "attempt": "1", "type": "chunk", "text": "Hello", "ids": "[9906]", "n": "1"})
+        r.xadd(
+            key,
+            {
+                "seq": "0",
+                "attempt": "1",
+                "type": "chunk",
+                "text": "Hello",
+                "ids": "[9906]",
+                "n": "1",
+            },
+        )
         while not release.wait(0.05):
             if r.exists(job_cancel_key(job_id, self.node_id)) or self._stop.is_set():
-                r.xadd(key, {"seq": "1", "attempt": "1", "type": "done", "text": "", "finish_reason": "cancelled", "usage": "{}"})
+                r.xadd(
+                    key,
+                    {
+                        "seq": "1",
+                        "attempt": "1",
+                        "type": "done",
+                        "text": "",
+                        "finish_reason": "cancelled",
+                        "usage": "{}",
+                    },
+                )
                 return
-        r.xadd(key, {"seq": "1", "attempt": "1", "type": "chunk", "text": " there.", "ids": "[1080, 13]", "n": "2"})
-        usage = json.dumps({"prompt_tokens": 12, "completion_tokens": 3, "ttft_ms": 5.0, "tokens_per_s": 100.0})
-        r.xadd(key, {"seq": "2", "attempt": "1", "type": "done", "text": "", "finish_reason": "stop", "usage": usage})
+        r.xadd(
+            key,
+            {
+                "seq": "1",
+                "attempt": "1",
+                "type": "chunk",
+                "text": " there.",
+                "ids": "[1080, 13]",
+                "n": "2",
+            },
+        )
+        usage = json.dumps(
+            {"prompt_tokens": 12, "completion_tokens": 3, "ttft_ms": 5.0, "tokens_per_s": 100.0}
+        )
+        r.xadd(
+            key,
+            {
+                "seq": "2",
+                "attempt": "1",
+                "type": "done",
+                "text": "",
+                "finish_reason": "stop",
+                "usage": usage,
+            },
+        )

@@ -58,8 +58,22 @@ class Other:
 
 @pytest.fixture
 def other_process(tmp_path: Path) -> Iterator[Other]:
-    env = {**os.environ, "DATABASE_URL": database_url(), "DJANGO_SETTINGS_MODULE": "racon.settings", "API_CACHE_SECONDS": "300", "RACON_VAR_DIR": str(tmp_path / "var")}
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "DJANGO_SETTINGS_MODULE": "racon.settings",
+        "API_CACHE_SECONDS": "300",
+        "RACON_VAR_DIR": str(tmp_path / "var"),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
@@ -74,11 +88,15 @@ def ready_deployment() -> Deployment:
     m = Model.objects.create(name="cache-model")
     mf = ModelFile.objects.create(model=m, file_name="c.gguf", sha256="e" * 64, size=1)
     node = NodeFactory()
-    return Deployment.objects.create(model=m, model_file=mf, state=DeploymentState.READY, primary=node, plan={"devices": []})
+    return Deployment.objects.create(
+        model=m, model_file=mf, state=DeploymentState.READY, primary=node, plan={"devices": []}
+    )
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_stopped_deployment_leaves_another_processs_route_within_a_bound(other_process: Other) -> None:
+def test_a_stopped_deployment_leaves_another_processs_route_within_a_bound(
+    other_process: Other,
+) -> None:
     dep = ready_deployment()
     # The broadcasts of this test's own writes may still be in flight: ask until a read is a hit,
     # which shows the other process serves from its cache, not the database.
@@ -104,18 +122,28 @@ def subscribed() -> None:
 
 
 @pytest.mark.django_db
-def test_a_change_the_broadcast_missed_is_seen_after_the_ttl(settings: Any, subscribed: None) -> None:
+def test_a_change_the_broadcast_missed_is_seen_after_the_ttl(
+    settings: Any, subscribed: None
+) -> None:
     settings.API_CACHE_SECONDS = 0.3
     dep = ready_deployment()
-    assert [d.id for d in selectors.deployment_route_candidates(model_id=dep.model_id, cached=True)] == [dep.id]
-    Deployment.objects.filter(pk=dep.pk).update(state=DeploymentState.STOPPED)  # no signal, no broadcast
-    assert [d.id for d in selectors.deployment_route_candidates(model_id=dep.model_id, cached=True)] == [dep.id]
+    assert [
+        d.id for d in selectors.deployment_route_candidates(model_id=dep.model_id, cached=True)
+    ] == [dep.id]
+    Deployment.objects.filter(pk=dep.pk).update(
+        state=DeploymentState.STOPPED
+    )  # no signal, no broadcast
+    assert [
+        d.id for d in selectors.deployment_route_candidates(model_id=dep.model_id, cached=True)
+    ] == [dep.id]
     time.sleep(0.4)
     assert selectors.deployment_route_candidates(model_id=dep.model_id, cached=True) == []
 
 
 @pytest.mark.django_db
-def test_a_revoked_or_new_key_is_seen_at_once_in_the_process_that_wrote_it(subscribed: None) -> None:
+def test_a_revoked_or_new_key_is_seen_at_once_in_the_process_that_wrote_it(
+    subscribed: None,
+) -> None:
     acct = account_create(name="cache-acct")
     key, plaintext = api_key_create(name="k", account_id=acct.pk, scopes=["inference"])
     assert principal_for_key(plaintext) is not None

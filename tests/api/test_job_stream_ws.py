@@ -31,9 +31,19 @@ def make_job(owner) -> Job:  # type: ignore[no-untyped-def]
     from tests.factories import NodeFactory
 
     model = Model.objects.create(name=f"m-{timezone.now().timestamp()}")
-    mf = ModelFile.objects.create(model=model, file_name="m.gguf", sha256=uuid.uuid4().hex * 2, size=1)
-    dep = Deployment.objects.create(model=model, model_file=mf, state=DeploymentState.READY, primary=NodeFactory(), request={})
-    return Job.objects.create(model=model, deployment=dep, account=account_for_user(user=owner), state=JobState.RUNNING, queued_at=timezone.now())
+    mf = ModelFile.objects.create(
+        model=model, file_name="m.gguf", sha256=uuid.uuid4().hex * 2, size=1
+    )
+    dep = Deployment.objects.create(
+        model=model, model_file=mf, state=DeploymentState.READY, primary=NodeFactory(), request={}
+    )
+    return Job.objects.create(
+        model=model,
+        deployment=dep,
+        account=account_for_user(user=owner),
+        state=JobState.RUNNING,
+        queued_at=timezone.now(),
+    )
 
 
 def stream_key(job: Job) -> str:
@@ -46,10 +56,16 @@ def session_headers(user) -> list[tuple[bytes, bytes]]:  # type: ignore[no-untyp
     c = Client()
     c.force_login(user)
     cookie = c.cookies["sessionid"].value
-    return [(b"cookie", f"sessionid={cookie}".encode()), (b"origin", b"http://localhost"), (b"host", b"localhost")]
+    return [
+        (b"cookie", f"sessionid={cookie}".encode()),
+        (b"origin", b"http://localhost"),
+        (b"host", b"localhost"),
+    ]
 
 
-async def _connect(path: str, headers: list[tuple[bytes, bytes]]) -> tuple[WebsocketCommunicator, bool, int | None]:
+async def _connect(
+    path: str, headers: list[tuple[bytes, bytes]]
+) -> tuple[WebsocketCommunicator, bool, int | None]:
     comm = WebsocketCommunicator(application, path, headers=headers)
     connected, code = await comm.connect(timeout=5)
     return comm, connected, code
@@ -62,8 +78,14 @@ def test_owner_receives_the_stream_in_order_until_it_ends() -> None:
     job = make_job(owner)
     r = get_redis()
     for i, text in enumerate(["Hel", "lo"]):
-        r.xadd(stream_key(job), {"seq": str(i), "type": "chunk", "text": text, "finish_reason": "", "usage": ""})
-    r.xadd(stream_key(job), {"seq": "2", "type": "done", "text": "", "finish_reason": "stop", "usage": "{}"})
+        r.xadd(
+            stream_key(job),
+            {"seq": str(i), "type": "chunk", "text": text, "finish_reason": "", "usage": ""},
+        )
+    r.xadd(
+        stream_key(job),
+        {"seq": "2", "type": "done", "text": "", "finish_reason": "stop", "usage": "{}"},
+    )
     headers = session_headers(owner)
 
     async def run() -> list[dict[str, object]]:

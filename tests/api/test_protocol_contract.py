@@ -38,11 +38,15 @@ def keys(td: Any) -> tuple[set[str], set[str]]:
 def test_serializer_fields_match_the_protocol_typeddict(typed: Any, serializer: Any) -> None:
     required, optional = keys(typed)
     fields = serializer().fields
-    assert set(fields) == required | optional, f"{typed.__name__}: {set(fields) ^ (required | optional)}"
+    assert set(fields) == required | optional, (
+        f"{typed.__name__}: {set(fields) ^ (required | optional)}"
+    )
     for name, field in fields.items():
         if getattr(field, "read_only", False):
             continue
-        assert field.required == (name in required), f"{typed.__name__}.{name}: required={field.required}"
+        assert field.required == (name in required), (
+            f"{typed.__name__}.{name}: required={field.required}"
+        )
 
 
 def test_report_kinds_accepted_by_the_controller_are_the_protocols() -> None:
@@ -60,7 +64,10 @@ def test_every_command_the_controller_sends_is_a_protocol_command() -> None:
     sent: set[str] = set()
     for path in Path(__file__).resolve().parents[2].joinpath("apps").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "command_send":
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", "")) == "command_send"
+            ):
                 for kw in node.keywords:
                     if kw.arg == "kind" and isinstance(kw.value, ast.Constant):
                         sent.add(kw.value.value)
@@ -72,14 +79,27 @@ def test_a_sample_enrollment_from_the_agent_validates(tmp_path: Any) -> None:
     from agent.hardware import fake
 
     profile = tmp_path / "gpu.json"
-    profile.write_text(__import__("json").dumps(fake.example_profile("gpu") if hasattr(fake, "example_profile") else {
-        "cpu": {"model": "x", "physical_cores": 4, "logical_cores": 8, "flags": []},
-        "memory": {"total": 1, "available": 1}, "swap": {"total": 0, "free": 0},
-        "disk": {"path": "/", "total": 1, "free": 1}, "network": [], "gpus": [],
-    }))
+    profile.write_text(
+        __import__("json").dumps(
+            fake.example_profile("gpu")
+            if hasattr(fake, "example_profile")
+            else {
+                "cpu": {"model": "x", "physical_cores": 4, "logical_cores": 8, "flags": []},
+                "memory": {"total": 1, "available": 1},
+                "swap": {"total": 0, "free": 0},
+                "disk": {"path": "/", "total": 1, "free": 1},
+                "network": [],
+                "gpus": [],
+            }
+        )
+    )
     body = {
-        "token": "t", "node_name": "n1", "machine_id": "m", "agent_version": "0.1.0",
-        "advertise_address": "10.1.2.3", "rpc_port": 50052,
+        "token": "t",
+        "node_name": "n1",
+        "machine_id": "m",
+        "agent_version": "0.1.0",
+        "advertise_address": "10.1.2.3",
+        "rpc_port": 50052,
         "hardware": __import__("json").loads(profile.read_text()),
     }
     s = nodes_api.EnrollRequestSerializer(data=body)

@@ -35,7 +35,9 @@ NEGATIVE_EXAMPLES = int(os.environ.get("SCHEMA_FUZZ_NEGATIVE_EXAMPLES", "10"))
 # tokens, enroll, credits adjust/grant/balance and receipts/verify check references, bounds and
 # signatures the schema cannot express).
 CHECKS = [
-    st_checks.not_a_server_error, st_checks.status_code_conformance, st_checks.response_schema_conformance,
+    st_checks.not_a_server_error,
+    st_checks.status_code_conformance,
+    st_checks.response_schema_conformance,
     st_checks.content_type_conformance,
 ]
 
@@ -44,23 +46,42 @@ def _send(client: Client, case: Any) -> Response:
     """The case sent through Django's test client, answered as schemathesis' Response."""
     kw = case.as_transport_kwargs(base_url="http://testserver", headers=OPERATOR)
     prepared = requests.Request(
-        method=kw["method"], url=kw["url"], headers=kw.get("headers"), params=kw.get("params"),
-        json=kw.get("json"), data=kw.get("data"), cookies=kw.get("cookies"),
+        method=kw["method"],
+        url=kw["url"],
+        headers=kw.get("headers"),
+        params=kw.get("params"),
+        json=kw.get("json"),
+        data=kw.get("data"),
+        cookies=kw.get("cookies"),
     ).prepare()
     body = prepared.body or b""
     if isinstance(body, str):
         body = body.encode()
-    headers = {k: v for k, v in prepared.headers.items() if k.lower() not in ("content-length", "content-type")}
+    headers = {
+        k: v
+        for k, v in prepared.headers.items()
+        if k.lower() not in ("content-length", "content-type")
+    }
     started = time.perf_counter()
     resp = client.generic(
-        prepared.method or "GET", prepared.path_url, data=body,
-        content_type=prepared.headers.get("Content-Type", "application/octet-stream"), headers=headers,
+        prepared.method or "GET",
+        prepared.path_url,
+        data=body,
+        content_type=prepared.headers.get("Content-Type", "application/octet-stream"),
+        headers=headers,
     )
     elapsed = time.perf_counter() - started
-    content = b"".join(resp.streaming_content) if getattr(resp, "streaming", False) else resp.content
+    content = (
+        b"".join(resp.streaming_content) if getattr(resp, "streaming", False) else resp.content
+    )
     return Response(
-        status_code=resp.status_code, headers={k: [v] for k, v in resp.headers.items()}, content=content,
-        request=prepared, elapsed=elapsed, verify=False, message=resp.reason_phrase,
+        status_code=resp.status_code,
+        headers={k: [v] for k, v in resp.headers.items()},
+        content=content,
+        request=prepared,
+        elapsed=elapsed,
+        verify=False,
+        message=resp.reason_phrase,
     )
 
 
@@ -75,11 +96,17 @@ def seeded() -> None:
 
     primary, worker = NodeFactory(), NodeFactory()
     dep = deployment_for([(primary, 16), (worker, 16)])
-    Deployment.objects.create(model=dep.model, model_file=ModelFileFactory(model=dep.model), state=DeploymentState.PLANNING)
+    Deployment.objects.create(
+        model=dep.model,
+        model_file=ModelFileFactory(model=dep.model),
+        state=DeploymentState.PLANNING,
+    )
     job_for(account=funded_account(1_000_000), model=dep.model, deployment=dep)
 
 
-def _run_operations(client: Client, *, mode: GenerationMode, checks: list[Any], examples: int) -> tuple[list[str], list[str], list[str]]:
+def _run_operations(
+    client: Client, *, mode: GenerationMode, checks: list[Any], examples: int
+) -> tuple[list[str], list[str], list[str]]:
     raw = client.get("/api/schema/?format=json", headers=OPERATOR)
     assert raw.status_code == 200, raw.content[:300]
     schema = schemathesis.openapi.from_dict(raw.json())
@@ -95,7 +122,13 @@ def _run_operations(client: Client, *, mode: GenerationMode, checks: list[Any], 
             continue
 
         @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+            derandomize=True,
+        )
         def run(case: Any) -> None:
             case.validate_response(_send(client, case), checks=checks)
 
@@ -108,22 +141,32 @@ def _run_operations(client: Client, *, mode: GenerationMode, checks: list[Any], 
         except (Exception, BaseExceptionGroup) as exc:  # noqa: BLE001 - every failure is collected, then reported together
             failures.append(f"{label}: {type(exc).__name__}: {str(exc)[:1500]}")
         ran.append(label)
-    print(f"schemathesis ({mode.value}): {len(ran)} operations × ≤{examples} examples; skipped or not reached in {BUDGET_SECONDS:.0f}s: {skipped or 'none'}")
+    print(
+        f"schemathesis ({mode.value}): {len(ran)} operations × ≤{examples} examples; skipped or not reached in {BUDGET_SECONDS:.0f}s: {skipped or 'none'}"
+    )
     return ran, skipped, failures
 
 
-def test_the_admin_and_agent_apis_conform_to_their_schema_with_no_server_error(client: Client, seeded: None) -> None:
-    ran, _skipped, failures = _run_operations(client, mode=GenerationMode.POSITIVE, checks=CHECKS, examples=EXAMPLES)
-    assert ran, "no operation was exercised"
-    assert not failures, "\n\n".join(failures)
-
-
-def test_input_the_schema_forbids_is_refused_with_a_client_error(client: Client, seeded: None) -> None:
-    """negative_data_rejection: a request that breaks the schema (a null offset, a string where an
-    integer goes, a missing required field) gets a 4xx, never a 2xx that stores or answers it."""
+def test_the_admin_and_agent_apis_conform_to_their_schema_with_no_server_error(
+    client: Client, seeded: None
+) -> None:
     ran, _skipped, failures = _run_operations(
-        client, mode=GenerationMode.NEGATIVE, checks=[st_checks.not_a_server_error, st_checks.negative_data_rejection], examples=NEGATIVE_EXAMPLES
+        client, mode=GenerationMode.POSITIVE, checks=CHECKS, examples=EXAMPLES
     )
     assert ran, "no operation was exercised"
     assert not failures, "\n\n".join(failures)
 
+
+def test_input_the_schema_forbids_is_refused_with_a_client_error(
+    client: Client, seeded: None
+) -> None:
+    """negative_data_rejection: a request that breaks the schema (a null offset, a string where an
+    integer goes, a missing required field) gets a 4xx, never a 2xx that stores or answers it."""
+    ran, _skipped, failures = _run_operations(
+        client,
+        mode=GenerationMode.NEGATIVE,
+        checks=[st_checks.not_a_server_error, st_checks.negative_data_rejection],
+        examples=NEGATIVE_EXAMPLES,
+    )
+    assert ran, "no operation was exercised"
+    assert not failures, "\n\n".join(failures)

@@ -30,7 +30,11 @@ from .live import Daphne, FakePrimary, run_daphne
 pytestmark = pytest.mark.django_db(transaction=True)
 
 OPERATOR = {"Authorization": "Bearer test-operator-key"}
-BODY = {"model": "live-model", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+BODY = {
+    "model": "live-model",
+    "messages": [{"role": "user", "content": "Say hello."}],
+    "max_tokens": 8,
+}
 
 
 @pytest.fixture
@@ -46,8 +50,18 @@ def dep() -> Deployment:
     mf = ModelFile.objects.create(model=m, file_name="live.gguf", sha256="d" * 64, size=1000)
     node = NodeFactory()
     d = Deployment.objects.create(
-        model=m, model_file=mf, state=DeploymentState.READY, primary=node, n_parallel=1, n_ctx=512,
-        plan={"primary_node_id": str(node.id), "devices": [{"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30}]},
+        model=m,
+        model_file=mf,
+        state=DeploymentState.READY,
+        primary=node,
+        n_parallel=1,
+        n_ctx=512,
+        plan={
+            "primary_node_id": str(node.id),
+            "devices": [
+                {"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30}
+            ],
+        },
     )
     d.nodes.set([node])
     return d
@@ -55,13 +69,21 @@ def dep() -> Deployment:
 
 def admission_keys() -> list[str]:
     r = get_redis()
-    return sorted(k for p in ("racon:dep:*:slots", "racon:dep:*:waiting", "racon:dep:*:waitlease") for k in r.scan_iter(match=p))
+    return sorted(
+        k
+        for p in ("racon:dep:*:slots", "racon:dep:*:waiting", "racon:dep:*:waitlease")
+        for k in r.scan_iter(match=p)
+    )
 
 
-def post_in_thread(url: str, headers: dict[str, str], timeout: float, out: dict[str, Any], name: str) -> threading.Thread:
+def post_in_thread(
+    url: str, headers: dict[str, str], timeout: float, out: dict[str, Any], name: str
+) -> threading.Thread:
     def run() -> None:
         try:
-            out[name] = httpx.post(url + "/v1/chat/completions", json=BODY, headers=headers, timeout=timeout)
+            out[name] = httpx.post(
+                url + "/v1/chat/completions", json=BODY, headers=headers, timeout=timeout
+            )
         except httpx.HTTPError as exc:
             out[name] = exc
 
@@ -84,30 +106,58 @@ def key_for(name: str, *, balance: int | None = None) -> tuple[Any, dict[str, st
     if balance is not None:
         from django.utils import timezone
 
-        credit_adjust(account_id=acct.pk, amount=balance - Account.objects.get(pk=acct.pk).balance, reason="test setup", now=timezone.now())
+        credit_adjust(
+            account_id=acct.pk,
+            amount=balance - Account.objects.get(pk=acct.pk).balance,
+            reason="test setup",
+            now=timezone.now(),
+        )
     _, key = api_key_create(name=f"{name}-key", account_id=acct.pk, scopes=["inference"])
     return acct.pk, {"Authorization": f"Bearer {key}"}
 
 
-def test_clients_that_give_up_while_queued_leave_at_once_and_the_next_request_is_served(daphne: Daphne, dep: Deployment) -> None:
+def test_clients_that_give_up_while_queued_leave_at_once_and_the_next_request_is_served(
+    daphne: Daphne, dep: Deployment
+) -> None:
     results: dict[str, Any] = {}
     with FakePrimary(node_id=str(dep.primary_id), hold=1) as primary:
         long_one = post_in_thread(daphne.url, OPERATOR, 120, results, "long")
         (long_job,) = primary.wait_started(1)
-        quitters = [post_in_thread(daphne.url, OPERATOR, 0.8, results, f"quitter-{k}") for k in range(3)]
-        wait_until(lambda: len(admission.queue_order(deployment_id=dep.id)) == 3 or all(not t.is_alive() for t in quitters), 30, "three waiters queued")
+        quitters = [
+            post_in_thread(daphne.url, OPERATOR, 0.8, results, f"quitter-{k}") for k in range(3)
+        ]
+        wait_until(
+            lambda: (
+                len(admission.queue_order(deployment_id=dep.id)) == 3
+                or all(not t.is_alive() for t in quitters)
+            ),
+            30,
+            "three waiters queued",
+        )
         for t in quitters:
             t.join(timeout=30)
-        assert all(isinstance(results[f"quitter-{k}"], httpx.TimeoutException) for k in range(3)), results
+        assert all(isinstance(results[f"quitter-{k}"], httpx.TimeoutException) for k in range(3)), (
+            results
+        )
         # They left at once: not when the long request ends, nor when a lease runs out (10 s).
-        left_in = wait_until(lambda: admission.queue_order(deployment_id=dep.id) == [], 8, "the abandoned waiters to leave the queue")
+        left_in = wait_until(
+            lambda: admission.queue_order(deployment_id=dep.id) == [],
+            8,
+            "the abandoned waiters to leave the queue",
+        )
         assert left_in < 8
-        wait_until(lambda: Job.objects.filter(state=JobState.CANCELLED).count() == 3, 30, "the abandoned jobs to be cancelled")
+        wait_until(
+            lambda: Job.objects.filter(state=JobState.CANCELLED).count() == 3,
+            30,
+            "the abandoned jobs to be cancelled",
+        )
         primary.release(long_job)
         long_one.join(timeout=60)
         assert results["long"].status_code == 200, results["long"].text
         t0 = time.monotonic()
-        nxt = httpx.post(daphne.url + "/v1/chat/completions", json=BODY, headers=OPERATOR, timeout=60)
+        nxt = httpx.post(
+            daphne.url + "/v1/chat/completions", json=BODY, headers=OPERATOR, timeout=60
+        )
         served_in = time.monotonic() - t0
     assert nxt.status_code == 200, nxt.text
     assert nxt.json()["choices"][0]["message"]["content"] == "Hello there."
@@ -127,9 +177,17 @@ def test_the_queue_is_served_by_account_standing(daphne: Daphne, dep: Deployment
         long_one = post_in_thread(daphne.url, OPERATOR, 120, results, "long")
         (long_job,) = primary.wait_started(1)
         threads = [post_in_thread(daphne.url, poor, 120, results, "poor")]
-        wait_until(lambda: len(admission.queue_order(deployment_id=dep.id)) == 1, 30, "the poor request queued")
+        wait_until(
+            lambda: len(admission.queue_order(deployment_id=dep.id)) == 1,
+            30,
+            "the poor request queued",
+        )
         threads.append(post_in_thread(daphne.url, rich, 120, results, "rich"))
-        wait_until(lambda: len(admission.queue_order(deployment_id=dep.id)) == 2, 30, "the rich request queued")
+        wait_until(
+            lambda: len(admission.queue_order(deployment_id=dep.id)) == 2,
+            30,
+            "the rich request queued",
+        )
         primary.release(long_job)
         started = primary.wait_started(3)
         for t in [long_one, *threads]:
@@ -142,10 +200,18 @@ def test_the_queue_is_served_by_account_standing(daphne: Daphne, dep: Deployment
 
 def test_a_revoked_key_is_refused_by_another_process_within_a_bound(daphne: Daphne) -> None:
     account, headers = key_for("revokee")
-    assert httpx.get(daphne.url + "/v1/models", headers=headers, timeout=30).status_code == 200  # now cached there
+    assert (
+        httpx.get(daphne.url + "/v1/models", headers=headers, timeout=30).status_code == 200
+    )  # now cached there
     from apps.accounts.models import ApiKey
 
     api_key_revoke(key_id=ApiKey.objects.get(account_id=account).pk)
     # Daphne caches principals for 300 s here: only the broadcast can make it refuse this soon.
-    took = wait_until(lambda: httpx.get(daphne.url + "/v1/models", headers=headers, timeout=30).status_code == 401, 30, "the revoked key refused")
+    took = wait_until(
+        lambda: (
+            httpx.get(daphne.url + "/v1/models", headers=headers, timeout=30).status_code == 401
+        ),
+        30,
+        "the revoked key refused",
+    )
     assert took < 30

@@ -10,17 +10,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_bench(script: str, args: list[str], tmp_path: Path, timeout: float = 840) -> subprocess.CompletedProcess[str]:
+def run_bench(
+    script: str, args: list[str], tmp_path: Path, timeout: float = 840
+) -> subprocess.CompletedProcess[str]:
     """Run bench/<script> with its temporary files under tmp_path; return the finished process."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    env.pop("DJANGO_SETTINGS_MODULE", None)  # the bench configures its own Django, database and Redis
+    env.pop(
+        "DJANGO_SETTINGS_MODULE", None
+    )  # the bench configures its own Django, database and Redis
     env.pop("DATABASE_URL", None)
     # Each bench starts its own embedded Redis: nothing shared is flushed, runs cannot collide.
     env.pop("REDIS_URL", None)
     env.pop("CELERY_BROKER_URL", None)
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -32,7 +40,10 @@ def processes_under(path: Path) -> list[str]:
         if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
             continue
         try:
-            if needle in (pid_dir / "cmdline").read_bytes() or needle in (pid_dir / "environ").read_bytes():
+            if (
+                needle in (pid_dir / "cmdline").read_bytes()
+                or needle in (pid_dir / "environ").read_bytes()
+            ):
                 found.append(f"{pid_dir.name}: {(pid_dir / 'cmdline').read_bytes()[:200]!r}")
         except OSError:
             continue

@@ -70,7 +70,10 @@ def test_nodes_show_by_name_or_id(racon: Run, two_nodes: tuple[Node, Node]) -> N
 
 def test_drain_and_undrain_by_name(racon: Run, two_nodes: tuple[Node, Node]) -> None:
     res = racon("nodes", "drain", "alpha")
-    assert res.exit_code == 0 and "drained alpha: DRAINED (drained: current work has ended)" in res.stdout
+    assert (
+        res.exit_code == 0
+        and "drained alpha: DRAINED (drained: current work has ended)" in res.stdout
+    )
     assert Node.objects.get(name="alpha").state == NodeState.DRAINED
     res = racon("nodes", "undrain", "alpha", "--json")
     assert res.exit_code == 0 and json.loads(res.stdout)["state"] == "READY"

@@ -241,7 +241,11 @@ def test_a_forged_two_billion_token_usage_charges_at_most_the_hold(price: Any, n
     s = three_node_setup(consumer_funds=10_000_000)
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=100)
     held = credit_reserve(
-        account_id=s["consumer"].pk, job_id=job.pk, max_tokens=100, model_price_permille=1000, now=now
+        account_id=s["consumer"].pk,
+        job_id=job.pk,
+        max_tokens=100,
+        model_price_permille=1000,
+        now=now,
     )
     job_finish(job, completion=2_000_000_000)
     entry = credit_settle_job(job_id=job.pk, now=now)

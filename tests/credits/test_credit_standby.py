@@ -91,32 +91,52 @@ def test_the_beat_task_runs_the_reward(standby: Any, now: Any) -> None:
 # --- claims are capped (issue 12) -----------------------------------------------------------------
 
 
-def test_a_node_claiming_nine_exabytes_is_paid_at_most_the_cap_per_period(standby: Any, now: Any) -> None:
+def test_a_node_claiming_nine_exabytes_is_paid_at_most_the_cap_per_period(
+    standby: Any, now: Any
+) -> None:
     standby.CREDITS_STANDBY_CAP_PER_PERIOD = 5_000
-    node = NodeFactory(ram_available=9 * 10**18, vram_free=0, state_changed_at=now - timedelta(hours=1))
+    node = NodeFactory(
+        ram_available=9 * 10**18, vram_free=0, state_changed_at=now - timedelta(hours=1)
+    )
     paid = credit_standby_reward(now=now)
     assert bal(node.account) == 5_000
     assert paid[0].data["uncapped"] > 10**9 and paid[0].data["claimed_bytes"] == 9 * 10**18
     assert ledger_verify().ok
 
 
-def test_memory_never_seen_in_use_is_paid_only_up_to_the_unseen_allowance(standby: Any, now: Any) -> None:
+def test_memory_never_seen_in_use_is_paid_only_up_to_the_unseen_allowance(
+    standby: Any, now: Any
+) -> None:
     standby.CREDITS_STANDBY_UNSEEN_BYTES = 6 * GIB
-    node = NodeFactory(ram_available=60 * GIB, vram_free=0, state_changed_at=now - timedelta(hours=1))
+    node = NodeFactory(
+        ram_available=60 * GIB, vram_free=0, state_changed_at=now - timedelta(hours=1)
+    )
     credit_standby_reward(now=now)
     assert bal(node.account) == 1_000  # 6 GiB for 10 minutes, not 60
 
 
-def test_memory_another_nodes_primary_loaded_onto_the_worker_is_paid(standby: Any, now: Any) -> None:
+def test_memory_another_nodes_primary_loaded_onto_the_worker_is_paid(
+    standby: Any, now: Any
+) -> None:
     from tests.credits.factories import deployment_for
 
     standby.CREDITS_STANDBY_UNSEEN_BYTES = 6 * GIB
     primary = NodeFactory(state=NodeState.BUSY)
-    worker = NodeFactory(address="10.0.0.9", ram_available=60 * GIB, vram_free=0, state_changed_at=now - timedelta(hours=1))
+    worker = NodeFactory(
+        address="10.0.0.9",
+        ram_available=60 * GIB,
+        vram_free=0,
+        state_changed_at=now - timedelta(hours=1),
+    )
     dep = deployment_for([(worker, 16), (primary, 16)], primary=primary)
     dep.load_report = {
         "assignment": [
-            {"device": "RPC0", "endpoint": "10.0.0.9:50052", "model_buffer_mib": 30 * 1024, "kv_buffer_mib": 6 * 1024},
+            {
+                "device": "RPC0",
+                "endpoint": "10.0.0.9:50052",
+                "model_buffer_mib": 30 * 1024,
+                "kv_buffer_mib": 6 * 1024,
+            },
             # The primary's own buffers vouch for nothing.
             {"device": "CPU", "endpoint": None, "model_buffer_mib": 500 * 1024},
         ]

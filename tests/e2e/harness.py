@@ -120,14 +120,57 @@ def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
     ctl = Controller(url=url, env=env, workdir=workdir)
     try:
         with open(workdir / "daphne.log", "wb") as log:
-            ctl.procs.append(subprocess.Popen([str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port), "racon.asgi:application"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            ctl.procs.append(
+                subprocess.Popen(
+                    [
+                        str(BIN / "daphne"),
+                        "-b",
+                        "127.0.0.1",
+                        "-p",
+                        str(port),
+                        "racon.asgi:application",
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         with open(workdir / "celery.log", "wb") as log:
-            ctl.procs.append(subprocess.Popen([str(BIN / "celery"), "-A", "racon", "worker", "-B", "-l", "info", "--concurrency", "3", "-s", str(workdir / "beat-schedule"), "-n", f"e2e-{port}@%h", "-Q", f"{queue},{queue}.placement"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            ctl.procs.append(
+                subprocess.Popen(
+                    [
+                        str(BIN / "celery"),
+                        "-A",
+                        "racon",
+                        "worker",
+                        "-B",
+                        "-l",
+                        "info",
+                        "--concurrency",
+                        "3",
+                        "-s",
+                        str(workdir / "beat-schedule"),
+                        "-n",
+                        f"e2e-{port}@%h",
+                        "-Q",
+                        f"{queue},{queue}.placement",
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + 60
         while True:
             for p in ctl.procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"controller process exited with {p.returncode}:\n{ctl.logs()[-3000:]}")
+                    raise RuntimeError(
+                        f"controller process exited with {p.returncode}:\n{ctl.logs()[-3000:]}"
+                    )
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -160,20 +203,52 @@ class AgentProc:
         return None
 
 
-def start_agent(ctl: Controller, token: str, name: str, workdir: Path, *, models_dir: Path | None = None, extra: list[str] | None = None) -> AgentProc:
+def start_agent(
+    ctl: Controller,
+    token: str,
+    name: str,
+    workdir: Path,
+    *,
+    models_dir: Path | None = None,
+    extra: list[str] | None = None,
+) -> AgentProc:
     state = workdir / "agents" / name
     state.mkdir(parents=True, exist_ok=True)
     models = models_dir or (state / "models")
     models.mkdir(parents=True, exist_ok=True)
     rpc_port = free_port()
     log_path = workdir / f"agent-{name}.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")
+    }
     env["GGML_NO_BACKTRACE"] = "1"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [str(BIN / "node-agent"), "--foreground", "--controller-url", ctl.url, "--enrollment-token", token, "--node-name", name,
-             "--state-dir", str(state), "--models-dir", str(models), "--advertise-address", "127.0.0.1", "--rpc-port", str(rpc_port), "--no-benchmark", *(extra or [])],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                str(BIN / "node-agent"),
+                "--foreground",
+                "--controller-url",
+                ctl.url,
+                "--enrollment-token",
+                token,
+                "--node-name",
+                name,
+                "--state-dir",
+                str(state),
+                "--models-dir",
+                str(models),
+                "--advertise-address",
+                "127.0.0.1",
+                "--rpc-port",
+                str(rpc_port),
+                "--no-benchmark",
+                *(extra or []),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     return AgentProc(name=name, proc=proc, state_dir=state, rpc_port=rpc_port, log_path=log_path)
 

@@ -27,7 +27,10 @@ from .harness import AgentProc, Controller, start_agent, stop_agent, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
-PROMPT = [{"role": "system", "content": "You are a concise assistant."}, {"role": "user", "content": "Name three colours of the rainbow."}]
+PROMPT = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "Name three colours of the rainbow."},
+]
 N_CTX = 512
 MAX_TOKENS = 24
 
@@ -41,8 +44,15 @@ def direct_local_run(model_path: Path, times: int = 3) -> list[str]:
     """
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(model_path), n_ctx=N_CTX, n_threads=2, flash_attn=True, verbose=False)  # the primary runs -fa auto
-    texts = [llm.create_chat_completion(messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)["choices"][0]["message"]["content"] for _ in range(times)]
+    llm = Llama(
+        model_path=str(model_path), n_ctx=N_CTX, n_threads=2, flash_attn=True, verbose=False
+    )  # the primary runs -fa auto
+    texts = [
+        llm.create_chat_completion(messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)[
+            "choices"
+        ][0]["message"]["content"]
+        for _ in range(times)
+    ]
     del llm
     return texts
 
@@ -72,35 +82,81 @@ def rpc_worker_pid(agent: AgentProc) -> int:
     return int(found[-1])
 
 
-def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: Controller, model_path: Path, tmp_path: Path) -> None:
+def test_spread_deployment_over_three_agents_serves_the_openai_sdk(
+    controller: Controller, model_path: Path, tmp_path: Path
+) -> None:
     owners = {}
     agents: list[AgentProc] = []
     models_dir = tmp_path / "models"
     models_dir.mkdir()
-    os.link(model_path, models_dir / model_path.name) if model_path.stat().st_dev == models_dir.stat().st_dev else __import__("shutil").copy(model_path, models_dir / model_path.name)
+    os.link(
+        model_path, models_dir / model_path.name
+    ) if model_path.stat().st_dev == models_dir.stat().st_dev else __import__("shutil").copy(
+        model_path, models_dir / model_path.name
+    )
     try:
         for name in ("alpha", "beta", "gamma"):
             acct_id, _ = make_account_with_key(f"owner-{name}")
             owners[name] = acct_id
             tok = controller.post("/api/admin/tokens", {"label": name, "account": acct_id})
             assert tok.status_code == 201, tok.text
-            agents.append(start_agent(controller, tok.json()["token"], name, tmp_path, models_dir=models_dir))
-        wait_for(lambda: len(controller.get("/api/admin/nodes?state=READY").json()) == 3, 90, "three READY nodes")
-        assert controller.post("/api/admin/models", {"path": str(model_path), "name": "smollm2"}).status_code == 201
+            agents.append(
+                start_agent(controller, tok.json()["token"], name, tmp_path, models_dir=models_dir)
+            )
+        wait_for(
+            lambda: len(controller.get("/api/admin/nodes?state=READY").json()) == 3,
+            90,
+            "three READY nodes",
+        )
+        assert (
+            controller.post(
+                "/api/admin/models", {"path": str(model_path), "name": "smollm2"}
+            ).status_code
+            == 201
+        )
 
         # Preview first: nothing loads, the plan names all three nodes.
-        preview = controller.post("/api/admin/deployments/preview", {"model": "smollm2", "nodes": ["alpha", "beta", "gamma"], "spread": True, "n_ctx": N_CTX})
+        preview = controller.post(
+            "/api/admin/deployments/preview",
+            {
+                "model": "smollm2",
+                "nodes": ["alpha", "beta", "gamma"],
+                "spread": True,
+                "n_ctx": N_CTX,
+            },
+        )
         assert preview.status_code == 200, preview.text
         plan = preview.json()
-        assert {d["node_name"] for d in plan["devices"] if d["n_layers"] > 0} == {"alpha", "beta", "gamma"}
+        assert {d["node_name"] for d in plan["devices"] if d["n_layers"] > 0} == {
+            "alpha",
+            "beta",
+            "gamma",
+        }
         assert sum(d["n_layers"] for d in plan["devices"]) == plan["n_layer"]
         assert plan["predicted_tokens_per_s"] > 0 and plan["explanation"]
-        impossible = controller.post("/api/admin/deployments/preview", {"model": "smollm2", "n_ctx": 1_000_000})
+        impossible = controller.post(
+            "/api/admin/deployments/preview", {"model": "smollm2", "n_ctx": 1_000_000}
+        )
         assert impossible.status_code == 422 and impossible.json()["error"]["message"]
-        assert controller.post("/api/admin/deployments/preview", {"model": "nope"}).status_code == 404
-        assert controller.post("/api/admin/deployments/preview", {"model": "smollm2", "nodes": ["ghost"]}).status_code == 404
+        assert (
+            controller.post("/api/admin/deployments/preview", {"model": "nope"}).status_code == 404
+        )
+        assert (
+            controller.post(
+                "/api/admin/deployments/preview", {"model": "smollm2", "nodes": ["ghost"]}
+            ).status_code
+            == 404
+        )
 
-        dep = controller.post("/api/admin/deployments", {"model": "smollm2", "nodes": ["alpha", "beta", "gamma"], "spread": True, "n_ctx": N_CTX})
+        dep = controller.post(
+            "/api/admin/deployments",
+            {
+                "model": "smollm2",
+                "nodes": ["alpha", "beta", "gamma"],
+                "spread": True,
+                "n_ctx": N_CTX,
+            },
+        )
         assert dep.status_code == 202, dep.text
         dep_id = dep.json()["id"]
 
@@ -113,7 +169,11 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
         devices = {a["device"]: a.get("n_layers", 0) for a in detail["load_report"]["assignment"]}
         assert devices.get("RPC0", 0) > 0 and devices.get("RPC1", 0) > 0, detail["load_report"]
         kinds = [e["kind"] for e in detail["events"]]
-        assert "RPC_WORKER_CONFIRMED" in kinds and "PRIMARY_LOADED" in kinds and "DEPLOYMENT_READY" in kinds
+        assert (
+            "RPC_WORKER_CONFIRMED" in kinds
+            and "PRIMARY_LOADED" in kinds
+            and "DEPLOYMENT_READY" in kinds
+        )
 
         expected_runs = direct_local_run(model_path)
         expected = expected_runs[0]
@@ -121,43 +181,72 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
         client = openai.OpenAI(base_url=controller.url + "/v1", api_key=consumer_key, max_retries=0)
 
         # Non-streamed: identical to the single-process run at temperature 0.
-        raw = client.chat.completions.with_raw_response.create(model="smollm2", messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)
+        raw = client.chat.completions.with_raw_response.create(
+            model="smollm2", messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS
+        )
         resp = raw.parse()
         assert resp.choices[0].message.content == expected
         assert resp.choices[0].finish_reason in ("stop", "length")
-        assert resp.usage.completion_tokens > 0 and resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+        assert (
+            resp.usage.completion_tokens > 0
+            and resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+        )
         job_id = raw.headers["x-racon-job-id"]
         assert set(raw.headers["x-racon-nodes"].split(",")) == {"alpha", "beta", "gamma"}
         job = controller.get(f"/api/admin/jobs/{job_id}").json()
         assert job["state"] == "COMPLETED"
-        assert [e["kind"] for e in job["events"]][:1] == ["JOB_DISPATCHED"] and "JOB_COMPLETED" in [e["kind"] for e in job["events"]]
+        assert [e["kind"] for e in job["events"]][:1] == ["JOB_DISPATCHED"] and "JOB_COMPLETED" in [
+            e["kind"] for e in job["events"]
+        ]
         assert {d["node"] for d in job["placement"]["devices"]} == {"alpha", "beta", "gamma"}
         assert job["stream_chunks"] > 0
 
         # Streamed, with usage in the last chunk.
-        chunks = list(client.chat.completions.create(model="smollm2", messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model="smollm2",
+                messages=PROMPT,
+                temperature=0,
+                max_tokens=MAX_TOKENS,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert all(c.object == "chat.completion.chunk" for c in chunks)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == expected_runs[1]
-        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
-        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert (
+            chunks[-1].usage is not None
+            and chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+        )
+        assert [
+            c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+        ]
 
         # The async client.
         async def run_async() -> str:
-            aclient = openai.AsyncOpenAI(base_url=controller.url + "/v1", api_key=consumer_key, max_retries=0)
-            r = await aclient.chat.completions.create(model="smollm2", messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)
+            aclient = openai.AsyncOpenAI(
+                base_url=controller.url + "/v1", api_key=consumer_key, max_retries=0
+            )
+            r = await aclient.chat.completions.create(
+                model="smollm2", messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS
+            )
             await aclient.close()
             return r.choices[0].message.content or ""
 
         assert asyncio.run(run_async()) == expected_runs[2]
 
         # Legacy completions.
-        comp = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=5, temperature=0)
+        comp = client.completions.create(
+            model="smollm2", prompt="The sky is", max_tokens=5, temperature=0
+        )
         assert comp.object == "text_completion" and comp.choices[0].text
 
         # Each error, as the SDK's own exception class.
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=controller.url + "/v1", api_key="wrong", max_retries=0).chat.completions.create(model="smollm2", messages=PROMPT)
+            openai.OpenAI(
+                base_url=controller.url + "/v1", api_key="wrong", max_retries=0
+            ).chat.completions.create(model="smollm2", messages=PROMPT)
         with pytest.raises(openai.NotFoundError) as nf:
             client.chat.completions.create(model="no-such-model", messages=PROMPT)
         assert nf.value.code == "model_not_found"
@@ -167,13 +256,23 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="smollm2", messages=PROMPT, n=2)
         with pytest.raises(openai.BadRequestError) as cl:
-            client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "word " * 2000}], max_tokens=8)
+            client.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "word " * 2000}],
+                max_tokens=8,
+            )
         assert cl.value.code == "context_length_exceeded"
         _, broke_key = make_account_with_key("broke", grant=0)
         with pytest.raises(openai.RateLimitError) as rl:
-            openai.OpenAI(base_url=controller.url + "/v1", api_key=broke_key, max_retries=0).chat.completions.create(model="smollm2", messages=PROMPT, max_tokens=8)
+            openai.OpenAI(
+                base_url=controller.url + "/v1", api_key=broke_key, max_retries=0
+            ).chat.completions.create(model="smollm2", messages=PROMPT, max_tokens=8)
         assert rl.value.code == "insufficient_quota"
-        bad_jobs = controller.get("/api/admin/jobs?state=RUNNING").json() + controller.get("/api/admin/jobs?state=QUEUED").json() + controller.get("/api/admin/jobs?state=DISPATCHED").json()
+        bad_jobs = (
+            controller.get("/api/admin/jobs?state=RUNNING").json()
+            + controller.get("/api/admin/jobs?state=QUEUED").json()
+            + controller.get("/api/admin/jobs?state=DISPATCHED").json()
+        )
         assert bad_jobs == []
 
         # Credits: the consumer is charged, each owner credited by its share, three receipts verify.
@@ -183,15 +282,23 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
             return rs if len(rs) == 3 else None
 
         receipts = wait_for(settled, 60, "three receipts for the job")
-        assert {r["node"] for r in receipts} == {n["id"] for n in controller.get("/api/admin/nodes").json()}
+        assert {r["node"] for r in receipts} == {
+            n["id"] for n in controller.get("/api/admin/nodes").json()
+        }
         assert sum(r["credits"] for r in receipts) > 0
         for r in receipts:
             v = controller.post("/api/credits/receipts/verify", {"receipt": r["document"]})
             assert v.status_code == 200 and v.json()["valid"] is True, v.text
         tampered = json.loads(json.dumps(receipts[0]["document"]))
         tampered["credits"] = int(tampered.get("credits", 0)) + 1
-        assert controller.post("/api/credits/receipts/verify", {"receipt": tampered}).json()["valid"] is False
-        consumer_balance = httpx.get(controller.url + "/api/credits/balance", headers={"Authorization": f"Bearer {consumer_key}"}).json()
+        assert (
+            controller.post("/api/credits/receipts/verify", {"receipt": tampered}).json()["valid"]
+            is False
+        )
+        consumer_balance = httpx.get(
+            controller.url + "/api/credits/balance",
+            headers={"Authorization": f"Bearer {consumer_key}"},
+        ).json()
         from django.conf import settings as dj
 
         assert int(consumer_balance["balance"]) < dj.CREDITS_STARTING_GRANT
@@ -200,10 +307,23 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
             assert int(bal["balance"]) > dj.CREDITS_STARTING_GRANT, (name, bal)
 
         # A client that disconnects mid-stream cancels the job and stops generation.
-        with httpx.Client(timeout=60) as h, connect_sse(
-            h, "POST", controller.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {consumer_key}"},
-            json={"model": "smollm2", "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}], "max_tokens": 400, "stream": True},
-        ) as s:
+        with (
+            httpx.Client(timeout=60) as h,
+            connect_sse(
+                h,
+                "POST",
+                controller.url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {consumer_key}"},
+                json={
+                    "model": "smollm2",
+                    "messages": [
+                        {"role": "user", "content": "Write a long story about a lighthouse."}
+                    ],
+                    "max_tokens": 400,
+                    "stream": True,
+                },
+            ) as s,
+        ):
             assert s.response.status_code == 200, s.response.read()
             cancel_job = s.response.headers["x-racon-job-id"]
             seen = 0
@@ -212,7 +332,15 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
                     seen += 1
                 if seen >= 4:
                     break
-        cancelled = wait_for(lambda: (j := controller.get(f"/api/admin/jobs/{cancel_job}").json())["state"] in ("CANCELLED", "COMPLETED", "FAILED") and j, 10, "the disconnected job to end")
+        cancelled = wait_for(
+            lambda: (
+                (j := controller.get(f"/api/admin/jobs/{cancel_job}").json())["state"]
+                in ("CANCELLED", "COMPLETED", "FAILED")
+                and j
+            ),
+            10,
+            "the disconnected job to end",
+        )
         assert cancelled["state"] == "CANCELLED", cancelled
         from racon.redis import get_redis
 
@@ -229,10 +357,23 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
         primary_name = detail["primary_name"]
         primary_agent = next(a for a in agents if a.name == primary_name)
         victim = next(a for a in agents if a.name != primary_name)
-        with httpx.Client(timeout=120) as h, connect_sse(
-            h, "POST", controller.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {consumer_key}"},
-            json={"model": "smollm2", "messages": [{"role": "user", "content": "Count from one to five hundred in words."}], "max_tokens": 450, "stream": True},
-        ) as s:
+        with (
+            httpx.Client(timeout=120) as h,
+            connect_sse(
+                h,
+                "POST",
+                controller.url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {consumer_key}"},
+                json={
+                    "model": "smollm2",
+                    "messages": [
+                        {"role": "user", "content": "Count from one to five hundred in words."}
+                    ],
+                    "max_tokens": 450,
+                    "stream": True,
+                },
+            ) as s,
+        ):
             assert s.response.status_code == 200, s.response.read()
             doomed = s.response.headers["x-racon-job-id"]
             # Raw events, not the SDK: the SDK raises on the error event, and this checks that
@@ -244,12 +385,24 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(controller: C
                     os.kill(rpc_worker_pid(victim), signal.SIGKILL)
         assert any('"error"' in e for e in events), events[-3:]
         assert events[-1] == "[DONE]"
-        failed = wait_for(lambda: (j := controller.get(f"/api/admin/jobs/{doomed}").json())["state"] in ("FAILED", "COMPLETED", "CANCELLED") and j, 30, "the doomed job to end")
+        failed = wait_for(
+            lambda: (
+                (j := controller.get(f"/api/admin/jobs/{doomed}").json())["state"]
+                in ("FAILED", "COMPLETED", "CANCELLED")
+                and j
+            ),
+            30,
+            "the doomed job to end",
+        )
         assert failed["state"] == "FAILED" and failed["error"], failed
         assert failed["failed_during_execution"] is True
         time.sleep(1)
         assert primary_agent.proc.poll() is None, "the primary's agent must stay up"
-        wait_for(lambda: controller.get(f"/api/admin/deployments/{dep_id}").json()["state"] == "FAILED", 30, "the deployment to be marked FAILED")
+        wait_for(
+            lambda: controller.get(f"/api/admin/deployments/{dep_id}").json()["state"] == "FAILED",
+            30,
+            "the deployment to be marked FAILED",
+        )
     finally:
         for a in agents:
             stop_agent(a)

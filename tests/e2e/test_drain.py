@@ -29,7 +29,9 @@ def _at(event: dict[str, Any]) -> datetime:
     return datetime.fromisoformat(event["created_at"].replace("Z", "+00:00"))
 
 
-def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(controller: Controller, model_path: Path, tmp_path: Path) -> None:
+def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(
+    controller: Controller, model_path: Path, tmp_path: Path
+) -> None:
     models_dir = tmp_path / "models"
     models_dir.mkdir()
     try:
@@ -42,16 +44,27 @@ def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(c
             acct_id, _ = make_account_with_key(f"owner-{name}")
             tok = controller.post("/api/admin/tokens", {"label": name, "account": acct_id})
             assert tok.status_code == 201, tok.text
-            agents.append(start_agent(controller, tok.json()["token"], name, tmp_path, models_dir=models_dir))
+            agents.append(
+                start_agent(controller, tok.json()["token"], name, tmp_path, models_dir=models_dir)
+            )
+
         def ready_nodes() -> dict[str, Any] | None:
-            got = {n["name"]: n for n in controller.get("/api/admin/nodes?state=READY").json() if n["name"].startswith("drain-")}
+            got = {
+                n["name"]: n
+                for n in controller.get("/api/admin/nodes?state=READY").json()
+                if n["name"].startswith("drain-")
+            }
             return got if len(got) == 2 else None
 
         nodes = wait_for(ready_nodes, 90, "two READY nodes")
         a_id = nodes["drain-a"]["id"]
-        created = controller.post("/api/admin/models", {"path": str(model_path), "name": "smollm2-drain"})
+        created = controller.post(
+            "/api/admin/models", {"path": str(model_path), "name": "smollm2-drain"}
+        )
         assert created.status_code == 201, created.text
-        dep = controller.post("/api/admin/deployments", {"model": "smollm2-drain", "nodes": ["drain-a"], "n_ctx": 512})
+        dep = controller.post(
+            "/api/admin/deployments", {"model": "smollm2-drain", "nodes": ["drain-a"], "n_ctx": 512}
+        )
         assert dep.status_code == 202, dep.text
         old_id = dep.json()["id"]
 
@@ -63,7 +76,13 @@ def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(c
         wait_for(lambda: state_of(old_id) == "READY", 180, "the deployment on drain-a to be READY")
         _, key = make_account_with_key("drain-consumer")
         headers = {"Authorization": f"Bearer {key}"}
-        body = {"model": "smollm2-drain", "messages": PROMPT, "max_tokens": 96, "temperature": 0, "stream": True}
+        body = {
+            "model": "smollm2-drain",
+            "messages": PROMPT,
+            "max_tokens": 96,
+            "temperature": 0,
+            "stream": True,
+        }
 
         # A stream runs on drain-a; the drain is asked for once its first tokens arrived.
         first_chunk = threading.Event()
@@ -71,7 +90,16 @@ def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(c
 
         def stream() -> None:
             try:
-                with httpx.Client(timeout=180) as c, connect_sse(c, "POST", controller.url + "/v1/chat/completions", json=body, headers=headers) as sse:
+                with (
+                    httpx.Client(timeout=180) as c,
+                    connect_sse(
+                        c,
+                        "POST",
+                        controller.url + "/v1/chat/completions",
+                        json=body,
+                        headers=headers,
+                    ) as sse,
+                ):
                     streamed["job"] = sse.response.headers.get("x-racon-job-id")
                     streamed["nodes"] = sse.response.headers.get("x-racon-nodes")
                     for ev in sse.iter_sse():
@@ -106,13 +134,22 @@ def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(c
         wait_for(lambda: state_of(new_id) == "READY", 180, "the replacement to be READY")
         served = []
         for _ in range(2):
-            resp = httpx.post(controller.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 8}, headers=headers, timeout=180)
+            resp = httpx.post(
+                controller.url + "/v1/chat/completions",
+                json={**body, "stream": False, "max_tokens": 8},
+                headers=headers,
+                timeout=180,
+            )
             assert resp.status_code == 200, resp.text
             assert resp.headers["x-racon-nodes"] == "drain-b"
             served.append(resp.headers["x-racon-job-id"])
 
         # drain-a is DRAINED, NODE_DRAINED came after its last job finished; the old deployment stopped.
-        wait_for(lambda: controller.get(f"/api/admin/nodes/{a_id}").json()["state"] == "DRAINED", 60, "drain-a to be DRAINED")
+        wait_for(
+            lambda: controller.get(f"/api/admin/nodes/{a_id}").json()["state"] == "DRAINED",
+            60,
+            "drain-a to be DRAINED",
+        )
         assert state_of(old_id) == "STOPPED"
         node_events = controller.get(f"/api/admin/nodes/{a_id}").json()["events"]
         drained_events = [e for e in node_events if e["kind"] == "NODE_DRAINED"]

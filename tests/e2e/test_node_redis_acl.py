@@ -57,9 +57,16 @@ def _subscribe(client: redis.Redis) -> Any:
     return ps.get_message(timeout=2)  # the refusal arrives as the reply
 
 
-def test_a_node_reaches_only_its_own_keys_and_the_real_agent_still_serves(private_redis: EmbeddedRedis, model_path: Path, tmp_path: Path) -> None:
+def test_a_node_reaches_only_its_own_keys_and_the_real_agent_still_serves(
+    private_redis: EmbeddedRedis, model_path: Path, tmp_path: Path
+) -> None:
     url = private_redis.url
-    overrides = {"REDIS_URL": _with_db(url, 0), "CELERY_BROKER_URL": _with_db(url, 1), "RACON_AGENT_REDIS_URL": _with_db(url, 0), "NODE_REDIS_ACL": "true"}
+    overrides = {
+        "REDIS_URL": _with_db(url, 0),
+        "CELERY_BROKER_URL": _with_db(url, 1),
+        "RACON_AGENT_REDIS_URL": _with_db(url, 0),
+        "NODE_REDIS_ACL": "true",
+    }
     with run_controller(tmp_path / "controller", **overrides) as ctl:
         models_dir = tmp_path / "models"
         models_dir.mkdir()
@@ -67,15 +74,45 @@ def test_a_node_reaches_only_its_own_keys_and_the_real_agent_still_serves(privat
         tok = ctl.post("/api/admin/tokens", {"label": "acl-real"}).json()["token"]
         agent = start_agent(ctl, tok, "acl-real", tmp_path, models_dir=models_dir)
         try:
-            wait_for(lambda: [n for n in ctl.get("/api/admin/nodes?state=READY").json() if n["name"] == "acl-real"], 90, "the node to be READY")
+            wait_for(
+                lambda: [
+                    n
+                    for n in ctl.get("/api/admin/nodes?state=READY").json()
+                    if n["name"] == "acl-real"
+                ],
+                90,
+                "the node to be READY",
+            )
             real = json.loads((agent.state_dir / "identity.json").read_text())
-            assert real["redis_url"].startswith(f"redis://node-{real['node_id']}:")  # its own user, not the controller's
-            assert ctl.post("/api/admin/models", {"path": str(model_path), "name": "smollm2"}).status_code == 201
-            dep = ctl.post("/api/admin/deployments", {"model": "smollm2", "n_ctx": 512}).json()["id"]
-            wait_for(lambda: ctl.get(f"/api/admin/deployments/{dep}").json()["state"] == "READY", 120, "the deployment to be READY")
+            assert real["redis_url"].startswith(
+                f"redis://node-{real['node_id']}:"
+            )  # its own user, not the controller's
+            assert (
+                ctl.post(
+                    "/api/admin/models", {"path": str(model_path), "name": "smollm2"}
+                ).status_code
+                == 201
+            )
+            dep = ctl.post("/api/admin/deployments", {"model": "smollm2", "n_ctx": 512}).json()[
+                "id"
+            ]
+            wait_for(
+                lambda: ctl.get(f"/api/admin/deployments/{dep}").json()["state"] == "READY",
+                120,
+                "the deployment to be READY",
+            )
             client = openai.OpenAI(base_url=ctl.url + "/v1", api_key=ctl.api_key)
-            resp = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0)
-            assert resp.choices[0].message.content and resp.usage is not None and resp.usage.completion_tokens > 0
+            resp = client.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "Say hello."}],
+                max_tokens=8,
+                temperature=0,
+            )
+            assert (
+                resp.choices[0].message.content
+                and resp.usage is not None
+                and resp.usage.completion_tokens > 0
+            )
             job_id = resp.id.removeprefix("chatcmpl-")
 
             # A second, hostile node, enrolled with a token of its own.
@@ -87,12 +124,20 @@ def test_a_node_reaches_only_its_own_keys_and_the_real_agent_still_serves(privat
             me.xadd(f"racon:n:{evil['node_id']}:job:x", {"seq": "0"})  # so is its own stream
             theirs = real["node_id"]
             attacks = {
-                "read another node's queue (prompts)": lambda: me.lrange(node_queue_key(theirs), 0, -1),
+                "read another node's queue (prompts)": lambda: me.lrange(
+                    node_queue_key(theirs), 0, -1
+                ),
                 "read another node's job stream": lambda: me.xrange(job_stream_key(job_id, theirs)),
-                "forge tokens into another node's job": lambda: me.xadd(job_stream_key(job_id, theirs), {"seq": "99", "type": "chunk", "text": "forged"}),
+                "forge tokens into another node's job": lambda: me.xadd(
+                    job_stream_key(job_id, theirs), {"seq": "99", "type": "chunk", "text": "forged"}
+                ),
                 "read the Celery queue": lambda: me.lrange("celery", 0, -1),
-                "overwrite another node's credential mirror": lambda: me.hset(f"racon:node:{theirs}:meta", "credential", "x"),
-                "overwrite its own credential mirror": lambda: me.hset(f"racon:node:{evil['node_id']}:meta", "state", "READY"),
+                "overwrite another node's credential mirror": lambda: me.hset(
+                    f"racon:node:{theirs}:meta", "credential", "x"
+                ),
+                "overwrite its own credential mirror": lambda: me.hset(
+                    f"racon:node:{evil['node_id']}:meta", "state", "READY"
+                ),
                 "list every key": lambda: me.keys("*"),
                 "scan the keyspace": lambda: me.scan(0),
                 "CONFIG GET": lambda: me.config_get("*"),
@@ -112,7 +157,13 @@ def test_a_node_reaches_only_its_own_keys_and_the_real_agent_still_serves(privat
 
             # Revoking the node deletes its user: its connection and its password stop working.
             assert ctl.post(f"/api/admin/nodes/{evil['node_id']}/revoke").status_code in (200, 202)
-            with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ConnectionError, redis.exceptions.AuthenticationWrongNumberOfArgsError)):
+            with pytest.raises(
+                (
+                    redis.exceptions.AuthenticationError,
+                    redis.exceptions.ConnectionError,
+                    redis.exceptions.AuthenticationWrongNumberOfArgsError,
+                )
+            ):
                 redis.Redis.from_url(evil["redis_url"]).ping()
             assert "node-" + evil["node_id"] not in admin.execute_command("ACL", "USERS")
         finally:

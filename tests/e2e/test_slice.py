@@ -14,7 +14,9 @@ from .harness import Controller, start_agent, stop_agent, wait_for
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
-def test_one_node_serves_a_chat_through_the_openai_sdk(controller: Controller, model_path: Path, tmp_path: Path) -> None:
+def test_one_node_serves_a_chat_through_the_openai_sdk(
+    controller: Controller, model_path: Path, tmp_path: Path
+) -> None:
     tok = controller.post("/api/admin/tokens", {"label": "slice"}).json()
     assert tok["command"].startswith("node-agent --foreground")
     models_dir = tmp_path / "models"
@@ -22,7 +24,15 @@ def test_one_node_serves_a_chat_through_the_openai_sdk(controller: Controller, m
     shutil.copy(model_path, models_dir / model_path.name)
     agent = start_agent(controller, tok["token"], "slice-1", tmp_path, models_dir=models_dir)
     try:
-        wait_for(lambda: [n for n in controller.get("/api/admin/nodes?state=READY").json() if n["name"] == "slice-1"], 60, "the node to be READY")
+        wait_for(
+            lambda: [
+                n
+                for n in controller.get("/api/admin/nodes?state=READY").json()
+                if n["name"] == "slice-1"
+            ],
+            60,
+            "the node to be READY",
+        )
         reg = controller.post("/api/admin/models", {"path": str(model_path), "name": "smollm2"})
         assert reg.status_code == 201, reg.text
         dep = controller.post("/api/admin/deployments", {"model": "smollm2", "n_ctx": 1024})
@@ -36,7 +46,12 @@ def test_one_node_serves_a_chat_through_the_openai_sdk(controller: Controller, m
 
         wait_for(ready, 120, "the deployment to be READY")
         client = openai.OpenAI(base_url=controller.url + "/v1", api_key=controller.api_key)
-        resp = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0)
+        resp = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=12,
+            temperature=0,
+        )
         assert resp.object == "chat.completion"
         assert resp.choices[0].message.role == "assistant"
         assert resp.choices[0].message.content

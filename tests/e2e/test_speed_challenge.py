@@ -27,7 +27,9 @@ def _profile(path: Path, gflops: float) -> Path:
     return path
 
 
-def test_an_honest_claim_is_confirmed_and_an_inflated_one_is_cut_by_timed_work(tmp_path: Path) -> None:
+def test_an_honest_claim_is_confirmed_and_an_inflated_one_is_cut_by_timed_work(
+    tmp_path: Path,
+) -> None:
     real = measure_gflops(0.3)
     honest_claim, inflated_claim = real, min(real * 50, 9_000.0)
     # A wide slack: this machine is shared, and the test must not hang on its noise.
@@ -38,19 +40,39 @@ def test_an_honest_claim_is_confirmed_and_an_inflated_one_is_cut_by_timed_work(t
             for name, claim in (("honest", honest_claim), ("inflated", inflated_claim)):
                 tok = ctl.post("/api/admin/tokens", {"label": name}).json()["token"]
                 profile = _profile(tmp_path / f"{name}.json", claim)
-                agents.append(start_agent(ctl, tok, name, tmp_path, extra=["--hardware-profile", str(profile)]))
+                agents.append(
+                    start_agent(
+                        ctl, tok, name, tmp_path, extra=["--hardware-profile", str(profile)]
+                    )
+                )
 
             def verdicts() -> dict[str, str] | None:
-                got = {e.node.name: e.kind for e in Event.objects.filter(kind__startswith="SPEED_").select_related("node")}
+                got = {
+                    e.node.name: e.kind
+                    for e in Event.objects.filter(kind__startswith="SPEED_").select_related("node")
+                }
                 return got if len(got) == 2 else None
 
             got = wait_for(verdicts, 120, "both speed challenges to finish")
-            assert got == {"honest": "SPEED_VERIFIED", "inflated": "SPEED_CLAIM_REDUCED"}, got
+            # The inflated claim's work is sized to its claim, and given 10x that time: on a loaded
+            # machine the honest answer can come too late, which fails the claim outright.
+            assert got["honest"] == "SPEED_VERIFIED" and got["inflated"] in (
+                "SPEED_CLAIM_REDUCED",
+                "SPEED_CHALLENGE_FAILED",
+            ), got
             honest, inflated = Node.objects.get(name="honest"), Node.objects.get(name="inflated")
             assert honest.gflops == honest_claim and honest.speed_verified_at is not None
-            assert 1.0 <= inflated.gflops < inflated_claim / 2 and inflated.gflops_claimed == inflated_claim
-            event = Event.objects.get(node=inflated, kind="SPEED_CLAIM_REDUCED")
-            assert event.data["answered"] is True and event.data["measured_gflops"] == inflated.gflops
+            assert (
+                1.0 <= inflated.gflops < inflated_claim / 2
+                and inflated.gflops_claimed == inflated_claim
+            )
+            event = Event.objects.get(node=inflated, kind=got["inflated"])
+            assert event.data["claimed_gflops"] == inflated_claim
+            if got["inflated"] == "SPEED_CLAIM_REDUCED":
+                assert (
+                    event.data["answered"] is True
+                    and event.data["measured_gflops"] == inflated.gflops
+                )
         finally:
             for agent in agents:
                 stop_agent(agent)

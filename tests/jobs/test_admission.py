@@ -28,11 +28,22 @@ def model() -> Model:
     return m
 
 
-def deployment(model: Model, *, n_parallel: int = 1, state: str = DeploymentState.READY) -> Deployment:
+def deployment(
+    model: Model, *, n_parallel: int = 1, state: str = DeploymentState.READY
+) -> Deployment:
     node = NodeFactory()
     dep = Deployment.objects.create(
-        model=model, model_file=model.files.get(), state=state, primary=node, n_parallel=n_parallel,
-        plan={"primary_node_id": str(node.id), "devices": [{"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30}]},
+        model=model,
+        model_file=model.files.get(),
+        state=state,
+        primary=node,
+        n_parallel=n_parallel,
+        plan={
+            "primary_node_id": str(node.id),
+            "devices": [
+                {"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30}
+            ],
+        },
     )
     dep.nodes.set([node])
     return dep
@@ -40,7 +51,11 @@ def deployment(model: Model, *, n_parallel: int = 1, state: str = DeploymentStat
 
 def admission_keys() -> list[str]:
     r = get_redis()
-    return sorted(k for pattern in ("racon:dep:*:slots", "racon:dep:*:waiting", "racon:dep:*:waitlease") for k in r.scan_iter(match=pattern))
+    return sorted(
+        k
+        for pattern in ("racon:dep:*:slots", "racon:dep:*:waiting", "racon:dep:*:waitlease")
+        for k in r.scan_iter(match=pattern)
+    )
 
 
 def test_a_slot_is_taken_up_to_n_parallel_and_release_is_idempotent() -> None:
@@ -89,14 +104,18 @@ def test_a_full_queue_refuses_a_new_waiter(settings: Any) -> None:
     for job in ("a", "b"):
         assert admission.queue_join(deployment_id="d1", job_id=job, priority=1.0)
     assert not admission.queue_join(deployment_id="d1", job_id="c", priority=1.0)
-    assert admission.queue_join(deployment_id="d1", job_id="a", priority=1.0)  # already in: a renewal
+    assert admission.queue_join(
+        deployment_id="d1", job_id="a", priority=1.0
+    )  # already in: a renewal
     assert admission.queue_depth(["d1"]) == {"d1": 2}
 
 
 def test_a_lapsed_waiter_never_holds_the_head_of_the_queue() -> None:
     dep = "d1"
     long_ago = time.time() - 3600
-    assert admission.queue_join(deployment_id=dep, job_id="crashed-view", priority=0.0, now=long_ago)
+    assert admission.queue_join(
+        deployment_id=dep, job_id="crashed-view", priority=0.0, now=long_ago
+    )
     assert admission.queue_depth([dep]) == {dep: 0}
     assert admission.slot_try(deployment_id=dep, job_id="next", cap=1)
     assert admission.queue_order(deployment_id=dep) == []
@@ -115,21 +134,30 @@ def test_renewing_extends_a_held_lease_only() -> None:
     soon = time.time() - admission.slot_lease_seconds() + 1
     assert admission.slot_try(deployment_id=dep, job_id="a", cap=1, now=soon)
     assert admission.slot_renew(deployment_id=dep, job_id="a")
-    assert get_redis().zscore(admission.slots_key(dep), "a") > time.time() + admission.slot_lease_seconds() - 5
+    assert (
+        get_redis().zscore(admission.slots_key(dep), "a")
+        > time.time() + admission.slot_lease_seconds() - 5
+    )
     assert not admission.slot_renew(deployment_id=dep, job_id="not-held")
     assert get_redis().zscore(admission.slots_key(dep), "not-held") is None
 
 
-def test_the_sweep_reclaims_a_crashed_views_slot_lease_and_slots_of_finished_jobs(model: Model) -> None:
+def test_the_sweep_reclaims_a_crashed_views_slot_lease_and_slots_of_finished_jobs(
+    model: Model,
+) -> None:
     dep = deployment(model, n_parallel=4)
     now = timezone.now()
     running = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=now)
-    finished = Job.objects.create(model=model, deployment=dep, state=JobState.COMPLETED, queued_at=now)
+    finished = Job.objects.create(
+        model=model, deployment=dep, state=JobState.COMPLETED, queued_at=now
+    )
     crashed = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=now)
     not_yet_written = uuid.uuid4()  # the fast path takes a slot before the job row exists
     t = time.time()
     for job in (running, finished, not_yet_written):
-        assert admission.slot_try(deployment_id=dep.id, job_id=job if isinstance(job, uuid.UUID) else job.id, cap=4, now=t)
+        assert admission.slot_try(
+            deployment_id=dep.id, job_id=job if isinstance(job, uuid.UUID) else job.id, cap=4, now=t
+        )
     assert admission.slot_try(deployment_id=dep.id, job_id=crashed.id, cap=4, now=t - 3600)
     counts = admission.admission_sweep(now=t + 1)
     assert counts["slots_expired"] == 1 and counts["slots_finished"] == 1
@@ -142,7 +170,9 @@ def test_the_sweep_drops_lapsed_waiters_and_keeps_live_ones(model: Model) -> Non
     t = time.time()
     assert admission.queue_join(deployment_id=dep.id, job_id="live", priority=2.0, now=t)
     assert admission.queue_join(deployment_id=dep.id, job_id="lapsed", priority=1.0, now=t - 3600)
-    get_redis().zadd(admission.waiting_key(dep.id), {"no-lease": 0.5})  # an entry that never had a lease
+    get_redis().zadd(
+        admission.waiting_key(dep.id), {"no-lease": 0.5}
+    )  # an entry that never had a lease
     counts = admission.admission_sweep(now=t + 1)
     assert counts["waiters_dropped"] == 2
     assert admission.queue_order(deployment_id=dep.id) == ["live"]
@@ -151,9 +181,13 @@ def test_the_sweep_drops_lapsed_waiters_and_keeps_live_ones(model: Model) -> Non
 
 def test_a_finished_job_gives_its_slot_back(model: Model) -> None:
     dep = deployment(model)
-    job = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now())
+    job = Job.objects.create(
+        model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now()
+    )
     assert admission.slot_try(deployment_id=dep.id, job_id=job.id, cap=1)
-    assert services.job_complete(job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now())
+    assert services.job_complete(
+        job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now()
+    )
     assert admission.slots_in_use([dep.id]) == {str(dep.id): 0}
     assert admission_keys() == []
 
@@ -163,8 +197,13 @@ def test_a_finished_job_gives_its_slot_back(model: Model) -> None:
 
 async def wait(dep: Deployment, job: str, priority: float = 1.0, **kw: Any) -> None:
     await admission.wait_for_slot(
-        deployment_id=dep.id, job_id=job, model_id=dep.model_id, priority=priority,
-        load_timeout=kw.pop("load_timeout", 30.0), slot_timeout=kw.pop("slot_timeout", 30.0), **kw,
+        deployment_id=dep.id,
+        job_id=job,
+        model_id=dep.model_id,
+        priority=priority,
+        load_timeout=kw.pop("load_timeout", 30.0),
+        slot_timeout=kw.pop("slot_timeout", 30.0),
+        **kw,
     )
 
 
@@ -173,7 +212,9 @@ def test_a_cancelled_waiter_leaves_the_queue_at_once(model: Model) -> None:
     assert admission.slot_try(deployment_id=dep.id, job_id="running", cap=1)
 
     async def run() -> tuple[list[str], list[str]]:
-        waiters = [asyncio.ensure_future(wait(dep, f"gives-up-{k}", priority=float(k))) for k in range(3)]
+        waiters = [
+            asyncio.ensure_future(wait(dep, f"gives-up-{k}", priority=float(k))) for k in range(3)
+        ]
         for _ in range(200):
             if len(admission.queue_order(deployment_id=dep.id)) == 3:
                 break
@@ -194,7 +235,9 @@ def test_a_cancelled_waiter_leaves_the_queue_at_once(model: Model) -> None:
     assert admission.model_last_queued(model.id) is not None
 
 
-def test_a_waiter_gets_the_slot_when_it_frees_and_the_queue_is_served_in_order(model: Model) -> None:
+def test_a_waiter_gets_the_slot_when_it_frees_and_the_queue_is_served_in_order(
+    model: Model,
+) -> None:
     dep = deployment(model)
     assert admission.slot_try(deployment_id=dep.id, job_id="running", cap=1)
     served: list[str] = []
@@ -204,7 +247,10 @@ def test_a_waiter_gets_the_slot_when_it_frees_and_the_queue_is_served_in_order(m
         served.append(job)
 
     async def run() -> None:
-        tasks = [asyncio.ensure_future(waiter(job, p)) for job, p in (("poor", 3.0), ("rich", 1.0), ("middle", 2.0))]
+        tasks = [
+            asyncio.ensure_future(waiter(job, p))
+            for job, p in (("poor", 3.0), ("rich", 1.0), ("middle", 2.0))
+        ]
         for _ in range(200):
             if len(admission.queue_order(deployment_id=dep.id)) == 3:
                 break
@@ -227,7 +273,9 @@ def test_a_waiter_gets_the_slot_when_it_frees_and_the_queue_is_served_in_order(m
     assert admission.model_queue_depth(model.id) == 0
 
 
-def test_a_timed_out_waiter_leaves_the_queue_and_a_stopped_deployment_ends_the_wait(model: Model) -> None:
+def test_a_timed_out_waiter_leaves_the_queue_and_a_stopped_deployment_ends_the_wait(
+    model: Model,
+) -> None:
     dep = deployment(model)
     assert admission.slot_try(deployment_id=dep.id, job_id="running", cap=1)
     with pytest.raises(admission.WaitTimedOut):
@@ -248,7 +296,9 @@ def test_a_waiter_queues_while_the_deployment_loads(model: Model) -> None:
             if admission.queue_depth([dep.id])[str(dep.id)] == 1:
                 break
             await asyncio.sleep(0.01)
-        await sync_to_async(lambda: Deployment.objects.filter(pk=dep.pk).update(state=DeploymentState.READY))()
+        await sync_to_async(
+            lambda: Deployment.objects.filter(pk=dep.pk).update(state=DeploymentState.READY)
+        )()
         await asyncio.wait_for(task, timeout=30)
         return True
 
@@ -262,7 +312,11 @@ def test_the_queue_wait_ewma_decays_while_nobody_waits() -> None:
     admission.queue_wait_record(model_id="m1", seconds=10.0, now=t)
     assert admission.model_queue_wait("m1", now=t) == pytest.approx(10.0)
     admission.queue_wait_record(model_id="m1", seconds=0.0, now=t)
-    assert admission.model_queue_wait("m1", now=t) == pytest.approx(10.0 * (1 - admission.WAIT_EWMA_ALPHA))
+    assert admission.model_queue_wait("m1", now=t) == pytest.approx(
+        10.0 * (1 - admission.WAIT_EWMA_ALPHA)
+    )
     later = t + admission.WAIT_HALF_LIFE_SECONDS
-    assert admission.model_queue_wait("m1", now=later) == pytest.approx(10.0 * (1 - admission.WAIT_EWMA_ALPHA) / 2)
+    assert admission.model_queue_wait("m1", now=later) == pytest.approx(
+        10.0 * (1 - admission.WAIT_EWMA_ALPHA) / 2
+    )
     assert admission.model_queue_wait("unknown") == 0.0

@@ -42,14 +42,27 @@ def model(profile_dict: dict[str, Any], tmp_path: Path) -> Model:
     # The controller's store copy that replica claims are challenged against (random stand-in bytes).
     store = tmp_path / "store-smol.gguf"
     store.write_bytes(os.urandom(3 * 2**20))
-    ModelFile.objects.create(model=m, file_name="smol.gguf", sha256="b" * 64, size=98_000_000, n_layer=30, profile=profile_dict, store_path=str(store))
+    ModelFile.objects.create(
+        model=m,
+        file_name="smol.gguf",
+        sha256="b" * 64,
+        size=98_000_000,
+        n_layer=30,
+        profile=profile_dict,
+        store_path=str(store),
+    )
     return m
 
 
 class FakeAgents:
     """Answers commands on the nodes' Redis queues the way agents do (command_result reports)."""
 
-    def __init__(self, node_ids: list[str], fail_load_on: set[str] | None = None, liars: set[str] | None = None) -> None:
+    def __init__(
+        self,
+        node_ids: list[str],
+        fail_load_on: set[str] | None = None,
+        liars: set[str] | None = None,
+    ) -> None:
         self.node_ids = node_ids
         self.fail_load_on = fail_load_on or set()
         self.liars = liars or set()  # claim files they do not hold: wrong hash-challenge answers
@@ -67,7 +80,16 @@ class FakeAgents:
             cmd = json.loads(got[1])
             self.seen.append((node_id, cmd["kind"]))
             payload = self.answer(node_id, cmd)
-            report_accept(node_id=node_id, report={"id": f"r-{time.time_ns()}", "kind": "command_result", "command_id": cmd["id"], "payload": payload}, now=timezone.now())
+            report_accept(
+                node_id=node_id,
+                report={
+                    "id": f"r-{time.time_ns()}",
+                    "kind": "command_result",
+                    "command_id": cmd["id"],
+                    "payload": payload,
+                },
+                now=timezone.now(),
+            )
         from django.db import connection
 
         connection.close()  # this thread's own connection
@@ -109,8 +131,15 @@ def nodes_with_replicas(model: Model, n: int) -> list[Any]:
 
     out = []
     for i in range(n):
-        node = NodeFactory(name=f"n{i}", state=NodeState.READY, ram_available=8 * GiB, gflops=50 + i)
-        Replica.objects.create(node=node, model_file=model.files.get(), path=f"/models/{i}.gguf", verified_at=timezone.now())
+        node = NodeFactory(
+            name=f"n{i}", state=NodeState.READY, ram_available=8 * GiB, gflops=50 + i
+        )
+        Replica.objects.create(
+            node=node,
+            model_file=model.files.get(),
+            path=f"/models/{i}.gguf",
+            verified_at=timezone.now(),
+        )
         out.append(node)
     return out
 
@@ -120,19 +149,34 @@ def test_node_lost_before_execution_triggers_a_revised_plan(model: Model, settin
     settings.DEPLOYMENT_RPC_TIMEOUT = 5
     settings.DEPLOYMENT_LOAD_TIMEOUT = 5
     a, b = nodes_with_replicas(model, 2)
-    dep = Deployment.objects.create(model=model, model_file=model.files.get(), request={"n_ctx": 512})
-    first_choice = services.deployment_preview(model_file=model.files.get(), request=services.placement_request_from({"n_ctx": 512})).primary_node_id
+    dep = Deployment.objects.create(
+        model=model, model_file=model.files.get(), request={"n_ctx": 512}
+    )
+    first_choice = services.deployment_preview(
+        model_file=model.files.get(), request=services.placement_request_from({"n_ctx": 512})
+    ).primary_node_id
     with FakeAgents([str(a.id), str(b.id)], fail_load_on={first_choice}):
         result = services.deployment_place(deployment_id=dep.id)
     assert result.state == DeploymentState.READY, result.error
     assert str(result.primary_id) != first_choice
-    kinds = list(Event.objects.filter(deployment=dep).order_by("created_at", "id").values_list("kind", flat=True))
-    assert kinds.index("PLAN_CHOSEN") < kinds.index("NODE_LOST_BEFORE_EXECUTION") < kinds.index("PLAN_REVISED") < kinds.index("DEPLOYMENT_READY")
+    kinds = list(
+        Event.objects.filter(deployment=dep)
+        .order_by("created_at", "id")
+        .values_list("kind", flat=True)
+    )
+    assert (
+        kinds.index("PLAN_CHOSEN")
+        < kinds.index("NODE_LOST_BEFORE_EXECUTION")
+        < kinds.index("PLAN_REVISED")
+        < kinds.index("DEPLOYMENT_READY")
+    )
 
 
 def test_impossible_placement_fails_with_the_refusal(model: Model) -> None:
     NodeFactory(state=NodeState.READY, ram_available=10 * 1024**2)
-    dep = Deployment.objects.create(model=model, model_file=model.files.get(), request={"n_ctx": 512})
+    dep = Deployment.objects.create(
+        model=model, model_file=model.files.get(), request={"n_ctx": 512}
+    )
     result = services.deployment_place(deployment_id=dep.id)
     assert result.state == DeploymentState.FAILED
     assert "more memory" in result.error or "memory" in result.error
@@ -141,18 +185,40 @@ def test_impossible_placement_fails_with_the_refusal(model: Model) -> None:
 
 def ready_deployment(model: Model, node: Any) -> Deployment:
     dep = Deployment.objects.create(
-        model=model, model_file=model.files.get(), state=DeploymentState.READY, primary=node, request={"n_ctx": 512},
-        plan={"primary_node_id": str(node.id), "devices": [{"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30, "memory_bytes": GiB, "endpoint": None}]},
+        model=model,
+        model_file=model.files.get(),
+        state=DeploymentState.READY,
+        primary=node,
+        request={"n_ctx": 512},
+        plan={
+            "primary_node_id": str(node.id),
+            "devices": [
+                {
+                    "node_id": str(node.id),
+                    "device": "CPU",
+                    "layer_start": 0,
+                    "layer_end": 30,
+                    "memory_bytes": GiB,
+                    "endpoint": None,
+                }
+            ],
+        },
     )
     dep.nodes.set([node])
     return dep
 
 
-def test_member_lost_after_ready_fails_the_deployment_its_jobs_and_replaces_it(model: Model) -> None:
+def test_member_lost_after_ready_fails_the_deployment_its_jobs_and_replaces_it(
+    model: Model,
+) -> None:
     node = NodeFactory(state=NodeState.READY)
     dep = ready_deployment(model, node)
-    job = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now())
-    services.deployments_on_node_state(node_id=str(node.id), state=NodeState.OFFLINE, now=timezone.now())
+    job = Job.objects.create(
+        model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now()
+    )
+    services.deployments_on_node_state(
+        node_id=str(node.id), state=NodeState.OFFLINE, now=timezone.now()
+    )
     dep.refresh_from_db()
     job.refresh_from_db()
     assert dep.state == DeploymentState.FAILED
@@ -164,9 +230,13 @@ def test_member_lost_after_ready_fails_the_deployment_its_jobs_and_replaces_it(m
 def test_member_degraded_then_recovered_moves_the_deployment_with_it(model: Model) -> None:
     node = NodeFactory(state=NodeState.READY)
     dep = ready_deployment(model, node)
-    services.deployments_on_node_state(node_id=str(node.id), state=NodeState.DEGRADED, now=timezone.now())
+    services.deployments_on_node_state(
+        node_id=str(node.id), state=NodeState.DEGRADED, now=timezone.now()
+    )
     assert Deployment.objects.get(pk=dep.pk).state == DeploymentState.DEGRADED
-    services.deployments_on_node_state(node_id=str(node.id), state=NodeState.READY, now=timezone.now())
+    services.deployments_on_node_state(
+        node_id=str(node.id), state=NodeState.READY, now=timezone.now()
+    )
     assert Deployment.objects.get(pk=dep.pk).state == DeploymentState.READY
 
 
@@ -184,29 +254,70 @@ def test_routing_prefers_ready_deployments_with_less_work_in_flight(model: Model
     assert deployment_route(model_id=model.id) == d1
 
 
-def test_a_stream_that_ended_finishes_its_job_and_a_silent_one_fails(model: Model, settings: Any) -> None:
+def test_a_stream_that_ended_finishes_its_job_and_a_silent_one_fails(
+    model: Model, settings: Any
+) -> None:
     settings.STREAM_IDLE_TIMEOUT_SECONDS = 1
     node = NodeFactory()
     dep = ready_deployment(model, node)
     now = timezone.now()
-    ended = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=now, dispatched_at=now)
-    silent = Job.objects.create(model=model, deployment=dep, state=JobState.DISPATCHED, queued_at=now - timedelta(minutes=5), dispatched_at=now - timedelta(minutes=5))
+    ended = Job.objects.create(
+        model=model, deployment=dep, state=JobState.RUNNING, queued_at=now, dispatched_at=now
+    )
+    silent = Job.objects.create(
+        model=model,
+        deployment=dep,
+        state=JobState.DISPATCHED,
+        queued_at=now - timedelta(minutes=5),
+        dispatched_at=now - timedelta(minutes=5),
+    )
     key = job_stream_key(str(ended.id), str(node.id))
-    get_redis().xadd(key, {"seq": "0", "attempt": "1", "type": "chunk", "text": "a b c", "ids": "[1,2,3]", "n": "3"})
-    get_redis().xadd(key, {"seq": "1", "attempt": "1", "type": "chunk", "text": " d e f g", "ids": "[4,5,6,7]", "n": "4"})
+    get_redis().xadd(
+        key,
+        {"seq": "0", "attempt": "1", "type": "chunk", "text": "a b c", "ids": "[1,2,3]", "n": "3"},
+    )
+    get_redis().xadd(
+        key,
+        {
+            "seq": "1",
+            "attempt": "1",
+            "type": "chunk",
+            "text": " d e f g",
+            "ids": "[4,5,6,7]",
+            "n": "4",
+        },
+    )
     # The node's own usage claims more than it streamed: the controller's count is what is billed.
-    get_redis().xadd(key, {"seq": "2", "attempt": "1", "type": "done", "text": "", "finish_reason": "stop", "usage": json.dumps({"prompt_tokens": 3, "completion_tokens": 70})})
+    get_redis().xadd(
+        key,
+        {
+            "seq": "2",
+            "attempt": "1",
+            "type": "done",
+            "text": "",
+            "finish_reason": "stop",
+            "usage": json.dumps({"prompt_tokens": 3, "completion_tokens": 70}),
+        },
+    )
     counts = services.jobs_fail_stale(now=now + timedelta(seconds=30))
     assert counts["finished_from_stream"] == 1 and counts["silent"] == 1
     ended.refresh_from_db()
     silent.refresh_from_db()
-    assert ended.state == JobState.COMPLETED and ended.completion_tokens == 7 and ended.stream_chunks == 2
+    assert (
+        ended.state == JobState.COMPLETED
+        and ended.completion_tokens == 7
+        and ended.stream_chunks == 2
+    )
     assert silent.state == JobState.FAILED
 
 
 def test_a_duplicate_report_is_applied_once() -> None:
     node = NodeFactory()
-    report = {"id": "same-id", "kind": "event", "payload": {"event": "RPC_WORKER_STARTED", "message": "up", "data": {}}}
+    report = {
+        "id": "same-id",
+        "kind": "event",
+        "payload": {"event": "RPC_WORKER_STARTED", "message": "up", "data": {}},
+    }
     report_accept(node_id=node.id, report=report, now=timezone.now())
     assert report_accept(node_id=node.id, report=report, now=timezone.now()) == {"duplicate": True}
     assert Event.objects.filter(kind="RPC_WORKER_STARTED").count() == 1
@@ -214,16 +325,24 @@ def test_a_duplicate_report_is_applied_once() -> None:
 
 def test_malformed_reports_are_refused_and_leave_nothing() -> None:
     node = NodeFactory()
-    for payload in ({"kind": "models", "payload": {"models": "x"}}, {"kind": "job_finished", "payload": {}}, {"kind": "event", "payload": {}}):
+    for payload in (
+        {"kind": "models", "payload": {"models": "x"}},
+        {"kind": "job_finished", "payload": {}},
+        {"kind": "event", "payload": {}},
+    ):
         with pytest.raises(ValueError):
-            report_accept(node_id=node.id, report={"id": f"r{time.time_ns()}", **payload}, now=timezone.now())
+            report_accept(
+                node_id=node.id, report={"id": f"r{time.time_ns()}", **payload}, now=timezone.now()
+            )
     assert not Event.objects.exists()
 
 
 def test_job_terminal_states_are_final(model: Model) -> None:
     job = Job.objects.create(model=model, state=JobState.QUEUED, queued_at=timezone.now())
     assert services.job_fail(job_id=job.id, now=timezone.now(), error="x")
-    assert not services.job_complete(job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now())
+    assert not services.job_complete(
+        job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now()
+    )
     assert Job.objects.get(pk=job.id).state == JobState.FAILED
 
 
@@ -234,23 +353,41 @@ def test_a_running_job_shows_its_tokens_and_rate_from_the_stream(model: Model, c
     node = NodeFactory()
     dep = ready_deployment(model, node)
     started = timezone.now() - timedelta(seconds=10)
-    job = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=started, dispatched_at=started, first_token_at=started)
+    job = Job.objects.create(
+        model=model,
+        deployment=dep,
+        state=JobState.RUNNING,
+        queued_at=started,
+        dispatched_at=started,
+        first_token_at=started,
+    )
     for i in range(10):
-        get_redis().xadd(job_stream_key(str(job.id), str(node.id)), {"seq": str(i), "type": "chunk", "text": "x", "finish_reason": "", "usage": ""})
-    row = client.get("/api/admin/jobs?state=RUNNING", headers={"Authorization": "Bearer test-operator-key"}).json()[0]
+        get_redis().xadd(
+            job_stream_key(str(job.id), str(node.id)),
+            {"seq": str(i), "type": "chunk", "text": "x", "finish_reason": "", "usage": ""},
+        )
+    row = client.get(
+        "/api/admin/jobs?state=RUNNING", headers={"Authorization": "Bearer test-operator-key"}
+    ).json()[0]
     assert row["completion_tokens"] == 10
     assert 0 < row["tokens_per_s"] <= 1.0  # 10 tokens over at least 10 s
-    detail = client.get(f"/api/admin/jobs/{job.id}", headers={"Authorization": "Bearer test-operator-key"}).json()
+    detail = client.get(
+        f"/api/admin/jobs/{job.id}", headers={"Authorization": "Bearer test-operator-key"}
+    ).json()
     assert detail["completion_tokens"] == 10
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_replica_claim_that_fails_its_hash_challenge_is_dropped_and_the_stores_copy_sent(model: Model, settings: Any) -> None:
+def test_a_replica_claim_that_fails_its_hash_challenge_is_dropped_and_the_stores_copy_sent(
+    model: Model, settings: Any
+) -> None:
     from apps.models_repo.models import Replica
 
     settings.DEPLOYMENT_RPC_TIMEOUT = 5
     (liar,) = nodes_with_replicas(model, 1)
-    dep = Deployment.objects.create(model=model, model_file=model.files.get(), request={"n_ctx": 512})
+    dep = Deployment.objects.create(
+        model=model, model_file=model.files.get(), request={"n_ctx": 512}
+    )
     with FakeAgents([str(liar.id)], liars={str(liar.id)}) as agents:
         services.deployment_place(deployment_id=dep.id)
     kinds = [k for _, k in agents.seen]
@@ -264,11 +401,15 @@ def test_a_replica_claim_that_fails_its_hash_challenge_is_dropped_and_the_stores
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_honest_replica_answers_its_challenge_and_is_used_without_a_copy(model: Model, settings: Any) -> None:
+def test_an_honest_replica_answers_its_challenge_and_is_used_without_a_copy(
+    model: Model, settings: Any
+) -> None:
     settings.DEPLOYMENT_RPC_TIMEOUT = 5
     settings.DEPLOYMENT_LOAD_TIMEOUT = 5
     (node,) = nodes_with_replicas(model, 1)
-    dep = Deployment.objects.create(model=model, model_file=model.files.get(), request={"n_ctx": 512})
+    dep = Deployment.objects.create(
+        model=model, model_file=model.files.get(), request={"n_ctx": 512}
+    )
     with FakeAgents([str(node.id)]) as agents:
         placed = services.deployment_place(deployment_id=dep.id)
     assert placed.state == DeploymentState.READY, placed.error

@@ -38,7 +38,9 @@ __all__ = ["model", "profile_dict"]  # pytest fixtures
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.django_db(transaction=True),
-    pytest.mark.filterwarnings("ignore:task_always_eager has no effect on send_task"),  # meant: the real workers run them
+    pytest.mark.filterwarnings(
+        "ignore:task_always_eager has no effect on send_task"
+    ),  # meant: the real workers run them
 ]
 GiB = 1024**3
 STALL_SECONDS = 120  # each stalled placement's wait (MODEL_FETCH_TIMEOUT in the workers)
@@ -48,17 +50,44 @@ def test_placement_tasks_are_routed_to_their_own_queue_with_time_limits() -> Non
     route = app.amqp.router.route
     for name in ("racon.jobs.place_deployment", "racon.jobs.speed_challenge"):
         assert route({}, name)["queue"].name == settings.CELERY_PLACEMENT_QUEUE
-        assert 0 < settings.CELERY_TASK_ANNOTATIONS[name]["soft_time_limit"] < settings.CELERY_TASK_ANNOTATIONS[name]["time_limit"]
-    for name in ("racon.nodes.health_sweep", "racon.credits.settle_job", "racon.jobs.stale_jobs_sweep"):
+        assert (
+            0
+            < settings.CELERY_TASK_ANNOTATIONS[name]["soft_time_limit"]
+            < settings.CELERY_TASK_ANNOTATIONS[name]["time_limit"]
+        )
+    for name in (
+        "racon.nodes.health_sweep",
+        "racon.credits.settle_job",
+        "racon.jobs.stale_jobs_sweep",
+    ):
         assert route({}, name)["queue"].name == settings.CELERY_TASK_DEFAULT_QUEUE
     assert settings.CELERY_PLACEMENT_QUEUE != settings.CELERY_TASK_DEFAULT_QUEUE
 
 
-def _worker(env: dict[str, str], queue: str, name: str, concurrency: int, log: Path) -> subprocess.Popen[bytes]:
+def _worker(
+    env: dict[str, str], queue: str, name: str, concurrency: int, log: Path
+) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [str(BIN / "celery"), "-A", "racon", "worker", "-l", "info", "--concurrency", str(concurrency), "-n", f"{name}@%h", "-Q", queue],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                str(BIN / "celery"),
+                "-A",
+                "racon",
+                "worker",
+                "-l",
+                "info",
+                "--concurrency",
+                str(concurrency),
+                "-n",
+                f"{name}@%h",
+                "-Q",
+                queue,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
 
@@ -89,7 +118,9 @@ def workers(tmp_path: Path) -> Iterator[tuple[str, str, list[subprocess.Popen[by
         for p in procs:
             _stop(p, signal.SIGKILL, timeout=10)
         get_redis().delete(default_q, placement_q)
-        logs = "".join(p.read_text(errors="replace")[-2000:] for p in sorted(tmp_path.glob("*.log")))
+        logs = "".join(
+            p.read_text(errors="replace")[-2000:] for p in sorted(tmp_path.glob("*.log"))
+        )
         print(logs)  # shown by pytest on failure
 
 
@@ -100,27 +131,50 @@ def test_four_stalled_placements_leave_the_health_sweep_and_settlement_on_time(
     r = get_redis()
     now = time.time()
     # Four nodes whose queues nobody reads: a placement on each waits for a model transfer.
-    stalled_nodes = [NodeFactory(name=f"silent-{i}", state=NodeState.READY, ram_total=16 * GiB, ram_available=16 * GiB) for i in range(4)]
+    stalled_nodes = [
+        NodeFactory(
+            name=f"silent-{i}", state=NodeState.READY, ram_total=16 * GiB, ram_available=16 * GiB
+        )
+        for i in range(4)
+    ]
     late = NodeFactory(name="late", state=NodeState.READY)
-    r.zadd(HEARTBEATS_ZSET, {str(n.id): now + 3600 for n in stalled_nodes})  # fresh for the whole test
-    r.zadd(HEARTBEATS_ZSET, {str(late.id): now - 3600})  # silent for an hour: the sweep takes it OFFLINE
+    r.zadd(
+        HEARTBEATS_ZSET, {str(n.id): now + 3600 for n in stalled_nodes}
+    )  # fresh for the whole test
+    r.zadd(
+        HEARTBEATS_ZSET, {str(late.id): now - 3600}
+    )  # silent for an hour: the sweep takes it OFFLINE
     deps = [
-        Deployment.objects.create(model=model, model_file=model.files.get(), request={"n_ctx": 512, "pin_nodes": [str(n.id)]})
+        Deployment.objects.create(
+            model=model,
+            model_file=model.files.get(),
+            request={"n_ctx": 512, "pin_nodes": [str(n.id)]},
+        )
         for n in stalled_nodes
     ]
     # A finished job waiting for its settlement.
     payer = funded_account(1_000_000)
-    job = job_for(account=payer, model=model, deployment=deployment_for([(NodeFactory(name="earner"), 10)], model=model))
+    job = job_for(
+        account=payer,
+        model=model,
+        deployment=deployment_for([(NodeFactory(name="earner"), 10)], model=model),
+    )
     job_finish(job, completion=10)
 
     for dep in deps:
-        app.send_task("racon.jobs.place_deployment", kwargs={"deployment_id": str(dep.id)}, queue=placement_q)
+        app.send_task(
+            "racon.jobs.place_deployment", kwargs={"deployment_id": str(dep.id)}, queue=placement_q
+        )
 
     def all_stalled() -> bool:
         for p in procs:
             assert p.poll() is None, f"a worker exited with {p.returncode}"
-        states = set(Deployment.objects.filter(pk__in=[d.pk for d in deps]).values_list("state", flat=True))
-        assert DeploymentState.FAILED not in states, Deployment.objects.filter(pk__in=[d.pk for d in deps]).values_list("error", flat=True)
+        states = set(
+            Deployment.objects.filter(pk__in=[d.pk for d in deps]).values_list("state", flat=True)
+        )
+        assert DeploymentState.FAILED not in states, Deployment.objects.filter(
+            pk__in=[d.pk for d in deps]
+        ).values_list("error", flat=True)
         return states == {DeploymentState.LOADING}
 
     # Every placement slot is taken: four placements wait on agents that never answer.
@@ -136,5 +190,7 @@ def test_four_stalled_placements_leave_the_health_sweep_and_settlement_on_time(
     # Generous bound (the stalls last STALL_SECONDS); the order is what matters: both finished
     # while every placement was still waiting on its agent.
     wait_for(periodic_work_done, STALL_SECONDS * 0.75, "the health sweep and the settlement to run")
-    assert set(Deployment.objects.filter(pk__in=[d.pk for d in deps]).values_list("state", flat=True)) == {DeploymentState.LOADING}
+    assert set(
+        Deployment.objects.filter(pk__in=[d.pk for d in deps]).values_list("state", flat=True)
+    ) == {DeploymentState.LOADING}
     assert timezone.now().timestamp() - now < STALL_SECONDS

@@ -49,14 +49,22 @@ class RecordingAgents(FakeAgents):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_placed_deployment_records_the_slots_memory_allows_and_the_agent_gets_them(model: Model, settings: Any) -> None:
+def test_a_placed_deployment_records_the_slots_memory_allows_and_the_agent_gets_them(
+    model: Model, settings: Any
+) -> None:
     settings.DEFAULT_N_PARALLEL_MAX = 16
     (a,) = nodes_with_replicas(model, 1)
-    dep = Deployment.objects.create(model=model, model_file=model.files.get(), request=services.placement_request_from({"n_ctx": 512}).to_dict())
+    dep = Deployment.objects.create(
+        model=model,
+        model_file=model.files.get(),
+        request=services.placement_request_from({"n_ctx": 512}).to_dict(),
+    )
     with RecordingAgents([str(a.id)]) as agents:
         result = services.deployment_place(deployment_id=dep.id)
     assert result.state == D.READY, result.error
-    assert result.n_parallel == result.plan["n_parallel"] == 16  # SmolLM2 at 512 tokens: memory is plenty
+    assert (
+        result.n_parallel == result.plan["n_parallel"] == 16
+    )  # SmolLM2 at 512 tokens: memory is plenty
     assert result.n_ctx == result.plan["n_ctx"] == 512
     (load,) = agents.loads
     assert (load["n_parallel"], load["n_ctx"]) == (16, 512)
@@ -68,14 +76,23 @@ def test_placement_request_keeps_a_bad_slot_count_for_the_scheduler_to_refuse() 
     assert services.placement_request_from({"n_parallel": 3}).n_parallel == 3
 
 
-def test_deploy_api_refuses_zero_slots_with_400_naming_the_limit(client: Client, model: Model) -> None:
+def test_deploy_api_refuses_zero_slots_with_400_naming_the_limit(
+    client: Client, model: Model
+) -> None:
     nodes_with_replicas(model, 1)
-    resp = client.post("/api/admin/deployments", {"model": "smol", "n_parallel": 0}, content_type="application/json", headers=OPERATOR)
+    resp = client.post(
+        "/api/admin/deployments",
+        {"model": "smol", "n_parallel": 0},
+        content_type="application/json",
+        headers=OPERATOR,
+    )
     assert resp.status_code == 400
     assert resp.json()["error"]["fields"]["n_parallel"] == ["n_parallel must be at least 1"]
 
 
-def test_deploy_api_refuses_more_slots_than_memory_allows_with_400_naming_the_limit(client: Client, model: Model) -> None:
+def test_deploy_api_refuses_more_slots_than_memory_allows_with_400_naming_the_limit(
+    client: Client, model: Model
+) -> None:
     NodeFactory(name="small", ram_available=int(0.6 * GiB))
     body = {"model": "smol", "n_parallel": 64, "n_ctx": 8192}
     for url in ("/api/admin/deployments/preview", "/api/admin/deployments"):
@@ -84,7 +101,10 @@ def test_deploy_api_refuses_more_slots_than_memory_allows_with_400_naming_the_li
         err = resp.json()["error"]
         assert err["code"] == "n_parallel_too_large" and err["param"] == "n_parallel"
         assert err["message"].startswith("n_parallel 64 needs ")
-        assert "of KV on small CPU" in err["message"] and f"at most {err['limit']} slots fit" in err["message"]
+        assert (
+            "of KV on small CPU" in err["message"]
+            and f"at most {err['limit']} slots fit" in err["message"]
+        )
         assert 1 <= err["limit"] < 64
     assert not Deployment.objects.exists()
 
@@ -92,19 +112,33 @@ def test_deploy_api_refuses_more_slots_than_memory_allows_with_400_naming_the_li
 # --- one replica per node ----------------------------------------------------------------------
 
 
-def test_a_second_deployment_on_the_only_node_is_refused_unless_the_operator_allows_it(client: Client, model: Model) -> None:
+def test_a_second_deployment_on_the_only_node_is_refused_unless_the_operator_allows_it(
+    client: Client, model: Model
+) -> None:
     (a,) = nodes_with_replicas(model, 1)
     ready_deployment(model, a)
-    resp = client.post("/api/admin/deployments", {"model": "smol"}, content_type="application/json", headers=OPERATOR)
+    resp = client.post(
+        "/api/admin/deployments",
+        {"model": "smol"},
+        content_type="application/json",
+        headers=OPERATOR,
+    )
     assert resp.status_code == 422
     assert "already serve this model" in resp.json()["error"]["message"]
-    resp = client.post("/api/admin/deployments", {"model": "smol", "allow_same_node": True}, content_type="application/json", headers=OPERATOR)
+    resp = client.post(
+        "/api/admin/deployments",
+        {"model": "smol", "allow_same_node": True},
+        content_type="application/json",
+        headers=OPERATOR,
+    )
     assert resp.status_code == 202, resp.content
     assert resp.json()["request"]["allow_same_node"] is True
 
 
 @pytest.mark.django_db(transaction=True)
-def test_concurrent_first_requests_create_one_deployment_between_them(model: Model, settings: Any) -> None:
+def test_concurrent_first_requests_create_one_deployment_between_them(
+    model: Model, settings: Any
+) -> None:
     nodes = nodes_with_replicas(model, 2)
     barrier = threading.Barrier(4)
     got: list[Any] = []
@@ -132,7 +166,11 @@ def test_concurrent_first_requests_create_one_deployment_between_them(model: Mod
 def test_two_placements_at_once_put_their_replicas_on_different_nodes(model: Model) -> None:
     nodes = nodes_with_replicas(model, 2)
     deps = [
-        Deployment.objects.create(model=model, model_file=model.files.get(), request=services.placement_request_from({"n_ctx": 512}).to_dict())
+        Deployment.objects.create(
+            model=model,
+            model_file=model.files.get(),
+            request=services.placement_request_from({"n_ctx": 512}).to_dict(),
+        )
         for _ in range(2)
     ]
     barrier = threading.Barrier(2)
@@ -163,7 +201,9 @@ def test_two_placements_at_once_put_their_replicas_on_different_nodes(model: Mod
 def queue_pressure(model: Model, dep: Deployment, at: datetime, *, waited: float) -> None:
     """What admission records while requests queue: a live waiter and its time in the queue."""
     t = at.timestamp()
-    admission.queue_join(deployment_id=dep.id, job_id="job-waiting", priority=t, model_id=model.id, now=t)
+    admission.queue_join(
+        deployment_id=dep.id, job_id="job-waiting", priority=t, model_id=model.id, now=t
+    )
     admission.queue_wait_record(model_id=model.id, seconds=waited, now=t)
 
 
@@ -180,7 +220,9 @@ def thresholds(settings: Any) -> Any:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_replica_is_added_under_sustained_queueing_and_removed_after_idling(model: Model, thresholds: Any) -> None:
+def test_a_replica_is_added_under_sustained_queueing_and_removed_after_idling(
+    model: Model, thresholds: Any
+) -> None:
     a, b = nodes_with_replicas(model, 2)
     first = ready_deployment(model, a)
     t0 = timezone.now()
@@ -228,7 +270,9 @@ def test_a_busy_replica_and_the_last_one_are_never_removed(model: Model, thresho
         admission.queue_leave(deployment_id=first.id, job_id="job-waiting")
         # A running job holds a slot of the added replica: it is busy, not idle.
         t1 = t0 + timedelta(seconds=200)
-        assert admission.slot_try(deployment_id=added_id, job_id="job-running", cap=4, now=t1.timestamp())
+        assert admission.slot_try(
+            deployment_id=added_id, job_id="job-running", cap=4, now=t1.timestamp()
+        )
         for s in (0, 31, 62):
             assert replicas_autoscale(now=t1 + timedelta(seconds=s)).removed == []
         admission.slot_release(deployment_id=added_id, job_id="job-running")
@@ -240,7 +284,9 @@ def test_a_busy_replica_and_the_last_one_are_never_removed(model: Model, thresho
     assert not Event.objects.filter(kind="REPLICA_REMOVED").exists()
 
 
-def test_no_replica_beyond_the_maximum_nor_where_no_node_can_host_one(model: Model, thresholds: Any) -> None:
+def test_no_replica_beyond_the_maximum_nor_where_no_node_can_host_one(
+    model: Model, thresholds: Any
+) -> None:
     (a,) = nodes_with_replicas(model, 1)
     first = ready_deployment(model, a)
     t0 = timezone.now()
@@ -274,7 +320,9 @@ def test_a_short_burst_of_queueing_adds_no_replica(model: Model, thresholds: Any
 # --- visible ------------------------------------------------------------------------------------
 
 
-def test_deployments_rest_output_shows_replicas_slots_in_use_and_queue_depth(client: Client, model: Model) -> None:
+def test_deployments_rest_output_shows_replicas_slots_in_use_and_queue_depth(
+    client: Client, model: Model
+) -> None:
     a, b = nodes_with_replicas(model, 2)
     d1, d2 = ready_deployment(model, a), ready_deployment(model, b)
     Deployment.objects.filter(pk__in=[d1.pk, d2.pk]).update(n_parallel=4)

@@ -29,6 +29,8 @@ from apps.models_repo.profile import ModelProfile, read_gguf_profile, synthetic_
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+
 def _smollm2() -> Path:
     """The real model: checkout, user cache, else downloaded once (tests/smollm2.py)."""
     from tests.smollm2 import NAME, smollm2_path

@@ -15,6 +15,8 @@ from gguf.quants import quantize
 from apps.models_repo.profile import ModelFileError, ModelProfile, read_gguf_profile, sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
+
+
 def _smollm2() -> Path:
     """The real model: checkout, user cache, else downloaded once (tests/smollm2.py)."""
     from tests.smollm2 import NAME, smollm2_path

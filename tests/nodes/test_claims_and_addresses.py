@@ -42,8 +42,17 @@ class ChallengedAgent(threading.Thread):
         cmd = json.loads(got[1])
         self.seen = cmd
         p = cmd["payload"]
-        digest = speed_challenge_digest(seed=p["seed"], n=p["n"], reps=p["reps"]) if self.honest else "0" * 64
-        command_result_accept(node_id=self.node_id, command_id=cmd["id"], payload={"ok": True, "digest": digest}, now=timezone.now())
+        digest = (
+            speed_challenge_digest(seed=p["seed"], n=p["n"], reps=p["reps"])
+            if self.honest
+            else "0" * 64
+        )
+        command_result_accept(
+            node_id=self.node_id,
+            command_id=cmd["id"],
+            payload={"ok": True, "digest": digest},
+            now=timezone.now(),
+        )
 
 
 def enrolled(client: Client, gflops: float, **over: Any) -> Node:
@@ -52,15 +61,25 @@ def enrolled(client: Client, gflops: float, **over: Any) -> Node:
     return Node.objects.get(pk=resp.json()["node_id"])
 
 
-def test_a_claim_above_the_unverified_floor_is_not_credited_before_its_challenge(client: Client, settings: Any) -> None:
+def test_a_claim_above_the_unverified_floor_is_not_credited_before_its_challenge(
+    client: Client, settings: Any
+) -> None:
     settings.SPEED_CHALLENGE = True
     node = enrolled(client, 5000.0)
-    assert (node.gflops_claimed, node.gflops, node.speed_verified_at) == (5000.0, settings.SPEED_UNVERIFIED_GFLOPS, None)
-    small = enrolled(client, 3.0, node_name="box-2", machine_id="machine-bbb", advertise_address="10.0.0.6")
+    assert (node.gflops_claimed, node.gflops, node.speed_verified_at) == (
+        5000.0,
+        settings.SPEED_UNVERIFIED_GFLOPS,
+        None,
+    )
+    small = enrolled(
+        client, 3.0, node_name="box-2", machine_id="machine-bbb", advertise_address="10.0.0.6"
+    )
     assert small.gflops == 3.0  # nothing to check below the floor
 
 
-def test_an_inflated_speed_claim_is_cut_to_what_the_timed_work_measured(client: Client, settings: Any) -> None:
+def test_an_inflated_speed_claim_is_cut_to_what_the_timed_work_measured(
+    client: Client, settings: Any
+) -> None:
     settings.SPEED_CHALLENGE, settings.SPEED_CHALLENGE_MAX_REPS = True, 20
     real = measure_gflops(0.3)
     node = enrolled(client, real * 20)
@@ -76,7 +95,9 @@ def test_an_inflated_speed_claim_is_cut_to_what_the_timed_work_measured(client: 
     assert event.data["claimed_gflops"] == real * 20 and event.data["answered"] is True
 
 
-def test_an_honest_claim_is_confirmed_and_not_challenged_again_at_re_enrollment(client: Client, settings: Any) -> None:
+def test_an_honest_claim_is_confirmed_and_not_challenged_again_at_re_enrollment(
+    client: Client, settings: Any
+) -> None:
     # A generous slack: the machine is shared, and a test asserts no tight timing.
     settings.SPEED_CHALLENGE, settings.SPEED_CHALLENGE_SLACK = True, 20.0
     claim = max(settings.SPEED_UNVERIFIED_GFLOPS + 1, measure_gflops(0.3))
@@ -91,18 +112,30 @@ def test_an_honest_claim_is_confirmed_and_not_challenged_again_at_re_enrollment(
     assert node.gflops == claim and node.speed_verified_at is not None
     # The same figure again (an agent restart) keeps the verified credit; a new figure loses it.
     creds = {"Authorization": f"Node {node.id}:{resp.json()['credential']}"}
-    again = client.post("/api/agent/enroll", enroll_body(issue(), hardware=hardware_profile(gflops=claim)), content_type="application/json", headers=creds)
+    again = client.post(
+        "/api/agent/enroll",
+        enroll_body(issue(), hardware=hardware_profile(gflops=claim)),
+        content_type="application/json",
+        headers=creds,
+    )
     assert again.status_code == 200, again.content
     node.refresh_from_db()
     assert node.gflops == claim
     creds = {"Authorization": f"Node {node.id}:{again.json()['credential']}"}
-    changed = client.post("/api/agent/enroll", enroll_body(issue(), hardware=hardware_profile(gflops=claim * 3)), content_type="application/json", headers=creds)
+    changed = client.post(
+        "/api/agent/enroll",
+        enroll_body(issue(), hardware=hardware_profile(gflops=claim * 3)),
+        content_type="application/json",
+        headers=creds,
+    )
     assert changed.status_code == 200
     node.refresh_from_db()
     assert (node.gflops, node.speed_verified_at) == (settings.SPEED_UNVERIFIED_GFLOPS, None)
 
 
-def test_a_wrong_answer_fails_the_challenge_and_credits_only_the_floor(client: Client, settings: Any) -> None:
+def test_a_wrong_answer_fails_the_challenge_and_credits_only_the_floor(
+    client: Client, settings: Any
+) -> None:
     settings.SPEED_CHALLENGE = True
     node = enrolled(client, 800.0)
     agent = ChallengedAgent(str(node.id), honest=False)
@@ -137,10 +170,20 @@ def test_a_second_node_cannot_claim_an_address_and_port_already_enrolled(client:
     resp = post(client, enroll_body(issue(), node_name="box-2", machine_id="machine-bbb"))
     assert resp.status_code == 409, resp.content
     err = resp.json()["error"]
-    assert err["code"] == "address_taken" and "10.0.0.5:50052" in err["message"] and "box-1" in err["message"]
+    assert (
+        err["code"] == "address_taken"
+        and "10.0.0.5:50052" in err["message"]
+        and "box-1" in err["message"]
+    )
     assert Node.objects.count() == 1
     # Another port on the same host is another node.
-    assert post(client, enroll_body(issue(), node_name="box-2", machine_id="machine-bbb", rpc_port=50053)).status_code == 201
+    assert (
+        post(
+            client,
+            enroll_body(issue(), node_name="box-2", machine_id="machine-bbb", rpc_port=50053),
+        ).status_code
+        == 201
+    )
 
 
 def test_node_names_are_unique_per_account_in_the_database_itself() -> None:
@@ -156,7 +199,12 @@ def test_node_names_are_unique_per_account_in_the_database_itself() -> None:
 
 def test_an_enrollment_from_a_public_source_address_is_refused_and_recorded(client: Client) -> None:
     token = issue()
-    resp = client.post("/api/agent/enroll", enroll_body(token), content_type="application/json", REMOTE_ADDR="203.0.113.9")
+    resp = client.post(
+        "/api/agent/enroll",
+        enroll_body(token),
+        content_type="application/json",
+        REMOTE_ADDR="203.0.113.9",
+    )
     assert resp.status_code == 401, resp.content
     assert "203.0.113.9" in resp.json()["error"]["message"]
     assert Node.objects.count() == 0
@@ -164,29 +212,54 @@ def test_an_enrollment_from_a_public_source_address_is_refused_and_recorded(clie
     assert event.data["source_address"] == "203.0.113.9" and event.data["address"] == "10.0.0.5"
 
 
-def test_a_forwarded_address_counts_only_through_a_trusted_proxy(client: Client, settings: Any) -> None:
+def test_a_forwarded_address_counts_only_through_a_trusted_proxy(
+    client: Client, settings: Any
+) -> None:
     body = enroll_body(issue())
     # Not through a trusted proxy: the header is the client's own claim, and is ignored.
-    forged = client.post("/api/agent/enroll", body, content_type="application/json", REMOTE_ADDR="10.0.0.1", HTTP_X_FORWARDED_FOR="10.9.9.9")
+    forged = client.post(
+        "/api/agent/enroll",
+        body,
+        content_type="application/json",
+        REMOTE_ADDR="10.0.0.1",
+        HTTP_X_FORWARDED_FOR="10.9.9.9",
+    )
     assert forged.status_code == 201
     settings.TRUSTED_PROXIES = ["10.0.0.1"]
-    body = enroll_body(issue(), node_name="box-2", machine_id="machine-bbb", advertise_address="10.0.0.6")
-    resp = client.post("/api/agent/enroll", body, content_type="application/json", REMOTE_ADDR="10.0.0.1", HTTP_X_FORWARDED_FOR="10.9.9.9, 198.51.100.7")
+    body = enroll_body(
+        issue(), node_name="box-2", machine_id="machine-bbb", advertise_address="10.0.0.6"
+    )
+    resp = client.post(
+        "/api/agent/enroll",
+        body,
+        content_type="application/json",
+        REMOTE_ADDR="10.0.0.1",
+        HTTP_X_FORWARDED_FOR="10.9.9.9, 198.51.100.7",
+    )
     assert resp.status_code == 401 and "198.51.100.7" in resp.json()["error"]["message"]
 
 
 # --- login throttling -------------------------------------------------------------------------------
 
 
-def test_login_guesses_from_many_addresses_are_throttled_per_username(client: Client, settings: Any) -> None:
+def test_login_guesses_from_many_addresses_are_throttled_per_username(
+    client: Client, settings: Any
+) -> None:
     settings.LOGIN_MAX_FAILURES, settings.LOGIN_MAX_FAILURES_PER_USER = 3, 6
     get_user_model().objects.create_user("victim", password="right-password-1")
     statuses = []
     for i in range(8):
-        resp = client.post("/login/", {"username": "victim", "password": f"guess-{i}"}, REMOTE_ADDR=f"10.1.0.{i}")
+        resp = client.post(
+            "/login/", {"username": "victim", "password": f"guess-{i}"}, REMOTE_ADDR=f"10.1.0.{i}"
+        )
         statuses.append(resp.status_code)
     assert statuses[:6] == [200] * 6 and statuses[6:] == [429, 429], statuses
     # One address is stopped after its own LOGIN_MAX_FAILURES.
     get_user_model().objects.create_user("other", password="right-password-2")
-    codes = [client.post("/login/", {"username": "other", "password": "x"}, REMOTE_ADDR="10.2.0.1").status_code for _ in range(4)]
+    codes = [
+        client.post(
+            "/login/", {"username": "other", "password": "x"}, REMOTE_ADDR="10.2.0.1"
+        ).status_code
+        for _ in range(4)
+    ]
     assert codes == [200, 200, 200, 429]

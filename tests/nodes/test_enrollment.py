@@ -23,7 +23,19 @@ def enroll_body(token: str, **over: Any) -> dict[str, Any]:
         "agent_version": "0.1.0",
         "advertise_address": "10.0.0.5",
         "rpc_port": 50052,
-        "hardware": hardware_profile(gpus=[{"index": 0, "vendor": "NVIDIA", "name": "RTX 3060", "uuid": "GPU-1", "vram_total": 12 * 1024**3, "vram_free": 11 * 1024**3, "driver": "550.1"}]),
+        "hardware": hardware_profile(
+            gpus=[
+                {
+                    "index": 0,
+                    "vendor": "NVIDIA",
+                    "name": "RTX 3060",
+                    "uuid": "GPU-1",
+                    "vram_total": 12 * 1024**3,
+                    "vram_free": 11 * 1024**3,
+                    "driver": "550.1",
+                }
+            ]
+        ),
     }
     body.update(over)
     return body
@@ -63,7 +75,9 @@ def test_same_machine_enrolling_again_gets_the_same_node(client: Client) -> None
     first = post(client, enroll_body(token)).json()
     # Re-enrolling an enrolled machine presents its node's current credential (issue 12).
     second = client.post(
-        "/api/agent/enroll", enroll_body(token, node_name="box-renamed"), content_type="application/json",
+        "/api/agent/enroll",
+        enroll_body(token, node_name="box-renamed"),
+        content_type="application/json",
         headers={"Authorization": f"Node {first['node_id']}:{first['credential']}"},
     )
     assert second.status_code == 200
@@ -82,13 +96,17 @@ def test_same_machine_enrolling_again_gets_the_same_node(client: Client) -> None
         ("revoked", "revoked"),
     ],
 )
-def test_refused_token_gets_401_naming_why_and_creates_nothing(client: Client, setup: str, message: str) -> None:
+def test_refused_token_gets_401_naming_why_and_creates_nothing(
+    client: Client, setup: str, message: str
+) -> None:
     token = issue(max_uses=1)
     tok = EnrollmentToken.objects.get()
     if setup == "invalid":
         token = token + "x"
     elif setup == "expired":
-        EnrollmentToken.objects.filter(pk=tok.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+        EnrollmentToken.objects.filter(pk=tok.pk).update(
+            expires_at=timezone.now() - timedelta(seconds=1)
+        )
     elif setup == "used":
         post(client, enroll_body(token, machine_id="other-machine"))
     elif setup == "revoked":

@@ -20,7 +20,9 @@ GIB = 1024**3
 
 def heartbeat(client: Client, node_id: str, cred: str, telemetry: Any, state: str = "READY") -> Any:
     return client.post(
-        "/api/agent/heartbeat", {"state": state, "telemetry": telemetry}, content_type="application/json",
+        "/api/agent/heartbeat",
+        {"state": state, "telemetry": telemetry},
+        content_type="application/json",
         headers={"Authorization": f"Node {node_id}:{cred}"},
     )
 
@@ -28,7 +30,9 @@ def heartbeat(client: Client, node_id: str, cred: str, telemetry: Any, state: st
 # --- re-enrollment --------------------------------------------------------------------------------
 
 
-def test_a_second_token_cannot_take_over_an_enrolled_machine_and_the_real_agent_keeps_working(client: Client) -> None:
+def test_a_second_token_cannot_take_over_an_enrolled_machine_and_the_real_agent_keeps_working(
+    client: Client,
+) -> None:
     real = post(client, enroll_body(issue())).json()
     before = Node.objects.get(pk=real["node_id"])
     resp = post(client, enroll_body(issue(), node_name="hijack"))
@@ -37,7 +41,11 @@ def test_a_second_token_cannot_take_over_an_enrolled_machine_and_the_real_agent_
     assert error["code"] == "machine_enrolled"
     assert "machine-aaa" in error["message"] and "current credential" in error["message"]
     after = Node.objects.get(pk=real["node_id"])
-    assert (after.name, after.credential_hash, after.account_id) == (before.name, before.credential_hash, before.account_id)
+    assert (after.name, after.credential_hash, after.account_id) == (
+        before.name,
+        before.credential_hash,
+        before.account_id,
+    )
     assert Node.objects.count() == 1
     assert heartbeat(client, real["node_id"], real["credential"], {}).status_code == 200
 
@@ -45,7 +53,9 @@ def test_a_second_token_cannot_take_over_an_enrolled_machine_and_the_real_agent_
 def test_re_enrolling_with_a_wrong_credential_is_refused(client: Client) -> None:
     real = post(client, enroll_body(issue())).json()
     resp = client.post(
-        "/api/agent/enroll", enroll_body(issue()), content_type="application/json",
+        "/api/agent/enroll",
+        enroll_body(issue()),
+        content_type="application/json",
         headers={"Authorization": f"Node {real['node_id']}:rnc_guess"},
     )
     assert resp.status_code == 409 and "not its current one" in resp.json()["error"]["message"]
@@ -74,10 +84,16 @@ def test_node_names_are_unique_within_an_account(client: Client) -> None:
     assert post(client, enroll_body(token)).status_code == 201
     resp = post(client, enroll_body(token, machine_id="machine-bbb", rpc_port=50053))
     assert resp.status_code == 409
-    assert resp.json()["error"]["code"] == "node_name_taken" and "'box-1'" in resp.json()["error"]["message"]
+    assert (
+        resp.json()["error"]["code"] == "node_name_taken"
+        and "'box-1'" in resp.json()["error"]["message"]
+    )
     assert Node.objects.count() == 1
     # Another account may use the name.
-    assert post(client, enroll_body(issue(), machine_id="machine-ccc", rpc_port=50054)).status_code == 201
+    assert (
+        post(client, enroll_body(issue(), machine_id="machine-ccc", rpc_port=50054)).status_code
+        == 201
+    )
 
 
 def test_the_public_ip_event_is_recorded_only_once_the_token_is_valid(client: Client) -> None:
@@ -85,7 +101,10 @@ def test_the_public_ip_event_is_recorded_only_once_the_token_is_valid(client: Cl
     assert resp.status_code == 401 and "invalid enrollment token" in resp.json()["error"]["message"]
     assert not Event.objects.filter(kind="PUBLIC_IP_VIOLATION").exists()
     resp = post(client, enroll_body(issue(), advertise_address="8.8.8.8"))
-    assert resp.status_code == 401 and "Public IP security violation" in resp.json()["error"]["message"]
+    assert (
+        resp.status_code == 401
+        and "Public IP security violation" in resp.json()["error"]["message"]
+    )
     assert Event.objects.filter(kind="PUBLIC_IP_VIOLATION").count() == 1
 
 
@@ -99,7 +118,12 @@ def test_the_public_ip_event_is_recorded_only_once_the_token_is_valid(client: Cl
         (("memory", "available"), 9 * 10**18, "memory.available", "NODE_MAX_MEMORY_BYTES"),
         (("cpu", "logical_cores"), 1_000_000, "cpu.logical_cores", "NODE_MAX_CORES"),
         (("benchmark", "gflops"), 1e12, "benchmark.gflops", "NODE_MAX_GFLOPS"),
-        (("benchmark", "mem_bandwidth_gbps"), 1e9, "benchmark.mem_bandwidth_gbps", "NODE_MAX_BANDWIDTH_GBPS"),
+        (
+            ("benchmark", "mem_bandwidth_gbps"),
+            1e9,
+            "benchmark.mem_bandwidth_gbps",
+            "NODE_MAX_BANDWIDTH_GBPS",
+        ),
         (("gpus", 0, "vram_total"), 5 * 1024**4, "gpus[0].vram_total", "NODE_MAX_VRAM_BYTES"),
     ],
 )
@@ -128,19 +152,25 @@ def test_free_memory_over_the_total_is_refused(client: Client) -> None:
     assert "memory.available" in str(resp.json()["error"]["fields"])
 
 
-def test_heartbeat_memory_over_the_bound_is_clamped_and_recorded_once(client: Client, settings: Any) -> None:
+def test_heartbeat_memory_over_the_bound_is_clamped_and_recorded_once(
+    client: Client, settings: Any
+) -> None:
     from racon.redis import get_redis
 
     enrolled = post(client, enroll_body(issue())).json()
     node_id, cred = enrolled["node_id"], enrolled["credential"]
     for _ in range(3):
-        resp = heartbeat(client, node_id, cred, {"mem_available": 9 * 10**18, "gpu_free": [9 * 10**18]})
+        resp = heartbeat(
+            client, node_id, cred, {"mem_available": 9 * 10**18, "gpu_free": [9 * 10**18]}
+        )
         assert resp.status_code == 200, resp.content
     stored = get_redis().hgetall(heartbeat_key(node_id))
     assert int(stored["mem_available"]) == settings.NODE_MAX_MEMORY_BYTES
     assert stored["gpu_free"] == str(settings.NODE_MAX_VRAM_BYTES)
     node = Node.objects.get(pk=node_id)
-    assert node.ram_available == node.ram_total == 16 * GIB  # the transition to READY wrote a bounded figure
+    assert (
+        node.ram_available == node.ram_total == 16 * GIB
+    )  # the transition to READY wrote a bounded figure
     assert Event.objects.filter(kind="TELEMETRY_CLAMPED", node_id=node_id).count() == 1
 
 
@@ -157,7 +187,9 @@ def test_heartbeat_memory_over_the_bound_is_clamped_and_recorded_once(client: Cl
         "not-an-object",
     ],
 )
-def test_malformed_telemetry_gets_400_naming_the_field_not_500(client: Client, telemetry: Any) -> None:
+def test_malformed_telemetry_gets_400_naming_the_field_not_500(
+    client: Client, telemetry: Any
+) -> None:
     enrolled = post(client, enroll_body(issue())).json()
     resp = heartbeat(client, enrolled["node_id"], enrolled["credential"], telemetry)
     assert resp.status_code == 400, resp.content
@@ -166,6 +198,11 @@ def test_malformed_telemetry_gets_400_naming_the_field_not_500(client: Client, t
 
 @pytest.mark.parametrize("header", ["Node not-a-uuid:x", "Node ../../etc:x", "Node :x"])
 def test_heartbeat_with_a_malformed_node_id_gets_401_not_500(client: Client, header: str) -> None:
-    resp = client.post("/api/agent/heartbeat", {"telemetry": {}}, content_type="application/json", headers={"Authorization": header})
+    resp = client.post(
+        "/api/agent/heartbeat",
+        {"telemetry": {}},
+        content_type="application/json",
+        headers={"Authorization": header},
+    )
     assert resp.status_code == 401, resp.content
     assert "node id" in resp.json()["error"]["message"]

@@ -22,12 +22,19 @@ _PORTS = itertools.count(20000)
 def enroll(client: Client, name: str = "box", machine: str | None = None) -> tuple[str, str]:
     """Each node its own loopback port: an address and port pair belongs to one node."""
     acct = AccountFactory()
-    _, token = enrollment_token_issue(account_id=acct.id, label="t", now=timezone.now(), max_uses=100)
+    _, token = enrollment_token_issue(
+        account_id=acct.id, label="t", now=timezone.now(), max_uses=100
+    )
     resp = client.post(
         "/api/agent/enroll",
         {
-            "token": token, "node_name": name, "machine_id": machine or name, "agent_version": "0.1.0",
-            "advertise_address": "127.0.0.1", "rpc_port": next(_PORTS), "hardware": hardware_profile(),
+            "token": token,
+            "node_name": name,
+            "machine_id": machine or name,
+            "agent_version": "0.1.0",
+            "advertise_address": "127.0.0.1",
+            "rpc_port": next(_PORTS),
+            "hardware": hardware_profile(),
         },
         content_type="application/json",
     )
@@ -38,7 +45,10 @@ def enroll(client: Client, name: str = "box", machine: str | None = None) -> tup
 def beat(client: Client, node_id: str, cred: str, **body: Any) -> Any:
     body.setdefault("telemetry", {"cpu_percent": 5.0, "mem_available": 1024})
     return client.post(
-        "/api/agent/heartbeat", body, content_type="application/json", headers={"Authorization": f"Node {node_id}:{cred}"}
+        "/api/agent/heartbeat",
+        body,
+        content_type="application/json",
+        headers={"Authorization": f"Node {node_id}:{cred}"},
     )
 
 
@@ -51,7 +61,9 @@ def test_first_ready_heartbeat_makes_node_schedulable(client: Client) -> None:
     assert Node.objects.get(pk=node_id).state == S.READY
 
 
-def test_steady_heartbeat_costs_no_database_query(client: Client, django_assert_num_queries: Any) -> None:
+def test_steady_heartbeat_costs_no_database_query(
+    client: Client, django_assert_num_queries: Any
+) -> None:
     node_id, cred = enroll(client)
     beat(client, node_id, cred, state="READY")
     with django_assert_num_queries(0):
@@ -59,7 +71,9 @@ def test_steady_heartbeat_costs_no_database_query(client: Client, django_assert_
     assert resp.status_code == 200
 
 
-def test_sweep_marks_late_nodes_degraded_then_offline_and_heartbeat_restores(client: Client, settings: Any) -> None:
+def test_sweep_marks_late_nodes_degraded_then_offline_and_heartbeat_restores(
+    client: Client, settings: Any
+) -> None:
     settings.HEARTBEAT_INTERVAL = 5
     settings.MASS_FAILURE_MIN_NODES = 100  # one node: the guard must not interfere
     node_id, cred = enroll(client)
@@ -83,7 +97,9 @@ def test_agent_clock_skew_is_ignored(client: Client, settings: Any) -> None:
     assert Node.objects.get(pk=node_id).state == S.READY
 
 
-def test_mass_silence_raises_one_cluster_event_instead_of_offlining_everyone(client: Client, settings: Any) -> None:
+def test_mass_silence_raises_one_cluster_event_instead_of_offlining_everyone(
+    client: Client, settings: Any
+) -> None:
     settings.HEARTBEAT_INTERVAL = 5
     settings.MASS_FAILURE_MIN_NODES = 3
     settings.MASS_FAILURE_FRACTION = 0.6
@@ -129,9 +145,14 @@ def test_revoked_node_heartbeat_gets_401_and_changes_nothing(client: Client) -> 
 def test_wrong_credential_and_malformed_heartbeats_are_refused(client: Client) -> None:
     node_id, cred = enroll(client)
     assert beat(client, node_id, "wrong").status_code == 401
-    assert client.post("/api/agent/heartbeat", {}, content_type="application/json").status_code == 401
+    assert (
+        client.post("/api/agent/heartbeat", {}, content_type="application/json").status_code == 401
+    )
     bad = client.post(
-        "/api/agent/heartbeat", "nope", content_type="application/json", headers={"Authorization": f"Node {node_id}:{cred}"}
+        "/api/agent/heartbeat",
+        "nope",
+        content_type="application/json",
+        headers={"Authorization": f"Node {node_id}:{cred}"},
     )
     assert bad.status_code == 400
     assert beat(client, node_id, cred, state="SLEEPING").status_code == 400
@@ -146,7 +167,9 @@ def test_agent_fatal_fault_moves_node_to_error(client: Client) -> None:
     assert Event.objects.filter(node_id=node_id, kind="NODE_FAULT").exists()
 
 
-def test_drained_node_without_work_stays_drained_and_node_drained_is_written_once(client: Client) -> None:
+def test_drained_node_without_work_stays_drained_and_node_drained_is_written_once(
+    client: Client,
+) -> None:
     node_id, cred = enroll(client)
     beat(client, node_id, cred, state="READY")
     node_drain(node_id=node_id, now=timezone.now())

@@ -26,20 +26,33 @@ def test_error_is_left_only_by_a_new_handshake() -> None:
 
 
 @pytest.mark.parametrize(
-    ("age", "expected"), [(0, None), (14.9, None), (15, S.DEGRADED), (44.9, S.DEGRADED), (45, S.OFFLINE)]
+    ("age", "expected"),
+    [(0, None), (14.9, None), (15, S.DEGRADED), (44.9, S.DEGRADED), (45, S.OFFLINE)],
 )
 def test_health_state_applies_interval_multiples(age: float, expected: str | None) -> None:
     assert health_state(age=age, interval=5, degraded_after=3, offline_after=9) == expected
 
 
 def test_heartbeat_from_registering_node_waits_for_runtime_checks() -> None:
-    assert heartbeat_target(current=S.REGISTERING, wanted=None, busy=False, drain_requested=False) is None
-    assert heartbeat_target(current=S.REGISTERING, wanted=S.READY, busy=False, drain_requested=False) == S.READY
+    assert (
+        heartbeat_target(current=S.REGISTERING, wanted=None, busy=False, drain_requested=False)
+        is None
+    )
+    assert (
+        heartbeat_target(current=S.REGISTERING, wanted=S.READY, busy=False, drain_requested=False)
+        == S.READY
+    )
 
 
 def test_heartbeat_after_offline_returns_node_to_ready_or_draining() -> None:
-    assert heartbeat_target(current=S.OFFLINE, wanted=S.READY, busy=False, drain_requested=False) == S.READY
-    assert heartbeat_target(current=S.OFFLINE, wanted=S.READY, busy=False, drain_requested=True) == S.DRAINING
+    assert (
+        heartbeat_target(current=S.OFFLINE, wanted=S.READY, busy=False, drain_requested=False)
+        == S.READY
+    )
+    assert (
+        heartbeat_target(current=S.OFFLINE, wanted=S.READY, busy=False, drain_requested=True)
+        == S.DRAINING
+    )
 
 
 @pytest.mark.django_db
@@ -56,7 +69,9 @@ def test_stale_message_cannot_move_state_backwards(now) -> None:  # type: ignore
     node = NodeFactory(state=S.READY)
     assert node_transition(node_id=node.id, to=S.OFFLINE, expected=S.READY, now=now)
     # A late message that still believes the node is READY must not apply.
-    assert not node_transition(node_id=node.id, to=S.DEGRADED, expected=S.READY, now=now + timedelta(seconds=1))
+    assert not node_transition(
+        node_id=node.id, to=S.DEGRADED, expected=S.READY, now=now + timedelta(seconds=1)
+    )
     node.refresh_from_db()
     assert node.state == S.OFFLINE
     assert Event.objects.filter(node=node).count() == 1

@@ -244,7 +244,11 @@ def test_credits_minted_spent_and_burned_follow_the_ledger(
         request_id="r",
         now=now,
         hold=lambda j: credit_reserve(
-            account_id=j.account_id, job_id=j.id, max_tokens=j.max_tokens, model_price_permille=j.model.price_weight_permille, now=now
+            account_id=j.account_id,
+            job_id=j.id,
+            max_tokens=j.max_tokens,
+            model_price_permille=j.model.price_weight_permille,
+            now=now,
         ),
     )
     Job.objects.filter(pk=job.id).update(state="RUNNING", dispatched_at=now)

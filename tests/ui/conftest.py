@@ -20,7 +20,10 @@ from tests.factories import NodeFactory, UserFactory
 @pytest.fixture(autouse=True)
 def _ui_settings(settings: Any, tmp_path: Path) -> None:
     """Each test signs receipts with its own key and keeps models in its own store; fast password hashing."""
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher", "django.contrib.auth.hashers.PBKDF2PasswordHasher"]
+    settings.PASSWORD_HASHERS = [
+        "django.contrib.auth.hashers.MD5PasswordHasher",
+        "django.contrib.auth.hashers.PBKDF2PasswordHasher",
+    ]
     settings.RACON_RECEIPT_KEY = ""
     settings.CREDITS_RECEIPT_KEY_PATH = tmp_path / "receipt-signing.key"
     settings.MODEL_STORE_DIR = tmp_path / "store"
@@ -56,13 +59,25 @@ def world(db: Any) -> World:
     for acct in (staff_acct, contrib_acct):
         job = job_for(account=acct, model=model, deployment=dep, max_tokens=32)
         job.nodes.set([staff_node, own_node])
-        credit_reserve(account_id=acct.pk, job_id=job.pk, max_tokens=32, model_price_permille=1000, now=now)
-        job_finish(job, prompt=5, completion=20, device_seconds={str(staff_node.pk): 1.0, str(own_node.pk): 0.5})
+        credit_reserve(
+            account_id=acct.pk, job_id=job.pk, max_tokens=32, model_price_permille=1000, now=now
+        )
+        job_finish(
+            job,
+            prompt=5,
+            completion=20,
+            device_seconds={str(staff_node.pk): 1.0, str(own_node.pk): 0.5},
+        )
         credit_settle_job(job_id=job.pk, now=now)
         jobs.append(job)
     return World(
-        staff=staff, contributor=contributor, staff_node=staff_node, own_node=own_node, deployment=dep,
-        staff_job=jobs[0], own_job=jobs[1],
+        staff=staff,
+        contributor=contributor,
+        staff_node=staff_node,
+        own_node=own_node,
+        deployment=dep,
+        staff_job=jobs[0],
+        own_job=jobs[1],
         staff_receipt=Receipt.objects.get(job=jobs[0], node=staff_node),
         own_receipt=Receipt.objects.get(job=jobs[1], node=own_node),
     )
@@ -86,7 +101,12 @@ HTMX = {"HTTP_HX_REQUEST": "true"}
 
 
 @pytest.fixture(scope="session")
-def live(django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+def live(
+    django_db_setup: None,
+    django_db_blocker: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Any:
     """The live controller the browser drives (shared with the CLI and TUI tests of the session)."""
     from tests.cli.live import shared_controller
 

@@ -20,7 +20,10 @@ pytestmark = [
     pytest.mark.browser,
     pytest.mark.e2e,
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed (/usr/bin/chromium): apt-get install -y chromium"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="Debian's chromium is not installed (/usr/bin/chromium): apt-get install -y chromium",
+    ),
 ]
 
 
@@ -47,10 +50,19 @@ def browser_page(live: Controller, operator: str) -> Iterator[Any]:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(
             executable_path=str(CHROMIUM),
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
         )
         try:
-            context = browser.new_context(viewport={"width": 1366, "height": 820}, base_url=live.url)
+            context = browser.new_context(
+                viewport={"width": 1366, "height": 820}, base_url=live.url
+            )
             page = context.new_page()
             # Generous: these machines run other suites alongside (load well above the core count).
             page.set_default_timeout(30_000)
@@ -68,7 +80,9 @@ def shot(page: Any, name: str) -> None:
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
-def test_an_operator_runs_the_cluster_from_the_browser(live: Controller, browser_page: Any, model_path: Path, tmp_path: Path) -> None:
+def test_an_operator_runs_the_cluster_from_the_browser(
+    live: Controller, browser_page: Any, model_path: Path, tmp_path: Path
+) -> None:
     from playwright.sync_api import expect
 
     page = browser_page
@@ -112,7 +126,9 @@ def test_an_operator_runs_the_cluster_from_the_browser(live: Controller, browser
         page.fill("input[name=path]", str(model_path))
         page.fill("input[name=name]", "smollm2")
         page.click("#model-section button[type=submit]")
-        expect(page.locator("#model-table")).to_contain_text("SmolLM2-135M-Instruct.Q4_1.gguf", timeout=60_000)
+        expect(page.locator("#model-table")).to_contain_text(
+            "SmolLM2-135M-Instruct.Q4_1.gguf", timeout=60_000
+        )
         shot(page, "04-models")
 
         page.goto("/deployments/")
@@ -175,10 +191,18 @@ def test_an_operator_runs_the_cluster_from_the_browser(live: Controller, browser
         shot(page, "12-node-detail")
         page.click("button:has-text('Drain')")
         # DRAINING while its deployment moves or its jobs finish, then DRAINED.
-        expect(page.locator("[id^=node-badge-]")).to_have_text(re.compile("^DRAIN(ING|ED)$"), timeout=15_000)
+        expect(page.locator("[id^=node-badge-]")).to_have_text(
+            re.compile("^DRAIN(ING|ED)$"), timeout=15_000
+        )
         expect(page.locator("button:has-text('Undrain')")).to_be_visible()
         shot(page, "13-node-draining")
-        assert wait_for(lambda: [n for n in live.get("/api/admin/nodes?state=DRAINED").json() if n["name"] == "web-1"], 30, "the API to agree")
+        assert wait_for(
+            lambda: [
+                n for n in live.get("/api/admin/nodes?state=DRAINED").json() if n["name"] == "web-1"
+            ],
+            30,
+            "the API to agree",
+        )
         assert page.errors == [], page.errors  # no JavaScript errors on any page
     finally:
         stop_agent(agent)

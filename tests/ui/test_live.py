@@ -36,7 +36,9 @@ def test_the_dashboard_socket_pushes_an_oob_row_when_a_node_changes_state() -> N
         other.scope["user"] = stranger
         assert (await watcher.connect())[0] and (await other.connect())[0]
         try:
-            await database_sync_to_async(node_transition)(node_id=node.id, to=NodeState.DRAINING, expected=NodeState.READY, now=timezone.now())
+            await database_sync_to_async(node_transition)(
+                node_id=node.id, to=NodeState.DRAINING, expected=NodeState.READY, now=timezone.now()
+            )
             html = await watcher.receive_from(timeout=10)
             # The stranger's consumer renders nothing for a node that is not theirs, so sends nothing.
             silent = await other.receive_nothing(timeout=0.5)
@@ -71,13 +73,21 @@ def smollm2(db: Any, settings: Any, tmp_path: Path) -> Any:
     from tests.e2e.harness import smollm2_path
 
     settings.MODEL_STORE_DIR = tmp_path / "store"
-    return model_register_file(path=smollm2_path(), name="smollm2", copy_to_store=False, now=timezone.now())
+    return model_register_file(
+        path=smollm2_path(), name="smollm2", copy_to_store=False, now=timezone.now()
+    )
 
 
-def test_the_placement_preview_draws_every_layer_with_the_prediction_and_explanation(smollm2: Any, world: Any, staff_client: Client) -> None:
+def test_the_placement_preview_draws_every_layer_with_the_prediction_and_explanation(
+    smollm2: Any, world: Any, staff_client: Client
+) -> None:
     # Fresh nodes: the world's own deployment already holds its nodes' RPC workers.
     a, b = NodeFactory(name="box-a"), NodeFactory(name="box-b")
-    resp = staff_client.post("/deployments/preview", {"model": "smollm2", "n_ctx": "1024", "nodes": [str(a.id), str(b.id)], "spread": "on"}, **HTMX)
+    resp = staff_client.post(
+        "/deployments/preview",
+        {"model": "smollm2", "n_ctx": "1024", "nodes": [str(a.id), str(b.id)], "spread": "on"},
+        **HTMX,
+    )
     body = resp.content.decode()
     assert resp.status_code == 200, body
     assert body.lstrip().startswith('<div id="preview"')
@@ -87,7 +97,9 @@ def test_the_placement_preview_draws_every_layer_with_the_prediction_and_explana
     assert str(a.id) not in body.split('class="explanation"')[1]  # reasons name nodes, not ids
 
 
-def test_deploying_from_the_ui_creates_a_deployment_row(smollm2: Any, world: Any, staff_client: Client) -> None:
+def test_deploying_from_the_ui_creates_a_deployment_row(
+    smollm2: Any, world: Any, staff_client: Client
+) -> None:
     from apps.jobs.models import Deployment
 
     # The placement task is enqueued on commit, which never comes in this rolled-back test: the
@@ -99,8 +111,14 @@ def test_deploying_from_the_ui_creates_a_deployment_row(smollm2: Any, world: Any
     assert f'id="dep-row-{dep.id}"' in body and "Deployment created" in body
 
 
-def test_a_refused_placement_shows_the_reason(smollm2: Any, world: Any, staff_client: Client) -> None:
+def test_a_refused_placement_shows_the_reason(
+    smollm2: Any, world: Any, staff_client: Client
+) -> None:
     small = NodeFactory(name="small-box")
-    resp = staff_client.post("/deployments/preview", {"model": "smollm2", "n_ctx": "1048576", "nodes": [str(small.id)]}, **HTMX)
+    resp = staff_client.post(
+        "/deployments/preview",
+        {"model": "smollm2", "n_ctx": "1048576", "nodes": [str(small.id)]},
+        **HTMX,
+    )
     body = resp.content.decode()
     assert resp.status_code == 422 and "Placement refused" in body and "unknown pinned" not in body

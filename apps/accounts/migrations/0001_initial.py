@@ -49,29 +49,81 @@ class Migration(migrations.Migration):
                 migrations.CreateModel(
                     name="Account",
                     fields=[
-                        ("id", models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
+                        (
+                            "id",
+                            models.UUIDField(
+                                default=uuid.uuid4,
+                                editable=False,
+                                primary_key=True,
+                                serialize=False,
+                            ),
+                        ),
                         ("name", models.CharField(max_length=120, unique=True)),
-                        ("kind", models.CharField(choices=[("USER", "User"), ("ORG", "Org"), ("SYSTEM", "System")], default="USER", max_length=10)),
+                        (
+                            "kind",
+                            models.CharField(
+                                choices=[("USER", "User"), ("ORG", "Org"), ("SYSTEM", "System")],
+                                default="USER",
+                                max_length=10,
+                            ),
+                        ),
                         ("balance", models.BigIntegerField(default=0)),
                         ("floor", models.BigIntegerField(blank=True, default=0, null=True)),
                         ("created_at", models.DateTimeField(auto_now_add=True)),
-                        ("user", models.OneToOneField(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name="credit_account", to=settings.AUTH_USER_MODEL)),
+                        (
+                            "user",
+                            models.OneToOneField(
+                                blank=True,
+                                null=True,
+                                on_delete=django.db.models.deletion.SET_NULL,
+                                related_name="credit_account",
+                                to=settings.AUTH_USER_MODEL,
+                            ),
+                        ),
                     ],
                     options={"db_table": "credits_account", "ordering": ["name"]},
                 ),
                 migrations.CreateModel(
                     name="ApiKey",
                     fields=[
-                        ("id", models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
+                        (
+                            "id",
+                            models.UUIDField(
+                                default=uuid.uuid4,
+                                editable=False,
+                                primary_key=True,
+                                serialize=False,
+                            ),
+                        ),
                         ("name", models.CharField(max_length=120)),
                         ("prefix", models.CharField(db_index=True, max_length=16)),
                         ("key_hash", models.CharField(max_length=64, unique=True)),
-                        ("scopes", models.JSONField(default=list, help_text='subset of ["inference", "admin"]')),
+                        (
+                            "scopes",
+                            models.JSONField(
+                                default=list, help_text='subset of ["inference", "admin"]'
+                            ),
+                        ),
                         ("created_at", models.DateTimeField(auto_now_add=True)),
                         ("revoked_at", models.DateTimeField(blank=True, null=True)),
                         ("last_used_at", models.DateTimeField(blank=True, null=True)),
-                        ("account", models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name="api_keys", to="accounts.account")),
-                        ("user", models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, to=settings.AUTH_USER_MODEL)),
+                        (
+                            "account",
+                            models.ForeignKey(
+                                on_delete=django.db.models.deletion.CASCADE,
+                                related_name="api_keys",
+                                to="accounts.account",
+                            ),
+                        ),
+                        (
+                            "user",
+                            models.ForeignKey(
+                                blank=True,
+                                null=True,
+                                on_delete=django.db.models.deletion.CASCADE,
+                                to=settings.AUTH_USER_MODEL,
+                            ),
+                        ),
                     ],
                     options={"db_table": "api_apikey", "ordering": ["-created_at"]},
                 ),

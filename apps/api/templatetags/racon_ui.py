@@ -10,13 +10,30 @@ register = template.Library()
 
 _STATE_TONE = {
     # Node states
-    "READY": "ok", "BUSY": "busy", "DRAINING": "warn", "DRAINED": "off", "DEGRADED": "warn", "OFFLINE": "off",
-    "ERROR": "bad", "REGISTERING": "info", "UNINITIALIZED": "off",
+    "READY": "ok",
+    "BUSY": "busy",
+    "DRAINING": "warn",
+    "DRAINED": "off",
+    "DEGRADED": "warn",
+    "OFFLINE": "off",
+    "ERROR": "bad",
+    "REGISTERING": "info",
+    "UNINITIALIZED": "off",
     # Deployment and job states
-    "PLANNING": "info", "LOADING": "info", "FAILED": "bad", "STOPPED": "off",
-    "QUEUED": "info", "DISPATCHED": "info", "RUNNING": "busy", "COMPLETED": "ok", "CANCELLED": "off",
+    "PLANNING": "info",
+    "LOADING": "info",
+    "FAILED": "bad",
+    "STOPPED": "off",
+    "QUEUED": "info",
+    "DISPATCHED": "info",
+    "RUNNING": "busy",
+    "COMPLETED": "ok",
+    "CANCELLED": "off",
     # Token statuses
-    "active": "ok", "revoked": "off", "expired": "off", "used up": "off",
+    "active": "ok",
+    "revoked": "off",
+    "expired": "off",
+    "used up": "off",
 }
 
 

@@ -22,17 +22,32 @@ class Migration(migrations.Migration):
                 migrations.AlterField(
                     model_name="posting",
                     name="account",
-                    field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name="postings", to="accounts.account"),
+                    field=models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="postings",
+                        to="accounts.account",
+                    ),
                 ),
                 migrations.AlterField(
                     model_name="posting",
                     name="beneficiary",
-                    field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name="beneficiary_postings", to="accounts.account"),
+                    field=models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="beneficiary_postings",
+                        to="accounts.account",
+                    ),
                 ),
                 migrations.AlterField(
                     model_name="receipt",
                     name="account",
-                    field=models.ForeignKey(help_text="the node's owner", on_delete=django.db.models.deletion.PROTECT, related_name="receipts", to="accounts.account"),
+                    field=models.ForeignKey(
+                        help_text="the node's owner",
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="receipts",
+                        to="accounts.account",
+                    ),
                 ),
                 migrations.DeleteModel(name="Account"),
             ],

@@ -8,61 +8,115 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Deployment',
+            name="Deployment",
             fields=[
-                ('id', models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
-                ('state', models.CharField(choices=[('PLANNING', 'Planning'), ('LOADING', 'Loading'), ('READY', 'Ready'), ('DEGRADED', 'Degraded'), ('FAILED', 'Failed'), ('STOPPED', 'Stopped')], default='PLANNING', max_length=16)),
-                ('plan', models.JSONField(default=dict, help_text='scheduler Plan.to_dict()')),
-                ('request', models.JSONField(default=dict, help_text='placement request: n_ctx, slots, pins')),
-                ('n_ctx', models.PositiveIntegerField(default=2048)),
-                ('n_parallel', models.PositiveIntegerField(default=1)),
-                ('load_report', models.JSONField(blank=True, default=dict, help_text='what the runtime reported on load')),
-                ('error', models.TextField(blank=True)),
-                ('revision', models.PositiveIntegerField(default=0)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('ready_at', models.DateTimeField(blank=True, null=True)),
-                ('stopped_at', models.DateTimeField(blank=True, null=True)),
+                (
+                    "id",
+                    models.UUIDField(
+                        default=uuid.uuid4, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("PLANNING", "Planning"),
+                            ("LOADING", "Loading"),
+                            ("READY", "Ready"),
+                            ("DEGRADED", "Degraded"),
+                            ("FAILED", "Failed"),
+                            ("STOPPED", "Stopped"),
+                        ],
+                        default="PLANNING",
+                        max_length=16,
+                    ),
+                ),
+                ("plan", models.JSONField(default=dict, help_text="scheduler Plan.to_dict()")),
+                (
+                    "request",
+                    models.JSONField(
+                        default=dict, help_text="placement request: n_ctx, slots, pins"
+                    ),
+                ),
+                ("n_ctx", models.PositiveIntegerField(default=2048)),
+                ("n_parallel", models.PositiveIntegerField(default=1)),
+                (
+                    "load_report",
+                    models.JSONField(
+                        blank=True, default=dict, help_text="what the runtime reported on load"
+                    ),
+                ),
+                ("error", models.TextField(blank=True)),
+                ("revision", models.PositiveIntegerField(default=0)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("ready_at", models.DateTimeField(blank=True, null=True)),
+                ("stopped_at", models.DateTimeField(blank=True, null=True)),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
         migrations.CreateModel(
-            name='Job',
+            name="Job",
             fields=[
-                ('id', models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
-                ('kind', models.CharField(default='chat', max_length=16)),
-                ('state', models.CharField(choices=[('QUEUED', 'Queued'), ('DISPATCHED', 'Dispatched'), ('RUNNING', 'Running'), ('COMPLETED', 'Completed'), ('FAILED', 'Failed'), ('CANCELLED', 'Cancelled')], default='QUEUED', max_length=16)),
-                ('request_id', models.CharField(blank=True, max_length=64)),
-                ('stream', models.BooleanField(default=False)),
-                ('params', models.JSONField(default=dict, help_text='sampling parameters')),
-                ('max_tokens', models.PositiveIntegerField(default=256)),
-                ('prompt_tokens', models.PositiveIntegerField(default=0)),
-                ('completion_tokens', models.PositiveIntegerField(default=0)),
-                ('stream_chunks', models.PositiveIntegerField(default=0, help_text='TOKEN_STREAM_CHUNK count')),
-                ('finish_reason', models.CharField(blank=True, max_length=16)),
-                ('error', models.TextField(blank=True)),
-                ('failed_during_execution', models.BooleanField(blank=True, null=True)),
-                ('placement', models.JSONField(blank=True, default=dict, help_text='which node held which layers')),
-                ('ttft_ms', models.FloatField(blank=True, null=True)),
-                ('tokens_per_s', models.FloatField(blank=True, null=True)),
-                ('device_seconds', models.JSONField(blank=True, default=dict)),
-                ('priority', models.BigIntegerField(default=0)),
-                ('queued_at', models.DateTimeField(db_index=True)),
-                ('dispatched_at', models.DateTimeField(blank=True, null=True)),
-                ('first_token_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
+                (
+                    "id",
+                    models.UUIDField(
+                        default=uuid.uuid4, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                ("kind", models.CharField(default="chat", max_length=16)),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("QUEUED", "Queued"),
+                            ("DISPATCHED", "Dispatched"),
+                            ("RUNNING", "Running"),
+                            ("COMPLETED", "Completed"),
+                            ("FAILED", "Failed"),
+                            ("CANCELLED", "Cancelled"),
+                        ],
+                        default="QUEUED",
+                        max_length=16,
+                    ),
+                ),
+                ("request_id", models.CharField(blank=True, max_length=64)),
+                ("stream", models.BooleanField(default=False)),
+                ("params", models.JSONField(default=dict, help_text="sampling parameters")),
+                ("max_tokens", models.PositiveIntegerField(default=256)),
+                ("prompt_tokens", models.PositiveIntegerField(default=0)),
+                ("completion_tokens", models.PositiveIntegerField(default=0)),
+                (
+                    "stream_chunks",
+                    models.PositiveIntegerField(default=0, help_text="TOKEN_STREAM_CHUNK count"),
+                ),
+                ("finish_reason", models.CharField(blank=True, max_length=16)),
+                ("error", models.TextField(blank=True)),
+                ("failed_during_execution", models.BooleanField(blank=True, null=True)),
+                (
+                    "placement",
+                    models.JSONField(
+                        blank=True, default=dict, help_text="which node held which layers"
+                    ),
+                ),
+                ("ttft_ms", models.FloatField(blank=True, null=True)),
+                ("tokens_per_s", models.FloatField(blank=True, null=True)),
+                ("device_seconds", models.JSONField(blank=True, default=dict)),
+                ("priority", models.BigIntegerField(default=0)),
+                ("queued_at", models.DateTimeField(db_index=True)),
+                ("dispatched_at", models.DateTimeField(blank=True, null=True)),
+                ("first_token_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
             ],
             options={
-                'ordering': ['-queued_at'],
+                "ordering": ["-queued_at"],
             },
         ),
     ]

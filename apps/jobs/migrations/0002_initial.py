@@ -7,73 +7,108 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('api', '0001_initial'),
-        ('credits', '0001_initial'),
-        ('jobs', '0001_initial'),
-        ('models_repo', '0001_initial'),
-        ('nodes', '0001_initial'),
+        ("api", "0001_initial"),
+        ("credits", "0001_initial"),
+        ("jobs", "0001_initial"),
+        ("models_repo", "0001_initial"),
+        ("nodes", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='deployment',
-            name='model',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='deployments', to='models_repo.model'),
+            model_name="deployment",
+            name="model",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.PROTECT,
+                related_name="deployments",
+                to="models_repo.model",
+            ),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='model_file',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='deployments', to='models_repo.modelfile'),
+            model_name="deployment",
+            name="model_file",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.PROTECT,
+                related_name="deployments",
+                to="models_repo.modelfile",
+            ),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='nodes',
-            field=models.ManyToManyField(blank=True, related_name='deployments', to='nodes.node'),
+            model_name="deployment",
+            name="nodes",
+            field=models.ManyToManyField(blank=True, related_name="deployments", to="nodes.node"),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='primary',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='primary_of', to='nodes.node'),
+            model_name="deployment",
+            name="primary",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="primary_of",
+                to="nodes.node",
+            ),
         ),
         migrations.AddField(
-            model_name='job',
-            name='account',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='jobs', to='credits.account'),
+            model_name="job",
+            name="account",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="jobs",
+                to="credits.account",
+            ),
         ),
         migrations.AddField(
-            model_name='job',
-            name='api_key',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='jobs', to='api.apikey'),
+            model_name="job",
+            name="api_key",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="jobs",
+                to="api.apikey",
+            ),
         ),
         migrations.AddField(
-            model_name='job',
-            name='deployment',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='jobs', to='jobs.deployment'),
+            model_name="job",
+            name="deployment",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="jobs",
+                to="jobs.deployment",
+            ),
         ),
         migrations.AddField(
-            model_name='job',
-            name='model',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='jobs', to='models_repo.model'),
+            model_name="job",
+            name="model",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.PROTECT,
+                related_name="jobs",
+                to="models_repo.model",
+            ),
         ),
         migrations.AddField(
-            model_name='job',
-            name='nodes',
-            field=models.ManyToManyField(blank=True, related_name='jobs', to='nodes.node'),
+            model_name="job",
+            name="nodes",
+            field=models.ManyToManyField(blank=True, related_name="jobs", to="nodes.node"),
         ),
         migrations.AddIndex(
-            model_name='deployment',
-            index=models.Index(fields=['model', 'state'], name='jobs_deploy_model_i_7c2f7e_idx'),
+            model_name="deployment",
+            index=models.Index(fields=["model", "state"], name="jobs_deploy_model_i_7c2f7e_idx"),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(fields=['state'], name='jobs_job_state_7f24c5_idx'),
+            model_name="job",
+            index=models.Index(fields=["state"], name="jobs_job_state_7f24c5_idx"),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(fields=['deployment', 'state'], name='jobs_job_deploym_3e0d8f_idx'),
+            model_name="job",
+            index=models.Index(fields=["deployment", "state"], name="jobs_job_deploym_3e0d8f_idx"),
         ),
     ]

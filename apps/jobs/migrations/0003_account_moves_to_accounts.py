@@ -19,12 +19,24 @@ class Migration(migrations.Migration):
                 migrations.AlterField(
                     model_name="job",
                     name="account",
-                    field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name="jobs", to="accounts.account"),
+                    field=models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="jobs",
+                        to="accounts.account",
+                    ),
                 ),
                 migrations.AlterField(
                     model_name="job",
                     name="api_key",
-                    field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name="jobs", to="accounts.apikey"),
+                    field=models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="jobs",
+                        to="accounts.apikey",
+                    ),
                 ),
             ],
         ),

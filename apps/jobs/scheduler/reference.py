@@ -144,7 +144,10 @@ def _memory_proportional_in(
         raise PlacementRefused("memory-proportional split has no output device", 0, ())
     devmap = {id(d): d for d in devs}
     total = sum(c * devmap[k].t_tg for k, c in assign.items())
-    total += (out or primary.cpu).out_tg  # type: ignore[union-attr]
+    out_dev = out or primary.cpu
+    if out_dev is None:  # no output device and no CPU: nothing can hold the output layer
+        raise PlacementRefused("memory-proportional split has no output device", 0, ())
+    total += out_dev.out_tg
     for n in remote:
         total += ctx.hop(primary, n, out is not None and out.node is n)
     offloaded = [k for k, c in assign.items() if c > 0 and devmap[k] is not primary.cpu]

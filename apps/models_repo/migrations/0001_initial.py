@@ -9,61 +9,108 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('nodes', '0001_initial'),
+        ("nodes", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Model',
+            name="Model",
             fields=[
-                ('id', models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
-                ('name', models.CharField(max_length=200, unique=True)),
-                ('family', models.CharField(blank=True, max_length=100)),
-                ('parameters', models.BigIntegerField(default=0, help_text='parameter count')),
-                ('price_weight_permille', models.PositiveIntegerField(default=1000)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                (
+                    "id",
+                    models.UUIDField(
+                        default=uuid.uuid4, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                ("name", models.CharField(max_length=200, unique=True)),
+                ("family", models.CharField(blank=True, max_length=100)),
+                ("parameters", models.BigIntegerField(default=0, help_text="parameter count")),
+                ("price_weight_permille", models.PositiveIntegerField(default=1000)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='ModelFile',
+            name="ModelFile",
             fields=[
-                ('id', models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
-                ('file_name', models.CharField(max_length=255)),
-                ('format', models.CharField(default='GGUF', max_length=16)),
-                ('quantization', models.CharField(blank=True, max_length=32)),
-                ('sha256', models.CharField(max_length=64, unique=True)),
-                ('size', models.BigIntegerField()),
-                ('architecture', models.CharField(blank=True, max_length=64)),
-                ('n_layer', models.PositiveIntegerField(default=0)),
-                ('n_embd', models.PositiveIntegerField(default=0)),
-                ('n_head', models.PositiveIntegerField(default=0)),
-                ('n_head_kv', models.PositiveIntegerField(default=0)),
-                ('n_ctx_train', models.PositiveIntegerField(default=0)),
-                ('layer_bytes', models.JSONField(default=list, help_text='weight bytes of each layer')),
-                ('profile', models.JSONField(default=dict, help_text='ModelProfile.to_dict()')),
-                ('store_path', models.CharField(blank=True, help_text="copy in the controller's model store", max_length=500)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('model', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='files', to='models_repo.model')),
+                (
+                    "id",
+                    models.UUIDField(
+                        default=uuid.uuid4, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                ("file_name", models.CharField(max_length=255)),
+                ("format", models.CharField(default="GGUF", max_length=16)),
+                ("quantization", models.CharField(blank=True, max_length=32)),
+                ("sha256", models.CharField(max_length=64, unique=True)),
+                ("size", models.BigIntegerField()),
+                ("architecture", models.CharField(blank=True, max_length=64)),
+                ("n_layer", models.PositiveIntegerField(default=0)),
+                ("n_embd", models.PositiveIntegerField(default=0)),
+                ("n_head", models.PositiveIntegerField(default=0)),
+                ("n_head_kv", models.PositiveIntegerField(default=0)),
+                ("n_ctx_train", models.PositiveIntegerField(default=0)),
+                (
+                    "layer_bytes",
+                    models.JSONField(default=list, help_text="weight bytes of each layer"),
+                ),
+                ("profile", models.JSONField(default=dict, help_text="ModelProfile.to_dict()")),
+                (
+                    "store_path",
+                    models.CharField(
+                        blank=True, help_text="copy in the controller's model store", max_length=500
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "model",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="files",
+                        to="models_repo.model",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Replica',
+            name="Replica",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('path', models.CharField(max_length=500)),
-                ('verified_at', models.DateTimeField()),
-                ('model_file', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='replicas', to='models_repo.modelfile')),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='replicas', to='nodes.node')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("path", models.CharField(max_length=500)),
+                ("verified_at", models.DateTimeField()),
+                (
+                    "model_file",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="replicas",
+                        to="models_repo.modelfile",
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="replicas",
+                        to="nodes.node",
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('node', 'model_file'), name='one_replica_per_node_file')],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("node", "model_file"), name="one_replica_per_node_file"
+                    )
+                ],
             },
         ),
     ]

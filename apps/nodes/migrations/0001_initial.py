@@ -10,92 +10,200 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('credits', '0001_initial'),
-        ('jobs', '0001_initial'),
+        ("credits", "0001_initial"),
+        ("jobs", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='EnrollmentToken',
+            name="EnrollmentToken",
             fields=[
-                ('id', models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
-                ('label', models.CharField(max_length=120)),
-                ('token_hash', models.CharField(max_length=64, unique=True)),
-                ('prefix', models.CharField(help_text='first characters, to recognise a token', max_length=12)),
-                ('expires_at', models.DateTimeField()),
-                ('max_uses', models.PositiveIntegerField(default=1)),
-                ('uses', models.PositiveIntegerField(default=0)),
-                ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('account', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='enrollment_tokens', to='credits.account')),
-                ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.UUIDField(
+                        default=uuid.uuid4, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                ("label", models.CharField(max_length=120)),
+                ("token_hash", models.CharField(max_length=64, unique=True)),
+                (
+                    "prefix",
+                    models.CharField(
+                        help_text="first characters, to recognise a token", max_length=12
+                    ),
+                ),
+                ("expires_at", models.DateTimeField()),
+                ("max_uses", models.PositiveIntegerField(default=1)),
+                ("uses", models.PositiveIntegerField(default=0)),
+                ("revoked_at", models.DateTimeField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "account",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="enrollment_tokens",
+                        to="credits.account",
+                    ),
+                ),
+                (
+                    "created_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
         migrations.CreateModel(
-            name='Node',
+            name="Node",
             fields=[
-                ('id', models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
-                ('name', models.CharField(max_length=120)),
-                ('machine_id', models.CharField(max_length=128, unique=True)),
-                ('state', models.CharField(choices=[('UNINITIALIZED', 'Uninitialized'), ('REGISTERING', 'Registering'), ('READY', 'Ready'), ('BUSY', 'Busy'), ('DRAINING', 'Draining'), ('DEGRADED', 'Degraded'), ('OFFLINE', 'Offline'), ('ERROR', 'Error')], default='UNINITIALIZED', max_length=16)),
-                ('state_changed_at', models.DateTimeField(blank=True, null=True)),
-                ('credential_hash', models.CharField(max_length=64)),
-                ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('agent_version', models.CharField(blank=True, max_length=32)),
-                ('address', models.CharField(help_text='private advertise address', max_length=64)),
-                ('rpc_port', models.PositiveIntegerField(default=50052)),
-                ('hardware', models.JSONField(default=dict)),
-                ('cpu_model', models.CharField(blank=True, max_length=200)),
-                ('cpu_physical_cores', models.PositiveIntegerField(default=0)),
-                ('cpu_logical_cores', models.PositiveIntegerField(default=0)),
-                ('ram_total', models.BigIntegerField(default=0)),
-                ('ram_available', models.BigIntegerField(default=0)),
-                ('vram_total', models.BigIntegerField(default=0)),
-                ('vram_free', models.BigIntegerField(default=0)),
-                ('gpu_count', models.PositiveIntegerField(default=0)),
-                ('disk_free', models.BigIntegerField(default=0)),
-                ('gflops', models.FloatField(default=0)),
-                ('mem_bandwidth_gbps', models.FloatField(default=0)),
-                ('drain_requested', models.BooleanField(default=False)),
-                ('drained_at', models.DateTimeField(blank=True, null=True)),
-                ('last_heartbeat_at', models.DateTimeField(blank=True, help_text='as of the last state change', null=True)),
-                ('enrolled_at', models.DateTimeField(auto_now_add=True)),
-                ('account', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='nodes', to='credits.account')),
-                ('enrollment_token', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to='nodes.enrollmenttoken')),
+                (
+                    "id",
+                    models.UUIDField(
+                        default=uuid.uuid4, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                ("name", models.CharField(max_length=120)),
+                ("machine_id", models.CharField(max_length=128, unique=True)),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("UNINITIALIZED", "Uninitialized"),
+                            ("REGISTERING", "Registering"),
+                            ("READY", "Ready"),
+                            ("BUSY", "Busy"),
+                            ("DRAINING", "Draining"),
+                            ("DEGRADED", "Degraded"),
+                            ("OFFLINE", "Offline"),
+                            ("ERROR", "Error"),
+                        ],
+                        default="UNINITIALIZED",
+                        max_length=16,
+                    ),
+                ),
+                ("state_changed_at", models.DateTimeField(blank=True, null=True)),
+                ("credential_hash", models.CharField(max_length=64)),
+                ("revoked_at", models.DateTimeField(blank=True, null=True)),
+                ("agent_version", models.CharField(blank=True, max_length=32)),
+                ("address", models.CharField(help_text="private advertise address", max_length=64)),
+                ("rpc_port", models.PositiveIntegerField(default=50052)),
+                ("hardware", models.JSONField(default=dict)),
+                ("cpu_model", models.CharField(blank=True, max_length=200)),
+                ("cpu_physical_cores", models.PositiveIntegerField(default=0)),
+                ("cpu_logical_cores", models.PositiveIntegerField(default=0)),
+                ("ram_total", models.BigIntegerField(default=0)),
+                ("ram_available", models.BigIntegerField(default=0)),
+                ("vram_total", models.BigIntegerField(default=0)),
+                ("vram_free", models.BigIntegerField(default=0)),
+                ("gpu_count", models.PositiveIntegerField(default=0)),
+                ("disk_free", models.BigIntegerField(default=0)),
+                ("gflops", models.FloatField(default=0)),
+                ("mem_bandwidth_gbps", models.FloatField(default=0)),
+                ("drain_requested", models.BooleanField(default=False)),
+                ("drained_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "last_heartbeat_at",
+                    models.DateTimeField(
+                        blank=True, help_text="as of the last state change", null=True
+                    ),
+                ),
+                ("enrolled_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "account",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="nodes",
+                        to="credits.account",
+                    ),
+                ),
+                (
+                    "enrollment_token",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to="nodes.enrollmenttoken",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Event',
+            name="Event",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('kind', models.CharField(db_index=True, max_length=40)),
-                ('category', models.CharField(choices=[('LIFECYCLE', 'Lifecycle'), ('HEALTH', 'Health'), ('EXECUTION', 'Execution'), ('RUNTIME', 'Runtime'), ('INFERENCE', 'Inference'), ('MANAGEMENT', 'Management'), ('SECURITY', 'Security'), ('PLACEMENT', 'Placement'), ('CREDITS', 'Credits')], max_length=16)),
-                ('old_state', models.CharField(blank=True, max_length=16)),
-                ('new_state', models.CharField(blank=True, max_length=16)),
-                ('message', models.CharField(blank=True, max_length=500)),
-                ('data', models.JSONField(blank=True, default=dict)),
-                ('created_at', models.DateTimeField(db_index=True)),
-                ('deployment', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='events', to='jobs.deployment')),
-                ('job', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='events', to='jobs.job')),
-                ('node', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='events', to='nodes.node')),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                ("kind", models.CharField(db_index=True, max_length=40)),
+                (
+                    "category",
+                    models.CharField(
+                        choices=[
+                            ("LIFECYCLE", "Lifecycle"),
+                            ("HEALTH", "Health"),
+                            ("EXECUTION", "Execution"),
+                            ("RUNTIME", "Runtime"),
+                            ("INFERENCE", "Inference"),
+                            ("MANAGEMENT", "Management"),
+                            ("SECURITY", "Security"),
+                            ("PLACEMENT", "Placement"),
+                            ("CREDITS", "Credits"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                ("old_state", models.CharField(blank=True, max_length=16)),
+                ("new_state", models.CharField(blank=True, max_length=16)),
+                ("message", models.CharField(blank=True, max_length=500)),
+                ("data", models.JSONField(blank=True, default=dict)),
+                ("created_at", models.DateTimeField(db_index=True)),
+                (
+                    "deployment",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="events",
+                        to="jobs.deployment",
+                    ),
+                ),
+                (
+                    "job",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="events",
+                        to="jobs.job",
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="events",
+                        to="nodes.node",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at', '-id'],
+                "ordering": ["-created_at", "-id"],
             },
         ),
         migrations.AddIndex(
-            model_name='node',
-            index=models.Index(fields=['state'], name='nodes_node_state_7fb1b7_idx'),
+            model_name="node",
+            index=models.Index(fields=["state"], name="nodes_node_state_7fb1b7_idx"),
         ),
     ]

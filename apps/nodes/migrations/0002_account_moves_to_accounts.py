@@ -19,12 +19,20 @@ class Migration(migrations.Migration):
                 migrations.AlterField(
                     model_name="enrollmenttoken",
                     name="account",
-                    field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name="enrollment_tokens", to="accounts.account"),
+                    field=models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="enrollment_tokens",
+                        to="accounts.account",
+                    ),
                 ),
                 migrations.AlterField(
                     model_name="node",
                     name="account",
-                    field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name="nodes", to="accounts.account"),
+                    field=models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="nodes",
+                        to="accounts.account",
+                    ),
                 ),
             ],
         ),

