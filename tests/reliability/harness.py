@@ -22,8 +22,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import psutil
@@ -37,10 +39,15 @@ READY_TIMEOUT = 300.0  # migrations, two agents and two model loads on 2 shared 
 STREAMS = 8  # concurrent streaming clients during a kill
 REQUESTS_PER_STREAM = 2  # each client's requests, one after the other: 16 per scenario
 MAX_TOKENS = 32
-REQUEST_DEADLINE = 60.0  # one request, start to end, whatever happens
+# One request, start to end: about 3 s when nothing is killed, but the 2 cores are shared. A
+# stream silent for STREAM_GAP is lost too: the controller should have ended it by then.
+REQUEST_DEADLINE = 60.0
+STREAM_GAP = 20.0
 RECOVER_DEADLINE = 120.0  # the retry loop after a kill
 # The stale-jobs sweep runs every 30 s and fails a job silent for 2 stream idle limits.
-SETTLE_DEADLINE = 90.0
+SETTLE_DEADLINE = 60.0
+GHOST_GRACE = 10.0  # a READY deployment without its llama-server this long is stopped by the test
+REDEPLOY_AFTER = 10.0  # fewer than two active replicas this long: the test deploys one
 STREAM_IDLE_TIMEOUT = 15  # the cluster's STREAM_IDLE_TIMEOUT_SECONDS (default 60): settles in time
 PROMPT = "Count from one to one hundred in words, separated by commas."
 SERVING = ("READY",)
@@ -95,6 +102,7 @@ class Outcome:
     detail: str = ""
     chunks: int = 0
     deployment: str = ""
+    job: str = ""
     started: float = 0.0
     ended: float = 0.0
 
@@ -128,7 +136,7 @@ def stream_chat(
     done = False
     error = ""
     try:
-        with httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0)) as client:
+        with httpx.Client(timeout=httpx.Timeout(STREAM_GAP, connect=10.0)) as client:
             with client.stream(
                 "POST",
                 f"{url}/v1/chat/completions",
@@ -136,6 +144,7 @@ def stream_chat(
                 json=body,
             ) as resp:
                 out.deployment = resp.headers.get("X-Racon-Deployment-Id", "")
+                out.job = resp.headers.get("X-Racon-Job-Id", "")
                 if resp.status_code != 200:
                     resp.read()
                     out.kind, out.detail = f"http {resp.status_code}", resp.text[:200]
@@ -264,11 +273,14 @@ class Cluster:
 
     # --- settling ------------------------------------------------------------------------------
 
-    def open_jobs(self) -> int | None:
-        """Jobs not terminal (QUEUED, DISPATCHED, RUNNING), or None while the API does not answer."""
+    def open_jobs(self, since: datetime) -> int | None:
+        """Jobs queued since then and not terminal (QUEUED, DISPATCHED, RUNNING), or None while
+        the API does not answer."""
+        after = quote(since.isoformat())
         try:
             return sum(
-                len(self.get(f"/api/admin/jobs?state={s}&limit=1000")) for s in OPEN_JOB_STATES
+                len(self.get(f"/api/admin/jobs?state={s}&since={after}&limit=1000"))
+                for s in OPEN_JOB_STATES
             )
         except (httpx.HTTPError, ValueError):
             return None
@@ -302,29 +314,54 @@ class Cluster:
         return violations, proc.stdout[start:] + proc.stderr
 
     def wait_replicas(self, *, timeout: float = 150.0) -> list[dict[str, Any]]:
-        """Two READY replicas on two READY nodes, both agents running. After `timeout / 3` with
-        fewer than two replicas active (placed, loading or serving), the test deploys one more,
-        as an operator would, and notes it: the cluster does not re-place a lost replica itself."""
+        """Two READY replicas on two READY nodes, each with its llama-server running, both agents
+        up and /health 200. What the test does meanwhile, as an operator would, and notes (the
+        cluster does neither itself today):
+        - a READY deployment whose llama-server is gone for GHOST_GRACE s is stopped;
+        - with fewer than two replicas active (placed, loading or serving) for REDEPLOY_AFTER s,
+          one more is deployed."""
         deadline = time.monotonic() + timeout
-        redeploy_at = time.monotonic() + timeout / 3
+        short_since: float | None = None
+        ghost_since: dict[str, float] = {}
         last: Any = None
         while time.monotonic() < deadline:
+            now = time.monotonic()
             try:
-                serving = self.serving()
                 nodes = {n["id"] for n in self.ready_nodes()}
+                deps = self.deployments()
+                live = []
+                for d in deps:
+                    if d["state"] not in SERVING:
+                        continue
+                    if self.primary_process(d["id"]) is not None:
+                        live.append(d)
+                        ghost_since.pop(d["id"], None)
+                    elif now - ghost_since.setdefault(d["id"], now) >= GHOST_GRACE:
+                        resp = self.post(f"/api/admin/deployments/{d['id']}/stop", None)
+                        self.notes.append(
+                            f"stopped READY deployment {d['id'][:8]} on {d['primary_name']}: no llama-server for {GHOST_GRACE:.0f} s ({resp.status_code})"
+                        )
+                        ghost_since.pop(d["id"], None)
+                primaries = {d["primary"] for d in live}
                 if (
-                    len(serving) >= 2
-                    and {d["primary"] for d in serving} <= nodes
+                    len(primaries) >= 2
+                    and primaries <= nodes
                     and len(self.agents()) == 2
                     and self.launcher.health() == 200
                 ):
-                    return serving
-                active = [d for d in self.deployments() if d["state"] in ACTIVE]
-                last = [(d["state"], d.get("primary_name")) for d in self.deployments()][:6]
-                if time.monotonic() > redeploy_at and len(active) < 2 and len(nodes) >= 2:
+                    return live
+                active = [d for d in deps if d["state"] in ACTIVE and d["id"] not in ghost_since]
+                last = [(d["state"], d.get("primary_name"), d["id"][:8]) for d in deps][:6]
+                if len(active) >= 2 or len(nodes) < 2:
+                    short_since = None
+                elif short_since is None:
+                    short_since = now
+                elif now - short_since >= REDEPLOY_AFTER:
                     resp = self.post("/api/admin/deployments", {"model": self.model})
-                    self.notes.append(f"redeployed a replica ({resp.status_code})")
-                    redeploy_at = time.monotonic() + timeout / 3
+                    self.notes.append(
+                        f"deployed a replica to replace the lost one ({resp.status_code})"
+                    )
+                    short_since = None
             except (httpx.HTTPError, ValueError) as exc:
                 last = repr(exc)
             time.sleep(1.0)
@@ -416,7 +453,7 @@ class Result:
     lost_by_design: int = 0
     stuck_jobs: int | None = None
     violations: int | None = None
-    holds_open: int | None = None
+    holds_open: int | None = None  # micro-credits still held for this scenario's jobs
     recover_s: float | None = None
     settle_s: float | None = None
     replicas_s: float | None = None  # from the settled cluster to two READY replicas again
@@ -431,7 +468,7 @@ class Result:
         return (
             f"[reliability] {self.scenario}: sent {self.sent}, lost {self.lost}"
             f" (by design {self.lost_by_design}; {kinds}), stuck jobs {self.stuck_jobs},"
-            f" ledger violations {self.violations}, holds open {self.holds_open},"
+            f" ledger violations {self.violations}, credits still held {self.holds_open} µcr,"
             f" recovered in {rec}, settled in {self.settle_s:.1f} s,"
             f" two replicas again in {fmt(self.replicas_s)}{'; ' + self.note if self.note else ''}"
         )
@@ -449,6 +486,9 @@ def run_scenario(
     bounded wait for no open job and no held credit, then the ledger check."""
     cluster.wait_replicas()
     result = Result(scenario=name)
+    # This scenario's jobs and holds only: one that failed before leaves its own behind.
+    since = datetime.now(UTC) - timedelta(seconds=1)
+    held_before = cluster.held() or 0
     lock = threading.Lock()
     mid_stream: dict[int, int] = {}
     outcomes: list[Outcome] = []
@@ -505,7 +545,8 @@ def run_scenario(
     stuck: int | None = None
     holds: int | None = None
     while time.monotonic() - t_settle < SETTLE_DEADLINE:
-        stuck, holds = cluster.open_jobs(), cluster.held()
+        stuck, held = cluster.open_jobs(since), cluster.held()
+        holds = None if held is None else max(0, held - held_before)
         if stuck == 0 and holds == 0:
             break
         time.sleep(1.0)
@@ -520,7 +561,10 @@ def run_scenario(
         cluster.notes.append(str(exc).splitlines()[0])
     details = [f"killed {killed}", f"{attempts} retries"]
     bad = [o for o in outcomes if not o.ok][:2]
-    details += [f"{o.kind}: {o.detail[:120]}" for o in bad]
+    details += [
+        f"{o.kind} (job {o.job[:8] or '?'}, {o.chunks} chunks, {o.ended - o.started:.1f} s): {' '.join(o.detail.split())[:120]}"
+        for o in bad
+    ]
     result.note = "; ".join([*([result.note] if result.note else []), *details, *cluster.notes])
     cluster.notes.clear()
     return result
@@ -539,12 +583,12 @@ def table(results: list[Result]) -> str:
         "by design",
         "stuck jobs",
         "ledger viol.",
-        "holds open",
+        "held (µcr)",
         "recover s",
         "settle s",
         "replicas s",
     )
-    rows = [head]
+    rows: list[tuple[str, ...]] = [head]
     for r in results:
         if r.note.startswith("skipped"):
             rows.append((r.scenario, *["-"] * (len(head) - 1)))
