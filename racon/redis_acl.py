@@ -30,6 +30,7 @@ log = logging.getLogger("racon.redis_acl")
 NODE_RULES = (
     "-@all",
     "+@connection", "+@read", "+@write", "+@list", "+@stream", "+@sortedset", "+@string", "+@keyspace",
+    "+@transaction",  # MULTI/EXEC: the agent acknowledges a command atomically (agent/queue.py)
     "-@dangerous", "-@admin", "-@pubsub", "-@scripting",
     "-scan", "-randomkey", "-keys", "-object", "-dump", "-restore", "-migrate", "-move", "-copy",
     "-rename", "-renamenx", "-swapdb", "-flushdb", "-flushall", "-sort", "-client", "-wait",

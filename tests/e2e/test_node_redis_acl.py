@@ -114,6 +114,9 @@ def test_a_node_reaches_only_its_own_keys_and_the_real_agent_still_serves(
                 and resp.usage.completion_tokens > 0
             )
             job_id = resp.id.removeprefix("chatcmpl-")
+            # Its commands were acknowledged through its own user (MULTI/EXEC is allowed), so none
+            # is left in its processing list to run again after a restart.
+            assert "could not acknowledge" not in agent.log(), agent.log()[-2000:]
 
             # A second, hostile node, enrolled with a token of its own.
             evil = _enroll(ctl, "acl-evil")

@@ -105,8 +105,8 @@ def test_a_primary(cluster: Cluster, results: list[Result]) -> None:
 
     r = record(results, run_scenario(cluster, "primary", kill))
     assert_settled(r)
-    # TODO(failover, issue 13 item 1): the streams on the killed primary are lost today
-    # (r.lost > 0, figure in the table); assert r.lost == 0 once mid-stream failover lands.
+    # TODO(failover, issue 13 item 1): assert r.lost == 0 once mid-stream failover is in and
+    # steady. Figure "lost" in the table: 3-4 of 16 before it, 0 of 16 on the first run with it.
 
 
 def test_an_agent(cluster: Cluster, results: list[Result]) -> None:
@@ -119,8 +119,8 @@ def test_an_agent(cluster: Cluster, results: list[Result]) -> None:
     r = record(results, run_scenario(cluster, "agent", kill))
     wait_gone(agent)
     assert_settled(r)
-    # TODO(failover, issue 13 item 1): the dead agent's streams are lost today (r.lost > 0);
-    # assert r.lost == 0 once failover re-dispatches them.
+    # TODO(failover, issue 13 item 1): assert r.lost == 0 once failover re-dispatches a dead
+    # agent's streams. Figure "lost": 6-11 of 16 before it, 0 of 16 on the first run with it.
 
 
 def test_the_celery_worker(cluster: Cluster, results: list[Result]) -> None:
@@ -158,5 +158,5 @@ def test_redis(cluster: Cluster, results: list[Result]) -> None:
 
     r = record(results, run_scenario(cluster, "redis", kill))
     assert_settled(r)
-    # TODO(failover, issue 13 items 1 and 6): streams in flight when Redis dies are lost today
-    # (r.lost > 0); assert r.lost == 0 once a stream survives the restart.
+    # TODO(issue 13 items 1 and 6): assert r.lost == 0 once a stream survives Redis's restart.
+    # Figure "lost" today: 8-14 of 16 (read timeouts, 500s from dead pooled connections).
