@@ -247,6 +247,7 @@ class Agent:
             self.heartbeat.interval = float(interval)
             self.heartbeat.start()
         assert self.identity is not None
+        lifecycle.announce_start(self.outbox, self.registry)
         self.redis.connect(self.identity.node_id, self._stop)
         self.outbox.start()
         self._metrics = lifecycle.start_metrics(self.config, self.heartbeat.snapshot, self.outbox)

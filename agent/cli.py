@@ -4,6 +4,7 @@ node-agent --foreground --controller-url URL --enrollment-token TOKEN --node-nam
 node-agent doctor [--bundle PATH]
 node-agent status
 node-agent stop
+node-agent upgrade      (the controller's agent and llama.cpp, with the node's own credential)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis
 
 from agent import __version__
@@ -39,8 +41,9 @@ from agent.hardware import hardware_source
 from agent.identity import IdentityError, load_identity
 from agent.models import ShaCache, scan_models
 from agent.runtime.llama import llama_rpc_support
+from agent.upgrade import UpgradeError, upgrade
 
-SUBCOMMANDS = ("run", "doctor", "status", "stop")
+SUBCOMMANDS = ("run", "doctor", "status", "stop", "upgrade")
 
 
 def _error(message: str, code: int = 2) -> int:
@@ -225,6 +228,29 @@ def cmd_stop(argv: Sequence[str]) -> int:
     return _error(f"node-agent (pid {pid}) still draining after {args.timeout:.0f}s", 1)
 
 
+# --- upgrade -------------------------------------------------------------------------------------
+
+
+def cmd_upgrade(argv: Sequence[str]) -> int:
+    args = _state_dir_arg(argv, "upgrade")
+    state_dir = _resolve_state_dir(args)
+    try:
+        ident = load_identity(state_dir)
+    except IdentityError as exc:
+        return _error(str(exc))
+    if ident is None:
+        return _error(f"not enrolled (no identity in {state_dir}): run the join line instead")
+    try:
+        version = upgrade(ident)
+    except (UpgradeError, httpx.HTTPError, OSError) as exc:
+        return _error(str(exc), 1)
+    running = read_pid(state_dir / "agent.pid")
+    print(f"node-agent: upgraded {__version__} -> {version} from {ident.controller_url}")
+    if running:
+        print(f"node-agent: the running agent (pid {running}) runs the old code until restarted")
+    return 0
+
+
 # --- doctor --------------------------------------------------------------------------------------
 
 
@@ -392,9 +418,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
         sub, rest = args[0], args[1:]
-        handler = {"run": cmd_run, "doctor": cmd_doctor, "status": cmd_status, "stop": cmd_stop}[
-            sub
-        ]
+        handler = {
+            "run": cmd_run,
+            "doctor": cmd_doctor,
+            "status": cmd_status,
+            "stop": cmd_stop,
+            "upgrade": cmd_upgrade,
+        }[sub]
         return handler(rest)
     return cmd_run(args)
 

@@ -22,7 +22,7 @@ from agent.client import ControllerClient
 from agent.config import AgentConfig
 from agent.hardware import HardwareSource
 from agent.hardware.benchmark import speed_challenge_digest
-from agent.links import probe_peer
+from agent.links import bulk_bytes_for, probe_peer
 from agent.models import ShaCache, fetch_model, resolve_model, scan_models
 from agent.outbox import Outbox
 from agent.protocol import (
@@ -363,12 +363,13 @@ class Commands:
         peers = payload.get("peers")
         if not isinstance(peers, list):
             raise CommandError("malformed probe_links: 'peers' must be a list")
+        bulk = bulk_bytes_for(payload.get("bulk_bytes"))
         links = []
         for peer in peers:
             if not isinstance(peer, dict):
                 links.append({"node_id": "", "error": "malformed peer entry"})
                 continue
-            probe = probe_peer(peer)
+            probe = probe_peer(peer, bulk_bytes=bulk)
             if probe.get("public"):
                 self.outbox.event(
                     "PUBLIC_IP_VIOLATION",
@@ -497,4 +498,33 @@ def validate_job(payload: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise CommandError("malformed run_job: 'stop' must be a list of strings")
     job["stop"] = stop
+    _validate_agentic(job)
     return job
+
+
+def _validate_agentic(job: dict[str, Any]) -> None:
+    """The tool, structured-output and logprob fields of a run_job (protocol.RunJobPayload)."""
+    tools = job.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list)
+        and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)
+    ):
+        raise CommandError("malformed run_job: 'tools' must be a list of function tools")
+    choice = job.get("tool_choice")
+    if choice is not None and not (
+        choice in ("none", "auto", "required") or isinstance(choice, dict)
+    ):
+        raise CommandError("malformed run_job: 'tool_choice' must be none, auto, required or {...}")
+    if job.get("json_schema") is not None and not isinstance(job["json_schema"], dict):
+        raise CommandError("malformed run_job: 'json_schema' must be an object")
+    top = job.get("top_logprobs")
+    if top is not None and not (
+        isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= 20
+    ):
+        raise CommandError("malformed run_job: 'top_logprobs' must be an integer 0-20")
+    for m in job.get("messages") or []:
+        calls = m.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+        ):
+            raise CommandError("malformed run_job: a message's 'tool_calls' must be a list")

@@ -24,6 +24,8 @@ from agent.identity import Identity, machine_id, save_identity
 from agent.metrics import MetricsServer, Snapshot, start_metrics_server
 from agent.outbox import Outbox
 from agent.protocol import (
+    PROTOCOL_VERSION,
+    SUPPORTED_PROTOCOL_VERSIONS,
     EnrollRequest,
     EnrollResponse,
     Hardware,
@@ -98,6 +100,7 @@ def enroll(
         rpc_port=config.rpc_port,
         hardware=hardware,
         models=models,
+        protocol_version=PROTOCOL_VERSION,
     )
     presented = (stored.node_id, stored.credential) if stored else None
     if stop.is_set():
@@ -119,6 +122,15 @@ def enroll(
         ) from None
     except ControllerError as exc:
         raise FatalAgentError(f"enrollment failed: {exc}", EXIT_REFUSED) from None
+    theirs = int(resp.get("protocol_version", 1))
+    if theirs not in SUPPORTED_PROTOCOL_VERSIONS:
+        raise FatalAgentError(
+            f"the controller speaks node protocol {theirs}; this agent ({__version__}) speaks "
+            f"protocol {PROTOCOL_VERSION} (supports {', '.join(map(str, SUPPORTED_PROTOCOL_VERSIONS))}): "
+            "install the controller's agent with `node-agent upgrade` or the join line",
+            EXIT_REFUSED,
+            refused=True,
+        )
     identity = Identity(
         node_id=str(resp["node_id"]),
         credential=str(resp["credential"]),
@@ -129,6 +141,23 @@ def enroll(
     save_identity(config.state_dir, identity)
     log.info("enrolled as node %s (%s)", identity.node_id, config.node_name)
     return identity, resp
+
+
+def announce_start(outbox: Outbox, registry: DeploymentRegistry) -> None:
+    """The first report of this agent process: AGENT_STARTED with the deployments it holds.
+
+    Its primaries and RPC worker died with the process before it (they are its children), and
+    nothing is reloaded on start, so the list is what is loaded now (empty at start). The
+    controller fails and replaces the deployments on this node it believed served that are not
+    in it, instead of routing jobs here that would end ``deployment_not_loaded``. Queued before
+    the outbox starts, so it goes ahead of any load result of this process.
+    """
+    held = registry.telemetry()
+    outbox.event(
+        "AGENT_STARTED",
+        f"agent {__version__} started holding {len(held['primaries'])} deployment(s)",
+        {"deployments": held["primaries"], "loading": held["loading"]},
+    )
 
 
 def runtime_checks(

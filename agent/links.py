@@ -66,7 +66,20 @@ def tcp_rtt_ms(host: str, port: int, *, samples: int = 5, timeout: float = 2.0) 
     return round(statistics.median(times), 3)
 
 
-def probe_peer(peer: dict[str, Any], *, samples: int = 5) -> dict[str, Any]:
+BULK_BYTES = 2 * 2**20  # long enough to time on a LAN, short enough for every peer each round
+BULK_BYTES_MAX = 64 * 2**20  # what a controller may ask for (the tunnel caps a connection too)
+
+
+def bulk_bytes_for(value: Any) -> int:
+    """The bulk transfer's size a probe_links command asked for, bounded."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return BULK_BYTES
+    return min(value, BULK_BYTES_MAX)
+
+
+def probe_peer(
+    peer: dict[str, Any], *, samples: int = 5, bulk_bytes: int = BULK_BYTES
+) -> dict[str, Any]:
     node_id = str(peer.get("node_id", ""))
     host = str(peer.get("address", ""))
     try:
@@ -82,10 +95,11 @@ def probe_peer(peer: dict[str, Any], *, samples: int = 5) -> dict[str, Any]:
         out["public"] = True
         return out
     try:
-        measured = tunnel_probe(host, port, pings=samples)
+        measured = tunnel_probe(host, port, pings=samples, bulk_bytes=bulk_bytes)
         out.update(measured)
         out["rtt_method"] = "tunnel-echo"
         out["bandwidth_method"] = "measured"
+        out["bulk_bytes"] = bulk_bytes
         return out
     except (OSError, ConnectionError) as exc:
         # An older agent's port has no probe mode (or the probe broke): say so, then fall back.

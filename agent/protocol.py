@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, NotRequired, TypedDict
 
 PROTOCOL_VERSION = 1
+# The protocol versions this side speaks. The agent sends PROTOCOL_VERSION at enrollment and the
+# controller answers with its own; each refuses a version outside this tuple, naming both (an
+# agent from before the field existed speaks 1). Upgrade: `node-agent upgrade`, or the join line.
+SUPPORTED_PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
 
 # --- Redis keys -------------------------------------------------------------------------------
 # Every key a node may touch lives under its own prefix ``racon:n:{node_id}:`` so that its Redis
@@ -140,7 +144,9 @@ class RunJobPayload(TypedDict):
     job_id: str
     deployment_id: str
     kind: Literal["chat", "completion"]
-    messages: NotRequired[list[dict[str, str]]]
+    # chat: {role, content} (system, user, assistant, tool); an assistant's may carry OpenAI's
+    # tool_calls, a tool result its tool_call_id
+    messages: NotRequired[list[dict[str, Any]]]
     prompt: NotRequired[str]
     max_tokens: int
     temperature: float
@@ -151,6 +157,16 @@ class RunJobPayload(TypedDict):
     frequency_penalty: float
     attempt: NotRequired[int]  # the job attempt (1 first; failover adds one); stamped on entries
     resume_tokens: NotRequired[list[int]]  # failover: token ids an earlier attempt streamed
+    # Tools (docs/design/serving.md, "Tool calls, structured output and logprobs"): OpenAI's
+    # tool objects, put in the prompt by the model's template (or by the agent when the template
+    # knows none); tool_choice and parallel_tool_calls as in OpenAI's request.
+    tools: NotRequired[list[dict[str, Any]]]
+    tool_choice: NotRequired[str | dict[str, Any]]
+    parallel_tool_calls: NotRequired[bool]
+    tool_mode: NotRequired[Literal["none", "auto", "forced"]]  # the controller's reading of both
+    json_schema: NotRequired[dict[str, Any]]  # the output must match it (a grammar in the engine)
+    logprobs: NotRequired[bool]  # chunks carry ``probs``
+    top_logprobs: NotRequired[int]  # 0-20 alternatives per token in ``probs``
 
 
 class SamplingParams(TypedDict):
@@ -250,6 +266,9 @@ class StreamEntry(TypedDict):
     ids: NotRequired[str]  # chunk: JSON list of the token ids it carries
     n: NotRequired[str]  # chunk: number of tokens (len(ids)); the controller sums these
     code: NotRequired[str]  # error: machine-readable ("context_length_exceeded", "runtime_error")
+    # chunk, when the job asked for logprobs: JSON list, one per token of ``ids``, of OpenAI's
+    # {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}
+    probs: NotRequired[str]
 
 
 class StreamUsage(TypedDict):
@@ -295,6 +314,7 @@ class EnrollRequest(TypedDict):
     rpc_port: int
     hardware: Hardware
     models: NotRequired[list[ModelFileInfo]]
+    protocol_version: NotRequired[int]  # absent: 1
 
 
 class EnrollResponse(TypedDict):
@@ -303,6 +323,7 @@ class EnrollResponse(TypedDict):
     redis_url: str
     heartbeat_interval: float
     state: str
+    protocol_version: NotRequired[int]  # the controller's; absent: 1
 
 
 class Heartbeat(TypedDict):

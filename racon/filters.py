@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
-from django_filters import FilterSet
+from django import forms
+from django_filters import FilterSet, IsoDateTimeFilter
+from django_filters.fields import IsoDateTimeField
 from django_filters.utils import translate_validation
 
 
@@ -31,3 +34,23 @@ class StrictFilterSet(FilterSet):
                         name, f"{name} was given with no value; leave it out or give one"
                     )
         return valid and not self.form.errors
+
+
+class _UtcIsoDateTimeField(IsoDateTimeField):
+    """An ISO 8601 time, turned to UTC as it is read: PostgreSQL refuses offsets past ±15:59 that
+    Python accepts (up to ±23:59), and a time that cannot be moved to UTC is out of range."""
+
+    def to_python(self, value: Any) -> datetime | None:
+        parsed = super().to_python(value)
+        if parsed is None:
+            return None
+        try:
+            return parsed.astimezone(UTC)
+        except (OverflowError, ValueError):
+            raise forms.ValidationError(
+                "time out of range once moved to UTC", code="invalid"
+            ) from None
+
+
+class UtcIsoDateTimeFilter(IsoDateTimeFilter):
+    field_class = _UtcIsoDateTimeField

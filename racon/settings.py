@@ -209,6 +209,12 @@ HEARTBEAT_OFFLINE_AFTER = envfloat("HEARTBEAT_OFFLINE_AFTER", 9)  # intervals
 MASS_FAILURE_FRACTION = envfloat("MASS_FAILURE_FRACTION", 0.6)
 MASS_FAILURE_MIN_NODES = envint("MASS_FAILURE_MIN_NODES", 3)
 HEALTH_SWEEP_SECONDS = envfloat("HEALTH_SWEEP_SECONDS", 5.0)
+# Measured links (apps/nodes/links.py): READY nodes re-probe their peers every
+# LINK_PROBE_INTERVAL_SECONDS (at most LINK_PROBE_MAX_PEERS each a round, the stalest first); a
+# measurement older than LINK_MAX_AGE_SECONDS has expired and the scheduler uses its default link.
+LINK_PROBE_INTERVAL_SECONDS = envfloat("LINK_PROBE_INTERVAL_SECONDS", 300.0)
+LINK_MAX_AGE_SECONDS = envfloat("LINK_MAX_AGE_SECONDS", 900.0)
+LINK_PROBE_MAX_PEERS = envint("LINK_PROBE_MAX_PEERS", 8)
 ENROLLMENT_TOKEN_TTL_HOURS = envint("ENROLLMENT_TOKEN_TTL_HOURS", 24)
 MAX_AGENT_BODY_BYTES = envint("MAX_AGENT_BODY_BYTES", 256 * 1024)
 # A machine already enrolled is taken over only with its node's credential, or within this window
@@ -342,6 +348,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "racon.credits.standby_reward",
         "schedule": float(CREDITS_STANDBY_PERIOD_SECONDS),
     },
+    # Holds of finished jobs whose settlement task was lost (a killed worker, a broker restart).
+    "credits-settle-sweep": {
+        "task": "racon.credits.settle_sweep",
+        "schedule": envfloat("CREDITS_SETTLE_SWEEP_SECONDS", 10.0),
+    },
     "stale-jobs-sweep": {
         "task": "racon.jobs.stale_jobs_sweep",
         "schedule": 30.0,
@@ -353,6 +364,10 @@ CELERY_BEAT_SCHEDULE = {
     "admission-sweep": {
         "task": "racon.jobs.admission_sweep",
         "schedule": 15.0,
+    },
+    "links-reprobe": {
+        "task": "racon.jobs.links_reprobe",
+        "schedule": LINK_PROBE_INTERVAL_SECONDS,
     },
 }
 

@@ -21,6 +21,7 @@ agent_urls = [
 
 admin_urls = [
     path("nodes", nodes_api.NodeListApi.as_view(), name="admin-nodes"),
+    path("nodes/links", nodes_api.NodeLinksApi.as_view(), name="admin-node-links"),
     path("nodes/<uuid:node_id>", nodes_api.NodeDetailApi.as_view(), name="admin-node"),
     path("nodes/<uuid:node_id>/drain", nodes_api.NodeDrainApi.as_view(), name="admin-node-drain"),
     path(
@@ -74,6 +75,7 @@ admin_urls = [
 v1_urls = [
     path("chat/completions", v1.chat_completions, name="v1-chat"),
     path("completions", v1.completions, name="v1-completions"),
+    path("embeddings", v1.embeddings, name="v1-embeddings"),
     path("models", v1.models_list, name="v1-models"),
     path("models/<path:model_id>", v1.model_detail, name="v1-model"),
 ]
@@ -81,6 +83,7 @@ v1_urls = [
 urlpatterns = [
     path("health", health, name="health"),
     path("metrics", metrics, name="metrics"),
+    path("", include("apps.nodes.join_urls")),  # /join/<token>: the one-line join
     path("api/agent/", include(agent_urls)),
     path("api/admin/", include(admin_urls)),
     path("v1/", include(v1_urls)),
@@ -88,5 +91,6 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("django-admin/", admin.site.urls),
     path("api/credits/", include("apps.credits.urls")),
+    path("", include("apps.accounts.urls")),
     path("", include("apps.api.ui_urls")),
 ]

@@ -11,7 +11,20 @@ from typing import Annotated
 
 import typer
 
-from .commands import chat, common, credits, deployments, jobs, models, nodes, session, tokens, top
+from .commands import (
+    accounts,
+    chat,
+    common,
+    credits,
+    deployments,
+    jobs,
+    keys,
+    models,
+    nodes,
+    session,
+    tokens,
+    top,
+)
 
 app = typer.Typer(
     help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False
@@ -22,6 +35,8 @@ app.add_typer(models.app, name="models")
 app.add_typer(deployments.app, name="deployments")
 app.add_typer(jobs.app, name="jobs")
 app.add_typer(credits.app, name="credits")
+app.add_typer(accounts.app, name="accounts")
+app.add_typer(keys.app, name="keys")
 # Top-level commands, in the order `racon --help` lists them.
 for command in (
     session.login,

@@ -51,6 +51,7 @@ from agent.runtime.primary import (
     describe_exit,
     summarize_assignment,
 )
+from agent.runtime.prompting import template_request, token_probs
 from agent.runtime.stream import DirectStreamWriter, append_error, last_seq
 from agent.tunnel import TunnelClient
 from agent.tunnel import reachable as tunnel_reachable
@@ -192,6 +193,8 @@ class ServerPrimary:
         self._monitor: threading.Thread | None = None
         self._tunnels: list[TunnelClient] = []
         self._local_endpoints: dict[str, str] = {}  # tunnel client's 127.0.0.1 endpoint → worker
+        # Whether the model's chat template renders tools itself (/props); else the agent does.
+        self.template_has_tools = False
 
     def _engine_plan(self) -> LoadPrimaryPayload:
         """The plan as llama-server sees it: workers behind their tunnels are local endpoints."""
@@ -281,6 +284,7 @@ class ServerPrimary:
             time.sleep(0.05)
         load_ms = round((time.perf_counter() - t0) * 1000, 1)
         warmup_ms = self._warm_up()
+        self.template_has_tools = self._template_has_tools()
         report = self._load_report(start_offset)
         self._monitor = threading.Thread(
             target=self._watch, name=f"server-{self.deployment_id[:8]}", daemon=True
@@ -359,7 +363,15 @@ class ServerPrimary:
                 raise _Cancelled
             prompt = self._prompt(j)
             max_tokens = int(job.get("max_tokens") or 0)
-            for event in self._stream(j, _completion_body(job, prompt)):
+            body = _completion_body(job, prompt)
+            if job.get("json_schema") is not None and job.get("resume_tokens"):
+                # A resumed attempt under a grammar: the grammar starts where the output stands,
+                # past the text of the tokens already streamed (llama-server feeds a
+                # generation_prompt to an output-format grammar before sampling).
+                resumed = self._post(j, "/detokenize", {"tokens": list(job["resume_tokens"])})
+                body["generation_prompt"] = str(resumed.get("content") or "")
+            top = int(job.get("top_logprobs") or 0)
+            for event in self._stream(j, body):
                 if first_chunk is None:
                     # The first event carries the prompt's length: refuse, never truncate, a
                     # request that cannot fit the slot (before any of its tokens is relayed).
@@ -378,7 +390,12 @@ class ServerPrimary:
                     first_chunk = time.time()
                 if ids or text:
                     n_tokens += len(ids)
-                    writer.chunk(text, ids)
+                    probs = (
+                        token_probs(event.get("completion_probabilities") or [], top)
+                        if job.get("logprobs")
+                        else None
+                    )
+                    writer.chunk(text, ids, probs)
                 if event.get("stop"):
                     finish = FINISH.get(str(event.get("stop_type") or "eos"), "stop")
                     timings = event.get("timings") or {}
@@ -453,7 +470,8 @@ class ServerPrimary:
                 raise _RequestError(
                     "chat job needs a non-empty 'messages' list", code="invalid_request"
                 )
-            text = str(self._post(j, "/apply-template", {"messages": messages})["prompt"])
+            request = template_request(job, template_has_tools=self.template_has_tools)
+            text = str(self._post(j, "/apply-template", request)["prompt"])
         else:
             prompt = job.get("prompt")
             if not isinstance(prompt, str):
@@ -554,6 +572,19 @@ class ServerPrimary:
             log.warning("deployment %s: warm-up skipped: %s", self.deployment_id, exc)
             return None
         return round((time.perf_counter() - t0) * 1000, 1)
+
+    def _template_has_tools(self) -> bool:
+        """Whether the chat template renders tools (llama-server's /props caps)."""
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+            conn.request("GET", "/props")
+            props = json.loads(conn.getresponse().read())
+            conn.close()
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            log.warning("deployment %s: /props unreadable: %s", self.deployment_id, exc)
+            return False
+        caps = props.get("chat_template_caps") or {}
+        return bool(caps.get("supports_tools") and caps.get("supports_tool_calls"))
 
     def _load_report(self, offset: int) -> dict[str, Any]:
         """Where every layer and buffer went, read from the server's own load log."""
@@ -708,6 +739,11 @@ def _completion_body(job: dict[str, Any], prompt: str | list[Any]) -> dict[str, 
     }
     if job.get("seed") is not None:
         body["seed"] = int(job["seed"])
+    if job.get("json_schema") is not None:
+        body["json_schema"] = job["json_schema"]
+    if job.get("logprobs"):
+        # At least one: the chosen token's own logprob comes with the alternatives.
+        body["n_probs"] = max(1, int(job.get("top_logprobs") or 0))
     return body
 
 

@@ -38,6 +38,7 @@ def entry(
     ids: list[int] | None = None,
     attempt: int = 1,
     code: str = "",
+    probs: list[dict[str, Any]] | None = None,
 ) -> dict[str, str]:
     """One stream entry (protocol.StreamEntry; docs/design/serving.md, the stream protocol)."""
     out = {
@@ -51,6 +52,8 @@ def entry(
     if type_ == "chunk":
         out["ids"] = json.dumps(ids or [])
         out["n"] = str(len(ids) if ids is not None else 1)
+        if probs is not None:
+            out["probs"] = json.dumps(probs, separators=(",", ":"))
     if code:
         out["code"] = code
     return out
@@ -87,11 +90,16 @@ class StreamWriter:
 
     # --- generator side -----------------------------------------------------------------------
 
-    def chunk(self, text: str, ids: list[int] | None = None) -> None:
+    def chunk(
+        self, text: str, ids: list[int] | None = None, probs: list[dict[str, Any]] | None = None
+    ) -> None:
         """Text and the token ids it came from; a chunk with ids but no text yet (an incomplete
-        UTF-8 sequence) is still written, so every token is counted and kept for failover."""
+        UTF-8 sequence) is still written, so every token is counted and kept for failover.
+        ``probs``: the tokens' logprobs, when the job asked for them."""
         if text or ids:
-            self._q.put(entry(self._next(), "chunk", text, ids=ids, attempt=self.attempt))
+            self._q.put(
+                entry(self._next(), "chunk", text, ids=ids, attempt=self.attempt, probs=probs)
+            )
 
     def done(self, finish_reason: str, usage: StreamUsage) -> None:
         self._q.put(entry(self._next(), "done", "", finish_reason, usage, attempt=self.attempt))
@@ -161,9 +169,13 @@ class DirectStreamWriter(StreamWriter):
     ) -> None:
         super().__init__(client, job_id, cancel, start=False, **kw)
 
-    def chunk(self, text: str, ids: list[int] | None = None) -> None:
+    def chunk(
+        self, text: str, ids: list[int] | None = None, probs: list[dict[str, Any]] | None = None
+    ) -> None:
         if text or ids:
-            self._write([entry(self._next(), "chunk", text, ids=ids, attempt=self.attempt)])
+            self._write(
+                [entry(self._next(), "chunk", text, ids=ids, attempt=self.attempt, probs=probs)]
+            )
 
     def done(self, finish_reason: str, usage: StreamUsage) -> None:
         self._write([entry(self._next(), "done", "", finish_reason, usage, attempt=self.attempt)])

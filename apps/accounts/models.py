@@ -47,10 +47,18 @@ class Account(models.Model):
 
 
 class ApiKey(models.Model):
-    """A per-account bearer key, stored hashed (AI_API_KEY, the operator's key, is not stored)."""
+    """A per-account bearer key, stored hashed (AI_API_KEY, the operator's key, is not stored).
+
+    Scopes: ``inference`` calls /v1 (and reads the balance it spends); ``read`` reads the
+    account's keys, usage and credits through REST; ``keys`` creates and revokes the account's
+    keys; ``admin`` is the operator API (only for staff users, or keys the operator made).
+    """
 
     SCOPE_INFERENCE = "inference"
+    SCOPE_READ = "read"
+    SCOPE_KEYS = "keys"
     SCOPE_ADMIN = "admin"
+    SCOPES = (SCOPE_INFERENCE, SCOPE_READ, SCOPE_KEYS, SCOPE_ADMIN)
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     name = models.CharField(max_length=120)
@@ -60,9 +68,13 @@ class ApiKey(models.Model):
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE
     )
-    scopes = models.JSONField(default=list, help_text='subset of ["inference", "admin"]')
+    scopes = models.JSONField(
+        default=list, help_text='subset of ["inference", "read", "keys", "admin"]'
+    )
     created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # Written at most once a minute per key (apps.accounts.services.key_touch), never per request.
     last_used_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from .models import Account, ApiKey
@@ -27,13 +28,25 @@ class KeyPrincipal:
     user: Any = None
     is_operator_key: bool = False
     is_authenticated: bool = True
+    # Checked on every use, not when the principal is loaded: a cached principal must not outlive
+    # its key's expiry by up to API_CACHE_SECONDS.
+    expires_at: datetime | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_staff(self) -> bool:
-        if self.user is not None and getattr(self.user, "is_staff", False):
-            return True
-        return ApiKey.SCOPE_ADMIN in self.scopes
+        """A key's rights are its scopes, bounded by its user's: a staff user's inference key is
+        not an admin key, and an admin-scoped key of a user who is no longer staff is not either."""
+        if ApiKey.SCOPE_ADMIN not in self.scopes:
+            return False
+        return self.user is None or bool(getattr(self.user, "is_staff", False))
+
+    def has_scope(self, scope: str) -> bool:
+        """Whether the key may act in this scope (an admin key may do everything)."""
+        return scope in self.scopes or self.is_staff
+
+    def expired(self, *, now: datetime) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
 
     @property
     def pk(self) -> Any:
@@ -45,6 +58,20 @@ def user_account_provide(provider: UserAccount) -> None:
     _providers["user"] = provider
 
 
+def user_account(*, user: Any) -> Account:
+    """The user's own account, found or created (with its starting grant) by the provider."""
+    provider = _providers.get("user")
+    if provider is None:
+        raise RuntimeError("no user-account provider registered (apps.credits is not installed)")
+    return provider(user=user)
+
+
+def request_principal(request: Any) -> KeyPrincipal | None:
+    """The bearer key's principal when the request came with one (None for a session)."""
+    principal = getattr(request, "_racon_principal", None) or getattr(request, "auth", None)
+    return principal if isinstance(principal, KeyPrincipal) else None
+
+
 def request_account_id(request: Any) -> Any:
     """The credit account a request acts for: the key's account, or the session user's."""
     principal = getattr(request, "_racon_principal", None) or getattr(request, "auth", None)
@@ -52,10 +79,5 @@ def request_account_id(request: Any) -> Any:
         return principal.account_id
     user = getattr(request, "user", None)
     if user is not None and user.is_authenticated:
-        provider = _providers.get("user")
-        if provider is None:
-            raise RuntimeError(
-                "no user-account provider registered (apps.credits is not installed)"
-            )
-        return provider(user=user).id
+        return user_account(user=user).id
     return None

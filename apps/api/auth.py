@@ -2,73 +2,69 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import secrets
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
+from apps.accounts import services as account_services
 from apps.accounts.models import ApiKey
 from apps.accounts.principal import KeyPrincipal
+from apps.accounts.services import PRINCIPAL_CACHE, key_hash
 from apps.credits.ledger import account_system
 from racon import cache
 
 OPERATOR_ACCOUNT_NAME = "system:operator"
-PRINCIPAL_CACHE = "principal"  # racon/cache.py: invalidated by every ApiKey write (signals.py)
-
-
-def key_hash(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+__all__ = ["PRINCIPAL_CACHE", "api_key_create", "api_key_revoke", "key_hash", "principal_for_key"]
 
 
 def api_key_create(
-    *, name: str, account_id: Any, scopes: list[str], user_id: Any = None
+    *,
+    name: str,
+    account_id: Any,
+    scopes: list[str],
+    user_id: Any = None,
+    expires_at: datetime | None = None,
 ) -> tuple[ApiKey, str]:
-    """Create a key; returns it with the plaintext, shown once."""
-    unknown = set(scopes) - {ApiKey.SCOPE_INFERENCE, ApiKey.SCOPE_ADMIN}
-    if unknown or not scopes:
-        raise ValueError(
-            f"scopes must be a non-empty subset of ['inference', 'admin'], got {scopes!r}"
-        )
-    plaintext = "rk_" + secrets.token_urlsafe(32)
-    key = ApiKey.objects.create(
-        name=name,
-        prefix=plaintext[:8],
-        key_hash=key_hash(plaintext),
-        account_id=account_id,
-        scopes=sorted(set(scopes)),
-        user_id=user_id,
+    """Create a key; returns it with the plaintext, shown once (apps.accounts.services.key_create)."""
+    return account_services.key_create(
+        name=name, account_id=account_id, scopes=scopes, user_id=user_id, expires_at=expires_at
     )
-    return key, plaintext  # the post_save signal invalidates the principal cache
 
 
 def api_key_revoke(*, key_id: Any) -> ApiKey:
     """Revoke a key; every process stops accepting it once this commits (the principal cache)."""
-    key = ApiKey.objects.get(pk=key_id)
-    if key.revoked_at is None:
-        ApiKey.objects.filter(pk=key_id).update(revoked_at=timezone.now())
-        cache.invalidate(PRINCIPAL_CACHE)  # .update() sends no signal
-        key.refresh_from_db()
-    return key
+    return account_services.key_revoke(key_id=key_id, now=timezone.now())
 
 
 def operator_account_id() -> Any:
     return account_system(name=OPERATOR_ACCOUNT_NAME).id
 
 
-def principal_for_key(raw: str) -> KeyPrincipal | None:
-    """Resolve a bearer key, or None when it is unknown or revoked (cached for API_CACHE_SECONDS)."""
+def principal_for_key(raw: str, *, now: datetime | None = None) -> KeyPrincipal | None:
+    """Resolve a bearer key, or None when it is unknown, revoked or expired (cached for
+    API_CACHE_SECONDS; revocation clears the cache everywhere, expiry is checked on each use).
+
+    A key that is let through is touched: its last_used_at moves at most once a minute.
+    """
     if not raw:
         return None
     # The operator key's hash is part of the cache key: a changed AI_API_KEY is never served stale.
-    return cache.cached(
+    principal = cache.cached(
         PRINCIPAL_CACHE,
         (key_hash(raw), key_hash(settings.AI_API_KEY or "")),
         lambda: _principal_load(raw),
     )
+    if principal is None:
+        return None
+    now = now or timezone.now()
+    if principal.expired(now=now):
+        return None
+    account_services.key_touch(key_id=principal.key_id, now=now)
+    return principal
 
 
 def _principal_load(raw: str) -> KeyPrincipal | None:
@@ -87,7 +83,11 @@ def _principal_load(raw: str) -> KeyPrincipal | None:
     if key is None:
         return None
     return KeyPrincipal(
-        key_id=key.id, account_id=key.account_id, scopes=frozenset(key.scopes), user=key.user
+        key_id=key.id,
+        account_id=key.account_id,
+        scopes=frozenset(key.scopes),
+        user=key.user,
+        expires_at=key.expires_at,
     )
 
 

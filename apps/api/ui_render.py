@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Avg, Q, QuerySet, Sum
 from django.http import Http404
 from django.template.loader import render_to_string
@@ -28,6 +29,7 @@ from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DEPLOYMENT_ACTIVE, JOB_IN_FLIGHT, JOB_OPEN, DeploymentState, JobState
 from apps.models_repo.models import Model
 from apps.nodes import selectors as node_selectors
+from apps.nodes.links import link_matrix
 from apps.nodes.models import EnrollmentToken, Node
 from apps.nodes.states import POOL, NodeState
 
@@ -90,10 +92,23 @@ def _node_rows(nodes: list[Node], *, now: datetime) -> list[dict[str, Any]]:
     return rows
 
 
+def node_links_page(*, user: Any, now: datetime) -> dict[str, Any]:
+    """The link matrix among the nodes this viewer may see (a contributor: their own)."""
+    viewer = viewer_for(user)
+    visible = None
+    if not viewer.is_staff:
+        visible = {str(pk) for pk in _visible_nodes(viewer).values_list("id", flat=True)}
+    return {
+        "links": link_matrix(now=now, node_ids=visible),
+        "link_max_age": settings.LINK_MAX_AGE_SECONDS,
+    }
+
+
 def node_list_page(*, user: Any, state: str | None = None, now: datetime) -> dict[str, Any]:
     viewer = viewer_for(user)
     nodes = node_selectors.node_list(state=state or None, account_id=viewer.scope)
     return {
+        **node_links_page(user=user, now=now),
         "rows": _node_rows(nodes, now=now),
         "states": NodeState.values,
         "state": state or "",

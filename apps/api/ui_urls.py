@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import views as auth_views
 from django.urls import path, re_path
 
+from . import ui_accounts
 from . import ui_views as v
 from .login import ThrottledLoginView
 
@@ -13,6 +14,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", v.dashboard, name="ui-dashboard"),
     path("nodes/", v.node_list, name="ui-nodes"),
+    path("nodes/links/", v.node_links, name="ui-node-links"),
     path("nodes/<uuid:node_id>/", v.node_detail, name="ui-node"),
     path("nodes/<uuid:node_id>/drain", v.node_drain, name="ui-node-drain"),
     path("nodes/<uuid:node_id>/undrain", v.node_undrain, name="ui-node-undrain"),
@@ -27,6 +29,10 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/cancel", v.job_cancel, name="ui-job-cancel"),
     path("credits/", v.credits_page, name="ui-credits"),
     path("credits/receipts/verify", v.receipt_verify, name="ui-receipt-verify"),
+    path("keys/", ui_accounts.key_list, name="ui-keys"),
+    path("keys/<uuid:key_id>/revoke", ui_accounts.key_revoke, name="ui-key-revoke"),
+    path("accounts/", ui_accounts.account_list, name="ui-accounts"),
+    path("invite/<str:uidb64>/<str:token>/", ui_accounts.invite, name="ui-invite"),
     path("playground/", v.playground, name="ui-playground"),
     path("playground/chat/completions", v.playground_chat, name="ui-playground-chat"),
     re_path(r"^static/(?P<path>.+)$", v.static, name="ui-static"),

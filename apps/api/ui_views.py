@@ -43,6 +43,7 @@ from apps.jobs.scheduler import PlacementRefused
 from apps.models_repo import services as model_services
 from apps.models_repo.models import Model
 from apps.nodes import services as node_services
+from apps.nodes.join import join_command_line, join_python_line
 from apps.nodes.models import EnrollmentToken, Node
 from apps.nodes.selectors import agent_command_line
 
@@ -136,6 +137,13 @@ def node_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 @require_GET
+def node_links(request: HttpRequest) -> HttpResponse:
+    ctx = ui_render.node_links_page(user=request.user, now=timezone.now())
+    return render_ui(request, "ui/nodes/links.html", ctx, partial="link-matrix")
+
+
+@login_required
+@require_GET
 def node_detail(request: HttpRequest, node_id: str) -> HttpResponse:
     return render_ui(
         request,
@@ -223,6 +231,8 @@ def token_create(request: HttpRequest) -> HttpResponse:
         **ui_render.token_list_page(now=timezone.now()),
         "created": token,
         "command": agent_command_line(token=plaintext),
+        "join_command": join_command_line(token=plaintext),
+        "join_python_command": join_python_line(token=plaintext),
     }
     return render_ui(request, "ui/tokens/list.html", ctx, partial="token-created")
 

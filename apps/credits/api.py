@@ -15,8 +15,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from apps.accounts.models import Account
-from apps.accounts.permissions import IsAuthenticatedAccount, IsStaff
+from apps.accounts.models import Account, ApiKey
+from apps.accounts.permissions import IsAuthenticatedAccount, IsStaff, KeyScope
 from apps.accounts.principal import request_account_id
 from racon.filters import filters_checked
 
@@ -91,6 +91,35 @@ class BalanceApi(APIView):
                 selectors.account_summary(account_id=account_id, now=timezone.now())
             ).data
         )
+
+
+class KeyUsageApi(APIView):
+    """GET /api/credits/usage — per API key of the account: jobs, tokens and credits charged."""
+
+    permission_classes = [IsAuthenticatedAccount, KeyScope]
+    key_scopes = {"*": ApiKey.SCOPE_READ}
+
+    class FilterIn(serializers.Serializer):
+        account = serializers.UUIDField(required=False)
+
+    class UsageOut(serializers.Serializer):
+        key = serializers.UUIDField()
+        name = serializers.CharField()
+        prefix = serializers.CharField()
+        revoked = serializers.BooleanField()
+        last_used_at = serializers.DateTimeField(allow_null=True)
+        jobs = serializers.IntegerField()
+        prompt_tokens = serializers.IntegerField()
+        completion_tokens = serializers.IntegerField()
+        total_tokens = serializers.IntegerField()
+        credits = serializers.IntegerField(help_text="micro-credits charged to the account")
+
+    @extend_schema(parameters=[_account_param()], responses=UsageOut(many=True))
+    def get(self, request: Request) -> Response:
+        f = self.FilterIn(data=request.query_params)
+        f.is_valid(raise_exception=True)
+        account_id = _target_account(request, self, f.validated_data.get("account"))
+        return Response(self.UsageOut(selectors.key_usage(account_id=account_id), many=True).data)
 
 
 class PostingOut(serializers.ModelSerializer):

@@ -12,7 +12,7 @@ from uuid import UUID
 import django_filters as filters
 from django.db.models import QuerySet
 
-from racon.filters import StrictFilterSet
+from racon.filters import StrictFilterSet, UtcIsoDateTimeFilter
 
 from .models import EntryKind, Posting, Receipt
 
@@ -26,10 +26,10 @@ class LedgerFilter(StrictFilterSet):
         method=_chosen_by_the_view, help_text="account id (staff only; default: yours)"
     )
     kind = filters.ChoiceFilter(field_name="entry__kind", choices=EntryKind.choices)
-    since = filters.IsoDateTimeFilter(
+    since = UtcIsoDateTimeFilter(
         field_name="entry__created_at", lookup_expr="gte", help_text="ISO 8601, inclusive"
     )
-    until = filters.IsoDateTimeFilter(
+    until = UtcIsoDateTimeFilter(
         field_name="entry__created_at", lookup_expr="lt", help_text="ISO 8601, exclusive"
     )
 

@@ -7,10 +7,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Exists, OuterRef, Q, QuerySet, Sum
+from django.db.models import Count, Exists, F, OuterRef, Q, QuerySet, Sum
 from django.utils import timezone
 
-from apps.accounts.models import Account, AccountKind
+from apps.accounts.models import Account, AccountKind, ApiKey
+from apps.jobs.models import Job
 
 from .models import EARNING_KINDS, Entry, EntryKind, Posting, Receipt
 from .rules import MAX_AMOUNT, job_priority_order
@@ -23,6 +24,7 @@ __all__ = [
     "escrow_held",
     "job_hold",
     "job_priority_order",
+    "key_usage",
     "ledger_postings",
     "open_holds",
     "receipt_list",
@@ -180,3 +182,50 @@ def receipt_list(
     if node_id is not None:
         qs = qs.filter(node_id=node_id)
     return qs.order_by("-issued_at", "id")
+
+
+def key_usage(*, account_id: Any) -> list[dict[str, Any]]:
+    """Per API key of the account: jobs, tokens, and the credits its jobs cost that account.
+
+    ``credits`` is the net of the account's postings on those jobs' entries: the settled charge,
+    plus the hold of any job not settled yet. Revoked keys are listed too (their usage stays).
+    """
+    keys = list(ApiKey.objects.filter(account_id=account_id).order_by("-created_at"))
+    ids = [k.pk for k in keys]
+    tokens = {
+        row["api_key_id"]: row
+        for row in Job.objects.filter(api_key_id__in=ids)
+        .values("api_key_id")
+        .annotate(
+            jobs=Count("id"),
+            prompt_tokens=Sum("prompt_tokens"),
+            completion_tokens=Sum("completion_tokens"),
+        )
+    }
+    spent = {
+        row["entry__job__api_key_id"]: -int(row["s"] or 0)
+        for row in Posting.objects.filter(
+            entry__job__api_key_id__in=ids, account_id=F("entry__job__account_id")
+        )
+        .values("entry__job__api_key_id")
+        .annotate(s=Sum("amount"))
+    }
+    out = []
+    for k in keys:
+        t = tokens.get(k.pk, {})
+        prompt, completion = int(t.get("prompt_tokens") or 0), int(t.get("completion_tokens") or 0)
+        out.append(
+            {
+                "key": k.pk,
+                "name": k.name,
+                "prefix": k.prefix,
+                "revoked": k.revoked_at is not None,
+                "last_used_at": k.last_used_at,
+                "jobs": int(t.get("jobs") or 0),
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "credits": spent.get(k.pk, 0),
+            }
+        )
+    return out

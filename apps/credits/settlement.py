@@ -13,7 +13,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Sum
+from django.db.models import Exists, OuterRef, Q, Sum
 
 from apps.accounts.models import Account, AccountKind
 
@@ -256,6 +256,50 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
         for owner_id in sorted({p.owner_id for p in payouts if p.amount > 0}):
             _escrow_release_if_due(owner_id=owner_id, escrow_id=escrow.pk, trigger=key, now=now)
     return entry
+
+
+# A finished job's settlement task normally runs within a second; the sweep leaves it this long
+# first, so that it only picks up what the task path lost.
+SETTLE_SWEEP_GRACE_SECONDS = 10.0
+SETTLE_SWEEP_BATCH = 200
+
+
+def credit_settle_pending(
+    *,
+    now: datetime,
+    grace_seconds: float = SETTLE_SWEEP_GRACE_SECONDS,
+    limit: int = SETTLE_SWEEP_BATCH,
+) -> list[Entry]:
+    """Settle terminal jobs that still hold credits (a RESERVE and no SETTLE), oldest first.
+
+    The settlement task is sent on commit of the job's end, through the broker: a worker killed
+    while it held the task (redelivered only after the broker's visibility timeout) or a broker
+    down when it was sent leaves the hold open. This sweep (beat) settles such jobs through
+    credit_settle_job, whose idempotency key makes a race with a late task a no-op: each job is
+    settled exactly once whoever gets there first. Returns the entries it wrote or found.
+    """
+    cutoff = now - timedelta(seconds=grace_seconds)
+    settled = Entry.objects.filter(kind=EntryKind.SETTLE, job_id=OuterRef("job_id"))
+    job_ids = list(
+        Entry.objects.filter(kind=EntryKind.RESERVE, job__state__in=JOB_TERMINAL)
+        .filter(
+            Q(job__finished_at__lte=cutoff)
+            | Q(job__finished_at__isnull=True, job__queued_at__lte=cutoff)
+        )
+        .exclude(Exists(settled))
+        .order_by("created_at", "id")
+        .values_list("job_id", flat=True)[:limit]
+    )
+    entries: list[Entry] = []
+    for job_id in job_ids:
+        try:
+            entries.append(credit_settle_job(job_id=job_id, now=now))
+        except Exception:
+            # One bad job must not keep the others' holds open; it is tried again next sweep.
+            log.exception("settle sweep: job %s could not be settled", job_id)
+    if entries:
+        log.info("settle sweep: settled %d job(s) the settlement task had not", len(entries))
+    return entries
 
 
 @dataclass

@@ -9,7 +9,12 @@ from celery import shared_task
 from django.db import OperationalError
 from django.utils import timezone
 
-from .settlement import JobNotTerminal, credit_settle_job, credit_standby_reward
+from .settlement import (
+    JobNotTerminal,
+    credit_settle_job,
+    credit_settle_pending,
+    credit_standby_reward,
+)
 
 log = logging.getLogger("racon.credits")
 
@@ -38,3 +43,9 @@ def settle_job(*, job_id: str, **kwargs: Any) -> int | None:
 def standby_reward(**kwargs: Any) -> int:
     """Pay READY nodes for the time they lent (idempotent per node per period)."""
     return len(credit_standby_reward(now=timezone.now()))
+
+
+@shared_task(name="racon.credits.settle_sweep", ignore_result=True)
+def settle_sweep(**kwargs: Any) -> int:
+    """Settle finished jobs whose settlement task was lost (beat; idempotent with settle_job)."""
+    return len(credit_settle_pending(now=timezone.now()))

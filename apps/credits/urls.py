@@ -9,6 +9,7 @@ from . import api
 urlpatterns = [
     path("balance", api.BalanceApi.as_view(), name="credits-balance"),
     path("ledger", api.LedgerApi.as_view(), name="credits-ledger"),
+    path("usage", api.KeyUsageApi.as_view(), name="credits-usage"),
     path("receipts", api.ReceiptListApi.as_view(), name="credits-receipts"),
     path("receipts/verify", api.ReceiptVerifyApi.as_view(), name="credits-receipt-verify"),
     path("receipts/<uuid:receipt_id>", api.ReceiptDetailApi.as_view(), name="credits-receipt"),

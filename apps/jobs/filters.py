@@ -10,7 +10,7 @@ from django.db.models import QuerySet
 from rest_framework.exceptions import NotFound
 
 from apps.nodes.models import Node
-from racon.filters import StrictFilterSet
+from racon.filters import StrictFilterSet, UtcIsoDateTimeFilter
 
 from .models import Deployment, Job
 from .states import DeploymentState, JobState
@@ -31,10 +31,10 @@ class JobFilter(StrictFilterSet):
     node = filters.CharFilter(
         method="filter_node", help_text="node id or name: jobs that ran on it"
     )
-    since = filters.IsoDateTimeFilter(
+    since = UtcIsoDateTimeFilter(
         field_name="queued_at", lookup_expr="gte", help_text="ISO 8601, inclusive"
     )
-    until = filters.IsoDateTimeFilter(
+    until = UtcIsoDateTimeFilter(
         field_name="queued_at", lookup_expr="lt", help_text="ISO 8601, exclusive"
     )
 

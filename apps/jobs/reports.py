@@ -9,6 +9,7 @@ from typing import Any
 from apps.models_repo.services import replicas_sync
 from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
+from apps.nodes.links import link_record
 from apps.nodes.models import EventCategory
 from apps.nodes.services import node_report_fault
 from racon.redis import get_redis
@@ -28,8 +29,8 @@ _EVENT_CATEGORIES = {
     "MODEL_FETCH_FAILED": EventCategory.PLACEMENT,
     "COMMAND_REJECTED": EventCategory.RUNTIME,
     "AGENT_DRAINING": EventCategory.LIFECYCLE,
+    "AGENT_STARTED": EventCategory.LIFECYCLE,
 }
-LINKS_KEY = "racon:links"
 
 
 def report_accept(*, node_id: Any, report: dict[str, Any], now: datetime) -> dict[str, Any] | None:
@@ -117,6 +118,9 @@ def _dispatch(
         data = payload.get("data") or {}
         if not isinstance(data, dict):
             raise ValueError("event report needs payload.data as an object")
+        loaded = (data.get("deployments") or []) if name == "AGENT_STARTED" else []
+        if not isinstance(loaded, list):
+            raise ValueError("AGENT_STARTED needs data.deployments as a list")
         dep_id = data.get("deployment_id")
         if dep_id and name == "RUNTIME_FAILED":
             # It fails the deployment: only a member of its plan may say so.
@@ -137,6 +141,11 @@ def _dispatch(
             message=str(payload.get("message", ""))[:500],
             data=data,
         )
+        if name == "AGENT_STARTED":
+            failed = jobs.deployments_lost_on_restart(
+                node_id=node_id, loaded=[str(d) for d in loaded], now=now
+            )
+            return {"deployments_failed": failed}
         if name == "RUNTIME_FAILED" and dep_id:
             jobs.deployment_runtime_failed(
                 deployment_id=dep_id,
@@ -162,22 +171,7 @@ def _dispatch(
         links = payload.get("links")
         if not isinstance(links, list):
             raise ValueError("links report needs payload.links as a list")
-        mapping: dict[str | bytes, str] = {}  # the key type redis-py's hset asks for
-        for link in links:
-            if not isinstance(link, dict) or "node_id" not in link:
-                raise ValueError("each link needs node_id, rtt_ms and bandwidth_mbps")
-            if link.get("error") or not link.get("rtt_ms") and not link.get("bandwidth_mbps"):
-                continue  # a failed probe measures nothing; the scheduler keeps its default
-            mapping[f"{node_id}|{link['node_id']}"] = json.dumps(
-                {
-                    "rtt_ms": float(link.get("rtt_ms", 0)),
-                    "bandwidth_mbps": float(link.get("bandwidth_mbps", 0)),
-                    "at": now.timestamp(),
-                }
-            )
-        if mapping:
-            get_redis().hset(LINKS_KEY, mapping=mapping)
-        return None
+        return {"stored": link_record(node_id=node_id, links=links, now=now)}
     if kind == "job_finished":
         jobs.job_finish_from_report(node_id=node_id, payload=payload, now=now)
         return None

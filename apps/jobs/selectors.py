@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -12,9 +11,11 @@ from typing import Any
 
 from django.conf import settings
 from django.db.models import Q, QuerySet
+from django.utils import timezone
 
 from agent.protocol import heartbeat_key
 from apps.models_repo.models import ModelFile, Replica
+from apps.nodes.links import link_measurements
 from apps.nodes.models import Node
 from apps.nodes.states import DRAIN_STATES, NodeState
 from racon import cache
@@ -22,7 +23,7 @@ from racon.redis import get_redis
 
 from . import admission
 from .models import Deployment, Job
-from .scheduler import ClusterSnapshot, DeviceSnapshot, Link, NodeSnapshot
+from .scheduler import DEFAULT_LINK, ClusterSnapshot, DeviceSnapshot, Link, NodeSnapshot
 from .states import DEPLOYMENT_ACTIVE, DEPLOYMENT_SERVING, DeploymentState
 
 GiB = 1024**3
@@ -77,13 +78,18 @@ def nodes_serving_model(*, model_id: Any, exclude_deployment: Any = None) -> set
 
 
 def cluster_snapshot(
-    *, model_file: ModelFile | None = None, exclude_deployment: Any = None
+    *,
+    model_file: ModelFile | None = None,
+    exclude_deployment: Any = None,
+    now: datetime | None = None,
 ) -> ClusterSnapshot:
     """Nodes the scheduler may consider, their free memory net of other deployments, and links.
 
     exclude_deployment is the deployment being (re)placed: its own earlier plan neither holds
-    memory nor counts as a replica of the model.
+    memory nor counts as a replica of the model. Free RAM and VRAM come from the live heartbeat
+    figures when the heartbeat is fresh; links from the measurements that have not expired.
     """
+    now = now or timezone.now()
     busy = rpc_workers_in_use(exclude_deployment=exclude_deployment)
     nodes = [
         n
@@ -93,6 +99,7 @@ def cluster_snapshot(
         if str(n.id) not in busy
     ]
     reserved = reserved_memory_by_node(exclude_deployment=exclude_deployment)
+    reserved_dev = reserved_memory_by_device(exclude_deployment=exclude_deployment)
     holders: set[str] = set()
     serving: set[str] = set()
     if model_file is not None:
@@ -103,20 +110,20 @@ def cluster_snapshot(
         serving = nodes_serving_model(
             model_id=model_file.model_id, exclude_deployment=exclude_deployment
         )
-    r = get_redis()
-    with r.pipeline(transaction=False) as pipe:
-        for n in nodes:
-            pipe.hget(heartbeat_key(str(n.id)), "mem_available")
-        live_mem = pipe.execute()
+    live_by_node = live_capacity([str(n.id) for n in nodes], now=now)
     snaps = []
-    for n, live in zip(nodes, live_mem, strict=True):
+    for n in nodes:
         nid = str(n.id)
-        # Free RAM as the node reported it at its last state change (before our deployments loaded),
-        # minus what our active deployments reserved there. Live telemetry caps it when lower and
-        # nothing of ours is loaded (another program took the memory).
+        live = live_by_node.get(nid)
         ram_free = max(0, n.ram_available - reserved.get(nid, 0))
-        if live is not None and reserved.get(nid, 0) == 0:
-            ram_free = min(ram_free, int(live)) if int(live) > 0 else ram_free
+        if live is not None and live.mem_available is not None:
+            if reserved.get(nid, 0) == 0:
+                # Nothing of ours is loaded there: the live figure is the free RAM, up or down
+                # (never more than the node has; telemetry_clean bounded it too).
+                ram_free = min(live.mem_available, n.ram_total or live.mem_available)
+            # Otherwise the live figure already counts our resident deployments, and the last
+            # state change's figure minus our books is the estimate (a deployment still loading
+            # holds memory that no heartbeat shows yet).
         # The agent measures with numpy (matmul, array copy); llama.cpp's quantized decode reaches a
         # fraction of that, measured by bench/scheduler.py part 3 (SCHEDULER_MEASURED_EFFICIENCY).
         eff = float(settings.SCHEDULER_MEASURED_EFFICIENCY)
@@ -132,15 +139,22 @@ def cluster_snapshot(
                 mem_bandwidth_gbps=bw,
             )
         ]
-        for gpu in (n.hardware or {}).get("gpus") or []:
+        gpus = (n.hardware or {}).get("gpus") or []
+        for pos, gpu in enumerate(gpus):
+            name = f"GPU{gpu.get('index', pos)}"
             devices.append(
                 DeviceSnapshot(
                     node_id=nid,
-                    device=f"GPU{gpu.get('index', 0)}",
+                    device=name,
                     kind="gpu",
-                    free_bytes=int(gpu.get("vram_free") or 0),
-                    gflops=float(gpu.get("gflops") or gflops * 20),
-                    mem_bandwidth_gbps=float(gpu.get("mem_bandwidth_gbps") or 300.0),
+                    free_bytes=_gpu_free(
+                        gpu,
+                        live=live.gpu_free[pos]
+                        if live is not None and pos < len(live.gpu_free)
+                        else None,
+                        reserved=reserved_dev.get((nid, name), 0),
+                    ),
+                    **_gpu_speed(gpu, cpu_gflops=gflops),
                 )
             )
         snaps.append(
@@ -156,19 +170,98 @@ def cluster_snapshot(
                 serves_model=nid in serving,
             )
         )
-    return ClusterSnapshot(nodes=tuple(snaps), links=link_table())
+    return ClusterSnapshot(nodes=tuple(snaps), links=link_table(now=now))
 
 
-def link_table() -> dict[tuple[str, str], Link]:
-    """Link probes the agents reported (racon:links), as the scheduler's link map."""
-    out: dict[tuple[str, str], Link] = {}
-    for pair, raw in get_redis().hgetall("racon:links").items():
-        a, _, b = pair.partition("|")
+# Without a benchmark figure from the agent (agent/hardware/gpu_benchmark.py reports gflops and
+# mem_bandwidth_gbps per GPU when it measured them), a GPU is assumed to be this many times the
+# node's CPU, with this memory bandwidth: a mid-range discrete GPU.
+GPU_ASSUMED_CPU_MULTIPLE = 20.0
+GPU_ASSUMED_BANDWIDTH_GBPS = 300.0
+
+
+def _gpu_speed(gpu: dict[str, Any], *, cpu_gflops: float) -> dict[str, float]:
+    """The GPU's measured figures (bounded at enrollment, hardware_bounds_errors), else the
+    assumption above."""
+    return {
+        "gflops": float(gpu.get("gflops") or cpu_gflops * GPU_ASSUMED_CPU_MULTIPLE),
+        "mem_bandwidth_gbps": float(gpu.get("mem_bandwidth_gbps") or GPU_ASSUMED_BANDWIDTH_GBPS),
+    }
+
+
+def _gpu_free(gpu: dict[str, Any], *, live: int | None, reserved: int) -> int:
+    """One GPU's free VRAM: the live figure when there is one (never more than the card has),
+    else the inventory's; with a deployment of ours on it, never more than the card less what
+    our books hold there."""
+    total = int(gpu.get("vram_total") or 0)
+    free = int(gpu.get("vram_free") or 0) if live is None else live
+    if total:
+        free = min(free, total)
+        if reserved:
+            free = min(free, total - reserved)
+    return max(0, free)
+
+
+@dataclass(frozen=True)
+class LiveCapacity:
+    """What a node's last heartbeat said is free (None / empty: it did not say)."""
+
+    mem_available: int | None
+    gpu_free: tuple[int, ...]
+
+
+def live_capacity(node_ids: list[str], *, now: datetime) -> dict[str, LiveCapacity]:
+    """Free RAM and per-GPU VRAM from each node's heartbeat (one Redis round trip), for those
+    whose heartbeat is fresh (within the offline threshold). Bounded by telemetry_clean."""
+    if not node_ids:
+        return {}
+    r = get_redis()
+    with r.pipeline(transaction=False) as pipe:
+        for nid in node_ids:
+            pipe.hmget(heartbeat_key(nid), "at", "mem_available", "gpu_free")
+        rows = pipe.execute()
+    max_age = float(settings.HEARTBEAT_INTERVAL) * float(settings.HEARTBEAT_OFFLINE_AFTER)
+    out: dict[str, LiveCapacity] = {}
+    for nid, (at, mem, gpu_free) in zip(node_ids, rows, strict=True):
         try:
-            v = json.loads(raw)
-            out[(a, b)] = Link(rtt_ms=float(v["rtt_ms"]), bandwidth_mbps=float(v["bandwidth_mbps"]))
-        except (ValueError, KeyError):
+            if at is None or now.timestamp() - float(at) > max_age:
+                continue
+            mem_v = int(mem) if mem not in (None, "") else 0
+            frees = tuple(int(x) for x in str(gpu_free or "").split(",") if x != "")
+        except ValueError:
             continue
+        # 0 is what a heartbeat without the figure stores: unknown, not "no memory".
+        out[nid] = LiveCapacity(mem_available=mem_v if mem_v > 0 else None, gpu_free=frees)
+    return out
+
+
+def reserved_memory_by_device(*, exclude_deployment: Any = None) -> dict[tuple[str, str], int]:
+    """Memory active deployments hold on each (node, device) of their plans."""
+    out: dict[tuple[str, str], int] = {}
+    qs = Deployment.objects.filter(state__in=list(DEPLOYMENT_ACTIVE)).exclude(plan={})
+    if exclude_deployment is not None:
+        qs = qs.exclude(pk=exclude_deployment)
+    for plan in qs.values_list("plan", flat=True):
+        for d in (plan or {}).get("devices", []):
+            key = (d["node_id"], str(d.get("device") or "CPU"))
+            out[key] = out.get(key, 0) + int(d.get("memory_bytes") or 0)
+    return out
+
+
+def link_table(*, now: datetime) -> dict[tuple[str, str], Link]:
+    """The links agents measured that have not expired, as the scheduler's link map.
+
+    Bandwidth is the timed bulk transfer's; a NIC's nominal speed (an older peer without the
+    tunnel's probe mode) is only an upper bound, so the default link's bandwidth caps it. Pairs
+    missing here (never measured, or expired) get the scheduler's conservative default.
+    """
+    out: dict[tuple[str, str], Link] = {}
+    for m in link_measurements(now=now):
+        bw = m.bandwidth_mbps
+        if not m.bandwidth_measured or bw <= 0:
+            bw = min(bw, DEFAULT_LINK.bandwidth_mbps) if bw > 0 else DEFAULT_LINK.bandwidth_mbps
+        rtt = m.rtt_ms if m.rtt_ms > 0 else DEFAULT_LINK.rtt_ms
+        out[(m.source, m.target)] = Link(rtt_ms=rtt, bandwidth_mbps=bw)
     return out
 
 

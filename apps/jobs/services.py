@@ -30,6 +30,7 @@ from apps.models_repo.profile import ModelProfile
 from apps.models_repo.services import replicas_sync
 from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
+from apps.nodes.links import link_measurements, link_prune
 from apps.nodes.models import Event, EventCategory, Node
 from apps.nodes.services import node_drain_advance
 from apps.nodes.states import DRAIN_STATES, HEALTHY, LOADABLE, LOST, ONLINE, NodeState
@@ -849,17 +850,84 @@ def deployment_runtime_failed(
     return True
 
 
-def links_probe_request(*, node_id: Any, max_peers: int = 32) -> str | None:
-    """Ask a node that just became READY to measure its links to the other live nodes."""
+def deployments_lost_on_restart(*, node_id: Any, loaded: list[str], now: datetime) -> list[str]:
+    """A node's agent (re)started holding only the deployments in ``loaded``: every serving
+    deployment the node is a member of and no longer holds is FAILED and replaced at once.
+
+    An agent's primaries and RPC worker are its children and die with it, and a restarted
+    agent does not reload them: without this the controller would keep routing to a READY
+    deployment the node answers with ``deployment_not_loaded``. The agent says so before any
+    other report (its first, AGENT_STARTED), so a deployment placed after the restart is never
+    taken for a lost one. Returns the ids failed.
+    """
+    keep = {str(d) for d in loaded}
+    deps = (
+        Deployment.objects.filter(state__in=DEPLOYMENT_SERVING)
+        .filter(Q(primary_id=node_id) | Q(nodes__id=node_id))
+        .distinct()
+    )
+    failed: list[str] = []
+    for dep in deps:
+        if str(dep.pk) in keep:
+            continue
+        role = "primary" if str(dep.primary_id) == str(node_id) else "RPC worker"
+        _deployment_failed_replace(
+            dep=dep,
+            node_id=node_id,
+            message=f"the agent of its {role} node restarted and no longer holds it",
+            now=now,
+        )
+        failed.append(str(dep.pk))
+    return failed
+
+
+def links_probe_request(
+    *, node_id: Any, max_peers: int = 32, measured_at: dict[str, float] | None = None
+) -> str | None:
+    """Ask a node to measure its links to at most ``max_peers`` other live nodes, those it has
+    never measured first, then the stalest (``measured_at``: peer → when, from this node)."""
+    if measured_at is None:
+        measured_at = {
+            m.target: m.measured_at
+            for m in link_measurements(now=timezone.now(), include_expired=True)
+            if m.source == str(node_id)
+        }
+    candidates = list(
+        Node.objects.filter(state__in=ONLINE, revoked_at__isnull=True)
+        .exclude(pk=node_id)
+        .only("id", "address", "rpc_port")
+    )
+    candidates.sort(key=lambda n: (measured_at.get(str(n.id), 0.0), str(n.id)))
     peers = [
         {"node_id": str(n.id), "address": n.address, "rpc_port": n.rpc_port}
-        for n in Node.objects.filter(state__in=ONLINE)
-        .exclude(pk=node_id)
-        .only("id", "address", "rpc_port")[:max_peers]
+        for n in candidates[:max_peers]
     ]
     if not peers:
         return None
     return command_send(node_id=node_id, kind="probe_links", payload={"peers": peers})
+
+
+def links_reprobe(*, now: datetime) -> dict[str, int]:
+    """One periodic round: drop expired links (and those of revoked or deleted nodes), then ask
+    every READY node to re-measure at most LINK_PROBE_MAX_PEERS peers, the stalest first."""
+    live = {
+        str(n) for n in Node.objects.filter(revoked_at__isnull=True).values_list("id", flat=True)
+    }
+    pruned = link_prune(now=now, node_ids=live)
+    by_source: dict[str, dict[str, float]] = {}
+    for m in link_measurements(now=now, include_expired=True):
+        by_source.setdefault(m.source, {})[m.target] = m.measured_at
+    sent = 0
+    for nid in Node.objects.filter(state=NodeState.READY, revoked_at__isnull=True).values_list(
+        "id", flat=True
+    ):
+        if links_probe_request(
+            node_id=nid,
+            max_peers=int(settings.LINK_PROBE_MAX_PEERS),
+            measured_at=by_source.get(str(nid), {}),
+        ):
+            sent += 1
+    return {"pruned": pruned, "requested": sent}
 
 
 def _request_of(dep: Deployment) -> dict[str, Any]:
@@ -1354,6 +1422,10 @@ def job_failover_dispatch(
             "resume_tokens": list(resume_tokens),
             "attempt": attempt,
         }
+        # An earlier attempt's failover on this same node set its cancel key (job_failover_begin):
+        # left there, it would cancel this attempt as soon as the primary saw it (found by the
+        # reliability suite: "The request was cancelled." after a failover back to a node).
+        get_redis().delete(job_cancel_key(str(job.id), str(deployment.primary_id)))
         command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
         plan = deployment.plan or {}
         placement = [

@@ -10,6 +10,7 @@ byte. While it reads it renews the job's slot lease (apps/jobs/admission.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -22,7 +23,7 @@ from django.conf import settings
 
 from agent.protocol import job_stream_key
 from apps.nodes.states import LOST
-from racon.redis import get_async_redis, get_redis
+from racon.redis import CONNECTION_ERRORS, get_async_redis, get_redis
 
 from . import admission
 from .models import Deployment
@@ -36,6 +37,9 @@ log = logging.getLogger("racon.jobs.streams")
 CHAT_TEMPLATE_TOKENS = 64
 CHAT_MESSAGE_TOKENS = 8
 COMPLETION_TEMPLATE_TOKENS = 4  # BOS and the like
+TOOLS_TEMPLATE_TOKENS = 256  # the words that introduce tools (agent/runtime/prompting.py)
+# Between a follower's reads while Redis is unreachable (past the client's own retries).
+RECONNECT_PAUSE_SECONDS = 0.5
 
 
 class StreamFailure(Exception):
@@ -141,11 +145,27 @@ def prompt_token_bound(*, kind: str, params: dict[str, Any]) -> int:
     """The most prompt tokens this request can have: its UTF-8 bytes plus the template's tokens."""
     if kind == "chat":
         messages = params.get("messages") or []
-        return CHAT_TEMPLATE_TOKENS + sum(
-            len(str(m.get("content") or "").encode())
-            + len(str(m.get("role") or "").encode())
-            + CHAT_MESSAGE_TOKENS
-            for m in messages
+        tools = params.get("tools") or []
+        # Tools and tool calls are in the prompt too (as JSON), with the words around them.
+        extra = (
+            TOOLS_TEMPLATE_TOKENS + len(json.dumps(tools, ensure_ascii=False).encode())
+            if tools
+            else 0
+        )
+        return (
+            CHAT_TEMPLATE_TOKENS
+            + extra
+            + sum(
+                len(str(m.get("content") or "").encode())
+                + len(str(m.get("role") or "").encode())
+                + (
+                    len(json.dumps(m["tool_calls"], ensure_ascii=False).encode())
+                    if m.get("tool_calls")
+                    else 0
+                )
+                + CHAT_MESSAGE_TOKENS
+                for m in messages
+            )
         )
     return COMPLETION_TEMPLATE_TOKENS + len(str(params.get("prompt") or "").encode())
 
@@ -314,19 +334,41 @@ class StreamFollower:
         last_id = "0-0"
         expected = 0
         idle_since = renewed = time.monotonic()
+        lost_since: float | None = None  # Redis unreachable since then (monotonic)
         while True:
-            got = await r.xread({key: last_id}, block=1000, count=256)
-            now_m = time.monotonic()
-            if self.deployment_id and now_m - renewed >= admission.SLOT_RENEW_SECONDS:
-                renewed = now_m
-                await admission.aslot_renew(deployment_id=self.deployment_id, job_id=self.job_id)
+            try:
+                got = await r.xread({key: last_id}, block=1000, count=256)
+                now_m = time.monotonic()
+                if self.deployment_id and now_m - renewed >= admission.SLOT_RENEW_SECONDS:
+                    renewed = now_m
+                    await admission.aslot_renew(
+                        deployment_id=self.deployment_id, job_id=self.job_id
+                    )
+                gone = not got and await self._primary_gone()
+            except CONNECTION_ERRORS as exc:
+                # Redis restarting: the client has retried already; go on retrying (the stream
+                # is kept, appendonly) until the idle bound, then end as a silent primary would.
+                now_m = time.monotonic()
+                lost_since = now_m if lost_since is None else lost_since
+                if now_m - lost_since > self.idle_timeout:
+                    raise StreamFailure(
+                        f"lost the connection to Redis for {self.idle_timeout:.0f}s: {exc}",
+                        code="stream_error",
+                    ) from exc
+                log.warning("job %s: Redis connection lost (%s); reconnecting", self.job_id, exc)
+                await asyncio.sleep(RECONNECT_PAUSE_SECONDS)
+                continue
+            if lost_since is not None:
+                log.info("job %s: Redis connection back; following on", self.job_id)
+                lost_since = None
+                idle_since = now_m  # the primary's silence is counted from the reconnect
             if not got:
                 if now_m - idle_since > self.idle_timeout:
                     raise StreamFailure(
                         f"no output from the primary for {self.idle_timeout:.0f}s",
                         code="primary_timeout",
                     )
-                if await self._primary_gone():
+                if gone:
                     raise StreamFailure(
                         "the primary node of this deployment stopped responding",
                         code="primary_lost",

@@ -47,6 +47,13 @@ def autoscale(**kwargs: Any) -> dict[str, Any]:
     return replicas_autoscale(now=timezone.now()).to_dict()
 
 
+@shared_task(name="racon.jobs.links_reprobe", ignore_result=True)
+def links_reprobe(**kwargs: Any) -> dict[str, int]:
+    """Expire stale link measurements and have READY nodes re-probe their stalest peers (beat:
+    every LINK_PROBE_INTERVAL_SECONDS)."""
+    return services.links_reprobe(now=timezone.now())
+
+
 @shared_task(name="racon.jobs.admission_sweep", ignore_result=True)
 def admission_sweep(**kwargs: Any) -> dict[str, int]:
     """Reclaim slot leases and queue entries that crashed views left (beat: every 15 s)."""

@@ -20,15 +20,16 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agent.protocol import REPORT_KINDS
+from agent.protocol import PROTOCOL_VERSION, REPORT_KINDS, SUPPORTED_PROTOCOL_VERSIONS
 from apps.accounts.models import Account
 from apps.accounts.principal import request_account_id
 from racon.net import client_address
 from racon.pagination import LimitPagination
 from racon.redis_acl import AclUnavailable, node_redis_url
 
-from . import selectors, services
+from . import join, selectors, services
 from .filters import EventFilter, NodeFilter
+from .links import link_matrix
 from .models import EnrollmentToken, Event, Node
 from .states import NodeState
 
@@ -94,6 +95,7 @@ class EnrollRequestSerializer(serializers.Serializer):
     rpc_port = serializers.IntegerField(min_value=1, max_value=65535)
     hardware = HardwareSerializer()
     models = ModelFileInfoSerializer(many=True, required=False, max_length=1000)  # type: ignore[call-arg]  # many=True passes max_length to the ListSerializer; the stubs miss it
+    protocol_version = serializers.IntegerField(min_value=0, required=False, default=1)
 
 
 class AgentErrorSerializer(serializers.Serializer):
@@ -113,6 +115,7 @@ class EnrollResponseSerializer(serializers.Serializer):
     redis_url = serializers.CharField()
     heartbeat_interval = serializers.FloatField()
     state = serializers.CharField()
+    protocol_version = serializers.IntegerField(required=False)
 
 
 class HeartbeatSerializer(serializers.Serializer):
@@ -177,6 +180,22 @@ class AgentEnrollApi(APIView):
         data = EnrollRequestSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
+        if v["protocol_version"] not in SUPPORTED_PROTOCOL_VERSIONS:
+            supported = ", ".join(str(p) for p in SUPPORTED_PROTOCOL_VERSIONS)
+            return Response(
+                {
+                    "error": {
+                        "message": (
+                            f"this controller speaks node protocol {PROTOCOL_VERSION} (supports "
+                            f"{supported}); agent {v['agent_version']} speaks protocol "
+                            f"{v['protocol_version']}: install the controller's agent with "
+                            "`node-agent upgrade` or by running the join line again"
+                        ),
+                        "code": "protocol_unsupported",
+                    }
+                },
+                status=status.HTTP_409_CONFLICT,
+            )
         try:
             enrollment = services.node_enroll(
                 token=v["token"],
@@ -214,6 +233,7 @@ class AgentEnrollApi(APIView):
             "redis_url": redis_url,
             "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
             "state": node.state,
+            "protocol_version": PROTOCOL_VERSION,
         }
         return Response(
             body, status=status.HTTP_201_CREATED if enrollment.created else status.HTTP_200_OK
@@ -410,6 +430,45 @@ class NodeDetailApi(APIView):
         return Response(self.NodeDetailOut(node, context={"ages": ages}).data)
 
 
+class NodeLinkOut(serializers.Serializer):
+    source = serializers.CharField(help_text="node that measured")  # type: ignore[assignment]  # a declared field; the metaclass moves it off the class
+    source_name = serializers.CharField()
+    target = serializers.CharField(help_text="peer it measured")
+    target_name = serializers.CharField()
+    rtt_ms = serializers.FloatField(help_text="application-level ping through the RPC tunnel")
+    bandwidth_mbps = serializers.FloatField(help_text="Mbit/s of a timed bulk transfer")
+    rtt_method = serializers.CharField(help_text="tunnel-echo, or tcp-connect (older peer)")
+    bandwidth_method = serializers.CharField(
+        help_text="measured, or nic:<if> / loopback / assumed (nominal, an upper bound)"
+    )
+    measured_at = serializers.DateTimeField()
+    age_seconds = serializers.FloatField()
+    expired = serializers.BooleanField()
+
+
+class NodeLinksApi(APIView):
+    """GET /api/admin/nodes/links: the measured link matrix (from → to), with each link's age.
+
+    Expired links (older than LINK_MAX_AGE_SECONDS) are listed with ``expired`` true until the
+    periodic re-probe prunes them; the scheduler treats them as unknown (its default link)."""
+
+    class Out(serializers.Serializer):
+        max_age_seconds = serializers.FloatField()
+        probe_interval_seconds = serializers.FloatField()
+        links = NodeLinkOut(many=True)
+
+    @extend_schema(responses=Out)
+    def get(self, request: Request) -> Response:
+        now = timezone.now()
+        rows = link_matrix(now=now)
+        out = {
+            "max_age_seconds": float(settings.LINK_MAX_AGE_SECONDS),
+            "probe_interval_seconds": float(settings.LINK_PROBE_INTERVAL_SECONDS),
+            "links": rows,
+        }
+        return Response(self.Out(out).data)
+
+
 class NodeDrainApi(APIView):
     """Stop assigning new work to the node. NODE_DRAINED is written when its current work ends."""
 
@@ -484,10 +543,18 @@ class TokenListCreateApi(APIView):
 
     class CreatedOut(TokenOut):
         token = serializers.CharField()
-        command = serializers.CharField()
+        command = serializers.CharField(help_text="node-agent's command line (agent installed)")
+        join_command = serializers.CharField(help_text="the one line: curl … | sh")
+        join_python_command = serializers.CharField(help_text="the same without curl")
 
         class Meta(TokenOut.Meta):
-            fields = [*TokenOut.Meta.fields, "token", "command"]
+            fields = [
+                *TokenOut.Meta.fields,
+                "token",
+                "command",
+                "join_command",
+                "join_python_command",
+            ]
 
     @extend_schema(responses=TokenOut(many=True))
     def get(self, request: Request) -> Response:
@@ -521,6 +588,8 @@ class TokenListCreateApi(APIView):
         out = dict(TokenOut(token).data)
         out["token"] = plaintext
         out["command"] = selectors.agent_command_line(token=plaintext)
+        out["join_command"] = join.join_command_line(token=plaintext)
+        out["join_python_command"] = join.join_python_line(token=plaintext)
         return Response(out, status=201)
 
 

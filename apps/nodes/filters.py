@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import django_filters as filters
 
-from racon.filters import StrictFilterSet
+from racon.filters import StrictFilterSet, UtcIsoDateTimeFilter
 
 from .models import Event, EventCategory, Node
 from .states import NodeState
@@ -25,10 +25,10 @@ class EventFilter(StrictFilterSet):
     node = filters.UUIDFilter(field_name="node_id")
     job = filters.UUIDFilter(field_name="job_id")
     deployment = filters.UUIDFilter(field_name="deployment_id")
-    since = filters.IsoDateTimeFilter(
+    since = UtcIsoDateTimeFilter(
         field_name="created_at", lookup_expr="gte", help_text="ISO 8601, inclusive"
     )
-    until = filters.IsoDateTimeFilter(
+    until = UtcIsoDateTimeFilter(
         field_name="created_at", lookup_expr="lt", help_text="ISO 8601, exclusive"
     )
 

@@ -15,7 +15,9 @@ from .. import render
 from ..client import EXIT_API, EXIT_CONFIG, ApiError
 from .common import JsonOpt, client, handled, out
 
-app = typer.Typer(help="Nodes: list, inspect, drain and undrain.", no_args_is_help=True)
+app = typer.Typer(
+    help="Nodes: list, inspect, drain and undrain, and the link matrix.", no_args_is_help=True
+)
 
 
 def _node_rows(nodes: list[dict[str, Any]]) -> Table:
@@ -141,6 +143,40 @@ def nodes_show(
         for e in events:
             t.add_row(render.when(e["created_at"]), e["kind"], e.get("message") or "")
         con.print(t)
+
+
+@app.command("links")
+@handled
+def nodes_links(as_json: JsonOpt = False) -> None:
+    """The measured link matrix: from → to, RTT, bandwidth, how each was measured, and its age."""
+    with client() as c:
+        data = c.get("/api/admin/nodes/links")
+    if as_json:
+        return render.emit_json(data)
+    links = data.get("links") or []
+    if not links:
+        out().print(
+            "No links measured yet (nodes measure their peers when they turn READY, and every "
+            f"{render.num(data.get('probe_interval_seconds'), 0)} s)."
+        )
+        return
+    t = render.table("FROM", "TO", "RTT MS", "MBIT/S", "METHOD", "AGE")
+    for lk in links:
+        method = lk.get("bandwidth_method") or "-"
+        age = render.age(lk.get("age_seconds")) + (" (expired)" if lk.get("expired") else "")
+        t.add_row(
+            lk["source_name"],
+            lk["target_name"],
+            render.num(lk.get("rtt_ms"), 3),
+            render.num(lk.get("bandwidth_mbps"), 1),
+            method,
+            age,
+        )
+    out().print(t)
+    out().print(
+        f"Links older than {render.num(data.get('max_age_seconds'), 0)} s are expired: the "
+        "scheduler assumes its default link for them."
+    )
 
 
 def _node_action(node: str, action: str, as_json: bool) -> None:

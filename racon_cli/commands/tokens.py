@@ -26,7 +26,7 @@ def tokens_create(
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Create an enrollment token; prints the node-agent command line (shown once)."""
+    """Create an enrollment token; prints the one join line (shown once)."""
     body: dict[str, Any] = {"label": label, "max_uses": max_uses}
     if ttl_hours is not None:
         body["ttl_hours"] = ttl_hours
@@ -40,9 +40,17 @@ def tokens_create(
     con.print(
         f"Token {tok['label']!r} ({tok['prefix']}…) expires {render.when(tok['expires_at'])}, {tok['max_uses']} use(s)."
     )
-    con.print("Run this on the machine to enroll it (the token is not shown again):")
-    # Printed raw (no markup, no wrapping) so it copies as one line.
-    sys.stdout.write(tok["command"] + "\n")
+    con.print(
+        "Paste this one line on the machine to enroll it (it needs only Python 3.12+; the token "
+        "is not shown again):"
+    )
+    # Printed raw (no markup, no wrapping) so each copies as one line.
+    sys.stdout.write(tok.get("join_command", tok["command"]) + "\n")
+    if "join_python_command" in tok:
+        con.print("Without curl:")
+        sys.stdout.write(tok["join_python_command"] + "\n")
+        con.print("With the agent already installed:")
+        sys.stdout.write(tok["command"] + "\n")
 
 
 @app.command("ls")

@@ -95,3 +95,15 @@ def test_the_schema_documents_each_list_endpoints_query_parameters(client: Clien
     assert "GRANT" in ledger["kind"]["schema"]["enum"]
     assert "READY" in _parameters(schema, "/api/admin/nodes")["state"]["schema"]["enum"]
     assert _parameters(schema, "/api/credits/receipts")["job"]["schema"]["format"] == "uuid"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_time_with_an_offset_postgresql_refuses_is_read_in_utc_and_one_out_of_range_is_400(
+    client: Client,
+) -> None:
+    # PostgreSQL accepts offsets up to ±15:59; Python up to ±23:59. Found by schemathesis.
+    for path in ("/api/admin/jobs", "/api/admin/events", "/api/credits/ledger"):
+        ok = client.get(path, {"since": "0114-10-17T19:44:35+21:13"}, headers=OPERATOR)
+        assert ok.status_code == 200, (path, ok.content)
+        bad = client.get(path, {"since": "0001-01-01T00:10:00+21:13"}, headers=OPERATOR)
+        assert bad.status_code == 400 and "since" in bad.json()["error"]["fields"], (path, bad.content)

@@ -20,6 +20,7 @@ from apps.credits.models import Receipt
 from apps.credits.settlement import credit_reserve, credit_settle_job
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
+from apps.nodes.links import link_record
 from apps.nodes.models import Node
 from apps.nodes.states import NodeState
 from racon_cli.client import EXIT_API, EXIT_CONFIG, EXIT_UNREACHABLE
@@ -325,3 +326,34 @@ def test_the_console_script_runs_as_a_subprocess(live: Controller, tmp_path: Pat
         [str(exe), "nodes", "ls", "--json"], capture_output=True, text=True, env=env, timeout=60
     )
     assert proc.returncode == 0 and json.loads(proc.stdout) == []
+
+
+def test_nodes_links_prints_the_measured_matrix_and_json(
+    racon: Run, two_nodes: tuple[Node, Node]
+) -> None:
+    res = racon("nodes", "links")
+    assert res.exit_code == 0, res.output
+    assert "No links measured yet" in res.stdout
+    alpha, beta = two_nodes
+    link_record(
+        node_id=alpha.id,
+        links=[
+            {
+                "node_id": str(beta.id),
+                "rtt_ms": 0.512,
+                "bandwidth_mbps": 941.5,
+                "rtt_method": "tunnel-echo",
+                "bandwidth_method": "measured",
+            }
+        ],
+        now=timezone.now(),
+    )
+    res = racon("nodes", "links")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert lines[0].split() == ["FROM", "TO", "RTT", "MS", "MBIT/S", "METHOD", "AGE"]
+    row = next(ln for ln in lines if ln.startswith("alpha"))
+    assert row.split()[:5] == ["alpha", "beta", "0.512", "941.5", "measured"]
+    data = json.loads(racon("nodes", "links", "--json").stdout)
+    assert data["links"][0]["bandwidth_mbps"] == 941.5 and data["links"][0]["expired"] is False
+    assert data["max_age_seconds"] > 0

@@ -34,7 +34,7 @@ from tests.launcher.harness import SUITE_ONLY, Launcher, alive, is_agent, wait_f
 from tests.smollm2 import smollm2_path
 
 ROOT = Path(__file__).resolve().parents[2]
-PORTS = range(18900, 19000)  # this suite's ports (the controller's and the agents' RPC ports)
+PORTS = range(19500, 19600)  # this suite's ports (the controller's and the agents' RPC ports)
 READY_TIMEOUT = 300.0  # migrations, two agents and two model loads on 2 shared cores
 STREAMS = 8  # concurrent streaming clients during a kill
 REQUESTS_PER_STREAM = 2  # each client's requests, one after the other: 16 per scenario
@@ -47,6 +47,7 @@ RECOVER_DEADLINE = 120.0  # the retry loop after a kill
 # The stale-jobs sweep runs every 30 s and fails a job silent for 2 stream idle limits.
 SETTLE_DEADLINE = 60.0
 GHOST_GRACE = 10.0  # a READY deployment without its llama-server this long is stopped by the test
+GHOST_NOTE = "no llama-server for"  # in the note the test leaves when it had to do so
 REDEPLOY_AFTER = 10.0  # fewer than two active replicas this long: the test deploys one
 STREAM_IDLE_TIMEOUT = 15  # the cluster's STREAM_IDLE_TIMEOUT_SECONDS (default 60): settles in time
 PROMPT = "Count from one to one hundred in words, separated by commas."
@@ -339,7 +340,7 @@ class Cluster:
                     elif now - ghost_since.setdefault(d["id"], now) >= GHOST_GRACE:
                         resp = self.post(f"/api/admin/deployments/{d['id']}/stop", None)
                         self.notes.append(
-                            f"stopped READY deployment {d['id'][:8]} on {d['primary_name']}: no llama-server for {GHOST_GRACE:.0f} s ({resp.status_code})"
+                            f"stopped READY deployment {d['id'][:8]} on {d['primary_name']}: {GHOST_NOTE} {GHOST_GRACE:.0f} s ({resp.status_code})"
                         )
                         ghost_since.pop(d["id"], None)
                 primaries = {d["primary"] for d in live}

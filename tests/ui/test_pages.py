@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 
 from apps.accounts.models import ApiKey
 from apps.api.ui_render import placement_bar, render_deployment_row, render_node_row
+from apps.nodes.links import link_record
 from apps.nodes.models import EnrollmentToken, Event, Node
 from apps.nodes.states import NodeState
 from tests.factories import NodeFactory
@@ -405,3 +408,36 @@ def test_the_deployments_page_shows_replicas_slots_in_use_and_queue_depth(
     assert [c.split("<")[0].strip() for c in row.split("<td>")[2:]] == ["1", "3 / 8", "1", "0.0 s"]
     own = html[html.index(f'id="dep-row-{dep_id}"') :]
     assert '<td class="slots">3 / 8</td>' in own and '<td class="queue">1</td>' in own
+
+
+def test_the_nodes_page_shows_the_link_matrix_and_htmx_gets_just_the_partial(
+    staff_client: Client, contributor_client: Client, world: World
+) -> None:
+    now = timezone.now()
+    staff, own = world.staff_node, world.own_node
+    link_record(
+        node_id=staff.id,
+        links=[
+            {
+                "node_id": str(own.id),
+                "rtt_ms": 12.345,
+                "bandwidth_mbps": 94.2,
+                "rtt_method": "tunnel-echo",
+                "bandwidth_method": "measured",
+            }
+        ],
+        now=now - timedelta(seconds=90),
+    )
+    body = staff_client.get("/nodes/").content.decode()
+    matrix = body[body.index('id="link-matrix"') :]
+    row = matrix[matrix.index('class="link-row') :]
+    row = row[: row.index("</tr>")]
+    assert "ops-box" in row and "carls-laptop" in row
+    assert "12.345 ms" in row and "94.2 Mbit/s" in row and "2 min" in row and "expired" not in row
+    resp = staff_client.get("/nodes/links/", **HTMX)
+    part = resp.content.decode()
+    assert part.lstrip().startswith('<section id="link-matrix"') and "<html" not in part
+    assert "94.2 Mbit/s" in part
+    # A contributor sees only links among their own nodes: this one has an end on the operator's.
+    theirs = contributor_client.get("/nodes/links/", **HTMX).content.decode()
+    assert "94.2 Mbit/s" not in theirs and "No links measured yet" in theirs

@@ -12,6 +12,8 @@ from django.http import HttpResponseBase
 
 from apps.jobs.serving import Admission
 
+from . import agentic
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -22,6 +24,7 @@ def chat_chunk(
     finish_reason: str | None,
     usage: Any = None,
     with_usage_field: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``usage`` is present (null until the last) with include_usage."""
     body: dict[str, Any] = {
@@ -30,7 +33,9 @@ def chat_chunk(
         "created": created,
         "model": adm.model_name,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
     }
     if with_usage_field:
         body["usage"] = usage
@@ -44,6 +49,7 @@ def text_chunk(
     finish_reason: str | None,
     usage: Any = None,
     with_usage_field: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed ``text_completion`` chunk."""
     body: dict[str, Any] = {
@@ -52,7 +58,9 @@ def text_chunk(
         "created": created,
         "model": adm.model_name,
         "system_fingerprint": None,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
     }
     if with_usage_field:
         body["usage"] = usage
@@ -60,12 +68,34 @@ def text_chunk(
 
 
 def content_chunk(
-    adm: Admission, kind: str, created: int, text: str, include_usage: bool
+    adm: Admission,
+    kind: str,
+    created: int,
+    text: str,
+    include_usage: bool,
+    probs: list[dict[str, Any]] | None = None,
+    offset: int = 0,
 ) -> dict[str, Any]:
-    """The chunk carrying one piece of generated text."""
+    """The chunk carrying one piece of generated text (and its tokens' logprobs, when asked;
+    ``offset``: characters sent before it, the legacy logprobs' text_offset)."""
     if kind == "chat":
-        return chat_chunk(adm, created, {"content": text}, None, None, include_usage)
-    return text_chunk(adm, created, text, None, None, include_usage)
+        return chat_chunk(
+            adm, created, {"content": text}, None, None, include_usage, agentic.chat_logprobs(probs)
+        )
+    lp = agentic.completion_logprobs(probs, offset)
+    return text_chunk(adm, created, text, None, None, include_usage, lp)
+
+
+def tool_calls_chunk(
+    adm: Admission,
+    created: int,
+    calls: list[dict[str, Any]],
+    include_usage: bool,
+    probs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The chunk carrying whole tool calls: ``delta.tool_calls`` with index, id, type, function."""
+    delta = {"tool_calls": agentic.stream_tool_call_deltas(calls)}
+    return chat_chunk(adm, created, delta, None, None, include_usage, agentic.chat_logprobs(probs))
 
 
 def finish_chunk(
@@ -95,10 +125,21 @@ def usage_body(u: dict[str, Any]) -> dict[str, int]:
 
 
 def completion_body(
-    adm: Admission, kind: str, created: int, text: str, finish_reason: str, usage: dict[str, int]
+    adm: Admission,
+    kind: str,
+    created: int,
+    text: str | None,
+    finish_reason: str,
+    usage: dict[str, int],
+    *,
+    tool_calls: list[dict[str, Any]] | None = None,
+    probs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The whole answer of a non-streamed request."""
+    """The whole answer of a non-streamed request (``text`` None: only tool calls)."""
     if kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         return {
             "id": f"chatcmpl-{adm.job_id}",
             "object": "chat.completion",
@@ -108,8 +149,8 @@ def completion_body(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": None,
+                    "message": message,
+                    "logprobs": agentic.chat_logprobs(probs),
                     "finish_reason": finish_reason,
                 }
             ],
@@ -121,7 +162,14 @@ def completion_body(
         "created": created,
         "model": adm.model_name,
         "system_fingerprint": None,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {
+                "text": text,
+                "index": 0,
+                "logprobs": agentic.completion_logprobs(probs),
+                "finish_reason": finish_reason,
+            }
+        ],
         "usage": usage,
     }
 

@@ -42,7 +42,15 @@ from racon.logging import log_context
 from ..auth import KeyPrincipal, bearer_from_header, principal_for_key
 from ..errors import ApiError
 from . import responses as shape
-from .serializers import ChatCompletionIn, CompletionIn, max_tokens_asked, sampling, validate
+from .agentic import Shaping, ToolCallSplitter, split_content
+from .serializers import (
+    ChatCompletionIn,
+    CompletionIn,
+    agentic,
+    max_tokens_asked,
+    sampling,
+    validate,
+)
 
 log = logging.getLogger("racon.api")
 
@@ -106,6 +114,7 @@ def _authorize_and_admit(
         params["messages"] = v["messages"]
     else:
         params["prompt"] = v["prompt"]
+    params.update(agentic(v, kind=kind))
     try:
         adm = serving.admission_open(
             model_name=v["model"],
@@ -174,6 +183,9 @@ def _stream_error(exc: StreamFailure) -> ApiError:
     """A failure before the answer began: context too long is the client's (400), else 502."""
     if exc.code == "context_length_exceeded":
         return ApiError(exc.message, param="messages", code="context_length_exceeded")
+    if exc.code == "invalid_request":
+        # The engine refused the request itself (a JSON schema it cannot turn into a grammar).
+        return ApiError(exc.message, code="invalid_request")
     return ApiError(exc.message, status_code=502, type_="server_error", code=exc.code)
 
 
@@ -220,9 +232,10 @@ async def _completion(request: HttpRequest, *, kind: str) -> HttpResponseBase:
             except StreamFailure as exc:
                 raise _stream_error(exc) from exc
             first_at = timezone.now()
+            shaping = Shaping.of(agentic(v, kind=kind))
             if stream:
                 resp = StreamingHttpResponse(
-                    _sse_body(adm, kind, first, entries, include_usage, first_at),
+                    _sse_body(adm, kind, first, entries, include_usage, first_at, shaping),
                     content_type="text/event-stream",
                 )
                 resp["Cache-Control"] = "no-cache"
@@ -230,7 +243,7 @@ async def _completion(request: HttpRequest, *, kind: str) -> HttpResponseBase:
                 adm.handed_off = True
                 return shape.with_job_headers(resp, adm)
             await pooled(job_services.job_mark_running)(job_id=adm.job_id, now=first_at)
-            return shape.with_job_headers(await _collect(adm, kind, first, entries), adm)
+            return shape.with_job_headers(await _collect(adm, kind, first, entries, shaping), adm)
     except ApiError as exc:
         if adm is not None and exc.status_code >= 500 and not adm.finished:
             await pooled(serving.admission_finish)(
@@ -260,6 +273,73 @@ async def _completion(request: HttpRequest, *, kind: str) -> HttpResponseBase:
         ).response()
 
 
+def _entry_probs(entry: dict[str, str]) -> list[dict[str, Any]]:
+    """The per-token logprobs a chunk entry carries (protocol.StreamEntry ``probs``)."""
+    try:
+        got = json.loads(entry.get("probs") or "[]")
+    except ValueError:
+        return []
+    return got if isinstance(got, list) else []
+
+
+class _Relay:
+    """Turns a stream's chunks into what a streamed answer sends, by the request's Shaping:
+    text as it comes, text held while it may be a tool call (auto), or all held (forced)."""
+
+    def __init__(self, adm: Admission, kind: str, created: int, inc: bool, s: Shaping) -> None:
+        self.adm, self.kind, self.created, self.inc, self.s = adm, kind, created, inc, s
+        self.splitter = ToolCallSplitter(s.names) if s.mode == "auto" else None
+        self.held: list[str] = []  # forced: the whole output
+        self.probs: list[dict[str, Any]] = []  # logprobs not yet sent
+        self.offset = 0  # characters sent (legacy logprobs' text_offset)
+        self.calls: list[dict[str, Any]] = []
+
+    def _content(self, text: str) -> bytes:
+        probs = self.probs if self.s.logprobs else None
+        chunk = shape.content_chunk(
+            self.adm, self.kind, self.created, text, self.inc, probs, self.offset
+        )
+        self.offset += len(text)
+        self.probs = []
+        return shape.sse(chunk)
+
+    def chunk(self, entry: dict[str, str]) -> list[bytes]:
+        text = entry.get("text", "")
+        if self.s.logprobs:
+            self.probs.extend(_entry_probs(entry))
+        if self.s.mode == "forced":
+            self.held.append(text)
+            return []
+        if self.splitter is not None:
+            text = self.splitter.feed(text)
+            if not text:
+                return []
+        return [self._content(text)]
+
+    def end(self) -> list[bytes]:
+        """What is still to send at the end; sets ``calls``."""
+        out: list[bytes] = []
+        if self.s.mode == "forced":
+            content, self.calls = split_content(
+                "".join(self.held), mode="forced", names=self.s.names, parallel=self.s.parallel
+            )
+            if not self.calls and content:
+                out.append(self._content(content))
+        elif self.splitter is not None:
+            rest, calls = self.splitter.finish()
+            self.calls = calls[: None if self.s.parallel else 1]
+            if rest:
+                out.append(self._content(rest))
+        if self.calls:
+            probs = self.probs if self.s.logprobs else None
+            out.append(
+                shape.sse(
+                    shape.tool_calls_chunk(self.adm, self.created, self.calls, self.inc, probs)
+                )
+            )
+        return out
+
+
 async def _sse_body(
     adm: Admission,
     kind: str,
@@ -267,11 +347,13 @@ async def _sse_body(
     entries: AsyncIterator[dict[str, str]],
     include_usage: bool,
     first_at: datetime,
+    shaping: Shaping,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     marked_running = False
     done: dict[str, str] | None = None
     finish = pooled(serving.admission_finish)
+    relay = _Relay(adm, kind, created, include_usage, shaping)
     try:
         if kind == "chat":
             yield shape.sse(
@@ -283,9 +365,8 @@ async def _sse_body(
         while entry is not None:
             etype = entry.get("type")
             if etype == "chunk":
-                yield shape.sse(
-                    shape.content_chunk(adm, kind, created, entry.get("text", ""), include_usage)
-                )
+                for out in relay.chunk(entry):
+                    yield out
                 if not marked_running:
                     # Recorded after the first token is on the wire, not in front of it.
                     marked_running = True
@@ -297,7 +378,10 @@ async def _sse_body(
                     yield shape.sse_error("The request was cancelled.", "cancelled")
                     yield shape.DONE
                     return
-                yield shape.sse(shape.finish_chunk(adm, kind, created, fr, include_usage))
+                for out in relay.end():
+                    yield out
+                shown = "tool_calls" if relay.calls else fr
+                yield shape.sse(shape.finish_chunk(adm, kind, created, shown, include_usage))
                 if include_usage:
                     usage = shape.usage_body(
                         serving.admission_usage(adm=adm, entry=entry, check=False)
@@ -338,9 +422,14 @@ async def _sse_body(
 
 
 async def _collect(
-    adm: Admission, kind: str, first: dict[str, str], entries: AsyncIterator[dict[str, str]]
+    adm: Admission,
+    kind: str,
+    first: dict[str, str],
+    entries: AsyncIterator[dict[str, str]],
+    shaping: Shaping,
 ) -> HttpResponse:
     parts: list[str] = []
+    probs: list[dict[str, Any]] = []
     entry: dict[str, str] | None = first
     finish = pooled(serving.admission_finish)
     try:
@@ -348,6 +437,8 @@ async def _collect(
             etype = entry.get("type")
             if etype == "chunk":
                 parts.append(entry.get("text", ""))
+                if shaping.logprobs:
+                    probs.extend(_entry_probs(entry))
             elif etype == "done":
                 fr = entry.get("finish_reason") or "stop"
                 if fr == "cancelled":
@@ -360,8 +451,23 @@ async def _collect(
                     )
                 usage = shape.usage_body(serving.admission_usage(adm=adm, entry=entry, check=False))
                 await finish(adm=adm, outcome="completed", entry=entry, finish_reason=fr)
+                content, calls = split_content(
+                    "".join(parts),
+                    mode=shaping.mode,
+                    names=shaping.names,
+                    parallel=shaping.parallel,
+                )
                 return JsonResponse(
-                    shape.completion_body(adm, kind, int(time.time()), "".join(parts), fr, usage)
+                    shape.completion_body(
+                        adm,
+                        kind,
+                        int(time.time()),
+                        content,
+                        "tool_calls" if calls else fr,
+                        usage,
+                        tool_calls=calls,
+                        probs=probs if shaping.logprobs else None,
+                    )
                 )
             elif etype == "error":
                 failure = error_for_entry(entry)
@@ -379,6 +485,29 @@ async def _collect(
         serving.admission_cancel(adm=adm)
         raise
     raise StreamFailure("the stream ended without a final entry")
+
+
+# --- /v1/embeddings -------------------------------------------------------------------------------
+
+
+@csrf_exempt
+async def embeddings(request: HttpRequest) -> HttpResponse:
+    """Always a 400 that says why: deployments run llama-server for generation, without
+    ``--embeddings`` (a pooled model needs its own deployment kind)."""
+    try:
+        await sync_to_async(_principal)(request.headers.get("Authorization", ""))
+    except ApiError as exc:
+        return exc.response()
+    try:
+        model = json.loads(request.body or b"{}").get("model")
+    except (ValueError, AttributeError):
+        model = None
+    return ApiError(
+        f"Embeddings are not supported: RACoN serves {'the model ' + repr(model) if model else 'its models'} "
+        "for chat and text completion only (llama-server runs without --embeddings).",
+        param="model",
+        code="embeddings_not_supported",
+    ).response()
 
 
 # --- /v1/models -----------------------------------------------------------------------------------

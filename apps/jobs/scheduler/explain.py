@@ -53,8 +53,11 @@ def _explain(
     if others:
         if len(others) <= 5:
             for n in others:
+                slow = _slower_link(ctx, ev, n.snap.node_id, used)
                 if n.total_cap <= 0:
                     why = "too little free memory for even one layer"
+                elif slow:
+                    why = slow
                 elif n.best_t >= slowest_used:
                     why = "slower than every device used"
                 else:
@@ -67,3 +70,29 @@ def _explain(
     lines.extend(notes)
     lines.append(f"predicted {1 / tg:.1f} tokens/s per stream" if tg > 0 else "predicted: instant")
     return lines
+
+
+def _slower_link(ctx: _Ctx, ev: _Eval, node_id: str, used: set[str]) -> str | None:
+    """Name a left-out node's measured link to the primary when it is worse than every link the
+    plan uses (multi-host issue: a node behind a slow connection is avoided, and the plan says so)."""
+    primary = ev.primary.snap
+    links = ctx.cluster.links
+    mine = links.get((primary.node_id, node_id)) or links.get((node_id, primary.node_id))
+    if mine is None:
+        return None
+    in_use = [ctx.cluster.link(primary.node_id, u) for u in used if u != primary.node_id]
+    # A one-node plan uses no link: compare with the primary's other measured links instead.
+    others = [n.snap.node_id for n in ctx.nodes if n.snap.node_id not in (primary.node_id, node_id)]
+    reference = in_use or [
+        lk
+        for o in others
+        if (lk := links.get((primary.node_id, o)) or links.get((o, primary.node_id))) is not None
+    ]
+    if not reference or any(
+        lk.rtt_ms >= mine.rtt_ms and lk.bandwidth_mbps <= mine.bandwidth_mbps for lk in reference
+    ):
+        return None
+    return (
+        f"slow link to {primary.name or primary.node_id}: {mine.rtt_ms:.1f} ms round trip, "
+        f"{mine.bandwidth_mbps:.1f} Mbit/s"
+    )

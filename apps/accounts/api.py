@@ -1,0 +1,312 @@
+"""REST for contributor accounts (operators: /api/admin/accounts) and API keys (each user's own:
+/api/keys). Per-key usage is a credits read, /api/credits/usage (apps.credits.api)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import exceptions, serializers
+from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from . import selectors, services
+from .models import Account, ApiKey
+from .permissions import IsAuthenticatedAccount, IsStaff, KeyScope
+from .principal import request_principal, user_account
+
+
+def invite_url(invite: str) -> str:
+    return f"{settings.CONTROLLER_PUBLIC_URL.rstrip('/')}/invite/{invite}/"
+
+
+def _bad_request(exc: Exception) -> exceptions.ValidationError:
+    messages = exc.messages if isinstance(exc, DjangoValidationError) else [str(exc)]
+    return exceptions.ValidationError({"non_field_errors": messages})
+
+
+# --- accounts (operators) -------------------------------------------------------------------------
+
+
+class ContributorAccountOut(serializers.ModelSerializer):
+    username = serializers.CharField(source="user.username", default=None, allow_null=True)
+    email = serializers.CharField(source="user.email", default=None, allow_null=True)
+    is_staff = serializers.BooleanField(source="user.is_staff", default=False)
+    invite_pending = serializers.SerializerMethodField()
+    active_keys = serializers.IntegerField(read_only=True, default=0)
+
+    class Meta:
+        model = Account
+        fields = [
+            "id",
+            "name",
+            "kind",
+            "balance",
+            "username",
+            "email",
+            "is_staff",
+            "invite_pending",
+            "active_keys",
+            "created_at",
+        ]
+
+    def get_invite_pending(self, obj: Account) -> bool:
+        """True while the user has not set a password (an invite is outstanding)."""
+        return obj.user is not None and not obj.user.has_usable_password()
+
+
+class AccountListCreateApi(APIView):
+    """GET: contributor accounts. POST: create one with a password, or invite (no password: the
+    answer carries a one-time link to set it). The starting grant is posted either way."""
+
+    permission_classes = [IsStaff]
+
+    class CreateIn(serializers.Serializer):
+        username = serializers.RegexField(r"^[\w.@+-]{1,150}$")
+        email = serializers.EmailField(required=False, default="", allow_blank=True)
+        password = serializers.CharField(required=False, allow_blank=True, write_only=True)
+        is_staff = serializers.BooleanField(default=False)
+
+    class CreatedOut(ContributorAccountOut):
+        invite_url = serializers.CharField(allow_null=True)
+
+        class Meta(ContributorAccountOut.Meta):
+            fields = [*ContributorAccountOut.Meta.fields, "invite_url"]
+
+    @extend_schema(responses=ContributorAccountOut(many=True))
+    def get(self, request: Request) -> Response:
+        return Response(ContributorAccountOut(selectors.account_list()[:1000], many=True).data)
+
+    @extend_schema(request=CreateIn, responses={201: CreatedOut})
+    def post(self, request: Request) -> Response:
+        data = self.CreateIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        try:
+            created = services.account_user_create(
+                username=v["username"],
+                email=v["email"],
+                password=v.get("password") or None,
+                is_staff=v["is_staff"],
+            )
+        except (ValueError, DjangoValidationError) as exc:
+            raise _bad_request(exc) from exc
+        out = dict(ContributorAccountOut(created.account).data)
+        out["invite_url"] = invite_url(created.invite) if created.invite else None
+        return Response(out, status=201)
+
+
+class AccountInviteApi(APIView):
+    """POST: a new one-time set-password link for an account's user who has not set one yet."""
+
+    permission_classes = [IsStaff]
+
+    class InviteOut(serializers.Serializer):
+        account = serializers.UUIDField()
+        username = serializers.CharField()
+        invite_url = serializers.CharField()
+
+    @extend_schema(request=None, responses=InviteOut)
+    def post(self, request: Request, account_id: str) -> Response:
+        account = get_object_or_404(Account.objects.select_related("user"), pk=account_id)
+        if account.user is None:
+            raise exceptions.ValidationError(
+                {"non_field_errors": ["this account has no user to invite"]}
+            )
+        if account.user.has_usable_password():
+            raise exceptions.ValidationError(
+                {"detail": ["this user has set a password already; an invite would reset it"]}
+            )
+        invite = services.invite_issue(user=account.user)
+        return Response(
+            {
+                "account": account.id,
+                "username": account.user.username,
+                "invite_url": invite_url(invite),
+            }
+        )
+
+
+class InviteAcceptApi(APIView):
+    """POST the invite's uid and token with a new password (no sign-in: the token is the proof)."""
+
+    authentication_classes: list[Any] = []
+    permission_classes = [AllowAny]
+
+    class AcceptIn(serializers.Serializer):
+        uid = serializers.CharField()
+        token = serializers.CharField()
+        password = serializers.CharField(write_only=True)
+
+    class AcceptOut(serializers.Serializer):
+        username = serializers.CharField()
+
+    @extend_schema(request=AcceptIn, responses=AcceptOut)
+    def post(self, request: Request) -> Response:
+        data = self.AcceptIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        try:
+            user = services.invite_accept(uidb64=v["uid"], token=v["token"], password=v["password"])
+        except services.InviteInvalid as exc:
+            raise exceptions.NotFound(str(exc)) from exc
+        except DjangoValidationError as exc:
+            raise _bad_request(exc) from exc
+        return Response({"username": user.username})
+
+
+# --- API keys (each user's own) -------------------------------------------------------------------
+
+
+class ApiKeyOut(serializers.ModelSerializer):
+    status = serializers.SerializerMethodField()
+    account_name = serializers.CharField(source="account.name", read_only=True)
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "id",
+            "name",
+            "prefix",
+            "scopes",
+            "status",
+            "account",
+            "account_name",
+            "created_at",
+            "expires_at",
+            "last_used_at",
+            "revoked_at",
+        ]
+
+    def get_status(self, obj: ApiKey) -> str:
+        """active, expired or revoked."""
+        return selectors.key_status(obj, now=timezone.now())
+
+
+def caller_account_id(request: Request, requested: Any = None) -> Any:
+    """The caller's own account (the key's, or the session user's); staff may name another."""
+    principal = request_principal(request)
+    if requested is not None:
+        if not IsStaff().has_permission(request, None):
+            own = principal.account_id if principal else user_account(user=request.user).id
+            if str(requested) != str(own):
+                raise exceptions.PermissionDenied("only staff may manage another account's keys")
+        return requested
+    if principal is not None:
+        return principal.account_id
+    return user_account(user=request.user).id
+
+
+class KeyListCreateApi(APIView):
+    """GET: your keys (never their secrets) with when each was last used. POST: a new key, whose
+    secret is in this one answer only. A key needs the `read` scope to list and `keys` to create,
+    and cannot create a key with scopes it lacks itself."""
+
+    permission_classes = [IsAuthenticatedAccount, KeyScope]
+    key_scopes = {"GET": ApiKey.SCOPE_READ, "*": ApiKey.SCOPE_KEYS}
+
+    class FilterIn(serializers.Serializer):
+        account = serializers.UUIDField(required=False)
+        # A choice, not a BooleanField: that one reads an empty value as false instead of refusing it.
+        all = serializers.ChoiceField(choices=["true", "false"], default="false")
+
+    class CreateIn(serializers.Serializer):
+        name = serializers.CharField(max_length=120)
+        scopes = serializers.ListField(
+            child=serializers.ChoiceField(choices=list(ApiKey.SCOPES)),
+            default=[ApiKey.SCOPE_INFERENCE],
+            allow_empty=False,
+        )
+        expires_at = serializers.DateTimeField(required=False, allow_null=True)
+        expires_in_days = serializers.IntegerField(
+            required=False, min_value=1, max_value=3650, help_text="instead of expires_at"
+        )
+        account = serializers.UUIDField(required=False, help_text="staff only; default: yours")
+
+    class CreatedOut(ApiKeyOut):
+        key = serializers.CharField(help_text="the secret: shown in this answer only")
+
+        class Meta(ApiKeyOut.Meta):
+            fields = [*ApiKeyOut.Meta.fields, "key"]
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("account", str, description="account id (staff only)"),
+            OpenApiParameter(
+                "all", str, enum=["true", "false"], description="include revoked keys"
+            ),
+        ],
+        responses=ApiKeyOut(many=True),
+    )
+    def get(self, request: Request) -> Response:
+        f = self.FilterIn(data=request.query_params)
+        f.is_valid(raise_exception=True)
+        account_id = caller_account_id(request, f.validated_data.get("account"))
+        keys = selectors.key_list(
+            account_id=account_id, include_revoked=f.validated_data["all"] == "true"
+        )
+        return Response(ApiKeyOut(keys.select_related("account")[:1000], many=True).data)
+
+    @extend_schema(request=CreateIn, responses={201: CreatedOut})
+    def post(self, request: Request) -> Response:
+        data = self.CreateIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        now = timezone.now()
+        scopes = sorted(set(v["scopes"]))
+        principal = request_principal(request)
+        staff = IsStaff().has_permission(request, self)
+        if principal is not None and not staff and not set(scopes) <= principal.scopes:
+            raise exceptions.PermissionDenied("a key cannot create a key with scopes it lacks")
+        if ApiKey.SCOPE_ADMIN in scopes and not staff:
+            raise exceptions.PermissionDenied("only operators may create admin-scoped keys")
+        account_id = caller_account_id(request, v.get("account"))
+        account = get_object_or_404(Account, pk=account_id)
+        if v.get("account") is not None:
+            user_id = account.user_id  # made by an operator for that account's user
+        elif principal is not None:
+            user_id = getattr(principal.user, "pk", None)
+        else:
+            user_id = request.user.pk
+        expires_at = v.get("expires_at")
+        if v.get("expires_in_days"):
+            expires_at = now + timedelta(days=v["expires_in_days"])
+        try:
+            key, plaintext = services.key_create(
+                name=v["name"],
+                account_id=account.pk,
+                scopes=scopes,
+                user_id=user_id,
+                expires_at=expires_at,
+                now=now,
+            )
+        except ValueError as exc:
+            raise _bad_request(exc) from exc
+        out = dict(ApiKeyOut(key).data)
+        out["key"] = plaintext
+        return Response(out, status=201)
+
+
+class KeyRevokeApi(APIView):
+    """POST: revoke one of your keys (staff: any key). Every process refuses it within moments."""
+
+    permission_classes = [IsAuthenticatedAccount, KeyScope]
+    key_scopes = {"*": ApiKey.SCOPE_KEYS}
+
+    @extend_schema(request=None, responses=ApiKeyOut)
+    def post(self, request: Request, key_id: str) -> Response:
+        staff = IsStaff().has_permission(request, self)
+        try:
+            selectors.key_get(
+                key_id=key_id, account_id=None if staff else caller_account_id(request)
+            )
+        except ApiKey.DoesNotExist as exc:
+            raise exceptions.NotFound("no such key") from exc
+        return Response(ApiKeyOut(services.key_revoke(key_id=key_id, now=timezone.now())).data)

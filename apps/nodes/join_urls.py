@@ -1,0 +1,20 @@
+"""Routes of the join line (apps/nodes/join.py), mounted at the site root by racon/urls.py."""
+
+from __future__ import annotations
+
+from django.urls import path, re_path
+
+from . import join
+
+TOKEN = r"(?P<token>rcn_[A-Za-z0-9_-]{1,200})"
+
+urlpatterns = [
+    path("join/files/<path:rel>", join.wheelhouse_file, name="join-file"),
+    re_path(rf"^join/{TOKEN}\.py$", join.join_py, name="join-py"),
+    re_path(rf"^join/{TOKEN}/manifest\.json$", join.join_manifest, name="join-manifest"),
+    re_path(rf"^join/{TOKEN}$", join.join_sh, name="join-sh"),
+    path("api/agent/wheelhouse/manifest.json", join.upgrade_manifest, name="agent-wheelhouse"),
+    path(
+        "api/agent/wheelhouse/files/<path:rel>", join.wheelhouse_file, name="agent-wheelhouse-file"
+    ),
+]

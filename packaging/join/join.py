@@ -1,0 +1,373 @@
+# RACoN join program, served by the controller at /join/<token>.py (the sh line runs it too).
+#   python3 -c "import urllib.request as u; exec(u.urlopen('CONTROLLER/join/TOKEN.py').read())"
+# Installs the node agent into ~/.racon-agent/venv from files the controller serves, each checked
+# against the sha256 in the controller's manifest, with `pip install --no-index` (nothing comes
+# from a package index), then runs `node-agent --foreground` with the token in its environment.
+# Arguments after the line are passed to node-agent (e.g. --node-name NAME).
+# Settings (environment): RACON_JOIN_HOME (default ~/.racon-agent), RACON_PYTHON (the Python
+# 3.12+ for the venv), RACON_JOIN_NO_START=1 (install only), RACON_JOIN_FREE_BYTES (pretend this
+# much disk is free: for tests of the disk-space check).
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+CONTROLLER_URL = "@@CONTROLLER_URL@@"
+TOKEN = "@@TOKEN@@"
+MIB = 1 << 20
+# What an install takes beyond the downloads themselves (unpacked wheels, the venv's own pip).
+INSTALL_FACTOR = 3
+INSTALL_EXTRA = 64 * MIB
+
+
+class JoinError(Exception):
+    def __init__(self, message, code=1):
+        super().__init__(message)
+        self.code = code
+
+
+def say(message):
+    print("racon join: " + message, file=sys.stderr, flush=True)
+
+
+# --- the machine ---------------------------------------------------------------------------------
+
+# The same key as scripts/platform-key.sh (a test checks they agree): OS, machine, the CPU
+# features a build is compiled for, and the backends. A build never runs on another key.
+X86_FEATURES = (
+    "sse4_2", "avx", "avx2", "bmi2", "fma", "f16c", "avx_vnni",
+    "avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16",
+)  # fmt: skip
+ARM_FEATURES = ("neon", "asimd", "sve", "dotprod", "i8mm")
+
+
+def platform_key():
+    osname = os.uname().sysname.lower()
+    arch = os.uname().machine
+    flags = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = line.split(":", 1)[1].split()
+                    break
+    except OSError:
+        pass
+    wanted = X86_FEATURES if arch == "x86_64" and flags else ARM_FEATURES
+    feats = "".join("-" + f for f in wanted if f in flags)
+    backends = "cpu-rpc"
+    extra = os.environ.get("RACON_CMAKE_ARGS", "")
+    if extra:
+        backends += "-" + hashlib.sha256(extra.encode()).hexdigest()[:8]
+    return f"{osname}-{arch}{feats}-{backends}"
+
+
+def find_python():
+    """A Python 3.12+ with venv and ensurepip, and its ABI tag (cp312)."""
+    probe = "import sys, venv, ensurepip; print('cp%d%d' % sys.version_info[:2]); sys.exit(0 if sys.version_info >= (3, 12) else 1)"
+    for cand in (
+        os.environ.get("RACON_PYTHON"),
+        os.environ.get("RACON_JOIN_PYTHON"),
+        sys.executable,
+        "python3.13",
+        "python3.12",
+        "python3",
+    ):
+        if not cand:
+            continue
+        path = shutil.which(cand) or (cand if os.path.isfile(cand) else None)
+        if not path:
+            continue
+        proc = subprocess.run(
+            [path, "-c", probe], capture_output=True, text=True, stdin=subprocess.DEVNULL
+        )
+        if proc.returncode == 0:
+            return path, proc.stdout.strip()
+    raise JoinError(
+        "the RACoN agent needs Python 3.12 or newer with its venv module: install python3.12 and "
+        "python3.12-venv (or set RACON_PYTHON=/path/to/python3.12), then run this line again",
+        3,
+    )
+
+
+# --- the controller ------------------------------------------------------------------------------
+
+
+def http_get(path, *, timeout=60):
+    req = urllib.request.Request(CONTROLLER_URL + path, headers={"Authorization": "Join " + TOKEN})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def error_message(exc):
+    try:
+        return json.loads(exc.read().decode())["error"]["message"]
+    except Exception:
+        return f"HTTP {exc.code}"
+
+
+def fetch_manifest(key, abi):
+    path = f"/join/{TOKEN}/manifest.json?platform={key}&abi={abi}"
+    deadline = time.monotonic() + 20 * 60
+    told = False
+    while True:
+        try:
+            with http_get(path) as resp:
+                return json.loads(resp.read().decode())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 503 and time.monotonic() < deadline:
+                if not told:
+                    say(
+                        "the controller is preparing the agent's wheels (first join only: minutes if it must compile llama.cpp); waiting"
+                    )
+                    told = True
+                time.sleep(float(exc.headers.get("Retry-After") or 10))
+                continue
+            raise JoinError(error_message(exc)) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise JoinError(f"cannot reach the controller at {CONTROLLER_URL}: {exc}") from None
+
+
+def download(files, dest):
+    """Each file into dest, checked against its sha256 before anything is installed."""
+    for f in files:
+        target = os.path.join(dest, f["name"])
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        h = hashlib.sha256()
+        try:
+            with http_get(f["url"], timeout=120) as resp, open(target, "wb") as out:
+                for block in iter(lambda: resp.read(1 << 20), b""):
+                    h.update(block)
+                    out.write(block)
+        except urllib.error.HTTPError as exc:
+            raise JoinError(
+                "download of {} failed: {}".format(f["name"], error_message(exc))
+            ) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise JoinError("download of {} failed: {}".format(f["name"], exc)) from None
+        if h.hexdigest() != f["sha256"]:
+            raise JoinError(
+                "{}: sha256 mismatch (the controller lists {}, the download is {}); nothing was installed".format(
+                    f["name"], f["sha256"], h.hexdigest()
+                ),
+                5,
+            )
+
+
+def check_disk(where, needed):
+    override = os.environ.get("RACON_JOIN_FREE_BYTES")
+    probe = where
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = int(override) if override else shutil.disk_usage(probe).free
+    if free < needed:
+        raise JoinError(
+            f"not enough disk space in {probe}: the agent needs {-(-needed // MIB)} MiB, "
+            f"{free // MIB} MiB are free",
+            4,
+        )
+
+
+# --- install -------------------------------------------------------------------------------------
+
+
+def run(cmd, what, **kw):
+    env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env.pop("RACON_ENROLLMENT_TOKEN", None)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env, **kw
+    )
+    if proc.returncode != 0:
+        raise JoinError(f"{what} failed:\n{(proc.stderr or proc.stdout)[-2000:]}")
+    return proc.stdout
+
+
+def site_llama(venv):
+    out = run(
+        [os.path.join(venv, "bin", "python"), "-c",
+         "import llama_cpp, os, sys; print(os.path.dirname(llama_cpp.__file__)); sys.exit(0 if llama_cpp.llama_supports_rpc() else 7)"],
+        "checking llama-cpp-python's RPC support",
+    )  # fmt: skip
+    return out.strip().splitlines()[-1]
+
+
+def install_wheels(python, venv, manifest, dl):
+    by_kind = {}
+    for f in manifest["files"]:
+        by_kind.setdefault(f["kind"], []).append(os.path.join(dl, f["name"]))
+    again = os.path.isfile(os.path.join(venv, "bin", "python"))
+    if not again:
+        say(f"creating the agent's venv in {venv}")
+        run([python, "-m", "venv", venv], "python -m venv")
+    pip = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q", "--no-index", "--no-compile",
+           "--find-links", dl, "--find-links", os.path.join(dl, "deps")]  # fmt: skip
+    own = by_kind["agent"] + by_kind["llama-cpp-python"]
+    say(
+        "installing racon-agent {} and llama-cpp-python with ggml-rpc (pip --no-index)".format(
+            manifest["agent_version"]
+        )
+    )
+    run(pip + own, "pip install")
+    if again:  # a re-run upgrades: the same version number may hold newer code
+        run(pip + ["--no-deps", "--force-reinstall"] + own, "pip install --force-reinstall")
+    lib = site_llama(venv)
+    llama_dir = os.path.join(venv, "llama.cpp")
+    if os.path.islink(llama_dir) or os.path.isfile(llama_dir):
+        os.unlink(llama_dir)
+    shutil.rmtree(llama_dir, ignore_errors=True)
+    os.makedirs(llama_dir)
+    with tarfile.open(by_kind["llama-bin"][0]) as tar:
+        tar.extractall(llama_dir, filter="data") if hasattr(
+            tarfile, "data_filter"
+        ) else tar.extractall(llama_dir)
+    for exe in ("llama-server", "ggml-rpc-server"):
+        os.chmod(os.path.join(llama_dir, "bin", exe), 0o755)
+    # llama-server looks in $ORIGIN/../lib: the libraries the wheel installed, not a second copy.
+    os.symlink(lib, os.path.join(llama_dir, "lib"))
+
+
+def build_here(python, venv, manifest, dl, key, abi):
+    """Another platform: build llama.cpp with ggml-rpc here (scripts/build-llama.sh)."""
+    say(
+        "this machine is {} with Python {}, and the controller only has llama.cpp built for {}; "
+        "building llama.cpp with RPC (ggml-rpc) here instead, because a build made for another CPU "
+        "or Python crashes or does not load. It needs cmake, a C++ compiler and a package index for "
+        "the Python dependencies, and takes minutes (about 8 on 2 cores)".format(
+            key,
+            abi,
+            ", ".join("{}/{}".format(s["platform"], s["abi"]) for s in manifest.get("served", []))
+            or "no platform yet",
+        )
+    )
+    for tool in ("cmake", "c++", "make"):
+        if shutil.which(tool) is None:
+            raise JoinError(
+                f"building llama.cpp needs {tool}; install it (e.g. apt install cmake build-essential) and run this line again"
+            )
+    by_kind = {}
+    for f in manifest["files"]:
+        by_kind.setdefault(f["kind"], []).append(os.path.join(dl, f["name"]))
+    cache = os.path.join(os.path.dirname(venv), "cache")
+    src_dir = os.path.join(cache, "src")
+    os.makedirs(src_dir, exist_ok=True)
+    sdist = by_kind["llama-cpp-python-sdist"][0]
+    with tarfile.open(sdist) as tar:
+        tar.extractall(src_dir)
+    shutil.copy(sdist, src_dir)
+    for script in by_kind["script"]:
+        os.chmod(script, 0o755)
+    if not os.path.isfile(os.path.join(venv, "bin", "python")):
+        run([python, "-m", "venv", venv], "python -m venv")
+    vpip = os.path.join(venv, "bin", "pip")
+    env = dict(os.environ, RACON_CACHE=cache, PIP=vpip)
+    proc = subprocess.run(
+        [os.path.join(dl, "build-llama.sh")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise JoinError("building llama.cpp failed (see the lines above)")
+    prefix = proc.stdout.strip().splitlines()[-1]
+    pkg_src = [
+        d
+        for d in os.listdir(src_dir)
+        if d.startswith("llama_cpp_python-") and os.path.isdir(os.path.join(src_dir, d))
+    ][0]
+    run([vpip, "install", "-q", "--no-deps", "--no-cache-dir", "--force-reinstall", os.path.join(src_dir, pkg_src)],
+        "pip install llama-cpp-python (LLAMA_BUILD=OFF)", env=dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"))  # fmt: skip
+    run(
+        [
+            vpip,
+            "install",
+            "-q",
+            "numpy>=1.20",
+            "typing-extensions>=4.5",
+            "diskcache>=5.6.1",
+            "jinja2>=2.11.3",
+        ],
+        "pip install (llama-cpp-python's dependencies)",
+    )
+    pkg = run(
+        [
+            os.path.join(venv, "bin", "python"),
+            "-c",
+            "import importlib.util as u, os; print(os.path.dirname(u.find_spec('llama_cpp').origin))",
+        ],
+        "finding llama_cpp",
+    ).strip()
+    os.makedirs(os.path.join(pkg, "lib"), exist_ok=True)
+    for name in os.listdir(os.path.join(prefix, "lib")):
+        shutil.copy(os.path.join(prefix, "lib", name), os.path.join(pkg, "lib", name))
+    run([vpip, "install", "-q"] + by_kind["agent"], "pip install racon-agent")
+    site_llama(venv)
+    link = os.path.join(venv, "llama.cpp")
+    if os.path.islink(link):
+        os.unlink(link)
+    os.symlink(prefix, link)
+
+
+def main(argv):
+    home = os.path.expanduser(os.environ.get("RACON_JOIN_HOME") or "~/.racon-agent")
+    venv = os.path.join(home, "venv")
+    started = time.monotonic()
+    key = platform_key()
+    python, abi = find_python()
+    say(f"joining {CONTROLLER_URL} from {os.uname().nodename} ({key}, Python {abi})")
+    manifest = fetch_manifest(key, abi)
+    total = sum(int(f["size"]) for f in manifest["files"])
+    check_disk(home, total * INSTALL_FACTOR + INSTALL_EXTRA)
+    created = not os.path.exists(home)
+    os.makedirs(home, exist_ok=True)
+    dl = tempfile.mkdtemp(prefix=".download-", dir=home)
+    try:
+        say(
+            f"downloading {len(manifest['files'])} files ({-(-total // MIB)} MiB) from the controller"
+        )
+        download(manifest["files"], dl)
+        if manifest["mode"] == "build":
+            build_here(python, venv, manifest, dl, key, abi)
+        else:
+            install_wheels(python, venv, manifest, dl)
+    except BaseException:
+        shutil.rmtree(home if created else dl, ignore_errors=True)
+        raise
+    shutil.rmtree(dl, ignore_errors=True)
+    agent = os.path.join(venv, "bin", "node-agent")
+    say(f"installed in {time.monotonic() - started:.0f} s: {agent}")
+    if os.environ.get("RACON_JOIN_NO_START"):
+        return 0
+    say(
+        "starting the agent in the foreground (Ctrl-C stops it; without --foreground, "
+        f"`{agent}` detaches and `{agent} status` / `stop` manage it)"
+    )
+    env = dict(os.environ, RACON_ENROLLMENT_TOKEN=TOKEN, RACON_CONTROLLER_URL=CONTROLLER_URL)
+    env.pop("RACON_JOIN_PYTHON", None)
+    sys.stdout.flush()
+    # exec: the agent takes this process's place; the token travels in its environment only.
+    os.execve(agent, [agent, "--foreground"] + list(argv), env)
+    return 0
+
+
+def entry():
+    try:
+        code = main(sys.argv[1:])
+    except JoinError as exc:
+        say(f"error: {exc}")
+        code = exc.code
+    except KeyboardInterrupt:
+        say("interrupted")
+        code = 130
+    sys.exit(code)
+
+
+entry()
