@@ -30,6 +30,13 @@ from agent.dispatcher import Dispatcher
 from agent.hardware import HardwareSource, hardware_source
 from agent.heartbeat import HeartbeatLoop
 from agent.identity import Identity, ensure_private_dir, load_identity
+from agent.lending import (
+    LendingMonitor,
+    LendingPolicy,
+    LinuxIdleSource,
+    PolicyError,
+    check_caps,
+)
 from agent.metrics import MetricsServer
 from agent.models import ShaCache, scan_models
 from agent.outbox import Outbox
@@ -121,6 +128,17 @@ class Agent:
             stop=self._stop,
             wake_heartbeat=self.heartbeat.wake,
             on_rpc_worker_started=self._on_rpc_worker_started,
+        )
+        self.lending = LendingMonitor(
+            state_dir=config.state_dir,
+            policy=lambda: self.config.lending,
+            idle=LinuxIdleSource()
+            if config.lending.idle_minutes or config.lending.cpu_below
+            else None,
+            event=self.outbox.event,
+            hand_off=lambda: lifecycle.hand_off_jobs(self.registry, self.redis, self.node_id),
+            fetch=lambda: lifecycle.owner_policy(self.redis, self.node_id),
+            adopt=self._adopt_policy,
         )
         self.dispatcher = Dispatcher(
             commands=self.commands,
@@ -214,6 +232,10 @@ class Agent:
         if resumable:
             self.heartbeat.start()  # the controller sees UNINITIALIZED → REGISTERING → READY
         self.hardware = self.hw.inventory(benchmark=self.config.run_benchmarks)
+        try:
+            check_caps(self.config.lending, dict(self.hardware))
+        except PolicyError as exc:
+            raise FatalAgentError(f"lending policy: {exc}", EXIT_CONFIG) from None
         models = scan_models(self.config.models_dir, self.sha_cache)
         self.set_state(AgentState.REGISTERING, "handshake with the controller")
         if resumable:
@@ -222,7 +244,12 @@ class Agent:
             self.outbox.event(
                 "HARDWARE_UPDATED",
                 "hardware inventory at agent start",
-                {"hardware": self.hardware, "models": models, "agent_version": __version__},
+                {
+                    "hardware": self.hardware,
+                    "models": models,
+                    "agent_version": __version__,
+                    "lending": self.config.lending.to_wire(),
+                },
             )
         else:
             if stored is not None:
@@ -251,6 +278,7 @@ class Agent:
         self.redis.connect(self.identity.node_id, self._stop)
         self.outbox.start()
         self._metrics = lifecycle.start_metrics(self.config, self.heartbeat.snapshot, self.outbox)
+        self.lending.start()
         self.set_state(
             *lifecycle.runtime_checks(self.runtime, self.config, self.commands, self.outbox)
         )
@@ -261,6 +289,11 @@ class Agent:
         self.redis.url = self.config.redis_url or identity.redis_url
 
     # --- callbacks from the parts ---------------------------------------------------------------
+
+    def _adopt_policy(self, policy: LendingPolicy) -> None:
+        """The owner's policy from the controller replaces the file's until the agent restarts."""
+        check_caps(policy, dict(self.hardware or {}))
+        self.config.lending = policy
 
     def _on_rpc_worker_started(self) -> None:
         if self._state == AgentState.DEGRADED:
@@ -305,6 +338,7 @@ class Agent:
             if self.outbox.running:
                 self.outbox.flush(timeout=5.0)
             self.heartbeat.beat()  # the last word: DRAINING, so the controller stops scheduling
+        self.lending.stop()
         self.heartbeat.stop()
         self.outbox.stop()
         if self._metrics is not None:

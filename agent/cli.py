@@ -5,6 +5,8 @@ node-agent doctor [--bundle PATH]
 node-agent status
 node-agent stop
 node-agent upgrade      (the controller's agent and llama.cpp, with the node's own credential)
+node-agent pause [--handoff failover|finish]   /   node-agent resume
+node-agent install-service [--user] [run flags...]   /   node-agent uninstall-service [--user]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,12 +41,24 @@ from agent.config import (
     default_state_dir,
 )
 from agent.hardware import hardware_source
-from agent.identity import IdentityError, load_identity
+from agent.identity import IdentityError, load_identity, write_private_file
+from agent.lending import HANDOFFS, lending_status_path, pause_path, read_json
 from agent.models import ShaCache, scan_models
 from agent.runtime.llama import llama_rpc_support
+from agent.service import install_service, uninstall_service
 from agent.upgrade import UpgradeError, upgrade
 
-SUBCOMMANDS = ("run", "doctor", "status", "stop", "upgrade")
+SUBCOMMANDS = (
+    "run",
+    "doctor",
+    "status",
+    "stop",
+    "upgrade",
+    "pause",
+    "resume",
+    "install-service",
+    "uninstall-service",
+)
 
 
 def _error(message: str, code: int = 2) -> int:
@@ -251,6 +266,93 @@ def cmd_upgrade(argv: Sequence[str]) -> int:
     return 0
 
 
+# --- pause / resume (agent/lending.py) ------------------------------------------------------------
+
+
+def _lending_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"node-agent {prog}")
+    p.add_argument("--state-dir", help="the agent's state dir (RACON_STATE_DIR)")
+    if prog == "pause":
+        p.add_argument(
+            "--handoff",
+            choices=HANDOFFS,
+            help="running jobs: failover (to other replicas, now) or finish (here); "
+            "default: the policy's",
+        )
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the agent")
+    return p.parse_args(list(argv))
+
+
+def _await_lending(state_dir: Path, *, paused: bool, request: str | None, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = read_json(lending_status_path(state_dir)) or {}
+        if bool(st.get("paused")) == paused and (request is None or st.get("request") == request):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def cmd_pause(argv: Sequence[str]) -> int:
+    """Stop lending now: the node turns DRAINING; running jobs fail over or finish."""
+    args = _lending_args(argv, "pause")
+    state_dir = _resolve_state_dir(args)
+    pid = read_pid(state_dir / "agent.pid")
+    if pid is None:
+        return _error(f"node-agent is not running (state dir {state_dir}): nothing to pause", 1)
+    request = uuid.uuid4().hex
+    body = {"id": request, "handoff": args.handoff, "at": time.time()}
+    write_private_file(pause_path(state_dir), json.dumps(body) + "\n")
+    if not _await_lending(state_dir, paused=True, request=request, timeout=args.timeout):
+        return _error(f"the agent (pid {pid}) did not confirm the pause in {args.timeout:.0f}s", 1)
+    st = read_json(lending_status_path(state_dir)) or {}
+    print(f"node-agent: lending paused (handoff: {st.get('handoff')}); the node is draining")
+    return 0
+
+
+def cmd_resume(argv: Sequence[str]) -> int:
+    args = _lending_args(argv, "resume")
+    state_dir = _resolve_state_dir(args)
+    pid = read_pid(state_dir / "agent.pid")
+    if pid is None:
+        return _error(f"node-agent is not running (state dir {state_dir}): nothing to resume", 1)
+    pause_path(state_dir).unlink(missing_ok=True)
+    if not _await_lending(state_dir, paused=False, request=None, timeout=args.timeout):
+        st = read_json(lending_status_path(state_dir)) or {}
+        return _error(f"still paused: {st.get('reason') or 'the agent did not confirm'}", 1)
+    print("node-agent: lending resumed")
+    return 0
+
+
+# --- install-service (agent/service.py) -----------------------------------------------------------
+
+
+def cmd_install_service(argv: Sequence[str]) -> int:
+    args = list(argv)
+    user = "--user" in args
+    no_enable = "--no-enable" in args
+    flags = [a for a in args if a not in ("--user", "--no-enable")]
+    parser = argparse.ArgumentParser(prog="node-agent install-service")
+    add_run_arguments(parser)
+    try:
+        config = config_from_args(parser.parse_args(flags))  # refuse a unit that cannot start
+    except ConfigError as exc:
+        return _error(str(exc))
+    if "--state-dir" not in flags:
+        flags += ["--state-dir", str(config.state_dir)]
+    path, note = install_service(
+        flags=flags, user=user, enable=not no_enable, drain_seconds=config.drain_seconds
+    )
+    print(f"node-agent: {path} {note}")
+    return 0 if "failed" not in note else 1
+
+
+def cmd_uninstall_service(argv: Sequence[str]) -> int:
+    path, existed = uninstall_service(user="--user" in argv)
+    print(f"node-agent: {path} {'removed' if existed else 'was not installed'}")
+    return 0
+
+
 # --- doctor --------------------------------------------------------------------------------------
 
 
@@ -424,6 +526,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "status": cmd_status,
             "stop": cmd_stop,
             "upgrade": cmd_upgrade,
+            "pause": cmd_pause,
+            "resume": cmd_resume,
+            "install-service": cmd_install_service,
+            "uninstall-service": cmd_uninstall_service,
         }[sub]
         return handler(rest)
     return cmd_run(args)

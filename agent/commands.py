@@ -522,6 +522,11 @@ def _validate_agentic(job: dict[str, Any]) -> None:
         isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= 20
     ):
         raise CommandError("malformed run_job: 'top_logprobs' must be an integer 0-20")
+    slot = job.get("id_slot")
+    if slot is not None and not (
+        isinstance(slot, int) and not isinstance(slot, bool) and slot >= -1
+    ):
+        raise CommandError("malformed run_job: 'id_slot' must be an integer slot id (or -1)")
     for m in job.get("messages") or []:
         calls = m.get("tool_calls")
         if calls is not None and not (

@@ -8,9 +8,11 @@ import os
 import re
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from agent.lending import LendingPolicy, PolicyError, load_policy_file, policy_with_flags
 
 DEFAULT_RPC_PORT = 50052
 DEFAULT_DRAIN_SECONDS = 10.0
@@ -40,6 +42,8 @@ class AgentConfig:
     rpc_threads: int = 0
     run_benchmarks: bool = True
     log_level: str = "INFO"
+    # The owner's lending terms (agent/lending.py): --policy FILE, then the lending flags.
+    lending: LendingPolicy = field(default_factory=LendingPolicy)
 
     @property
     def rpc_endpoint(self) -> str:
@@ -98,6 +102,20 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="override the Redis URL given at enrollment")
     parser.add_argument("--no-benchmark", action="store_true", help="skip compute benchmarks")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING (RACON_LOG_LEVEL)")
+    lend = parser.add_argument_group("lending (agent/lending.py; flags override --policy)")
+    lend.add_argument("--policy", help="lending policy file, TOML or JSON (RACON_POLICY)")
+    lend.add_argument(
+        "--window",
+        action="append",
+        help="lend only in this window, e.g. 'mon-fri 19:00-08:00' (repeatable)",
+    )
+    lend.add_argument("--timezone", help="time zone of the windows, e.g. Europe/Paris")
+    lend.add_argument("--idle-minutes", help="lend only after this long without user input")
+    lend.add_argument("--idle-cpu-below", help="lend only while other processes' CPU is below %%")
+    lend.add_argument("--max-ram-gb", help="most RAM to lend, GB")
+    lend.add_argument("--max-vram-gb", help="most VRAM to lend, GB (all GPUs together)")
+    lend.add_argument("--max-threads", help="most CPU threads to lend")
+    lend.add_argument("--handoff", help="what a pause does to running jobs: failover or finish")
 
 
 def _pick(cli: object, env: Mapping[str, str], name: str) -> str | None:
@@ -211,6 +229,25 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     if env.get("RACON_NO_RPC_WORKER", "").lower() in ("1", "true", "yes"):
         rpc_worker = False
 
+    policy_raw = _pick(args, env, "policy")
+    try:
+        lending = load_policy_file(Path(policy_raw).expanduser()) if policy_raw else LendingPolicy()
+        lending = policy_with_flags(
+            lending,
+            {
+                "windows": getattr(args, "window", None),
+                "timezone": getattr(args, "timezone", None),
+                "idle_minutes": getattr(args, "idle_minutes", None),
+                "cpu_below": getattr(args, "idle_cpu_below", None),
+                "ram_gb": getattr(args, "max_ram_gb", None),
+                "vram_gb": getattr(args, "max_vram_gb", None),
+                "threads": getattr(args, "max_threads", None),
+                "handoff": getattr(args, "handoff", None),
+            },
+        )
+    except PolicyError as exc:
+        raise ConfigError(f"lending policy: {exc}") from None
+
     return AgentConfig(
         controller_url=controller_url,
         node_name=node_name,
@@ -226,6 +263,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         redis_url=redis_url,
         run_benchmarks=not getattr(args, "no_benchmark", False),
         log_level=level,
+        lending=lending,
     )
 
 

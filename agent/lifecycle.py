@@ -5,6 +5,7 @@ These are steps the Agent runs in order (agent/agent.py); each takes only the pa
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from agent.identity import Identity, machine_id, save_identity
 from agent.metrics import MetricsServer, Snapshot, start_metrics_server
 from agent.outbox import Outbox
 from agent.protocol import (
+    NODE_PREFIX,
     PROTOCOL_VERSION,
     SUPPORTED_PROTOCOL_VERSIONS,
     EnrollRequest,
@@ -33,9 +35,11 @@ from agent.protocol import (
     PublicAddressError,
     is_private_address,
 )
+from agent.redis_link import RedisLink
 from agent.registry import DeploymentRegistry
 from agent.retry import RetryStopped, retry_call
 from agent.runtime import Runtime, RuntimeErrorReport
+from agent.runtime.stream import append_error
 from agent.state import EXIT_CONFIG, EXIT_REFUSED, AgentState, FatalAgentError
 
 log = logging.getLogger("agent")
@@ -101,6 +105,7 @@ def enroll(
         hardware=hardware,
         models=models,
         protocol_version=PROTOCOL_VERSION,
+        lending=config.lending.to_wire(),
     )
     presented = (stored.node_id, stored.credential) if stored else None
     if stop.is_set():
@@ -233,3 +238,37 @@ def drain(
                 job["job_id"], "agent shut down before the deployment loaded", cancelled=True
             )
     return cancelled
+
+
+def hand_off_jobs(
+    registry: DeploymentRegistry, redis_link: RedisLink, node_id: str | None
+) -> list[str]:
+    """A pause with the failover handoff: end each running job's attempt here with the
+    ``node_paused`` code, which the controller's follower fails over to another replica (the
+    planned handoff: it then tells this primary to stop the attempt). Returns the job ids."""
+    r = redis_link.client
+    if r is None or node_id is None:
+        return []
+    handed: list[str] = []
+    for job_id, _dep in registry.running_jobs():
+        try:
+            append_error(
+                r, job_id, "the node's owner paused lending", node_id=node_id, code="node_paused"
+            )
+            handed.append(job_id)
+        except Exception as exc:  # redis errors: the job then finishes here instead
+            log.warning("job %s: cannot hand off: %s", job_id, exc)
+    return handed
+
+
+def owner_policy(redis_link: RedisLink, node_id: str | None) -> dict[str, Any] | None:
+    """The lending policy the owner set in the controller, from the node's own key (or None)."""
+    r = redis_link.client
+    if r is None or node_id is None:
+        return None
+    try:
+        raw = r.get(f"{NODE_PREFIX}{node_id}:lending")
+        data = json.loads(raw) if raw else None
+    except Exception:  # redis errors, bad JSON: keep the current policy
+        return None
+    return data if isinstance(data, dict) else None

@@ -167,6 +167,9 @@ class RunJobPayload(TypedDict):
     json_schema: NotRequired[dict[str, Any]]  # the output must match it (a grammar in the engine)
     logprobs: NotRequired[bool]  # chunks carry ``probs``
     top_logprobs: NotRequired[int]  # 0-20 alternatives per token in ``probs``
+    # KV cache coordinator (docs/design/serving.md): the llama-server slot to run in, the one
+    # holding the conversation's prefix; absent or -1: llama-server picks one
+    id_slot: NotRequired[int]
 
 
 class SamplingParams(TypedDict):
@@ -277,6 +280,9 @@ class StreamUsage(TypedDict):
     total_tokens: int
     ttft_ms: float | None
     tokens_per_s: float | None
+    id_slot: NotRequired[int]  # the llama-server slot that served it (KV cache coordinator)
+    prompt_cached: NotRequired[int]  # prompt tokens taken from the slot's cache, not evaluated
+    prompt_evaluated: NotRequired[int]  # prompt tokens the engine evaluated (prefilled)
 
 
 # --- Enrollment and heartbeats ----------------------------------------------------------------
@@ -315,6 +321,9 @@ class EnrollRequest(TypedDict):
     hardware: Hardware
     models: NotRequired[list[ModelFileInfo]]
     protocol_version: NotRequired[int]  # absent: 1
+    # The owner's lending terms (agent/lending.py LendingPolicy.to_wire): a claim the controller
+    # validates and plans by (windows, caps). Also sent in HARDWARE_UPDATED's data.
+    lending: NotRequired[dict[str, Any]]
 
 
 class EnrollResponse(TypedDict):

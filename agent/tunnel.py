@@ -340,6 +340,19 @@ def reachable(host: str, port: int, *, timeout: float = 5.0) -> None:
         sock.sendall(MAGIC_PROBE + b"q")
 
 
+PROBE_BULK_SECONDS = 1.0
+
+
+def _timed_bulk(sock: socket.socket, size: int, *, rtt_ms: float, timeout: float) -> float:
+    """Seconds one acknowledged bulk transfer of ``size`` bytes took, less the ack's round trip."""
+    sock.settimeout(timeout)
+    t0 = time.perf_counter()
+    sock.sendall(b"b" + struct.pack(">I", size) + b"\0" * size)
+    if _recv_exact(sock, 1) != b"k":
+        raise ConnectionError("bulk transfer not acknowledged")
+    return max(time.perf_counter() - t0 - rtt_ms / 1000, 1e-6)
+
+
 def probe(
     host: str, port: int, *, pings: int = 5, bulk_bytes: int = 2 * 2**20, timeout: float = 5.0
 ) -> dict[str, float]:
@@ -356,19 +369,20 @@ def probe(
             if _recv_exact(sock, 1) != b"p":
                 raise ConnectionError("probe echo mismatch")
             rtts.append((time.perf_counter() - t0) * 1000)
-        payload = b"\0" * min(bulk_bytes, PROBE_MAX_BYTES // 2)
-        t0 = time.perf_counter()
-        sock.sendall(b"b" + struct.pack(">I", len(payload)) + payload)
-        if _recv_exact(sock, 1) != b"k":
-            raise ConnectionError("bulk transfer not acknowledged")
-        seconds = time.perf_counter() - t0
-        sock.sendall(b"q")
         rtt = statistics.median(rtts)
-        # The transfer also paid one round trip for the acknowledgement.
-        transfer = max(seconds - rtt / 1000, 1e-6)
+        # Sized to the link: a small transfer first, then one of about PROBE_BULK_SECONDS at the
+        # rate it showed (at most bulk_bytes), so a slow link is measured, not timed out.
+        limit = min(bulk_bytes, PROBE_MAX_BYTES // 2)
+        first = min(64 * 1024, limit)
+        seconds = _timed_bulk(sock, first, rtt_ms=rtt, timeout=timeout)
+        rate = first / seconds  # bytes per second
+        size = max(first, min(limit, int(rate * PROBE_BULK_SECONDS)))
+        if size > first:
+            seconds = _timed_bulk(sock, size, rtt_ms=rtt, timeout=timeout + 4 * size / rate)
+        sock.sendall(b"q")
         return {
             "rtt_ms": round(rtt, 3),
-            "bandwidth_mbps": round(len(payload) * 8 / transfer / 1e6, 1),
+            "bandwidth_mbps": round(size * 8 / seconds / 1e6, 1),
         }
     finally:
         sock.close()

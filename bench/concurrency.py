@@ -204,8 +204,12 @@ def main() -> int:
 
     server = find_llama_server()
     n_agents = 1 if (args.quick or args.no_replicas) else 2
-    print(f"== concurrency: RACoN vs llama-server ({server.parent.parent.name}), SmolLM2, {args.slots} slots x {args.n_ctx} ctx, "
-          f"{args.threads} threads, {args.max_tokens}-token streamed chats; {load_average()} ==", flush=True)  # fmt: skip
+    print(
+        f"== concurrency: RACoN vs llama-server ({server.parent.parent.name}), SmolLM2, "
+        f"{args.slots} slots x {args.n_ctx} ctx, {args.threads} threads, "
+        f"{args.max_tokens}-token streamed chats; {load_average()} ==",
+        flush=True,
+    )
     with local_cluster(
         n_agents, benchmark=False, cores=args.threads, log=lambda s: print(s, flush=True)
     ) as cl:
@@ -283,13 +287,17 @@ def report_level(streams: int, sides: dict[str, list[Turn]]) -> None:
     verdict = "PASS" if ratio >= goal else "FAIL"
     label = "single stream decode" if streams == 1 else f"{streams:>2} streams aggregate"
     print(
-        f"[{label}] RACoN {agg('racon'):6.1f} tok/s, llama-server {agg('llama-server'):6.1f} tok/s: {ratio:.2f}x  [goal >= {goal}]  {verdict}"
+        f"[{label}] RACoN {agg('racon'):6.1f} tok/s, "
+        f"llama-server {agg('llama-server'):6.1f} tok/s: {ratio:.2f}x  [goal >= {goal}]  {verdict}"
     )
     extra = pct(rt, 0.5) - pct(lt, 0.5)
     line = (f"    TTFT p50 RACoN {pct(rt, 0.5):7.1f} ms vs {pct(lt, 0.5):7.1f} ms (+{extra:.1f} ms); "
             f"p99 {pct(rt, 0.99):7.1f} ms vs {pct(lt, 0.99):7.1f} ms")  # fmt: skip
     if streams == 8:
-        line += f"  [goal p50 <= llama-server + {GOAL_TTFT_EXTRA_MS:.0f} ms]  {'PASS' if extra <= GOAL_TTFT_EXTRA_MS else 'FAIL'}"
+        line += (
+            f"  [goal p50 <= llama-server + {GOAL_TTFT_EXTRA_MS:.0f} ms]  "
+            f"{'PASS' if extra <= GOAL_TTFT_EXTRA_MS else 'FAIL'}"
+        )
     if streams == 1:
         line += "  (added TTFT at one stream; issue goal <= 10 ms)"
     print(line + (f"  errors: {errors}" if errors else ""), flush=True)

@@ -429,21 +429,27 @@ def report(
         if p.racon.first_s is not None and p.racon.job.get("ttft_ms") is not None
     ]
     print(
-        f"  of which outside the primary (client TTFT - the primary's own ttft_ms, same request; free of prompt-eval noise): "
+        "  of which outside the primary (client TTFT - the primary's own ttft_ms, same request; "
+        "free of prompt-eval noise): "
         f"p50 {pct(outside, 50):.1f} ms  p90 {pct(outside, 90):.1f} ms"
     )
-    print(
-        f"TTFT RACoN / direct: p50 {med([r.racon.first_s * 1000 / r.direct['ttft_ms'] for r in pairs if r.racon.first_s and r.direct.get('ttft_ms')]):.2f}x"
-    )
+    ttft_ratios = [
+        r.racon.first_s * 1000 / r.direct["ttft_ms"]
+        for r in pairs
+        if r.racon.first_s and r.direct.get("ttft_ms")
+    ]
+    print(f"TTFT RACoN / direct: p50 {med(ttft_ratios):.2f}x")
     print(
         f"primary's own decode tokens/s (runtime) / direct: median {med(ratio_rt):.3f}   "
         f"(separates generation speed inside the primary from delivery)"
     )
     print(
-        f"end-to-end tokens/s RACoN / direct (send -> response closed, TTFT and bookkeeping included): median {med(e2e_ratio):.3f}"
+        "end-to-end tokens/s RACoN / direct (send -> response closed, TTFT and bookkeeping "
+        f"included): median {med(e2e_ratio):.3f}"
     )
     print(
-        f"identical output text in {same}/{n} pairs; chunks per request: RACoN {med([p.racon.chunks for p in pairs]):.0f}, "
+        f"identical output text in {same}/{n} pairs; "
+        f"chunks per request: RACoN {med([p.racon.chunks for p in pairs]):.0f}, "
         f"direct {med([p.direct['chunks'] for p in pairs]):.0f}"
     )
     print(
@@ -561,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
             else " (node's detected cores)"
         )
         print(
-            f"  both sides: {cfg['n_threads']} threads{posed}, n_ctx {cfg['n_ctx']}, n_batch {cfg['n_batch']} (from the plan); RACoN with {key_kind}",
+            f"  both sides: {cfg['n_threads']} threads{posed}, n_ctx {cfg['n_ctx']}, "
+            f"n_batch {cfg['n_batch']} (from the plan); RACoN with {key_kind}",
             flush=True,
         )
         direct = Direct(cfg, cl.workdir / "direct-worker.log")
@@ -580,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(args.requests):
                     if i >= 3 and time.monotonic() - t_measure > args.budget_s:
                         print(
-                            f"  time budget of {args.budget_s:.0f} s spent: stopping after {i} of {args.requests} pairs",
+                            f"  time budget of {args.budget_s:.0f} s spent: "
+                            f"stopping after {i} of {args.requests} pairs",
                             flush=True,
                         )
                         break
@@ -614,8 +622,9 @@ def main(argv: list[str] | None = None) -> int:
             and one_min >= (os.cpu_count() or 1) - 0.5
         ):
             print(
-                f"note: n_threads {plan['n_threads']} uses every CPU of a machine whose load average is {one_min:.1f}; llama.cpp's "
-                "thread barriers then stall on the neighbours and both sides measure mostly noise (try --threads 1)"
+                f"note: n_threads {plan['n_threads']} uses every CPU of a machine whose load "
+                f"average is {one_min:.1f}; llama.cpp's thread barriers then stall on the "
+                "neighbours and both sides measure mostly noise (try --threads 1)"
             )
     print(f"(whole run {time.monotonic() - t_start:.0f} s, every process it started is stopped)")
     return 0

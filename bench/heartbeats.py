@@ -95,11 +95,13 @@ def db_write_counter() -> int:
     with connection.cursor() as cur:
         if connection.vendor == "postgresql":
             cur.execute(
-                "SELECT tup_inserted + tup_updated + tup_deleted FROM pg_stat_database WHERE datname = current_database()"
+                "SELECT tup_inserted + tup_updated + tup_deleted FROM pg_stat_database"
+                " WHERE datname = current_database()"
             )
             return int(cur.fetchone()[0])
         cur.execute(
-            "SELECT (SELECT COUNT(*) FROM nodes_event) + (SELECT COUNT(*) FROM nodes_node WHERE state_changed_at > datetime('now', '-1 hour'))"
+            "SELECT (SELECT COUNT(*) FROM nodes_event) + (SELECT COUNT(*) FROM nodes_node"
+            " WHERE state_changed_at > datetime('now', '-1 hour'))"
         )
         return int(cur.fetchone()[0])
 
@@ -271,7 +273,9 @@ def main() -> int:
             nodes = seed_nodes(args.nodes)
             load = os.getloadavg()[0]
             print(
-                f"== heartbeats: {args.nodes} nodes at a {args.interval:g} s interval (target {target:.0f}/s), {args.seconds:g} s per phase, load avg {load:.1f} on {os.cpu_count()} CPUs =="
+                f"== heartbeats: {args.nodes} nodes at a {args.interval:g} s interval "
+                f"(target {target:.0f}/s), {args.seconds:g} s per phase, "
+                f"load avg {load:.1f} on {os.cpu_count()} CPUs =="
             )
             counts = [args.processes] + (
                 [args.compare_processes]
@@ -327,13 +331,18 @@ def run_phase(
         total = len(lat) + len(closed_lat)
         label = f"[{processes} daphne process{'es' if processes > 1 else ''}]"
         print(
-            f"{label} paced at the target: achieved {achieved}/s = {achieved / target:.2f}x the target; p50 {pct(lat, 0.5):.1f} ms, p99 {pct(lat, 0.99):.1f} ms = {pct(lat, 0.99) / 100:.2f}x the 100 ms limit; errors {errors}"
+            f"{label} paced at the target: achieved {achieved}/s = {achieved / target:.2f}x the "
+            f"target; p50 {pct(lat, 0.5):.1f} ms, p99 {pct(lat, 0.99):.1f} ms = "
+            f"{pct(lat, 0.99) / 100:.2f}x the 100 ms limit; errors {errors}"
         )
         print(
-            f"{label} closed loop ({args.connections} connections): sustained {closed_rate}/s = {closed_rate / 1000:.2f}x the 1,000/s target; p50 {pct(closed_lat, 0.5):.1f} ms, p99 {pct(closed_lat, 0.99):.1f} ms; errors {closed_errors}"
+            f"{label} closed loop ({args.connections} connections): sustained {closed_rate}/s = "
+            f"{closed_rate / 1000:.2f}x the 1,000/s target; p50 {pct(closed_lat, 0.5):.1f} ms, "
+            f"p99 {pct(closed_lat, 0.99):.1f} ms; errors {closed_errors}"
         )
         print(
-            f"{label} database writes per heartbeat: {writes / max(total, 1):.4f} ({writes} rows over {total} heartbeats)"
+            f"{label} database writes per heartbeat: {writes / max(total, 1):.4f} "
+            f"({writes} rows over {total} heartbeats)"
         )
         return closed_rate if errors + closed_errors == 0 else -1
     finally:

@@ -175,23 +175,27 @@ def main() -> int:
                 body = metrics_render()
             med = statistics.median
             print(
-                f"nodes: {Node.objects.count()}, exposition: {len(body) / 1024:.1f} KiB, SQL queries per scrape: {len(ctx.captured_queries)}"
+                f"nodes: {Node.objects.count()}, exposition: {len(body) / 1024:.1f} KiB, "
+                f"SQL queries per scrape: {len(ctx.captured_queries)}"
             )
             print(
                 f"GET /health  median {med(h_big) * 1000:7.2f} ms, min {min(h_big) * 1000:6.2f} ms (baseline)"
             )
             print(
-                f"GET /metrics median {med(m_big) * 1000:7.2f} ms, min {min(m_big) * 1000:6.2f} ms with {args.nodes} nodes"
+                f"GET /metrics median {med(m_big) * 1000:7.2f} ms, "
+                f"min {min(m_big) * 1000:6.2f} ms with {args.nodes} nodes"
             )
             print(
                 f"GET /metrics median {med(m_small) * 1000:7.2f} ms, min {min(m_small) * 1000:6.2f} ms with 10 nodes"
             )
             # Medians of alternated requests, and minimums (the least disturbed by other load).
             print(
-                f"ratio /metrics ÷ /health at {args.nodes} nodes: median {med(m_big) / med(h_big):.1f}x, min {min(m_big) / min(h_big):.1f}x"
+                f"ratio /metrics ÷ /health at {args.nodes} nodes: "
+                f"median {med(m_big) / med(h_big):.1f}x, min {min(m_big) / min(h_big):.1f}x"
             )
             print(
-                f"ratio /metrics at {args.nodes} nodes ÷ at 10 nodes: median {med(m_big) / med(m_small):.2f}x, min {min(m_big) / min(m_small):.2f}x"
+                f"ratio /metrics at {args.nodes} nodes ÷ at 10 nodes: "
+                f"median {med(m_big) / med(m_small):.2f}x, min {min(m_big) / min(m_small):.2f}x"
             )
         finally:
             redis.stop()

@@ -76,8 +76,9 @@ def main() -> int:
             workers += ws
             dep = f"dep-{arm}"
             plan: dict[str, Any] = {
-                "deployment_id": dep, "model_name": "smollm2", "sha256": "0" * 64, "rpc_endpoints": [w.endpoint for w in ws],
-                "tensor_split": [1.0, 1.0], "n_gpu_layers": -1, "n_ctx": 512, "n_parallel": 1, "n_threads": 1,
+                "deployment_id": dep, "model_name": "smollm2", "sha256": "0" * 64,
+                "rpc_endpoints": [w.endpoint for w in ws], "tensor_split": [1.0, 1.0],
+                "n_gpu_layers": -1, "n_ctx": 512, "n_parallel": 1, "n_threads": 1,
             }  # fmt: skip
             if tunnel:
                 plan["rpc_tunnel_key"] = key = secrets.token_hex(32)
@@ -85,8 +86,10 @@ def main() -> int:
                     w.authorize(dep, key, "127.0.0.1")
             primaries[arm] = ServerPrimary(
                 node_id="node-rt",
-                plan=plan, model_path=model, redis_client=r, redis_url=rs.url, log_path=tmp / f"{arm}-primary.log",  # type: ignore[arg-type]
-                on_event=lambda *a: events.append(a), on_job_finished=lambda f: finished.__setitem__(f["job_id"], f), on_exit=lambda d: None,
+                plan=plan, model_path=model, redis_client=r, redis_url=rs.url,  # type: ignore[arg-type]
+                log_path=tmp / f"{arm}-primary.log",
+                on_event=lambda *a: events.append(a),
+                on_job_finished=lambda f: finished.__setitem__(f["job_id"], f), on_exit=lambda d: None,
             )  # fmt: skip
             primaries[arm].load()
 
@@ -122,8 +125,8 @@ def main() -> int:
                 same += int(xa == xb)
         q = statistics.quantiles(ratios, n=10) if len(ratios) >= 2 else [ratios[0]] * 9
         med = statistics.median(ratios)
-        print(f"decode tokens/s, tunnel / direct: median of {len(ratios)} paired ratios {med:.3f} (p10 {q[0]:.3f}, p90 {q[-1]:.3f})  "
-              f"[goal >= {GOAL}]  {'PASS' if med >= GOAL else 'FAIL'}")  # fmt: skip
+        print(f"decode tokens/s, tunnel / direct: median of {len(ratios)} paired ratios {med:.3f} "
+              f"(p10 {q[0]:.3f}, p90 {q[-1]:.3f})  [goal >= {GOAL}]  {'PASS' if med >= GOAL else 'FAIL'}")  # fmt: skip
         print(f"identical text in {same}/{len(ratios)} pairs")
         refused = [e for e in events if e[0] == "RPC_TUNNEL_REFUSED"]
         print(f"tunnel refusals during the run: {len(refused)}")

@@ -441,9 +441,12 @@ def loopback_report() -> None:
         with_loop = pred(n, link=loop)
         calibrated = pred(n, compute=f, link=loop)
         print(
-            f"    {n} nodes: links unprobed -> scheduler default {DEFAULT_LINK.rtt_ms:g} ms RTT / {DEFAULT_LINK.bandwidth_mbps:g} Mbps; "
-            f"with loopback probed ({rtt:.3f} ms, {LOOPBACK_MBPS:g} Mbps) predicted/measured {with_loop / meas[n]:.2f} "
-            f"(deployed {as_deployed / meas[n]:.2f}); with the 1-node compute calibration too {calibrated / meas[n]:.2f}"
+            f"    {n} nodes: links unprobed -> scheduler default {DEFAULT_LINK.rtt_ms:g} ms RTT / "
+            f"{DEFAULT_LINK.bandwidth_mbps:g} Mbps; "
+            f"with loopback probed ({rtt:.3f} ms, {LOOPBACK_MBPS:g} Mbps) "
+            f"predicted/measured {with_loop / meas[n]:.2f} "
+            f"(deployed {as_deployed / meas[n]:.2f}); "
+            f"with the 1-node compute calibration too {calibrated / meas[n]:.2f}"
         )
     if 2 in meas:
         oh = _solve(
@@ -454,10 +457,14 @@ def loopback_report() -> None:
         )
         if oh is None:
             print(
-                f"    rpc_overhead_ms: no value in [0, 200] ms matches 2 nodes (it is {DEFAULT_COST.rpc_overhead_ms} ms now)"
+                "    rpc_overhead_ms: no value in [0, 200] ms matches 2 nodes "
+                f"(it is {DEFAULT_COST.rpc_overhead_ms} ms now)"
             )
         else:
-            line = f"    rpc_overhead_ms would need {oh:.2f} ms per remote node per token (now {DEFAULT_COST.rpc_overhead_ms} ms), from the 2-node run"
+            line = (
+                f"    rpc_overhead_ms would need {oh:.2f} ms per remote node per token "
+                f"(now {DEFAULT_COST.rpc_overhead_ms} ms), from the 2-node run"
+            )
             if 3 in meas:
                 check = pred(
                     3, compute=f, link=loop, cost=replace(DEFAULT_COST, rpc_overhead_ms=oh)
@@ -474,7 +481,9 @@ def loopback_report() -> None:
             )
             if lo is not None:
                 print(
-                    f"    (or layer_overhead_ms {lo:.3f} ms instead of {DEFAULT_COST.layer_overhead_ms} ms, if the extra cost is per layer rather than per hop)"
+                    f"    (or layer_overhead_ms {lo:.3f} ms instead of "
+                    f"{DEFAULT_COST.layer_overhead_ms} ms, "
+                    "if the extra cost is per layer rather than per hop)"
                 )
 
 
@@ -591,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{n} node(s): predicted/measured {pred / meas:.2f} (error {err:+.0%})  "
                     f"{'PASS' if abs(err) <= LOOPBACK_TARGET else 'FAIL'}  "
-                    f"[predicted {pred:.1f} tok/s, measured {meas:.1f} tok/s (client side {statistics.median(r['client']) if r['client'] else float('nan'):.1f}); "
+                    f"[predicted {pred:.1f} tok/s, measured {meas:.1f} tok/s "
+                    f"(client side {statistics.median(r['client']) if r['client'] else float('nan'):.1f}); "
                     f"layers {split}; n_threads {r['plan'].get('n_threads')}; node figures {figures}]",
                     flush=True,
                 )

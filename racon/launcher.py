@@ -224,7 +224,8 @@ class Supervisor:
             child.proc = None
             if code in child.final_exits:
                 print(
-                    f"[racon] {child.name} exited with {code}; not restarting it (a configuration error, a refused token or a revoked node: see its log)",
+                    f"[racon] {child.name} exited with {code}; not restarting it "
+                    "(a configuration error, a refused token or a revoked node: see its log)",
                     flush=True,
                 )
                 return
@@ -277,11 +278,14 @@ class Supervisor:
         delay = self.redis_policy.next_delay(started=started, now=now)
         if delay is None:
             raise GiveUp(
-                f"the embedded Redis {what}, {self.redis_policy.limit} restarts within {self.redis_policy.window:.0f} s; giving up"
+                f"the embedded Redis {what}, {self.redis_policy.limit} restarts "
+                f"within {self.redis_policy.window:.0f} s; giving up"
             )
         self.redis_restart_at = now + delay
         print(
-            f"[racon] embedded Redis {what}; restarting it on port {self.redis.port if self.redis else '?'} in {delay:.1f} s (restart {self.redis_policy.count})",
+            f"[racon] embedded Redis {what}; "
+            f"restarting it on port {self.redis.port if self.redis else '?'} "
+            f"in {delay:.1f} s (restart {self.redis_policy.count})",
             flush=True,
         )
 
@@ -432,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         celery = str(bindir / "celery")
+        # Celery warns at length when run as root (containers, CI); the launcher's user is the
+        # operator's choice, so keep the first run's output to the summary.
+        os.environ.setdefault(
+            "PYTHONWARNINGS", "ignore:You're running the worker with superuser privileges"
+        )
         # SIGKILL: a worker orphaned by a killed launcher must not wait on its tasks (a placement
         # may block for minutes) or on its Redis, which dies too; even a cold shutdown (SIGQUIT)
         # hung for over a minute on a loaded machine. Its pool processes set PR_SET_PDEATHSIG
@@ -443,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                     celery,
                     "-A",
                     "racon",
+                    "--quiet",  # no banner: the launcher prints one ready summary
                     "worker",
                     "-l",
                     "warning",
@@ -466,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                     celery,
                     "-A",
                     "racon",
+                    "--quiet",  # no banner: the launcher prints one ready summary
                     "worker",
                     "-l",
                     "warning",
@@ -486,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                     celery,
                     "-A",
                     "racon",
+                    "--quiet",  # no banner: the launcher prints one ready summary
                     "beat",
                     "-l",
                     "warning",
@@ -499,8 +511,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.agents):
             name = f"local-{i + 1}"
             agent_argv = [
-                str(bindir / "node-agent"), "--foreground", "--controller-url", url, "--enrollment-token", info["token"],
-                "--node-name", name, "--state-dir", str(var / "agents" / name), "--models-dir", str(models_dir),
+                str(bindir / "node-agent"), "--foreground", "--controller-url", url,
+                "--enrollment-token", info["token"], "--node-name", name,
+                "--state-dir", str(var / "agents" / name), "--models-dir", str(models_dir),
                 "--advertise-address", "127.0.0.1", "--rpc-port", str(rpc_port + i),
             ]  # fmt: skip
             # A restarted agent presents its stored credential, so the token's use count is not spent again.
@@ -520,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         print(f"[racon] try: curl {url}/v1/chat/completions -H 'Authorization: Bearer $AI_API_KEY' "
-              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{info.get('model')}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'", flush=True)  # fmt: skip
+              "-H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{info.get('model')}\", "
+              f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'", flush=True)  # fmt: skip
         while True:
             sup.tick()
             time.sleep(TICK_SECONDS)

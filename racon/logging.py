@@ -77,3 +77,17 @@ class TextFormatter(logging.Formatter):
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
+
+
+class HealthProbeFilter(logging.Filter):
+    """django.request logs a 503 of /health at ERROR; during start every poll gets one (the
+    launcher waits on it). Lower those records to DEBUG (shown only when the root logger is at
+    DEBUG): a failing health check is not an error of the request, and its body says what is down."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and getattr(record, "status_code", None) == 503:
+            request = getattr(record, "request", None)
+            if getattr(request, "path", "") == "/health":
+                record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+                return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True

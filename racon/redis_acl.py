@@ -98,7 +98,10 @@ def node_redis_url(*, node_id: Any) -> str:
     password = node_acl_grant(node_id=node_id)
     parts = urlsplit(base)
     host = parts.hostname or "127.0.0.1"
-    netloc = f"{quote(node_username(node_id), safe='')}:{quote(password, safe='')}@{'[' + host + ']' if ':' in host else host}"
+    netloc = (
+        f"{quote(node_username(node_id), safe='')}:{quote(password, safe='')}"
+        f"@{'[' + host + ']' if ':' in host else host}"
+    )
     if parts.port:
         netloc += f":{parts.port}"
     return urlunsplit(parts._replace(netloc=netloc))

@@ -291,6 +291,19 @@ STREAM_IDLE_TIMEOUT_SECONDS = envfloat("STREAM_IDLE_TIMEOUT_SECONDS", 60.0)
 # How long a job whose primary died mid-stream waits for another replica (or a replacement being
 # placed) before its stream ends with the error (docs/design/serving.md, "Failover").
 FAILOVER_WAIT_SECONDS = envfloat("FAILOVER_WAIT_SECONDS", 60.0)
+# At most one automatic placement per model in this long from failover waiters (no retry flood).
+FAILOVER_ENSURE_BACKOFF_SECONDS = envint("FAILOVER_ENSURE_BACKOFF_SECONDS", 15)
+# The KV cache coordinator (apps/jobs/kvcache.py; docs/design/serving.md, "KV cache coordinator"):
+# the routing policy (prefix, round_robin or least_loaded; Redis racon:kv:routing overrides it),
+# how long a follow-up waits for the replica holding its prefix, λ (tokens of prefill one unit of
+# slot pressure is worth) and the ownership record's bound and TTL.
+KV_ROUTING = os.environ.get("KV_ROUTING", "prefix")
+KV_AFFINITY_WAIT_SECONDS = envfloat("KV_AFFINITY_WAIT_SECONDS", 2.0)
+KV_ROUTE_LOAD_TOKENS = envfloat("KV_ROUTE_LOAD_TOKENS", 256.0)
+KV_PREFIX_MAX_ENTRIES = envint("KV_PREFIX_MAX_ENTRIES", 10000)
+KV_PREFIX_TTL_SECONDS = envint("KV_PREFIX_TTL_SECONDS", 3600)
+# A node whose lending window closes sooner than this is avoided for new deployments (a fallback).
+LENDING_MIN_WINDOW_SECONDS = envfloat("LENDING_MIN_WINDOW_SECONDS", 3600.0)
 # In-process caches of the API-key principal, the model by name and the route (racon/cache.py):
 # a change is broadcast at once; this bounds a lost broadcast. 0 turns the caches off.
 API_CACHE_SECONDS = envfloat("API_CACHE_SECONDS", 10.0)
@@ -437,7 +450,10 @@ LOG_LEVEL = env("LOG_LEVEL", "INFO")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"context": {"()": "racon.logging.ContextFilter"}},
+    "filters": {
+        "context": {"()": "racon.logging.ContextFilter"},
+        "health_probe": {"()": "racon.logging.HealthProbeFilter"},
+    },
     "formatters": {
         "json": {"()": "racon.logging.JsonFormatter"},
         "text": {"()": "racon.logging.TextFormatter"},
@@ -452,6 +468,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
         "django.server": {"level": "WARNING"},
+        # A 503 from /health while starting is INFO, not ERROR (racon/logging.py).
+        "django.request": {"level": "WARNING", "filters": ["health_probe"]},
         "daphne": {"level": "WARNING"},
     },
 }

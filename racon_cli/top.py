@@ -32,12 +32,15 @@ class Confirm(ModalScreen[bool]):
         Binding("n", "answer(False)", "No"),
         Binding("escape", "answer(False)", "Cancel"),
     ]
-    DEFAULT_CSS = """
-    Confirm { align: center middle; }
-    Confirm > Grid { grid-size: 2; grid-gutter: 1 2; grid-rows: auto 3; padding: 1 2; width: 64; height: auto; border: thick $warning; background: $surface; }
-    Confirm #question { column-span: 2; width: 100%; content-align: center middle; }
-    Confirm Button { width: 100%; }
-    """
+    DEFAULT_CSS = (
+        "\n"
+        "    Confirm { align: center middle; }\n"
+        "    Confirm > Grid { grid-size: 2; grid-gutter: 1 2; grid-rows: auto 3; padding: 1 2;"
+        " width: 64; height: auto; border: thick $warning; background: $surface; }\n"
+        "    Confirm #question { column-span: 2; width: 100%; content-align: center middle; }\n"
+        "    Confirm Button { width: 100%; }\n"
+        "    "
+    )
 
     def __init__(self, question: str) -> None:
         super().__init__()
@@ -267,7 +270,9 @@ class TopApp(App[None]):
         ready = sum(1 for n in nodes if n["state"] == "READY")
         running = sum(1 for j in jobs if j["state"] in ACTIVE_JOB_STATES)
         self._status(
-            f"{len(nodes)} nodes ({ready} ready) · {len([d for d in deps if d['state'] == 'READY'])} deployments ready · {running} jobs active · refresh every {self.interval:g}s"
+            f"{len(nodes)} nodes ({ready} ready) · "
+            f"{len([d for d in deps if d['state'] == 'READY'])} deployments ready · "
+            f"{running} jobs active · refresh every {self.interval:g}s"
         )
 
     def _sync(self, table_id: str, rows: dict[str, tuple[Any, ...]]) -> None:

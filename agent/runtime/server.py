@@ -358,6 +358,7 @@ class ServerPrimary:
         finish = "stop"
         error: _RequestError | None = None
         timings: dict[str, Any] = {}
+        served_slot: int | None = None
         try:
             if self.r.exists(job_cancel_key(job_id, self.node_id)):
                 raise _Cancelled
@@ -396,6 +397,8 @@ class ServerPrimary:
                         else None
                     )
                     writer.chunk(text, ids, probs)
+                if event.get("id_slot") is not None:
+                    served_slot = int(event["id_slot"])
                 if event.get("stop"):
                     finish = FINISH.get(str(event.get("stop_type") or "eos"), "stop")
                     timings = event.get("timings") or {}
@@ -440,6 +443,12 @@ class ServerPrimary:
             ttft_ms=ttft,
             tokens_per_s=round(float(tps), 2) if tps else None,
         )
+        if served_slot is not None and served_slot >= 0:
+            usage["id_slot"] = served_slot
+        if "prompt_n" in timings:
+            # What the KV cache coordinator measures: prompt tokens prefilled vs. from the cache.
+            usage["prompt_evaluated"] = int(timings.get("prompt_n") or 0)
+            usage["prompt_cached"] = int(timings.get("cache_n") or 0)
         if error is not None:
             writer.fail(str(error), usage, code=error.code)
             status = "failed"
@@ -744,6 +753,9 @@ def _completion_body(job: dict[str, Any], prompt: str | list[Any]) -> dict[str, 
     if job.get("logprobs"):
         # At least one: the chosen token's own logprob comes with the alternatives.
         body["n_probs"] = max(1, int(job.get("top_logprobs") or 0))
+    if job.get("id_slot") is not None and int(job["id_slot"]) >= 0:
+        # The KV cache coordinator's pick: the slot that holds this conversation's prefix.
+        body["id_slot"] = int(job["id_slot"])
     return body
 
 

@@ -68,13 +68,13 @@ class AccountListCreateApi(APIView):
 
     permission_classes = [IsStaff]
 
-    class CreateIn(serializers.Serializer):
+    class AccountCreateIn(serializers.Serializer):
         username = serializers.RegexField(r"^[\w.@+-]{1,150}$")
         email = serializers.EmailField(required=False, default="", allow_blank=True)
         password = serializers.CharField(required=False, allow_blank=True, write_only=True)
         is_staff = serializers.BooleanField(default=False)
 
-    class CreatedOut(ContributorAccountOut):
+    class AccountCreatedOut(ContributorAccountOut):
         invite_url = serializers.CharField(allow_null=True)
 
         class Meta(ContributorAccountOut.Meta):
@@ -84,9 +84,9 @@ class AccountListCreateApi(APIView):
     def get(self, request: Request) -> Response:
         return Response(ContributorAccountOut(selectors.account_list()[:1000], many=True).data)
 
-    @extend_schema(request=CreateIn, responses={201: CreatedOut})
+    @extend_schema(request=AccountCreateIn, responses={201: AccountCreatedOut})
     def post(self, request: Request) -> Response:
-        data = self.CreateIn(data=request.data)
+        data = self.AccountCreateIn(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
         try:
@@ -140,17 +140,17 @@ class InviteAcceptApi(APIView):
     authentication_classes: list[Any] = []
     permission_classes = [AllowAny]
 
-    class AcceptIn(serializers.Serializer):
+    class InviteAcceptIn(serializers.Serializer):
         uid = serializers.CharField()
         token = serializers.CharField()
         password = serializers.CharField(write_only=True)
 
-    class AcceptOut(serializers.Serializer):
+    class InviteAcceptOut(serializers.Serializer):
         username = serializers.CharField()
 
-    @extend_schema(request=AcceptIn, responses=AcceptOut)
+    @extend_schema(request=InviteAcceptIn, responses=InviteAcceptOut)
     def post(self, request: Request) -> Response:
-        data = self.AcceptIn(data=request.data)
+        data = self.InviteAcceptIn(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
         try:
@@ -212,12 +212,12 @@ class KeyListCreateApi(APIView):
     permission_classes = [IsAuthenticatedAccount, KeyScope]
     key_scopes = {"GET": ApiKey.SCOPE_READ, "*": ApiKey.SCOPE_KEYS}
 
-    class FilterIn(serializers.Serializer):
+    class KeyFilterIn(serializers.Serializer):
         account = serializers.UUIDField(required=False)
         # A choice, not a BooleanField: that one reads an empty value as false instead of refusing it.
         all = serializers.ChoiceField(choices=["true", "false"], default="false")
 
-    class CreateIn(serializers.Serializer):
+    class KeyCreateIn(serializers.Serializer):
         name = serializers.CharField(max_length=120)
         scopes = serializers.ListField(
             child=serializers.ChoiceField(choices=list(ApiKey.SCOPES)),
@@ -230,7 +230,7 @@ class KeyListCreateApi(APIView):
         )
         account = serializers.UUIDField(required=False, help_text="staff only; default: yours")
 
-    class CreatedOut(ApiKeyOut):
+    class KeyCreatedOut(ApiKeyOut):
         key = serializers.CharField(help_text="the secret: shown in this answer only")
 
         class Meta(ApiKeyOut.Meta):
@@ -246,7 +246,8 @@ class KeyListCreateApi(APIView):
         responses=ApiKeyOut(many=True),
     )
     def get(self, request: Request) -> Response:
-        f = self.FilterIn(data=request.query_params)
+        # A plain dict: DRF reads an empty query value of a QueryDict as absent, not as invalid.
+        f = self.KeyFilterIn(data=request.query_params.dict())
         f.is_valid(raise_exception=True)
         account_id = caller_account_id(request, f.validated_data.get("account"))
         keys = selectors.key_list(
@@ -254,9 +255,9 @@ class KeyListCreateApi(APIView):
         )
         return Response(ApiKeyOut(keys.select_related("account")[:1000], many=True).data)
 
-    @extend_schema(request=CreateIn, responses={201: CreatedOut})
+    @extend_schema(request=KeyCreateIn, responses={201: KeyCreatedOut})
     def post(self, request: Request) -> Response:
-        data = self.CreateIn(data=request.data)
+        data = self.KeyCreateIn(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
         now = timezone.now()

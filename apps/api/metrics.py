@@ -32,7 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from agent.protocol import HEARTBEATS_ZSET, heartbeat_key
 from apps.credits.models import EntryKind, Posting
 from apps.credits.selectors import FEES, MINT
-from apps.jobs import admission
+from apps.jobs import admission, kvcache
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DEPLOYMENT_ACTIVE, JOB_OPEN, JOB_TERMINAL, DeploymentState, JobState
 from apps.models_repo.models import Model
@@ -149,6 +149,14 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "racon_credits_spent": ("counter", ()),
     "racon_placement_decisions": ("counter", ()),
     "racon_placement_latency_seconds": ("summary", ()),
+    "racon_kv_prefix_hits": ("counter", ()),
+    "racon_kv_prefix_misses": ("counter", ()),
+    "racon_kv_tokens_saved": ("counter", ()),
+    "racon_kv_ownership_changes": ("counter", ("kind",)),
+    "racon_kv_bytes_moved": ("counter", ()),
+    "racon_kv_transfer_seconds": ("counter", ()),
+    "racon_kv_conversations_held": ("gauge", ("deployment",)),
+    "racon_kv_tokens_held": ("gauge", ("deployment",)),
     "racon_scrape_duration_seconds": ("gauge", ()),
 }
 
@@ -320,6 +328,49 @@ def _collect(*, now: float) -> Iterator[Metric]:
         [], count_value=int(rd["placements"] or 0), sum_value=float(rd["placement_seconds"] or 0.0)
     )
     yield latency
+    yield from _kvcache(db["active_deployments"])
+
+
+def _kvcache(deployment_ids: list[str]) -> Iterator[Metric]:
+    """The KV cache coordinator's counters and what each replica's slots hold (apps/jobs/kvcache.py)."""
+    st = kvcache.stats()
+    for name, key, text in (
+        ("racon_kv_prefix_hits", "hits", "Requests routed to the slot holding their prefix."),
+        ("racon_kv_prefix_misses", "misses", "Requests with no cached prefix on their replica."),
+        (
+            "racon_kv_tokens_saved",
+            "tokens_saved",
+            "Prompt tokens taken from a slot's cache on hits.",
+        ),
+        ("racon_kv_bytes_moved", "bytes_moved", "KV state bytes moved between nodes."),
+        ("racon_kv_transfer_seconds", "transfer_seconds", "Seconds spent moving KV state."),
+    ):
+        c = CounterMetricFamily(name, text)
+        c.add_metric([], st[key])
+        yield c
+    changes = CounterMetricFamily(
+        "racon_kv_ownership_changes",
+        "Ownership changes: moved (to another replica), evicted (LRU bound), displaced (slot "
+        "reused by another conversation), dropped (replica stopped serving; state not moved).",
+        labels=["kind"],
+    )
+    for kind in ("moved", "evicted", "displaced", "dropped"):
+        changes.add_metric([kind], st[kind])
+    yield changes
+    held = kvcache.deployments_held(deployment_ids)
+    convs = GaugeMetricFamily(
+        "racon_kv_conversations_held",
+        "Conversation prefixes held in a replica's slots.",
+        labels=["deployment"],
+    )
+    toks = GaugeMetricFamily(
+        "racon_kv_tokens_held", "Tokens those prefixes hold.", labels=["deployment"]
+    )
+    for dep_id, (n, t) in sorted(held.items()):
+        convs.add_metric([dep_id], n)
+        toks.add_metric([dep_id], t)
+    yield convs
+    yield toks
 
 
 # Tokens/s per replica: completion tokens of the jobs it finished within this window, per second.

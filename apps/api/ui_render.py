@@ -24,6 +24,7 @@ from apps.accounts.models import Account
 from apps.credits import selectors as credit_selectors
 from apps.credits.ledger import account_for_user
 from apps.credits.models import Receipt
+from apps.jobs import kvcache
 from apps.jobs import selectors as job_selectors
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DEPLOYMENT_ACTIVE, JOB_IN_FLIGHT, JOB_OPEN, DeploymentState, JobState
@@ -258,6 +259,13 @@ def deployment_row(
         load = job_selectors.replica_load(deployments=[dep])
     in_use, waiting, _ = load
     plan = dep.plan or {}
+    # The KV cache coordinator's record: conversations its slots hold, and their memory
+    # (tokens × the model's KV bytes per token).
+    convs, kv_tokens = (
+        kvcache.deployments_held([dep.id]).get(str(dep.id), (0, 0))
+        if dep.state in DEPLOYMENT_ACTIVE
+        else (0, 0)
+    )
     nodes = list(dep.nodes.all())
     names = [n.name for n in nodes]
     if viewer is not None and not viewer.is_staff:
@@ -273,6 +281,8 @@ def deployment_row(
         "active": dep.state in DEPLOYMENT_ACTIVE,
         "slots_in_use": in_use.get(str(dep.id), 0),
         "queue_depth": waiting.get(str(dep.id), 0),
+        "kv_conversations": convs,
+        "kv_bytes": kv_tokens * kvcache.kv_bytes_per_token(dep.model_file),
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from django.shortcuts import get_object_or_404
@@ -99,10 +100,10 @@ class KeyUsageApi(APIView):
     permission_classes = [IsAuthenticatedAccount, KeyScope]
     key_scopes = {"*": ApiKey.SCOPE_READ}
 
-    class FilterIn(serializers.Serializer):
+    class KeyUsageFilterIn(serializers.Serializer):
         account = serializers.UUIDField(required=False)
 
-    class UsageOut(serializers.Serializer):
+    class KeyUsageOut(serializers.Serializer):
         key = serializers.UUIDField()
         name = serializers.CharField()
         prefix = serializers.CharField()
@@ -114,12 +115,14 @@ class KeyUsageApi(APIView):
         total_tokens = serializers.IntegerField()
         credits = serializers.IntegerField(help_text="micro-credits charged to the account")
 
-    @extend_schema(parameters=[_account_param()], responses=UsageOut(many=True))
+    @extend_schema(parameters=[_account_param()], responses=KeyUsageOut(many=True))
     def get(self, request: Request) -> Response:
-        f = self.FilterIn(data=request.query_params)
+        f = self.KeyUsageFilterIn(data=request.query_params.dict())
         f.is_valid(raise_exception=True)
         account_id = _target_account(request, self, f.validated_data.get("account"))
-        return Response(self.UsageOut(selectors.key_usage(account_id=account_id), many=True).data)
+        return Response(
+            self.KeyUsageOut(selectors.key_usage(account_id=account_id), many=True).data
+        )
 
 
 class PostingOut(serializers.ModelSerializer):
@@ -327,3 +330,45 @@ class AdminAdjustApi(_AdminMoveApi):
     @extend_schema(request=_AdminMoveApi.MoveIn, responses={201: _AdminMoveApi.EntryOut})
     def post(self, request: Request) -> Response:
         return self._move(request)
+
+
+class EarningsApi(APIView):
+    """GET /api/credits/earnings?days=30&node= — per node and day: credits earned, jobs served,
+    receipts (the caller's nodes)."""
+
+    permission_classes = [IsAuthenticatedAccount]
+
+    class EarningsOut(serializers.Serializer):
+        node = serializers.UUIDField()
+        node_name = serializers.CharField()
+        day = serializers.DateField(help_text="UTC day")
+        credits = serializers.IntegerField(help_text="micro-credits earned (ledger)")
+        jobs = serializers.IntegerField(help_text="jobs served (with a receipt)")
+        receipts = serializers.IntegerField()
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("days", int, description="how many days back (1-366, default 30)"),
+            OpenApiParameter("node", str, description="only this node"),
+        ],
+        responses=EarningsOut(many=True),
+        operation_id="credits_earnings",
+    )
+    def get(self, request: Request) -> Response:
+        raw_days = request.query_params.get("days")
+        try:
+            days = 30 if raw_days is None else int(raw_days)
+        except ValueError:
+            raise exceptions.ValidationError({"days": ["must be a whole number"]}) from None
+        if not 1 <= days <= 366:
+            raise exceptions.ValidationError({"days": ["must be between 1 and 366"]})
+        node = request.query_params.get("node")
+        if node is not None:
+            try:
+                node = str(uuid.UUID(node))
+            except ValueError:
+                raise exceptions.ValidationError({"node": ["must be a node id"]}) from None
+        rows = selectors.node_earnings(
+            account_id=_target_account(request, self, None), days=days, node_id=node
+        )
+        return Response(self.EarningsOut(rows, many=True).data)

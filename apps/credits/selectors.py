@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db.models import Count, Exists, F, OuterRef, Q, QuerySet, Sum
+from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from apps.accounts.models import Account, AccountKind, ApiKey
@@ -192,8 +193,8 @@ def key_usage(*, account_id: Any) -> list[dict[str, Any]]:
     """
     keys = list(ApiKey.objects.filter(account_id=account_id).order_by("-created_at"))
     ids = [k.pk for k in keys]
-    tokens = {
-        row["api_key_id"]: row
+    tokens: dict[Any, dict[str, Any]] = {
+        row["api_key_id"]: dict(row)
         for row in Job.objects.filter(api_key_id__in=ids)
         .values("api_key_id")
         .annotate(
@@ -212,7 +213,7 @@ def key_usage(*, account_id: Any) -> list[dict[str, Any]]:
     }
     out = []
     for k in keys:
-        t = tokens.get(k.pk, {})
+        t: dict[str, Any] = tokens.get(k.pk, {})
         prompt, completion = int(t.get("prompt_tokens") or 0), int(t.get("completion_tokens") or 0)
         out.append(
             {
@@ -229,3 +230,54 @@ def key_usage(*, account_id: Any) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def node_earnings(
+    *, account_id: Any, days: int = 30, node_id: Any = None, now: datetime | None = None
+) -> list[dict[str, Any]]:
+    """Per node of the account and per day (UTC), newest first: credits earned (the ledger's
+    earning postings to the account), jobs served and receipts issued (the node's receipts)."""
+    now = now or timezone.now()
+    since = now - timedelta(days=days)
+    credited = Posting.objects.filter(
+        beneficiary_id=account_id,
+        entry__kind__in=EARNING_KINDS,
+        entry__created_at__gte=since,
+        entry__node__isnull=False,
+    )
+    issued = Receipt.objects.filter(node__account_id=account_id, issued_at__gte=since)
+    if node_id is not None:
+        credited = credited.filter(entry__node_id=node_id)
+        issued = issued.filter(node_id=node_id)
+    rows: dict[tuple[str, Any], dict[str, Any]] = {}
+
+    def row(node: Any, name: str, day: Any) -> dict[str, Any]:
+        key = (str(node), day)
+        if key not in rows:
+            rows[key] = {
+                "node": str(node),
+                "node_name": name,
+                "day": day,
+                "credits": 0,
+                "jobs": 0,
+                "receipts": 0,
+            }
+        return rows[key]
+
+    for r in (
+        credited.annotate(day=TruncDate("entry__created_at", tzinfo=UTC))
+        .values("entry__node_id", "entry__node__name", "day")
+        .annotate(s=Sum("amount"))
+        .order_by()
+    ):
+        row(r["entry__node_id"], r["entry__node__name"], r["day"])["credits"] += int(r["s"] or 0)
+    for i in (
+        issued.annotate(day=TruncDate("issued_at", tzinfo=UTC))
+        .values("node_id", "node__name", "day")
+        .annotate(jobs=Count("job_id", distinct=True), receipts=Count("id"))
+        .order_by()
+    ):
+        got = row(i["node_id"], i["node__name"], i["day"])
+        got["jobs"] += int(i["jobs"])
+        got["receipts"] += int(i["receipts"])
+    return sorted(rows.values(), key=lambda x: (x["day"], x["node_name"]), reverse=True)

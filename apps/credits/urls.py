@@ -10,6 +10,7 @@ urlpatterns = [
     path("balance", api.BalanceApi.as_view(), name="credits-balance"),
     path("ledger", api.LedgerApi.as_view(), name="credits-ledger"),
     path("usage", api.KeyUsageApi.as_view(), name="credits-usage"),
+    path("earnings", api.EarningsApi.as_view(), name="credits-earnings"),
     path("receipts", api.ReceiptListApi.as_view(), name="credits-receipts"),
     path("receipts/verify", api.ReceiptVerifyApi.as_view(), name="credits-receipt-verify"),
     path("receipts/<uuid:receipt_id>", api.ReceiptDetailApi.as_view(), name="credits-receipt"),

@@ -464,7 +464,10 @@ class AgentReportsApi(APIView):
             409: AgentErrorSerializer,
             413: AgentErrorSerializer,
         },
-        description="409: the report is not from the node the controller's record names (not a member of the job's or deployment's plan, or not the node the command was sent to).",
+        description=(
+            "409: the report is not from the node the controller's record names (not a member of"
+            " the job's or deployment's plan, or not the node the command was sent to)."
+        ),
     )
     def post(self, request: Request) -> Response:
         creds = node_credentials(request)

@@ -88,7 +88,10 @@ def node_speed_challenge(*, node_id: Any, now: datetime) -> SpeedVerdict:
     floor = float(settings.SPEED_UNVERIFIED_GFLOPS)
     if not correct:
         outcome, credited = "failed", floor
-        message = f"speed challenge {'answered wrongly' if answered else 'not answered'}: {claimed} GFLOPS claimed, {floor} credited"
+        message = (
+            f"speed challenge {'answered wrongly' if answered else 'not answered'}: "
+            f"{claimed} GFLOPS claimed, {floor} credited"
+        )
     elif claimed <= measured * float(settings.SPEED_CHALLENGE_SLACK):
         outcome, credited = "verified", claimed
         message = f"speed claim {claimed} GFLOPS confirmed: {measured} GFLOPS measured end to end"

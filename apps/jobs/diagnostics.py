@@ -381,7 +381,10 @@ def _summary(files: dict[str, Any]) -> str:
     age = r["heartbeat_age_seconds"]
     lines = [
         f"RACoN node diagnostics: {n['name']} ({n['id']})",
-        f"controller {v['controller_version']}, agent {v['agent_version'] or 'unknown'}, protocol {v['protocol_version']}",
+        (
+            f"controller {v['controller_version']}, agent {v['agent_version'] or 'unknown'}, "
+            f"protocol {v['protocol_version']}"
+        ),
         f"state: {n['state']} since {_iso(n['state_changed_at'])}"
         + (" (drain requested)" if n["drain_requested"] else "")
         + (f" (revoked {_iso(n['revoked_at'])})" if n["revoked_at"] else ""),

@@ -9,6 +9,12 @@ from typing import Any
 from apps.models_repo.services import replicas_sync
 from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
+from apps.nodes.lending import (
+    PolicyError,
+    node_lending_claim,
+    node_lending_paused,
+    node_lending_resumed,
+)
 from apps.nodes.links import link_record
 from apps.nodes.models import EventCategory
 from apps.nodes.services import node_report_fault
@@ -141,6 +147,20 @@ def _dispatch(
             message=str(payload.get("message", ""))[:500],
             data=data,
         )
+        if name in ("HARDWARE_UPDATED", "LENDING_POLICY") and isinstance(data.get("lending"), dict):
+            try:
+                node_lending_claim(node_id=node_id, policy=data["lending"], now=now)
+            except PolicyError as exc:
+                raise ValueError(f"lending: {exc}") from None
+        if name == "LENDING_PAUSED":
+            node_lending_paused(
+                node_id=node_id,
+                handoff=str(data.get("handoff") or "failover"),
+                reason=str(payload.get("message", "")),
+                now=now,
+            )
+        if name == "LENDING_RESUMED":
+            node_lending_resumed(node_id=node_id, now=now)
         if name == "AGENT_STARTED":
             failed = jobs.deployments_lost_on_restart(
                 node_id=node_id, loaded=[str(d) for d in loaded], now=now

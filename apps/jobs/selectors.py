@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from django.utils import timezone
 
 from agent.protocol import heartbeat_key
 from apps.models_repo.models import ModelFile, Replica
+from apps.nodes.lending import LendingView, lending_view
 from apps.nodes.links import link_measurements
 from apps.nodes.models import Node
 from apps.nodes.states import DRAIN_STATES, NodeState
@@ -126,6 +128,10 @@ def cluster_snapshot(
             # holds memory that no heartbeat shows yet).
         # The agent measures with numpy (matmul, array copy); llama.cpp's quantized decode reaches a
         # fraction of that, measured by bench/scheduler.py part 3 (SCHEDULER_MEASURED_EFFICIENCY).
+        lend = lending_view(lending=n.lending, now=now)
+        if lend.ram_bytes is not None:
+            # The owner's cap is a planning limit: never more than it, net of our own books.
+            ram_free = max(0, min(ram_free, lend.ram_bytes - reserved.get(nid, 0)))
         eff = float(settings.SCHEDULER_MEASURED_EFFICIENCY)
         gflops = n.gflops * eff if n.gflops else DEFAULT_GFLOPS
         bw = n.mem_bandwidth_gbps * eff if n.mem_bandwidth_gbps else DEFAULT_BANDWIDTH_GBPS
@@ -157,6 +163,7 @@ def cluster_snapshot(
                     **_gpu_speed(gpu, cpu_gflops=gflops),
                 )
             )
+        devices = _vram_capped(devices, lend=lend, reserved_dev=reserved_dev)
         snaps.append(
             NodeSnapshot(
                 node_id=nid,
@@ -165,12 +172,43 @@ def cluster_snapshot(
                 address=n.address,
                 rpc_port=n.rpc_port,
                 devices=tuple(devices),
-                threads=max(1, n.cpu_physical_cores or n.cpu_logical_cores or 1),
+                threads=max(
+                    1,
+                    min(
+                        n.cpu_physical_cores or n.cpu_logical_cores or 1,
+                        lend.threads or n.cpu_logical_cores or 1 << 16,
+                    ),
+                ),
                 has_model_file=nid in holders,
                 serves_model=nid in serving,
+                window_open=lend.open,
+                window_closes_in=lend.closes_in,
             )
         )
-    return ClusterSnapshot(nodes=tuple(snaps), links=link_table(now=now))
+    return ClusterSnapshot(
+        nodes=tuple(snaps),
+        links=link_table(now=now),
+        min_window_seconds=float(settings.LENDING_MIN_WINDOW_SECONDS),
+    )
+
+
+def _vram_capped(
+    devices: list[DeviceSnapshot], *, lend: LendingView, reserved_dev: dict[tuple[str, str], int]
+) -> list[DeviceSnapshot]:
+    """The owner's VRAM cap (all GPUs together) as a planning limit: GPUs in order take what
+    is left of it after our own deployments' VRAM."""
+    if lend.vram_bytes is None:
+        return devices
+    gpus = [d for d in devices if d.kind == "gpu"]
+    left = lend.vram_bytes - sum(reserved_dev.get((d.node_id, d.device), 0) for d in gpus)
+    out = []
+    for d in devices:
+        if d.kind == "gpu":
+            free = max(0, min(d.free_bytes, left))
+            left -= free
+            d = dataclasses.replace(d, free_bytes=free)
+        out.append(d)
+    return out
 
 
 # Without a benchmark figure from the agent (agent/hardware/gpu_benchmark.py reports gflops and
@@ -303,11 +341,22 @@ def deployment_route(
     Free slots are n_parallel minus live slot leases (admission). Ranking by the free share, not
     the free count, spreads load over replicas of different sizes in proportion to their slots
     (a 16-slot replica next to an 8-slot one takes two requests in three instead of all of them
-    until it is half full); ties are broken at random so equal replicas share the load. ``cached`` reads the candidates from the process cache (the
-    /v1 hot path); slot counts are always live. A deployment marked dead (a runtime failure or a
-    lost primary, admission.deployment_mark_dead) is skipped at once, whatever the cache says;
-    ``exclude`` skips more (a failover's own failed deployment).
+    until it is half full); ties are broken at random so equal replicas share the load.
+    ``cached`` reads the candidates from the process cache (the /v1 hot path); slot counts are
+    always live. A deployment marked dead (a runtime failure or a lost primary,
+    admission.deployment_mark_dead) is skipped at once, whatever the cache says; ``exclude`` skips
+    more (a failover's own failed deployment).
     """
+    return deployment_rank(
+        deployment_route_serving(model_id=model_id, cached=cached, exclude=exclude)
+    )
+
+
+def deployment_route_serving(
+    *, model_id: Any, cached: bool = False, exclude: Iterable[Any] = ()
+) -> list[Deployment]:
+    """The route candidates less the ones marked dead and ``exclude`` (deployment_route's set;
+    the KV cache coordinator scores these, apps/jobs/kvcache.py)."""
     skip = {str(d) for d in exclude}
     candidates = [
         d
@@ -317,6 +366,12 @@ def deployment_route(
     if candidates:
         dead = admission.deployments_dead(d.id for d in candidates)
         candidates = [d for d in candidates if str(d.id) not in dead]
+    return candidates
+
+
+def deployment_rank(candidates: list[Deployment]) -> Deployment | None:
+    """deployment_route's pick among ``candidates``: READY first, the largest free share, then
+    the most free slots, ties at random."""
     if not candidates:
         return None
     if len(candidates) == 1:

@@ -114,7 +114,8 @@ def command_result_accept(
     sent_to = r.get(_command_node_key(command_id))
     if sent_to is None:
         raise ReportRefused(
-            f"command_result refused: command {command_id} was never sent, or its result is over {COMMAND_NODE_TTL_SECONDS}s late",
+            f"command_result refused: command {command_id} was never sent, "
+            f"or its result is over {COMMAND_NODE_TTL_SECONDS}s late",
             code="unknown_command",
         )
     if sent_to != str(node_id):
@@ -321,7 +322,11 @@ def deployment_place(
                             now=clock(),
                             deployment_id=dep.id,
                             node_id=plan.primary_node_id,
-                            message=f"primary {selectors.node_name(plan.primary_node_id)}, {len(plan.layer_devices)} device(s), {plan.n_parallel} slot(s), predicted {plan.predicted_tokens_per_s:.1f} tok/s",
+                            message=(
+                                f"primary {selectors.node_name(plan.primary_node_id)}, "
+                                f"{len(plan.layer_devices)} device(s), {plan.n_parallel} slot(s), "
+                                f"predicted {plan.predicted_tokens_per_s:.1f} tok/s"
+                            ),
                             data={
                                 "plan": plan.to_dict(),
                                 "revision": revision,
@@ -377,7 +382,10 @@ def deployment_place(
             except SoftTimeLimitExceeded:
                 # The placement worker's bound (settings.PLACEMENT_SOFT_TIME_LIMIT): fail visibly
                 # rather than be killed at the hard limit with the deployment left LOADING.
-                message = f"placement timed out after {settings.PLACEMENT_SOFT_TIME_LIMIT:.0f}s (PLACEMENT_SOFT_TIME_LIMIT)"
+                message = (
+                    f"placement timed out after {settings.PLACEMENT_SOFT_TIME_LIMIT:.0f}s "
+                    "(PLACEMENT_SOFT_TIME_LIMIT)"
+                )
                 deployment_transition(
                     deployment_id=dep.id,
                     to=D.FAILED,
@@ -651,7 +659,10 @@ def replica_challenge(
         now=now,
         node_id=node_id,
         deployment_id=deployment_id,
-        message=f"{model_file.file_name}: bytes {offset}-{offset + length} {'match' if ok else 'do not match'} the store's copy",
+        message=(
+            f"{model_file.file_name}: bytes {offset}-{offset + length} "
+            f"{'match' if ok else 'do not match'} the store's copy"
+        ),
         data={"offset": offset, "length": length, "answered": result is not None},
     )
     return ok
@@ -824,30 +835,7 @@ def deployment_runtime_failed(
     dep = deployment_member_check(deployment_id=deployment_id, node_id=node_id)
     if dep.state not in DEPLOYMENT_SERVING:
         return False  # while LOADING, the placement task owns failures (and re-plans)
-    if not deployment_transition(
-        deployment_id=dep.id,
-        to=D.FAILED,
-        expected=dep.state,
-        now=now,
-        kind="DEPLOYMENT_FAILED",
-        message=message[:500],
-        fields={"error": message[:2000]},
-    ):
-        return False
-    _jobs_fail_unread(dep=dep, now=now, error=f"runtime failure during execution: {message}")
-    replacement = deployment_create(
-        model=dep.model, request=PlacementRequest(**_request_of(dep)), now=now, auto=True
-    )
-    event_record(
-        kind="DEPLOYMENT_REPLACED",
-        category=EventCategory.PLACEMENT,
-        now=now,
-        deployment_id=dep.id,
-        node_id=node_id,
-        message=f"replaced by {replacement.id}",
-        data={"replacement": str(replacement.id)},
-    )
-    return True
+    return _deployment_failed_replace(dep=dep, node_id=node_id, message=message, now=now)
 
 
 def deployments_lost_on_restart(*, node_id: Any, loaded: list[str], now: datetime) -> list[str]:
@@ -1108,7 +1096,10 @@ def _drain_replacement_locked(*, dep: Deployment, node_id: Any, now: datetime) -
                 now=now,
                 deployment_id=dep.id,
                 node_id=node_id,
-                message=f"node {selectors.node_name(node_id)} drains: replacement {replacement.id} is placed on other nodes",
+                message=(
+                    f"node {selectors.node_name(node_id)} drains: "
+                    f"replacement {replacement.id} is placed on other nodes"
+                ),
                 data={"replacement": str(replacement.id)},
             )
     except DeploymentError as exc:
@@ -1145,7 +1136,10 @@ def job_transition(
     message: str = "",
     data: dict[str, Any] | None = None,
 ) -> bool:
-    """Guarded move of a job's state (racon.transitions); writes its event when ``kind`` names one. Terminal states are final."""
+    """Guarded move of a job's state (racon.transitions); writes its event when ``kind`` names one.
+
+    Terminal states are final.
+    """
 
     def record(src: str) -> None:
         event_record(
@@ -1264,12 +1258,15 @@ def _record_dispatch(*, job: Job, deployment: Deployment, now: datetime) -> bool
     return moved
 
 
-def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[str, Any]:
+def job_dispatch(
+    *, job_id: Any, deployment: Deployment, now: datetime, id_slot: int | None = None
+) -> dict[str, Any]:
     """QUEUED → DISPATCHED: push run_job onto the primary's queue, then record the plan's nodes.
 
     The push goes first: the primary starts on the prompt while the transition is written. If the
     job stopped being QUEUED meanwhile (cancelled), the primary is told to cancel it.
     The caller holds a slot for the job (admission); any failure here gives it back.
+    ``id_slot``: the llama-server slot the KV cache coordinator pinned (apps/jobs/kvcache.py).
     """
     try:
         job = Job.objects.only("id", "kind", "max_tokens", "params").get(pk=job_id)
@@ -1280,6 +1277,8 @@ def job_dispatch(*, job_id: Any, deployment: Deployment, now: datetime) -> dict[
             max_tokens=job.max_tokens,
             params=job.params,
         )
+        if id_slot is not None:
+            payload["id_slot"] = id_slot
         command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
         if not _record_dispatch(job=job, deployment=deployment, now=now):
             get_redis().set(job_cancel_key(str(job.id), str(deployment.primary_id)), 1, ex=3600)
@@ -1352,11 +1351,12 @@ def job_failover_begin(
 
 def _deployment_failed_replace(
     *, dep: Deployment, node_id: Any, message: str, now: datetime
-) -> None:
-    """A serving deployment whose primary died: FAILED (routing skips it) and replaced, once."""
+) -> bool:
+    """A serving deployment whose primary died: FAILED (routing skips it), its unread jobs failed,
+    and replaced, once. False when it had already left serving (another report got there first)."""
     fresh = Deployment.objects.select_related("model").filter(pk=dep.pk).first()
     if fresh is None or fresh.state not in DEPLOYMENT_SERVING:
-        return  # already failed (a RUNTIME_FAILED report, a lost node), or never served
+        return False  # already failed (a RUNTIME_FAILED report, a lost node), or never served
     if not deployment_transition(
         deployment_id=fresh.id,
         to=D.FAILED,
@@ -1366,7 +1366,7 @@ def _deployment_failed_replace(
         message=message[:500],
         fields={"error": message[:2000]},
     ):
-        return
+        return False
     _jobs_fail_unread(dep=fresh, now=now, error=f"runtime failure during execution: {message}")
     replacement = deployment_create(
         model=fresh.model, request=PlacementRequest(**_request_of(fresh)), now=now, auto=True
@@ -1380,6 +1380,7 @@ def _deployment_failed_replace(
         message=f"replaced by {replacement.id}",
         data={"replacement": str(replacement.id)},
     )
+    return True
 
 
 def job_failover_left(*, job_id: Any, tokens_so_far: int) -> int:
@@ -1461,7 +1462,10 @@ def job_failover_dispatch(
                 job_id=job_id,
                 deployment_id=deployment.id,
                 node_id=deployment.primary_id,
-                message=f"attempt {attempt}: {cause} on deployment {from_deployment_id}; continues on {deployment.id} after {len(resume_tokens)} tokens",
+                message=(
+                    f"attempt {attempt}: {cause} on deployment {from_deployment_id}; "
+                    f"continues on {deployment.id} after {len(resume_tokens)} tokens"
+                ),
                 data={
                     "from_deployment": str(from_deployment_id),
                     "to_deployment": str(deployment.id),
@@ -1493,9 +1497,26 @@ def job_failover_route(
     dep = selectors.deployment_route(model_id=model_id, exclude=exclude)
     if dep is not None:
         return Deployment.objects.get(pk=dep.pk)
+    excluded = {str(e) for e in exclude}
+    # Waiters poll this every second: at most one automatic placement per model per
+    # FAILOVER_ENSURE_BACKOFF_SECONDS, so a placement that fails at once (no capacity) is not
+    # retried in a loop that floods the model with FAILED deployments.
+    if not get_redis().set(
+        f"racon:model:{model_id}:failover-ensure",
+        1,
+        nx=True,
+        ex=int(settings.FAILOVER_ENSURE_BACKOFF_SECONDS),
+    ):
+        pending = (
+            Deployment.objects.filter(model_id=model_id, state__in=list(DEPLOYMENT_ACTIVE))
+            .exclude(pk__in=list(excluded))
+            .order_by("-created_at")
+            .first()
+        )
+        return pending
     model = Model.objects.get(pk=model_id)
     ensured = deployment_ensure(model=model, now=now)
-    return None if str(ensured.id) in {str(e) for e in exclude} else ensured
+    return None if str(ensured.id) in excluded else ensured
 
 
 def dispatch_node_ids(deployment: Deployment) -> list[str]:

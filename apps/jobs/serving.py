@@ -38,7 +38,7 @@ from apps.models_repo.models import Model
 from racon import cache
 from racon.redis import get_redis
 
-from . import admission, selectors, services, streams
+from . import admission, kvcache, selectors, services, streams
 from .models import Deployment, Job
 from .states import DEPLOYMENT_SERVING
 from .streams import FailoverTarget, StreamFailure
@@ -94,6 +94,7 @@ class Admission:
     follower: streams.StreamFollower | None = None
     handed_off: bool = False  # the streaming body owns the job from here
     finished: bool = False  # a finish (or a cancel) was recorded
+    kv: kvcache.Route | None = None  # the KV cache coordinator's routing and slot (kvcache.py)
 
 
 # --- admission (one sync hop) ---------------------------------------------------------------------
@@ -132,7 +133,8 @@ def admission_open(
     if model is None:
         raise ModelNotFound(model_name)
     max_tokens = int(max_tokens or settings.DEFAULT_MAX_TOKENS)
-    deployment = selectors.deployment_route(model_id=model.id, cached=True)
+    route = kvcache.route_request(model_id=model.id, kind=kind, params=params)
+    deployment = route.deployment
     if deployment is not None and max_tokens > deployment.n_ctx:
         raise ContextTooLong(max_tokens=max_tokens, n_ctx=deployment.n_ctx)
     job_id = uuid.uuid4()
@@ -143,6 +145,7 @@ def admission_open(
         account_id=account_id,
         queued_ts=now.timestamp(),
         prompt_bound=streams.prompt_token_bound(kind=kind, params=params),
+        kv=route,
     )
     fast = deployment if deployment is not None and deployment.state in DEPLOYMENT_SERVING else None
     create = {
@@ -165,21 +168,24 @@ def admission_open(
         deployment_id=fast.id, job_id=job_id, cap=fast.n_parallel
     ):
         try:
-            services.command_send(
-                node_id=fast.primary_id,
-                kind="run_job",
-                payload=services.job_run_payload(
-                    job_id=job_id,
-                    deployment_id=fast.id,
-                    kind=kind,
-                    max_tokens=max_tokens,
-                    params=params,
-                ),
+            payload = services.job_run_payload(
+                job_id=job_id,
+                deployment_id=fast.id,
+                kind=kind,
+                max_tokens=max_tokens,
+                params=params,
             )
+            slot = kvcache.slot_claim(
+                route=route, deployment_id=fast.id, job_id=job_id, n_parallel=fast.n_parallel
+            )
+            if slot is not None:
+                payload["id_slot"] = slot
+            services.command_send(node_id=fast.primary_id, kind="run_job", payload=payload)
             services.job_create(**create, dispatched_to=fast)
         except BaseException:
             get_redis().set(job_cancel_key(str(job_id), str(fast.primary_id)), 1, ex=3600)
             admission.slot_release(deployment_id=fast.id, job_id=job_id)
+            kvcache.slot_release(route=route, job_id=job_id)
             raise
         adm.deployment_id, adm.dispatched, adm.n_parallel = str(fast.id), True, fast.n_parallel
         adm.primary_id = str(fast.primary_id)
@@ -209,6 +215,8 @@ async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> No
     load_timeout = max(settings.DEPLOYMENT_WAIT_SECONDS, settings.JOB_QUEUE_WAIT_SECONDS)
     deadline = time.monotonic() + load_timeout
     tried: set[str] = set()
+    # A follow-up whose prefix-owning replica is full waits for it only this long (kvcache.py).
+    affinity = adm.kv is not None and adm.kv.affinity_wait > 0 and adm.kv.fallback is not None
     try:
         while True:
             try:
@@ -219,9 +227,17 @@ async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> No
                     queued_at=adm.queued_ts,
                     priority=lambda: priority_score(queued_at=adm.queued_ts, standing=standing()),
                     load_timeout=max(0.0, deadline - time.monotonic()),
-                    slot_timeout=settings.JOB_QUEUE_WAIT_SECONDS,
+                    slot_timeout=adm.kv.affinity_wait
+                    if affinity and adm.kv is not None
+                    else settings.JOB_QUEUE_WAIT_SECONDS,
                 )
                 break
+            except admission.WaitTimedOut:
+                if not affinity or adm.kv is None:
+                    raise
+                affinity = False
+                other = kvcache.route_fallback(route=adm.kv)
+                adm.deployment_id, adm.n_parallel = str(other.id), other.n_parallel
             except admission.DeploymentUnavailable:
                 # The deployment it queued on failed (or was stopped): a queued job is not lost
                 # with it, it waits on another replica, or on the replacement being placed.
@@ -260,7 +276,19 @@ def admission_dispatch(*, adm: Admission) -> None:
     except Deployment.DoesNotExist:
         admission.slot_release(deployment_id=adm.deployment_id, job_id=adm.job_id)
         raise
-    out = services.job_dispatch(job_id=adm.job_id, deployment=deployment, now=timezone.now())
+    slot = kvcache.slot_claim(
+        route=adm.kv,
+        deployment_id=deployment.id,
+        job_id=adm.job_id,
+        n_parallel=deployment.n_parallel,
+    )
+    try:
+        out = services.job_dispatch(
+            job_id=adm.job_id, deployment=deployment, now=timezone.now(), id_slot=slot
+        )
+    except BaseException:
+        kvcache.slot_release(route=adm.kv, job_id=adm.job_id)
+        raise
     adm.dispatched = True
     adm.n_parallel = deployment.n_parallel
     adm.primary_id = out["primary"]
@@ -445,6 +473,7 @@ def admission_finish(
 ) -> None:
     """Record the job's end with the controller's own counts (streams.StreamFollower)."""
     adm.finished = True
+    kv_finish(adm=adm, outcome=outcome, entry=entry)
     now = timezone.now()
     chunks = adm.follower.chunks if adm.follower is not None else 0
     if outcome == "completed":
@@ -472,6 +501,23 @@ def admission_finish(
             usage=admission_usage(adm=adm, entry=entry, check=False),
             chunks=chunks,
         )
+
+
+def kv_finish(*, adm: Admission, outcome: Outcome, entry: dict[str, str] | None) -> None:
+    """Tell the KV cache coordinator the job ended (ownership; never fails the finish)."""
+    try:
+        usage = streams.entry_usage(entry) if entry is not None else {}
+        served = usage.get("id_slot")
+        kvcache.job_finished(
+            route=adm.kv,
+            job_id=adm.job_id,
+            deployment_id=adm.deployment_id,
+            completed=outcome == "completed",
+            usage={**admission_usage(adm=adm, entry=entry, check=False), **usage},
+            served_slot=int(served) if isinstance(served, int) else None,
+        )
+    except Exception:  # noqa: BLE001 - the cache record is advice; the job's end is not
+        log.warning("job %s: the KV cache record was not updated", adm.job_id, exc_info=True)
 
 
 def admission_finish_in_background(

@@ -101,7 +101,8 @@ def error_for_entry(fields: dict[str, str]) -> StreamFailure:
 # the agent's error entry when llama-server (or an RPC worker of its plan) died under the job, and
 # the follower's own findings that the primary is gone or silent.
 FAILOVER_CODES = frozenset(
-    {"primary_died", "primary_lost", "primary_timeout", "deployment_not_loaded"}
+    # node_paused: the owner paused lending with the failover handoff (agent/lending.py)
+    {"primary_died", "primary_lost", "primary_timeout", "deployment_not_loaded", "node_paused"}
 )
 # Agents from before the `primary_died` code end such a job with a bare error whose text says so.
 _DEATH_PREFIXES = ("the primary process", "rpc worker disconnected")

@@ -29,6 +29,7 @@ from racon.redis_acl import AclUnavailable, node_redis_url
 
 from . import join, selectors, services
 from .filters import EventFilter, NodeFilter
+from .lending import PolicyError, node_lending_claim
 from .links import link_matrix
 from .models import EnrollmentToken, Event, Node
 from .states import NodeState
@@ -96,6 +97,7 @@ class EnrollRequestSerializer(serializers.Serializer):
     hardware = HardwareSerializer()
     models = ModelFileInfoSerializer(many=True, required=False, max_length=1000)  # type: ignore[call-arg]  # many=True passes max_length to the ListSerializer; the stubs miss it
     protocol_version = serializers.IntegerField(min_value=0, required=False, default=1)
+    lending = serializers.DictField(required=False, help_text="agent/lending.py wire form")
 
 
 class AgentErrorSerializer(serializers.Serializer):
@@ -220,6 +222,14 @@ class AgentEnrollApi(APIView):
                 status=status.HTTP_401_UNAUTHORIZED,
             )
         node = enrollment.node
+        if v.get("lending"):
+            try:
+                node_lending_claim(node_id=node.id, policy=v["lending"], now=timezone.now())
+            except PolicyError as exc:
+                return Response(
+                    {"error": {"message": f"lending policy: {exc}", "code": "invalid_policy"}},
+                    status=status.HTTP_400_BAD_REQUEST,
+                )
         try:
             redis_url = node_redis_url(node_id=node.id)
         except AclUnavailable as exc:
@@ -446,18 +456,21 @@ class NodeLinkOut(serializers.Serializer):
     expired = serializers.BooleanField()
 
 
+class NodeLinksOut(serializers.Serializer):
+    max_age_seconds = serializers.FloatField()
+    probe_interval_seconds = serializers.FloatField()
+    links = NodeLinkOut(many=True)
+
+
 class NodeLinksApi(APIView):
     """GET /api/admin/nodes/links: the measured link matrix (from → to), with each link's age.
 
     Expired links (older than LINK_MAX_AGE_SECONDS) are listed with ``expired`` true until the
     periodic re-probe prunes them; the scheduler treats them as unknown (its default link)."""
 
-    class Out(serializers.Serializer):
-        max_age_seconds = serializers.FloatField()
-        probe_interval_seconds = serializers.FloatField()
-        links = NodeLinkOut(many=True)
+    Out = NodeLinksOut
 
-    @extend_schema(responses=Out)
+    @extend_schema(responses=NodeLinksOut)
     def get(self, request: Request) -> Response:
         now = timezone.now()
         rows = link_matrix(now=now)

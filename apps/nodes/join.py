@@ -91,7 +91,10 @@ def token_problem(*, token: str) -> str | None:
     if tok.revoked_at is not None:
         return f"the enrollment token {tok.prefix}… of this join link has been revoked; {again}"
     if tok.expires_at <= timezone.now():
-        return f"the enrollment token {tok.prefix}… of this join link expired at {tok.expires_at:%Y-%m-%d %H:%M} UTC; {again}"
+        return (
+            f"the enrollment token {tok.prefix}… of this join link expired at "
+            f"{tok.expires_at:%Y-%m-%d %H:%M} UTC; {again}"
+        )
     if tok.uses >= tok.max_uses:
         return (
             f"the enrollment token {tok.prefix}… of this join link has been used ({tok.uses} of "

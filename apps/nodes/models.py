@@ -87,6 +87,9 @@ class Node(models.Model):
     # The operator's drain, kept through an OFFLINE spell (the next heartbeat drains again); the
     # drain's progress is the state itself (DRAINING → DRAINED, with NODE_DRAINED).
     drain_requested = models.BooleanField(default=False)
+    # The owner's lending terms (apps/nodes/lending.py): {"policy": LendingPolicy wire form,
+    # "source": "agent" | "owner", "paused": {"handoff", "reason", "at"} while paused}.
+    lending = models.JSONField(default=dict, blank=True)
     last_heartbeat_at = models.DateTimeField(
         null=True, blank=True, help_text="as of the last state change"
     )

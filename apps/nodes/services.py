@@ -435,7 +435,8 @@ def node_enroll(
     except IntegrityError as exc:
         # Two enrollments with other tokens raced for one name or machine: the database kept one.
         raise EnrollmentConflict(
-            f"another enrollment of node name {node_name!r} or this machine was stored first; retry, or choose another --node-name",
+            f"another enrollment of node name {node_name!r} or this machine was stored first; "
+            "retry, or choose another --node-name",
             code="enrollment_race",
         ) from exc
     if public is not None:
@@ -454,7 +455,9 @@ def node_enroll(
             },
         )
         raise EnrollmentError(
-            f"Public IP security violation: {'advertise address' if public == address else 'the enrollment came from'} {public}, which is not private"
+            "Public IP security violation: "
+            f"{'advertise address' if public == address else 'the enrollment came from'} "
+            f"{public}, which is not private"
         )
     enrollment.node.refresh_from_db()
     _cache_node(enrollment.node)

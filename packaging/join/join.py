@@ -73,7 +73,10 @@ def platform_key():
 
 def find_python():
     """A Python 3.12+ with venv and ensurepip, and its ABI tag (cp312)."""
-    probe = "import sys, venv, ensurepip; print('cp%d%d' % sys.version_info[:2]); sys.exit(0 if sys.version_info >= (3, 12) else 1)"
+    probe = (
+        "import sys, venv, ensurepip; print('cp%d%d' % sys.version_info[:2]); "
+        "sys.exit(0 if sys.version_info >= (3, 12) else 1)"
+    )
     for cand in (
         os.environ.get("RACON_PYTHON"),
         os.environ.get("RACON_JOIN_PYTHON"),
@@ -126,7 +129,8 @@ def fetch_manifest(key, abi):
             if exc.code == 503 and time.monotonic() < deadline:
                 if not told:
                     say(
-                        "the controller is preparing the agent's wheels (first join only: minutes if it must compile llama.cpp); waiting"
+                        "the controller is preparing the agent's wheels "
+                        "(first join only: minutes if it must compile llama.cpp); waiting"
                     )
                     told = True
                 time.sleep(float(exc.headers.get("Retry-After") or 10))
@@ -193,7 +197,8 @@ def run(cmd, what, **kw):
 def site_llama(venv):
     out = run(
         [os.path.join(venv, "bin", "python"), "-c",
-         "import llama_cpp, os, sys; print(os.path.dirname(llama_cpp.__file__)); sys.exit(0 if llama_cpp.llama_supports_rpc() else 7)"],
+         ("import llama_cpp, os, sys; print(os.path.dirname(llama_cpp.__file__)); "
+          "sys.exit(0 if llama_cpp.llama_supports_rpc() else 7)")],
         "checking llama-cpp-python's RPC support",
     )  # fmt: skip
     return out.strip().splitlines()[-1]
@@ -250,7 +255,8 @@ def build_here(python, venv, manifest, dl, key, abi):
     for tool in ("cmake", "c++", "make"):
         if shutil.which(tool) is None:
             raise JoinError(
-                f"building llama.cpp needs {tool}; install it (e.g. apt install cmake build-essential) and run this line again"
+                f"building llama.cpp needs {tool}; install it "
+                "(e.g. apt install cmake build-essential) and run this line again"
             )
     by_kind = {}
     for f in manifest["files"]:
@@ -284,7 +290,8 @@ def build_here(python, venv, manifest, dl, key, abi):
         if d.startswith("llama_cpp_python-") and os.path.isdir(os.path.join(src_dir, d))
     ][0]
     run([vpip, "install", "-q", "--no-deps", "--no-cache-dir", "--force-reinstall", os.path.join(src_dir, pkg_src)],
-        "pip install llama-cpp-python (LLAMA_BUILD=OFF)", env=dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"))  # fmt: skip
+        "pip install llama-cpp-python (LLAMA_BUILD=OFF)",
+        env=dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"))  # fmt: skip
     run(
         [
             vpip,

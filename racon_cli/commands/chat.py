@@ -87,6 +87,7 @@ def _stream_answer(c: Client, body: dict[str, Any]) -> str:
     tokens = int(usage.get("completion_tokens") or len(parts))
     spent = time.monotonic() - (first or t0)
     sys.stderr.write(
-        f"[{tokens} tokens, {(first - t0) * 1000 if first else 0:.0f} ms to first token, {tokens / spent if spent > 0 else 0:.1f} tok/s]\n"
+        f"[{tokens} tokens, {(first - t0) * 1000 if first else 0:.0f} ms to first token, "
+        f"{tokens / spent if spent > 0 else 0:.1f} tok/s]\n"
     )
     return "".join(parts)

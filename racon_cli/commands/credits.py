@@ -115,9 +115,37 @@ def credits_verify(
         render.emit_json({"valid": result.valid, "reason": result.reason})
     elif result.valid:
         out().print(
-            f"valid: receipt {doc.get('receipt_id', '?')} — {doc.get('credits')} µ to node {doc.get('node_name')} for job {render.short_id(doc.get('job_id'))}"
+            f"valid: receipt {doc.get('receipt_id', '?')} — {doc.get('credits')} µ "
+            f"to node {doc.get('node_name')} for job {render.short_id(doc.get('job_id'))}"
         )
     if not result.valid:
         if not as_json:
             render.err(f"receipt is not valid: {result.reason}")
         raise typer.Exit(EXIT_API)
+
+
+@app.command("earnings")
+@handled
+def credits_earnings(
+    days: Annotated[int, typer.Option(help="How many days back.")] = 30,
+    node: Annotated[str | None, typer.Option(help="Only this node (id).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """What your nodes earned, per node and per day: credits, jobs served, receipts."""
+    params: dict[str, Any] = {"days": days}
+    if node:
+        params["node"] = node
+    with client() as c:
+        rows = c.get("/api/credits/earnings", params=params)
+    if as_json:
+        return render.emit_json(rows)
+    t = render.table("DAY", "NODE", "CREDITS", "JOBS", "RECEIPTS")
+    for r in rows:
+        t.add_row(
+            str(r["day"]),
+            r["node_name"],
+            render.credits(r["credits"]),
+            str(r["jobs"]),
+            str(r["receipts"]),
+        )
+    out().print(t if rows else f"No earnings in the last {days} days.")

@@ -43,7 +43,10 @@ def _print_plan(plan: dict[str, Any]) -> None:
         )
     con.print(t)
     con.print(
-        f"Predicted: {render.num(plan.get('predicted_tokens_per_s'))} tokens/s, {render.num(plan.get('predicted_ttft_ms'), 0)} ms to first token (n_ctx {plan.get('n_ctx')} × {plan.get('n_parallel')} slots, {plan.get('n_threads')} threads)"
+        f"Predicted: {render.num(plan.get('predicted_tokens_per_s'))} tokens/s, "
+        f"{render.num(plan.get('predicted_ttft_ms'), 0)} ms to first token "
+        f"(n_ctx {plan.get('n_ctx')} × {plan.get('n_parallel')} slots, "
+        f"{plan.get('n_threads')} threads)"
     )
     for line in plan.get("explanation") or []:
         con.print(f"  • {line}")
@@ -106,11 +109,14 @@ def deploy(
     if dep["state"] == "READY":
         tps = (dep.get("plan") or {}).get("predicted_tokens_per_s")
         out().print(
-            f"Deployment {render.short_id(dep['id'])} of {dep['model']} is READY on {', '.join(dep.get('node_names') or []) or '-'} (predicted {render.num(tps)} tokens/s)"
+            f"Deployment {render.short_id(dep['id'])} of {dep['model']} is READY "
+            f"on {', '.join(dep.get('node_names') or []) or '-'} "
+            f"(predicted {render.num(tps)} tokens/s)"
         )
     else:
         out().print(
-            f"Deployment {render.short_id(dep['id'])} of {dep['model']} is {dep['state']}; follow it with `racon deployments ls`"
+            f"Deployment {render.short_id(dep['id'])} of {dep['model']} is {dep['state']}; "
+            "follow it with `racon deployments ls`"
         )
 
 
@@ -131,7 +137,8 @@ def _wait_deployment(
         while dep["state"] in ("PLANNING", "LOADING"):
             if time.monotonic() > deadline:
                 raise ApiError(
-                    f"deployment {render.short_id(dep['id'])} still {dep['state']} after {timeout:.0f}s (it keeps going; see `racon deployments ls`)"
+                    f"deployment {render.short_id(dep['id'])} still {dep['state']} "
+                    f"after {timeout:.0f}s (it keeps going; see `racon deployments ls`)"
                 )
             time.sleep(0.5)
             dep = c.get(f"/api/admin/deployments/{dep['id']}")
@@ -143,7 +150,8 @@ def _wait_deployment(
             )
     if dep["state"] in ("FAILED", "STOPPED"):
         raise ApiError(
-            f"deployment {render.short_id(dep['id'])} {dep['state']}: {dep.get('error') or 'see `racon deployments ls`'}"
+            f"deployment {render.short_id(dep['id'])} {dep['state']}: "
+            f"{dep.get('error') or 'see `racon deployments ls`'}"
         )
     return dep
 

@@ -75,7 +75,8 @@ def models_add(
         return render.emit_json(model)
     f = (model.get("files") or [{}])[-1]
     out().print(
-        f"Registered {model['name']}: {f.get('file_name')} ({f.get('quantization')}, {f.get('n_layer')} layers, {render.human_bytes(f.get('size'))})"
+        f"Registered {model['name']}: {f.get('file_name')} ({f.get('quantization')}, "
+        f"{f.get('n_layer')} layers, {render.human_bytes(f.get('size'))})"
     )
 
 

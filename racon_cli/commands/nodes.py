@@ -105,7 +105,10 @@ def nodes_show(
                 ("agent", n.get("agent_version") or "-"),
                 (
                     "cpu",
-                    f"{n.get('cpu_model') or ((n.get('hardware') or {}).get('cpu') or {}).get('model') or '-'} · {n['cpu_physical_cores']} physical / {n['cpu_logical_cores']} logical cores",
+                    (
+                        f"{n.get('cpu_model') or ((n.get('hardware') or {}).get('cpu') or {}).get('model') or '-'}"
+                        f" · {n['cpu_physical_cores']} physical / {n['cpu_logical_cores']} logical cores"
+                    ),
                 ),
                 (
                     "ram",
@@ -277,7 +280,8 @@ def diagnose(
         return render.emit_json(summary)
     con = out()
     con.print(
-        f"Saved diagnostics of {n['name']} ({n['state']}) to {name} ({render.human_bytes(len(resp.content))}, {len(members)} files)"
+        f"Saved diagnostics of {n['name']} ({n['state']}) to {name} "
+        f"({render.human_bytes(len(resp.content))}, {len(members)} files)"
     )
     t = render.table("FILE", "SIZE")
     for m in members:

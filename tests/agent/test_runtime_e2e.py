@@ -83,7 +83,8 @@ def local_reference() -> str:
     the primary: llama-server runs with -fa auto, and the CPU backend has it)."""
     code = (
         "import json, sys, llama_cpp\n"
-        f"llm = llama_cpp.Llama(model_path={str(MODEL)!r}, n_gpu_layers=0, n_ctx=512, n_threads=1, flash_attn=True, verbose=False)\n"
+        f"llm = llama_cpp.Llama(model_path={str(MODEL)!r}, n_gpu_layers=0, n_ctx=512, n_threads=1, "
+        "flash_attn=True, verbose=False)\n"
         f"out = llm.create_chat_completion(messages={PROMPT!r}, temperature=0.0, top_p=1.0, max_tokens={MAX_TOKENS})\n"
         "print(json.dumps(out['choices'][0]['message']['content']))\n"
     )
@@ -218,8 +219,9 @@ COLOURS = [{"role": "user", "content": "List the colours of the rainbow, one per
 
 def _job(messages: list[dict[str, str]], redis_client: Any, **kw: Any) -> dict[str, Any]:
     job = {
-        "job_id": new_job_id(redis_client), "deployment_id": "dep-batch", "kind": "chat", "messages": messages,
-        "max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "stop": [], "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "job_id": new_job_id(redis_client), "deployment_id": "dep-batch", "kind": "chat",
+        "messages": messages, "max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "stop": [],
+        "presence_penalty": 0.0, "frequency_penalty": 0.0,
     }  # fmt: skip
     job.update(kw)
     return job
@@ -254,7 +256,8 @@ def _batching_primary(
     plan_extra: dict[str, Any], redis_client: Any, tmp_path: Path, finished: list[dict[str, Any]]
 ) -> ServerPrimary:
     plan = {
-        "deployment_id": "dep-batch", "model_name": "smollm2", "sha256": "0" * 64, "rpc_endpoints": [], "tensor_split": [],
+        "deployment_id": "dep-batch", "model_name": "smollm2", "sha256": "0" * 64,
+        "rpc_endpoints": [], "tensor_split": [],
         "n_gpu_layers": 0, "n_ctx": 256, "n_parallel": 4, "n_threads": 2, **plan_extra,
     }  # fmt: skip
     return ServerPrimary(

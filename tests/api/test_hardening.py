@@ -162,7 +162,8 @@ def test_login_is_throttled_after_repeated_failures_even_with_the_right_password
 def _settings_in_subprocess(env: dict[str, str]) -> dict[str, Any]:
     code = (
         "import json, django; django.setup(); from django.conf import settings as s; "
-        "print(json.dumps({k: getattr(s, k) for k in ('SESSION_COOKIE_SECURE', 'CSRF_COOKIE_SECURE', 'SECURE_HSTS_SECONDS', 'SECURE_PROXY_SSL_HEADER', 'DEBUG')}))"
+        "print(json.dumps({k: getattr(s, k) for k in ('SESSION_COOKIE_SECURE', 'CSRF_COOKIE_SECURE', "
+        "'SECURE_HSTS_SECONDS', 'SECURE_PROXY_SSL_HEADER', 'DEBUG')}))"
     )
     full = {
         k: v

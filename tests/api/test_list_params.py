@@ -106,4 +106,7 @@ def test_a_time_with_an_offset_postgresql_refuses_is_read_in_utc_and_one_out_of_
         ok = client.get(path, {"since": "0114-10-17T19:44:35+21:13"}, headers=OPERATOR)
         assert ok.status_code == 200, (path, ok.content)
         bad = client.get(path, {"since": "0001-01-01T00:10:00+21:13"}, headers=OPERATOR)
-        assert bad.status_code == 400 and "since" in bad.json()["error"]["fields"], (path, bad.content)
+        assert bad.status_code == 400 and "since" in bad.json()["error"]["fields"], (
+            path,
+            bad.content,
+        )

@@ -142,7 +142,8 @@ def _run_operations(
             failures.append(f"{label}: {type(exc).__name__}: {str(exc)[:1500]}")
         ran.append(label)
     print(
-        f"schemathesis ({mode.value}): {len(ran)} operations × ≤{examples} examples; skipped or not reached in {BUDGET_SECONDS:.0f}s: {skipped or 'none'}"
+        f"schemathesis ({mode.value}): {len(ran)} operations × ≤{examples} examples; "
+        f"skipped or not reached in {BUDGET_SECONDS:.0f}s: {skipped or 'none'}"
     )
     return ran, skipped, failures
 

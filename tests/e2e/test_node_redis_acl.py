@@ -44,8 +44,9 @@ def _enroll(ctl: Any, name: str) -> dict[str, Any]:
     hw = {"cpu": {"model": "x", "physical_cores": 2, "logical_cores": 2, "arch": "x86_64", "flags": []},
           "memory": {"total": 8 << 30, "available": 6 << 30}, "swap": {"total": 0, "free": 0},
           "disk": {"path": "/", "total": 100 << 30, "free": 50 << 30}, "network": [], "gpus": []}  # fmt: skip
-    body = {"token": tok, "node_name": name, "machine_id": name + "-machine", "hardware": hw, "advertise_address": "127.0.0.1",
-            "rpc_port": free_port(), "agent_version": "test", "protocol_version": 1, "models": []}  # fmt: skip
+    body = {"token": tok, "node_name": name, "machine_id": name + "-machine", "hardware": hw,
+            "advertise_address": "127.0.0.1", "rpc_port": free_port(), "agent_version": "test",
+            "protocol_version": 1, "models": []}  # fmt: skip
     resp = httpx.post(ctl.url + "/api/agent/enroll", json=body, timeout=30)
     assert resp.status_code in (200, 201), resp.text
     return dict(resp.json())

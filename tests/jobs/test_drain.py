@@ -155,3 +155,14 @@ def test_the_cached_route_forgets_a_deployment_once_its_node_drains(
     assert {deployment_route(model_id=model.id, cached=True) for _ in range(20)} == {on_a, on_b}
     node_drain(node_id=a.id, now=timezone.now())
     assert {deployment_route(model_id=model.id, cached=True) for _ in range(20)} == {on_b}
+
+
+def test_failover_waiters_polling_a_model_without_capacity_start_one_placement_not_a_flood(
+    model: Model,
+) -> None:
+    # No node can hold the model: every automatic placement fails at once. Waiters poll each second.
+    now = timezone.now()
+    routes = [services.job_failover_route(model_id=model.id, exclude=[], now=now) for _ in range(5)]
+    auto = Deployment.objects.filter(model=model)
+    assert auto.count() == 1, [(d.state, d.created_at) for d in auto]
+    assert auto.get().state == DeploymentState.FAILED and routes[1:] == [None] * 4

@@ -189,7 +189,11 @@ def test_the_periodic_reprobe_asks_ready_nodes_for_their_stalest_peers_and_prune
     link_record(node_id=a.id, links=[_measured(b.id)], now=now)
     link_record(node_id=a.id, links=[_measured(c.id)], now=now - timedelta(seconds=300))
     link_record(node_id=b.id, links=[_measured(c.id)], now=now - timedelta(seconds=601))  # expired
-    get_redis().hset(LINKS_KEY, f"{a.id}|{uuid.uuid4()}", json.dumps({"rtt_ms": 1, "bandwidth_mbps": 1, "at": now.timestamp()}))  # fmt: skip
+    get_redis().hset(
+        LINKS_KEY,
+        f"{a.id}|{uuid.uuid4()}",
+        json.dumps({"rtt_ms": 1, "bandwidth_mbps": 1, "at": now.timestamp()}),
+    )
 
     result = tasks.links_reprobe.delay().get()
 

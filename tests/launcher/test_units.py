@@ -141,7 +141,10 @@ def test_an_agent_refused_by_the_controller_is_left_stopped(
 
 def test_stop_kills_a_child_that_ignores_sigterm_after_its_grace(tmp_path: Path) -> None:
     marker = tmp_path / "ready"
-    code = f"import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); pathlib.Path({str(marker)!r}).touch(); time.sleep(600)"
+    code = (
+        "import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"pathlib.Path({str(marker)!r}).touch(); time.sleep(600)"
+    )
     sup = Supervisor()
     child = sup.start(Child("stubborn", [sys.executable, "-c", code], grace=0.5))
     try:

@@ -99,7 +99,10 @@ def sick_node(settings: Any, model_file: ModelFile, now: Any, listener: int) -> 
         deployment=dep,
         nodes=[node],
         failed_during_execution=True,
-        error=f"the primary node of this deployment stopped responding ({PLANTED['AI_API_KEY']} {PLANTED['RACON_RECEIPT_KEY']})",
+        error=(
+            "the primary node of this deployment stopped responding "
+            f"({PLANTED['AI_API_KEY']} {PLANTED['RACON_RECEIPT_KEY']})"
+        ),
         placement={"primary": str(node.id), "devices": []},
     )
     before = make_job(

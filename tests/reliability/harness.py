@@ -340,7 +340,8 @@ class Cluster:
                     elif now - ghost_since.setdefault(d["id"], now) >= GHOST_GRACE:
                         resp = self.post(f"/api/admin/deployments/{d['id']}/stop", None)
                         self.notes.append(
-                            f"stopped READY deployment {d['id'][:8]} on {d['primary_name']}: {GHOST_NOTE} {GHOST_GRACE:.0f} s ({resp.status_code})"
+                            f"stopped READY deployment {d['id'][:8]} on {d['primary_name']}: "
+                            f"{GHOST_NOTE} {GHOST_GRACE:.0f} s ({resp.status_code})"
                         )
                         ghost_since.pop(d["id"], None)
                 primaries = {d["primary"] for d in live}
@@ -367,7 +368,8 @@ class Cluster:
                 last = repr(exc)
             time.sleep(1.0)
         raise AssertionError(
-            f"two READY replicas did not come back within {timeout:.0f}s (last: {last!r})\n{self.launcher.log()[-3000:]}"
+            f"two READY replicas did not come back within {timeout:.0f}s (last: {last!r})\n"
+            f"{self.launcher.log()[-3000:]}"
         )
 
 
@@ -563,7 +565,10 @@ def run_scenario(
     details = [f"killed {killed}", f"{attempts} retries"]
     bad = [o for o in outcomes if not o.ok][:2]
     details += [
-        f"{o.kind} (job {o.job[:8] or '?'}, {o.chunks} chunks, {o.ended - o.started:.1f} s): {' '.join(o.detail.split())[:120]}"
+        (
+            f"{o.kind} (job {o.job[:8] or '?'}, {o.chunks} chunks, {o.ended - o.started:.1f} s): "
+            f"{' '.join(o.detail.split())[:120]}"
+        )
         for o in bad
     ]
     result.note = "; ".join([*([result.note] if result.note else []), *details, *cluster.notes])

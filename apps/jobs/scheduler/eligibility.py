@@ -26,6 +26,14 @@ def _select_nodes(
         if both:
             raise PlacementRefused(f"pinned nodes are also excluded: {', '.join(both)}", 0, ())
         candidates = [by_id[p] for p in dict.fromkeys(request.pin_nodes)]
+        closed = [n for n in candidates if not n.window_open]
+        if closed:
+            raise PlacementRefused(
+                "pinned nodes are outside their lending window: "
+                + ", ".join(n.name or n.node_id for n in closed),
+                0,
+                (),
+            )
         bad = [n for n in candidates if n.state not in PLACEABLE]
         if bad:
             raise PlacementRefused(
@@ -56,8 +64,24 @@ def _select_nodes(
             names = [n.name or n.node_id for n in serving]
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             notes.append(f"already serve this model (one replica per node): {shown}")
+    closed = [n for n in candidates if not n.window_open]
+    if closed:
+        candidates = [n for n in candidates if n.window_open]
+        notes.append("outside their lending window: " + _names(closed))
     ready = [n for n in candidates if n.state in SCHEDULABLE]
     degraded = [n for n in candidates if n.state in FALLBACK]
+    ending = [
+        n
+        for n in ready
+        if n.window_closes_in is not None and n.window_closes_in < cluster.min_window_seconds
+    ]
+    if ending:
+        ready = [n for n in ready if n not in ending]
+        degraded = ending + degraded
+        notes.append(
+            f"lending window closes within {cluster.min_window_seconds:.0f}s, avoided for "
+            "long-lived deployments (a fallback only): " + _names(ending)
+        )
     skipped = [n for n in candidates if n.state not in PLACEABLE]
     if skipped:
         by_state: dict[str, list[str]] = {}
@@ -69,6 +93,11 @@ def _select_nodes(
             parts.append(f"{state}: {shown}")
         notes.append("never placed on: " + "; ".join(parts))
     return ready, degraded, notes
+
+
+def _names(nodes: list[NodeSnapshot]) -> str:
+    names = [n.name or n.node_id for n in nodes]
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _tiers(

@@ -41,6 +41,10 @@ class NodeSnapshot:
     # A member of an active deployment of the model being placed: one replica per node unless
     # the request says allow_same_node.
     serves_model: bool = False
+    # The owner's lending window (apps/nodes/lending.py): closed → never planned; closing within
+    # ClusterSnapshot.min_window_seconds → only a fallback (long-lived deployments avoid it).
+    window_open: bool = True
+    window_closes_in: float | None = None
 
     @property
     def endpoint(self) -> str:
@@ -81,6 +85,8 @@ class ClusterSnapshot:
     nodes: tuple[NodeSnapshot, ...]
     links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
     default_link: Link = DEFAULT_LINK
+    # A node whose lending window closes sooner than this is avoided (LENDING_MIN_WINDOW_SECONDS).
+    min_window_seconds: float = 0.0
 
     def link(self, a: str, b: str) -> Link:
         """The link between two nodes, either direction; same node is free."""

@@ -1,0 +1,532 @@
+"""The KV cache coordinator: which replica and slot holds each conversation's prefix, and routing
+that weighs a cached prefix against load (docs/design/serving.md, "KV cache coordinator").
+
+- **Prefixes.** A request's prefix chain is a hash chain over its messages: ``h0`` hashes what
+  shapes the prompt besides the messages (model, kind, tools, schema), ``h_k = H(h_{k-1}, m_k)``
+  (a message in a canonical JSON form). A follow-up turn's chain repeats the earlier turn's hashes,
+  so the longest hash of a request found in the record names the slot holding most of its prompt.
+- **Ownership.** When a job finishes, the slot that served it holds the job's messages and its
+  completion: the record says so under the chain's last hash (``racon:kv:owners``), with the slot's
+  token count, and the slot's own entry (``racon:kv:dep:{dep}:slots``) names that hash. A slot
+  holds one sequence: a new one replaces the slot's old entry (a displacement, counted). Entries
+  have a TTL, an LRU order (``racon:kv:lru``) and a bound (``KV_PREFIX_MAX_ENTRIES``); evictions
+  beyond it are an event (one per pass). The controller pins each job to a slot (``id_slot`` in
+  run_job) and records which slots are busy (``racon:kv:dep:{dep}:busy``), so a miss takes the
+  least recently used free slot and never one a hit is about to use.
+- **Routing.** ``score = tokens saved − λ · (slots used + waiters) / slots`` per serving replica
+  (λ = ``KV_ROUTE_LOAD_TOKENS``), as the SGLang and llm-d routers weigh prefix and load. The owner
+  wins while its prefix is worth more than its queue; when it has no free slot the request waits
+  for it at most ``KV_AFFINITY_WAIT_SECONDS``, then goes to the best other replica, and ownership
+  moves with it (KV_OWNERSHIP_MOVED). An owner that no longer serves (drained, stopped, failed)
+  loses its records with KV_STATE_DROPPED: slot state is not transferred between nodes, the new
+  owner prefills again.
+- ``racon:kv:routing`` (or the ``KV_ROUTING`` setting) picks the policy: ``prefix`` (default),
+  ``round_robin`` or ``least_loaded`` (the earlier free-share ranking); the last two pin no slot
+  and leave the slot to llama-server's own prompt cache (the benchmark's baseline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
+
+from apps.nodes.events import event_record
+from apps.nodes.models import EventCategory
+from racon.redis import get_redis
+
+from . import admission, selectors
+from .states import DeploymentState
+
+log = logging.getLogger("racon.jobs.kvcache")
+
+OWNERS_KEY = "racon:kv:owners"  # HASH prefix hash → "dep|slot|tokens"
+LRU_KEY = "racon:kv:lru"  # ZSET prefix hash → last use (unix s)
+STATS_KEY = "racon:kv:stats"  # HASH counters read by /metrics
+ROUTING_KEY = "racon:kv:routing"  # STRING: overrides settings.KV_ROUTING
+POLICIES = ("prefix", "round_robin", "least_loaded")
+# The stats counters /metrics reads (apps/api/metrics.py).
+STAT_FIELDS = (
+    "hits",
+    "misses",
+    "tokens_saved",
+    "moved",
+    "evicted",
+    "displaced",
+    "dropped",
+    "bytes_moved",
+    "transfer_seconds",
+)
+
+
+def dep_slots_key(deployment_id: Any) -> str:
+    """HASH slot → "prefix|tokens|last use": what each slot of the deployment holds."""
+    return f"racon:kv:dep:{deployment_id}:slots"
+
+
+def dep_busy_key(deployment_id: Any) -> str:
+    """HASH slot → job id: slots pinned by a job in flight."""
+    return f"racon:kv:dep:{deployment_id}:busy"
+
+
+def rr_key(model_id: Any) -> str:
+    return f"racon:kv:rr:{model_id}"
+
+
+# --- the hash chain -------------------------------------------------------------------------------
+
+_MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
+
+
+def _digest(prev: str, part: Any) -> str:
+    raw = json.dumps(part, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(f"{prev}\x00{raw}".encode()).hexdigest()[:32]
+
+
+def message_canonical(message: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a message that render into the prompt; empty ones (None, "", []) dropped, so
+    ``{"content": "x", "tool_calls": []}`` hashes as ``{"content": "x"}``."""
+    return {k: message[k] for k in _MESSAGE_KEYS if message.get(k) not in (None, "", [], {})}
+
+
+def prefix_chain(*, model_id: Any, kind: str, params: dict[str, Any]) -> list[str]:
+    """The request's hash chain, one hash per message boundary (a completion's prompt: one)."""
+    root = _digest(
+        "racon-kv-1",
+        {
+            "model": str(model_id),
+            "kind": kind,
+            "tools": params.get("tools"),
+            "tool_mode": params.get("tool_mode"),
+            "json_schema": params.get("json_schema"),
+        },
+    )
+    if kind != "chat":
+        prompt = params.get("prompt")
+        return [_digest(root, prompt)] if isinstance(prompt, str) and prompt else []
+    chain: list[str] = []
+    h = root
+    for m in params.get("messages") or []:
+        if not isinstance(m, dict):
+            return chain
+        h = _digest(h, message_canonical(m))
+        chain.append(h)
+    return chain
+
+
+# --- the routing score ----------------------------------------------------------------------------
+
+
+def route_score(
+    *, tokens_saved: int, used: int, waiting: int, n_parallel: int, lam: float
+) -> float:
+    """Tokens of prefill a replica saves, less λ tokens per unit of queue/slot pressure."""
+    return float(tokens_saved) - lam * (used + waiting) / max(1, n_parallel)
+
+
+@dataclass
+class Owner:
+    deployment_id: str
+    slot: int
+    tokens: int
+    prefix: str
+    depth: int  # how many of the request's messages the prefix covers
+
+
+@dataclass
+class Route:
+    """The routing decision for one request, kept on its Admission until the job ends."""
+
+    deployment: Any  # a Deployment, or None (the model has none serving)
+    policy: str
+    reason: str
+    chain: list[str] = field(default_factory=list)
+    owner: Owner | None = None  # the longest recorded prefix, wherever it is
+    hit: bool = False  # routed to the owner (its slot is pinned when free)
+    tokens_saved: int = 0
+    affinity_wait: float = 0.0  # the owner is full: wait this long for it, then the fallback
+    fallback: Any = None  # the best other replica
+    slot: int | None = None  # the slot claimed for the job (slot_claim)
+    slot_deployment_id: str | None = None
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+def routing_policy() -> str:
+    try:
+        override = get_redis().get(ROUTING_KEY)
+    except Exception:  # noqa: BLE001 - a routing hint: Redis trouble falls back to the setting
+        override = None
+    policy = str(override or settings.KV_ROUTING)
+    return policy if policy in POLICIES else "prefix"
+
+
+def owner_lookup(chain: Sequence[str]) -> Owner | None:
+    """The longest prefix of ``chain`` whose slot still holds it."""
+    if not chain:
+        return None
+    r = get_redis()
+    raw = r.hmget(OWNERS_KEY, list(chain))
+    for depth in range(len(chain), 0, -1):
+        value = raw[depth - 1]
+        if not value:
+            continue
+        try:
+            dep, slot_s, tokens_s = str(value).split("|")
+            slot = int(slot_s)
+        except ValueError:
+            continue
+        held = r.hget(dep_slots_key(dep), str(slot))
+        if held and str(held).split("|")[0] == chain[depth - 1]:
+            return Owner(
+                deployment_id=dep,
+                slot=slot,
+                tokens=int(tokens_s),
+                prefix=chain[depth - 1],
+                depth=depth,
+            )
+    return None
+
+
+def route_request(
+    *, model_id: Any, kind: str, params: dict[str, Any], cached: bool = True
+) -> Route:
+    """Choose a serving replica for this request by the routing policy, and say why."""
+    policy = routing_policy()
+    candidates = selectors.deployment_route_serving(model_id=model_id, cached=cached)
+    chain = prefix_chain(model_id=model_id, kind=kind, params=params) if policy == "prefix" else []
+    if not candidates:
+        return Route(deployment=None, policy=policy, reason="no serving replica", chain=chain)
+    if policy == "least_loaded" or len(candidates) == 1 and not chain:
+        return Route(
+            deployment=selectors.deployment_rank(candidates), policy=policy, reason="least loaded"
+        )
+    ids = [str(d.id) for d in candidates]
+    if policy == "round_robin":
+        n = int(get_redis().incr(rr_key(model_id)))
+        dep = sorted(candidates, key=lambda d: str(d.id))[(n - 1) % len(candidates)]
+        return Route(deployment=dep, policy=policy, reason="round robin")
+    used = admission.slots_in_use(ids)
+    waiting = admission.queue_depth(ids)
+    owner = owner_lookup(chain) if policy == "prefix" else None
+    lam = float(settings.KV_ROUTE_LOAD_TOKENS)
+    scores: dict[str, float] = {}
+    for d in candidates:
+        did = str(d.id)
+        saved = owner.tokens if owner is not None and owner.deployment_id == did else 0
+        scores[did] = route_score(
+            tokens_saved=saved,
+            used=used.get(did, 0),
+            waiting=waiting.get(did, 0),
+            n_parallel=int(d.n_parallel or 1),
+            lam=lam,
+        )
+    # Highest score; then the most free slots; stable on the id so equal replicas alternate by load.
+    ranked = sorted(
+        candidates,
+        key=lambda d: (
+            d.state != DeploymentState.READY,
+            -scores[str(d.id)],
+            -(int(d.n_parallel or 1) - used.get(str(d.id), 0)),
+            str(d.id),
+        ),
+    )
+    best = ranked[0]
+    route = Route(
+        deployment=best, policy=policy, reason="", chain=chain, owner=owner, scores=scores
+    )
+    if owner is None:
+        route.reason = "miss: no cached prefix" if chain else "no prefix"
+    elif owner.deployment_id not in ids:
+        route.reason = f"owner {owner.deployment_id} no longer serves: state dropped"
+        deployment_drop(deployment_id=owner.deployment_id, reason="the replica no longer serves")
+        # route.owner stays: the job's end records the move (KV_OWNERSHIP_MOVED) to the new owner
+    elif str(best.id) == owner.deployment_id:
+        route.hit, route.tokens_saved = True, owner.tokens
+        full = used.get(owner.deployment_id, 0) >= int(best.n_parallel or 1)
+        route.reason = f"hit: {owner.tokens} tokens cached on slot {owner.slot}"
+        if full and len(ranked) > 1:
+            route.affinity_wait = float(settings.KV_AFFINITY_WAIT_SECONDS)
+            route.fallback = ranked[1]
+            route.reason += f", owner full: wait ≤ {route.affinity_wait:g}s"
+    else:
+        route.reason = (
+            f"owner {owner.deployment_id} outscored ({scores[owner.deployment_id]:.0f} < "
+            f"{scores[str(best.id)]:.0f}): load outweighs {owner.tokens} cached tokens"
+        )
+    log.debug(
+        "kv route %s → %s (%s); scores %s",
+        chain[-1][:12] if chain else "-",
+        best.id,
+        route.reason,
+        {k[:8]: round(v, 1) for k, v in scores.items()},
+    )
+    return route
+
+
+def route_fallback(*, route: Route) -> Any:
+    """The affinity wait ran out: the best other replica (ownership moves with the job)."""
+    route.hit, route.tokens_saved = False, 0
+    route.reason = "owner busy past the affinity wait: moved"
+    route.deployment = route.fallback
+    log.debug("kv route fallback → %s", getattr(route.fallback, "id", None))
+    return route.fallback
+
+
+# --- slots ----------------------------------------------------------------------------------------
+
+_RELEASE_LUA = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+
+def slot_claim(
+    *, route: Route | None, deployment_id: Any, job_id: Any, n_parallel: int
+) -> int | None:
+    """Pin the job to a slot of the deployment: the owner's when this is a hit and it is free, else
+    the least recently used free one (an empty one first). None for a policy that pins nothing."""
+    if route is None or route.policy != "prefix":
+        return None
+    dep = str(deployment_id)
+    n = max(1, int(n_parallel))
+    r = get_redis()
+    now = time.time()
+    with r.pipeline(transaction=False) as pipe:
+        pipe.hgetall(dep_busy_key(dep))
+        pipe.hgetall(dep_slots_key(dep))
+        pipe.zrangebyscore(admission.slots_key(dep), f"({now!r}", "+inf")
+        busy, held, live = pipe.execute()
+    live_jobs = {str(j) for j in live}
+    stale = [s for s, j in busy.items() if str(j) not in live_jobs and str(j) != str(job_id)]
+    if stale:
+        r.hdel(dep_busy_key(dep), *stale)
+    taken = {int(s) for s, j in busy.items() if s not in stale}
+
+    def last_use(slot: int) -> float:
+        v = held.get(str(slot))
+        return float(str(v).split("|")[2]) if v else 0.0
+
+    want = route.owner.slot if route.hit and route.owner is not None else None
+    if want is not None and str(route.owner.deployment_id if route.owner else "") != dep:
+        want = None
+    order = [want] if want is not None and want < n and want not in taken else []
+    order += sorted((s for s in range(n) if s not in taken and s != want), key=last_use)
+    for slot in order:
+        if r.hsetnx(dep_busy_key(dep), str(slot), str(job_id)):
+            if slot != want and want is not None:
+                route.hit, route.tokens_saved = False, 0  # the owner's slot was taken meanwhile
+                route.reason += "; owner slot busy"
+            r.expire(dep_busy_key(dep), int(settings.KV_PREFIX_TTL_SECONDS))
+            route.slot, route.slot_deployment_id = slot, dep
+            return slot
+    return None  # every slot is pinned (leases out of step): llama-server picks
+
+
+def slot_release(*, route: Route | None, job_id: Any) -> None:
+    if route is None or route.slot is None or route.slot_deployment_id is None:
+        return
+    get_redis().eval(
+        _RELEASE_LUA, 1, dep_busy_key(route.slot_deployment_id), str(route.slot), str(job_id)
+    )
+
+
+# --- recording ------------------------------------------------------------------------------------
+
+
+def _stats_add(pipe: Any, **counts: float) -> None:
+    for name, value in counts.items():
+        if value:
+            if isinstance(value, float) and not value.is_integer():
+                pipe.hincrbyfloat(STATS_KEY, name, value)
+            else:
+                pipe.hincrby(STATS_KEY, name, int(value))
+
+
+def _forget(r: Any, prefixes: Iterable[str]) -> int:
+    """Drop these prefixes from the record (and their slots' entries, when they still match)."""
+    gone = 0
+    for p in prefixes:
+        value = r.hget(OWNERS_KEY, p)
+        if value:
+            dep, slot = str(value).split("|")[:2]
+            held = r.hget(dep_slots_key(dep), slot)
+            if held and str(held).split("|")[0] == p:
+                r.hdel(dep_slots_key(dep), slot)
+            gone += 1
+        r.hdel(OWNERS_KEY, p)
+        r.zrem(LRU_KEY, p)
+    return gone
+
+
+def job_finished(
+    *,
+    route: Route | None,
+    job_id: Any,
+    deployment_id: Any,
+    completed: bool,
+    usage: dict[str, Any],
+    served_slot: int | None,
+) -> None:
+    """The job ended: free its pinned slot; when it completed, record that the slot that served it
+    holds its messages and completion (ownership), and count the hit or miss."""
+    if route is None:
+        return
+    slot_release(route=route, job_id=job_id)
+    if not completed or route.policy != "prefix" or not route.chain:
+        return
+    dep = str(deployment_id)
+    slot = served_slot if served_slot is not None else route.slot
+    if slot is None or (served_slot is None and route.slot_deployment_id != dep):
+        return
+    r = get_redis()
+    now = time.time()
+    prefix = route.chain[-1]
+    tokens = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+    ttl = int(settings.KV_PREFIX_TTL_SECONDS)
+    old = r.hget(dep_slots_key(dep), str(slot))
+    old_prefix = str(old).split("|")[0] if old else None
+    moved_from: str | None = None
+    owner = route.owner
+    displaced = 0
+    if old_prefix and old_prefix != prefix and (owner is None or old_prefix != owner.prefix):
+        displaced = 1  # another conversation's state in this slot was overwritten
+    forget = [old_prefix] if old_prefix and old_prefix != prefix else []
+    if owner is not None and owner.prefix != prefix:
+        forget.append(owner.prefix)  # the conversation's older prefix, here or on its old owner
+        if owner.deployment_id != dep:
+            moved_from = owner.deployment_id
+    _forget(r, forget)
+    with r.pipeline(transaction=False) as pipe:
+        pipe.hset(OWNERS_KEY, prefix, f"{dep}|{slot}|{tokens}")
+        pipe.zadd(LRU_KEY, {prefix: now})
+        pipe.hset(dep_slots_key(dep), str(slot), f"{prefix}|{tokens}|{now!r}")
+        for key in (OWNERS_KEY, LRU_KEY, dep_slots_key(dep)):
+            pipe.expire(key, ttl)
+        _stats_add(
+            pipe,
+            hits=1 if route.hit else 0,
+            misses=0 if route.hit else 1,
+            tokens_saved=int(usage.get("prompt_cached") or 0) if route.hit else 0,
+            displaced=displaced,
+            moved=1 if moved_from else 0,
+        )
+        pipe.execute()
+    if moved_from:
+        event_record(
+            kind="KV_OWNERSHIP_MOVED",
+            category=EventCategory.INFERENCE,
+            now=timezone.now(),
+            deployment_id=dep,
+            message=f"conversation prefix moved from deployment {moved_from} to slot {slot}",
+            data={
+                "job": str(job_id),
+                "from_deployment": moved_from,
+                "from_slot": owner.slot if owner else None,
+                "to_deployment": dep,
+                "to_slot": slot,
+                "tokens": tokens,
+                "reason": route.reason,
+            },
+        )
+    prune(now=now)
+
+
+def prune(*, now: float | None = None) -> int:
+    """Drop entries past the TTL, then the least recently used beyond KV_PREFIX_MAX_ENTRIES
+    (one KV_OWNERSHIP_EVICTED event per pass that evicted any)."""
+    r = get_redis()
+    now = time.time() if now is None else now
+    expired = [
+        str(p) for p in r.zrangebyscore(LRU_KEY, "-inf", now - settings.KV_PREFIX_TTL_SECONDS)
+    ]
+    if expired:
+        _forget(r, expired)
+    excess = int(r.zcard(LRU_KEY)) - int(settings.KV_PREFIX_MAX_ENTRIES)
+    if excess <= 0:
+        return len(expired)
+    victims = [str(p) for p in r.zrange(LRU_KEY, 0, excess - 1)]
+    _forget(r, victims)
+    r.hincrby(STATS_KEY, "evicted", len(victims))
+    event_record(
+        kind="KV_OWNERSHIP_EVICTED",
+        category=EventCategory.INFERENCE,
+        now=timezone.now(),
+        message=f"{len(victims)} least recently used prefixes evicted "
+        f"(bound KV_PREFIX_MAX_ENTRIES={settings.KV_PREFIX_MAX_ENTRIES})",
+        data={"count": len(victims), "max_entries": int(settings.KV_PREFIX_MAX_ENTRIES)},
+    )
+    return len(expired) + len(victims)
+
+
+def deployment_drop(*, deployment_id: Any, reason: str) -> int:
+    """Forget every prefix a deployment's slots hold, with one KV_STATE_DROPPED event saying so
+    (slot state is not moved between nodes: the conversations prefill again where they go next)."""
+    r = get_redis()
+    dep = str(deployment_id)
+    held = r.hgetall(dep_slots_key(dep))
+    if not held:
+        return 0
+    prefixes = [str(v).split("|")[0] for v in held.values()]
+    tokens = sum(int(str(v).split("|")[1]) for v in held.values())
+    for p in prefixes:
+        r.hdel(OWNERS_KEY, p)
+        r.zrem(LRU_KEY, p)
+    r.delete(dep_slots_key(dep), dep_busy_key(dep))
+    r.hincrby(STATS_KEY, "dropped", len(prefixes))
+    event_record(
+        kind="KV_STATE_DROPPED",
+        category=EventCategory.INFERENCE,
+        now=timezone.now(),
+        deployment_id=dep,
+        message=f"KV state of {len(prefixes)} conversations ({tokens} tokens) dropped: {reason}; "
+        "not transferred, the next turn prefills on its new replica",
+        data={"conversations": len(prefixes), "tokens": tokens, "reason": reason},
+    )
+    log.info("kv state of deployment %s dropped (%d conversations): %s", dep, len(prefixes), reason)
+    return len(prefixes)
+
+
+# --- reads (metrics, UI) --------------------------------------------------------------------------
+
+
+def stats() -> dict[str, float]:
+    raw = get_redis().hgetall(STATS_KEY) or {}
+    return {name: float(raw.get(name) or 0) for name in STAT_FIELDS}
+
+
+def deployments_held(deployment_ids: Iterable[Any]) -> dict[str, tuple[int, int]]:
+    """Per deployment: (conversations held in its slots, tokens they hold)."""
+    ids = [str(d) for d in deployment_ids]
+    if not ids:
+        return {}
+    with get_redis().pipeline(transaction=False) as pipe:
+        for d in ids:
+            pipe.hvals(dep_slots_key(d))
+        rows = pipe.execute()
+    out: dict[str, tuple[int, int]] = {}
+    for d, vals in zip(ids, rows, strict=True):
+        tokens = 0
+        for v in vals:
+            try:
+                tokens += int(str(v).split("|")[1])
+            except (IndexError, ValueError):
+                continue
+        out[d] = (len(vals), tokens)
+    return out
+
+
+def kv_bytes_per_token(model_file: Any) -> int:
+    """KV bytes one token holds over all layers, from the model file's profile (0 when unknown)."""
+    if model_file is None:
+        return 0
+    profile = getattr(model_file, "profile", None) or {}
+    per_layer = int(profile.get("kv_bytes_per_token_per_layer") or 0)
+    n_layer = int(profile.get("n_layer") or getattr(model_file, "n_layer", 0) or 0)
+    return per_layer * n_layer

@@ -1,0 +1,146 @@
+"""The owner's lending terms on the controller: the claim the agent reports, the owner's own
+setting from the UI, pause and resume (a drain), and what the scheduler reads (open, closes in,
+caps). Its own module next to services.py/selectors.py: one concern, and the policy logic itself
+is agent/lending.py (pure, shared with the agent).
+
+The agent fetches an owner's policy from its own key ``owner_policy_key(node_id)`` (under the
+node's prefix, so its Redis ACL user may read it) and reports the policy it adopted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+
+from agent.lending import LendingPolicy, PolicyError, check_caps, policy_from_wire, window_state
+from agent.protocol import NODE_PREFIX
+from racon.redis import get_redis
+
+from .events import event_record
+from .models import EventCategory, Node
+from .services import node_drain, node_undrain
+
+__all__ = [
+    "LendingView",
+    "PolicyError",
+    "lending_view",
+    "node_lending_claim",
+    "node_lending_owner_set",
+    "node_lending_paused",
+    "node_lending_resumed",
+    "owner_policy_key",
+]
+
+
+def owner_policy_key(node_id: Any) -> str:
+    return f"{NODE_PREFIX}{node_id}:lending"
+
+
+def _validated(node: Node, policy: Any) -> LendingPolicy:
+    parsed = policy_from_wire(policy if isinstance(policy, dict) else {})
+    check_caps(parsed, node.hardware or {})
+    return parsed
+
+
+def node_lending_claim(*, node_id: Any, policy: Any, now: datetime) -> LendingPolicy:
+    """The agent reported its policy (enrollment, HARDWARE_UPDATED, LENDING_POLICY): a claim,
+    validated against the node's hardware. Raises PolicyError naming the field."""
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_id)
+        parsed = _validated(node, policy)
+        wire = parsed.to_wire()
+        before = (node.lending or {}).get("policy")
+        node.lending = {**(node.lending or {}), "policy": wire, "source": "agent"}
+        Node.objects.filter(pk=node_id).update(lending=node.lending)
+        if before != wire and not (before is None and parsed.is_default):
+            event_record(
+                kind="LENDING_POLICY",
+                category=EventCategory.MANAGEMENT,
+                now=now,
+                node_id=node_id,
+                message="lending policy reported by the agent",
+                data={"policy": wire},
+            )
+    return parsed
+
+
+def node_lending_owner_set(*, node_id: Any, policy: dict[str, Any], now: datetime) -> LendingPolicy:
+    """The owner set the policy (UI/API): stored, and left for the agent to fetch and adopt."""
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_id)
+        parsed = _validated(node, policy)
+        wire = parsed.to_wire()
+        Node.objects.filter(pk=node_id).update(
+            lending={**(node.lending or {}), "policy": wire, "source": "owner"}
+        )
+        event_record(
+            kind="LENDING_POLICY",
+            category=EventCategory.MANAGEMENT,
+            now=now,
+            node_id=node_id,
+            message="lending policy set by the owner",
+            data={"policy": wire},
+        )
+    get_redis().set(owner_policy_key(node_id), json.dumps(wire), ex=30 * 24 * 3600)
+    return parsed
+
+
+def node_lending_paused(*, node_id: Any, handoff: str, reason: str, now: datetime) -> Node:
+    """The agent paused lending (``node-agent pause`` or its window closed): DRAINING at once,
+    through the drain's planned handoff; with ``failover`` the agent hands its running jobs over."""
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_id)
+        paused = {"handoff": handoff, "reason": reason[:200], "at": now.isoformat()}
+        Node.objects.filter(pk=node_id).update(lending={**(node.lending or {}), "paused": paused})
+    return node_drain(node_id=node_id, now=now)
+
+
+def node_lending_resumed(*, node_id: Any, now: datetime) -> Node:
+    """Lending resumed: a drain that the pause began is lifted (an operator's stays)."""
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_id)
+        lending = dict(node.lending or {})
+        was_paused = lending.pop("paused", None) is not None
+        Node.objects.filter(pk=node_id).update(lending=lending)
+    if was_paused:
+        return node_undrain(node_id=node_id, now=now)
+    return Node.objects.get(pk=node_id)
+
+
+@dataclass(frozen=True)
+class LendingView:
+    """What the scheduler reads: whether the window is open, seconds until it closes (None:
+    never), and the caps (None: no cap)."""
+
+    open: bool = True
+    closes_in: float | None = None
+    ram_bytes: int | None = None
+    vram_bytes: int | None = None
+    threads: int | None = None
+    paused: bool = False
+
+
+def lending_view(*, lending: dict[str, Any] | None, now: datetime) -> LendingView:
+    """A node's stored lending terms at ``now`` (a stored policy that no longer parses is read
+    as no policy: it was valid when stored)."""
+    raw = (lending or {}).get("policy")
+    paused = bool((lending or {}).get("paused"))
+    if not raw:
+        return LendingView(paused=paused)
+    try:
+        policy = policy_from_wire(raw)
+    except PolicyError:
+        return LendingView(paused=paused)
+    is_open, closes_in = window_state(policy, now)
+    return LendingView(
+        open=is_open,
+        closes_in=closes_in,
+        ram_bytes=policy.caps.ram_bytes,
+        vram_bytes=policy.caps.vram_bytes,
+        threads=policy.caps.threads,
+        paused=paused,
+    )
