@@ -408,6 +408,8 @@ SPECTACULAR_SETTINGS = {
         "NodeStateEnum": "apps.nodes.states.NodeState",
         "JobStateEnum": "apps.jobs.states.JobState",
         "DeploymentStateEnum": "apps.jobs.states.DeploymentState",
+        "AccountKindEnum": "apps.accounts.models.AccountKind",
+        "EntryKindEnum": "apps.credits.models.EntryKind",
     },
 }
 
