@@ -396,20 +396,27 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(
             30,
             "the doomed job to end",
         )
-        if errored:
-            assert failed["state"] == "FAILED" and failed["error"], failed
-            assert failed["failed_during_execution"] is True
+        # The stream's own ending and the job's record agree on what happened: completed (failed
+        # over to a replacement, or the worker was lost after the last step that needed it), or
+        # failed with the error the stream carried.
+        kinds = [e["kind"] for e in controller.get(f"/api/admin/events?job={doomed}").json()]
+        if failed["state"] == "COMPLETED":
+            assert not errored, (kinds, events[-3:])
         else:
-            assert failed["state"] == "COMPLETED", failed
-            kinds = [e["kind"] for e in controller.get(f"/api/admin/events?job={doomed}").json()]
-            assert "JOB_FAILOVER" in kinds, kinds
+            assert failed["state"] == "FAILED" and failed["error"] and errored, (
+                failed,
+                events[-3:],
+            )
         time.sleep(1)
         assert primary_agent.proc.poll() is None, "the primary's agent must stay up"
-        wait_for(
-            lambda: controller.get(f"/api/admin/deployments/{dep_id}").json()["state"] == "FAILED",
-            30,
-            "the deployment to be marked FAILED",
-        )
+        if errored or "JOB_FAILOVER" in kinds:
+            wait_for(
+                lambda: (
+                    controller.get(f"/api/admin/deployments/{dep_id}").json()["state"] == "FAILED"
+                ),
+                30,
+                "the deployment to be marked FAILED",
+            )
     finally:
         for a in agents:
             stop_agent(a)
