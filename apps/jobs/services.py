@@ -1228,16 +1228,8 @@ def job_run_payload(
 def _record_dispatch(*, job: Job, deployment: Deployment, now: datetime) -> bool:
     """QUEUED → DISPATCHED with the plan's nodes and layers (the JOB_DISPATCHED event)."""
     plan = deployment.plan or {}
-    placement = [
-        {
-            "node_id": d["node_id"],
-            "node": selectors.node_name(d["node_id"]),
-            "device": d["device"],
-            "layers": [d["layer_start"], d["layer_end"]],
-        }
-        for d in plan.get("devices", [])
-    ]
-    node_ids = list(dict.fromkeys(d["node_id"] for d in plan.get("devices", [])))
+    placement = dispatch_placement(deployment)
+    node_ids = dispatch_node_ids(deployment)
     with transaction.atomic():
         moved = job_transition(
             job_id=job.id,
@@ -1254,7 +1246,7 @@ def _record_dispatch(*, job: Job, deployment: Deployment, now: datetime) -> bool
             data={"nodes": node_ids},
         )
         if moved:
-            job.nodes.set(node_ids)
+            job.nodes.set(node_ids)  # type: ignore[arg-type]  # pks; the stubs take only int pks
     return moved
 
 
@@ -1429,15 +1421,7 @@ def job_failover_dispatch(
         get_redis().delete(job_cancel_key(str(job.id), str(deployment.primary_id)))
         command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
         plan = deployment.plan or {}
-        placement = [
-            {
-                "node_id": d["node_id"],
-                "node": selectors.node_name(d["node_id"]),
-                "device": d["device"],
-                "layers": [d["layer_start"], d["layer_end"]],
-            }
-            for d in plan.get("devices", [])
-        ]
+        placement = dispatch_placement(deployment)
         node_ids = dispatch_node_ids(deployment)
         with transaction.atomic():
             moved = Job.objects.filter(pk=job_id, state__in=JOB_IN_FLIGHT).update(
@@ -1517,6 +1501,19 @@ def job_failover_route(
     model = Model.objects.get(pk=model_id)
     ensured = deployment_ensure(model=model, now=now)
     return None if str(ensured.id) in excluded else ensured
+
+
+def dispatch_placement(deployment: Deployment) -> list[dict[str, Any]]:
+    """The plan's devices as a job's dispatch records them: node, device and layer range."""
+    return [
+        {
+            "node_id": d["node_id"],
+            "node": selectors.node_name(d["node_id"]),
+            "device": d["device"],
+            "layers": [d["layer_start"], d["layer_end"]],
+        }
+        for d in (deployment.plan or {}).get("devices", [])
+    ]
 
 
 def dispatch_node_ids(deployment: Deployment) -> list[str]:
