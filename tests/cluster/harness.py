@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from agent.hardware.benchmark import measure_gflops, measure_mem_bandwidth
 from racon.embedded import redis_server_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,15 +103,21 @@ def _free_subnet() -> int:
     raise RuntimeError("no free 10.213.X.0/24 subnet")
 
 
-def free_root_port(host: str, taken: set[int]) -> int:
+def free_root_port(host: str, taken: set[int], *, also: tuple[str, ...] = ()) -> int:
+    """A port of PORTS free on host and on every address in also (e.g. 127.0.0.1)."""
     for port in PORTS:
         if port in taken:
             continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
+        free = True
+        for addr in (host, *also):
+            with socket.socket() as s:
+                try:
+                    s.bind((addr, port))
+                except OSError:
+                    free = False
+                    break
+        if not free:
+            continue
         taken.add(port)
         return port
     raise RuntimeError("no free port in 19100-19199")
@@ -314,12 +322,47 @@ def _wait_http(
         time.sleep(0.3)
 
 
-@contextmanager
-def namespace_cluster(
-    workdir: Path, links: dict[str, LinkSpec], **settings: str
-) -> Iterator[Cluster]:
-    """Hosts (name → link), the wire, a private Redis and the controller (settings: extra
-    environment for it); agents are not started."""
+def _start_hosts(stack: ExitStack, cl: Cluster) -> None:
+    """The namespaces, the wire and the root side's TUN device; undone by the stack."""
+    workdir, cid = cl.workdir, cl.cid
+    for h in cl.hosts.values():
+        sh("ip", "netns", "add", h.netns)
+        stack.callback(sh, "ip", "netns", "del", h.netns, check=False)
+    cl._write_wire_config()
+    wire_log = open(workdir / "wire.log", "wb")  # noqa: SIM115 - closed by the stack
+    stack.callback(wire_log.close)
+    wire = subprocess.Popen(
+        [sys.executable, "-m", "tests.cluster.netwire", str(cl.wire_config)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=wire_log, start_new_session=True,
+    )  # fmt: skip
+    stack.callback(_stop, wire, 5)
+    assert wire.stdout is not None
+    if wire.stdout.readline().strip() != b"ready":
+        raise RuntimeError(f"netwire failed: {(workdir / 'wire.log').read_text()}")
+    root_dev = f"rc{cid}"
+    sh("ip", "link", "set", root_dev, "mtu", "65000", "up")
+    sh("ip", "addr", "add", f"{cl.root_address}/24", "dev", root_dev)
+    for h in cl.hosts.values():
+        sh("ip", "-n", h.netns, "link", "set", "lo", "up")
+        sh(
+            "ip",
+            "-n",
+            h.netns,
+            "link",
+            "set",
+            "eth0",
+            "mtu",
+            "65000",
+            "txqueuelen",
+            "1000",
+            "up",
+        )
+        sh("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0")
+        _set_tbf(h)
+
+
+def _new_cluster(workdir: Path, links: dict[str, LinkSpec]) -> tuple[Cluster, Path]:
+    """A cluster's names and addresses, and its owner file (this process's pid)."""
     cleanup_stale()
     cid = uuid.uuid4().hex[:8]
     workdir.mkdir(parents=True, exist_ok=True)
@@ -336,53 +379,56 @@ def namespace_cluster(
     cl = Cluster(
         cid=cid, subnet=subnet, workdir=workdir, hosts=hosts, wire_config=workdir / "wire.json"
     )
+    return cl, owner
+
+
+@contextmanager
+def namespace_hosts(workdir: Path, links: dict[str, LinkSpec]) -> Iterator[Cluster]:
+    """Only the hosts (name → link) and the wire: no controller, no Redis (cl.url is empty).
+    For benchmarks that run their own processes in the namespaces (Cluster.ns_popen)."""
+    cl, owner = _new_cluster(workdir, links)
     with ExitStack() as stack:
         try:
-            for h in hosts.values():
-                sh("ip", "netns", "add", h.netns)
-                stack.callback(sh, "ip", "netns", "del", h.netns, check=False)
-            cl._write_wire_config()
-            wire_log = open(workdir / "wire.log", "wb")  # noqa: SIM115 - closed by the stack
-            stack.callback(wire_log.close)
-            wire = subprocess.Popen(
-                [sys.executable, "-m", "tests.cluster.netwire", str(cl.wire_config)],
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=wire_log, start_new_session=True,
-            )  # fmt: skip
-            stack.callback(_stop, wire, 5)
-            assert wire.stdout is not None
-            if wire.stdout.readline().strip() != b"ready":
-                raise RuntimeError(f"netwire failed: {(workdir / 'wire.log').read_text()}")
-            root_dev = f"rc{cid}"
-            sh("ip", "link", "set", root_dev, "mtu", "65000", "up")
-            sh("ip", "addr", "add", f"{cl.root_address}/24", "dev", root_dev)
-            for h in hosts.values():
-                sh("ip", "-n", h.netns, "link", "set", "lo", "up")
-                sh(
-                    "ip",
-                    "-n",
-                    h.netns,
-                    "link",
-                    "set",
-                    "eth0",
-                    "mtu",
-                    "65000",
-                    "txqueuelen",
-                    "1000",
-                    "up",
-                )
-                sh("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0")
-                _set_tbf(h)
+            _start_hosts(stack, cl)
+            yield cl
+        finally:
+            owner.unlink(missing_ok=True)
+
+
+@contextmanager
+def namespace_cluster(
+    workdir: Path, links: dict[str, LinkSpec], **settings: str
+) -> Iterator[Cluster]:
+    """Hosts (name → link), the wire, a private Redis and the controller (settings: extra
+    environment for it); agents are not started."""
+    cl, owner = _new_cluster(workdir, links)
+    with ExitStack() as stack:
+        try:
+            _start_hosts(stack, cl)
 
             taken: set[int] = set()
-            redis_port = free_root_port(cl.root_address, taken)
             (workdir / "redis").mkdir(exist_ok=True)
-            redis_proc = subprocess.Popen(
-                [redis_server_binary(), "--bind", "127.0.0.1", cl.root_address, "--port", str(redis_port),
-                 "--save", "", "--appendonly", "no", "--protected-mode", "no", "--dir", str(workdir / "redis")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
-            stack.callback(_stop, redis_proc, 5)
-            _wait_port("127.0.0.1", redis_port)
+            # Redis binds 127.0.0.1 too, where another cluster's Redis may hold the port (or
+            # take it between the check and the bind): then it exits, and another port is tried.
+            # Waiting on the root address, which only this cluster has, sees this Redis only.
+            for _attempt in range(5):
+                redis_port = free_root_port(cl.root_address, taken, also=("127.0.0.1",))
+                redis_proc = subprocess.Popen(
+                    [redis_server_binary(), "--bind", "127.0.0.1", cl.root_address, "--port", str(redis_port),
+                     "--save", "", "--appendonly", "no", "--protected-mode", "no", "--dir", str(workdir / "redis")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+                stack.callback(_stop, redis_proc, 5)
+                try:
+                    _wait_port(cl.root_address, redis_port)
+                except RuntimeError:
+                    if redis_proc.poll() is None:
+                        raise
+                    continue
+                if redis_proc.poll() is None:
+                    break
+            else:
+                raise RuntimeError("the cluster's Redis did not start on 5 ports in a row")
 
             port = free_root_port(cl.root_address, taken)
             cl.url = f"http://{cl.root_address}:{port}"
@@ -428,7 +474,7 @@ def namespace_cluster(
             for name, argv in (
                 ("daphne", [str(BIN / "daphne"), "-b", cl.root_address, "-p", str(port), "racon.asgi:application"]),
                 ("celery", [str(BIN / "celery"), "-A", "racon", "worker", "-B", "-l", "info", "--concurrency", "3",
-                            "-s", str(workdir / "beat-schedule"), "-n", f"cluster-{cid}@%h",
+                            "-s", str(workdir / "beat-schedule"), "-n", f"cluster-{cl.cid}@%h",
                             "-Q", "racon-cluster,racon-cluster.placement"]),
             ):  # fmt: skip
                 with open(workdir / f"{name}.log", "wb") as log:
@@ -465,6 +511,22 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.3) -
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def shared_cpu_benchmark(runs: int = 5, budget_s: float = 0.2) -> dict[str, float]:
+    """The agents' benchmark (agent.hardware.benchmark), as the median of a few short runs.
+
+    Every host of the cluster shares this machine's cores with whatever else runs on it, so one
+    0.5 s sample can be several times off (30 to 280 GFLOPS a minute apart, bench/multihost.py);
+    the median of several is steadier. Measure it with the cluster's processes up."""
+    g = [measure_gflops(budget_s) for _ in range(runs)]
+    b = [measure_mem_bandwidth(budget_s) for _ in range(runs)]
+    return {"gflops": statistics.median(g), "mem_bandwidth_gbps": statistics.median(b)}
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15) -> None:
+    """SIGTERM a process started with start_new_session (ns_popen) and its group; SIGKILL late."""
+    _stop(proc, timeout)
 
 
 def host_profile(*, ram_bytes: int, benchmark: dict[str, float]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from .conftest import links_by_name
-from .harness import BIN, OPERATOR_KEY, RPC_PORT, Cluster, wait_for
+from .harness import BIN, OPERATOR_KEY, RPC_PORT, Cluster, shared_cpu_benchmark, wait_for
 
 N_CTX = 512
 MAX_TOKENS = 40
@@ -97,8 +97,13 @@ def test_a_plan_avoids_the_slow_host_and_says_why(cluster3: Cluster) -> None:
 
 
 @pytest.mark.xfail(
-    reason="prediction vs measured varies 0.2-0.6x here: the CPU benchmark behind the prediction "
-    "swings 2.8-11.6 GFLOPS on two shared cores (see the printed figures)",
+    reason="measured/predicted was 0.04-0.57 here, the prediction always high: quiet (278 GFLOPS, "
+    "14.6 GB/s) fast1+fast2 made 20.6 of 40.8 tok/s predicted (0.51; 0.41 predicted again from "
+    "the benchmark taken around the requests), fast1+slow 1.67 of 2.93; loaded (load average "
+    "5-8 on 2 cores): 8.8 of 30.3, 1.4 of 9.1, 0.76 of 19.5 (bench/multihost.py, this test). "
+    "A benchmark measured just before on the same cores (median of short runs) does not close "
+    "it: the split's decode slows more than the benchmark under load, and consecutive requests "
+    "differ 3x (2.9, 8.8, 10.7 tok/s)",
     strict=False,
 )
 def test_b_two_host_split_speed_matches_its_prediction(cluster3: Cluster) -> None:
@@ -122,15 +127,14 @@ def test_b_two_host_split_speed_matches_its_prediction(cluster3: Cluster) -> Non
     STATE["detail"] = detail
     predicted = float(detail["plan"]["predicted_tokens_per_s"])
     decode_rate(cluster3)  # warm-up
-    rates = [decode_rate(cluster3) for _ in range(2)]
+    rates = [decode_rate(cluster3) for _ in range(3)]
     measured = statistics.median(rates)
+    now = shared_cpu_benchmark(3)  # how the shared cores compare with the agents' figure now
     print(f"\n(b) two-host split {sorted(plan_nodes(detail['plan']))}: predicted {predicted:.1f} "
           f"tok/s, measured {measured:.1f} tok/s (runs {[round(r, 1) for r in rates]}), "
-          f"ratio {measured / predicted:.2f}")  # fmt: skip
-    # The issue's target is ±30%. On two cores shared with other work the benchmark the
-    # prediction rests on, and consecutive runs, vary by 2x or more, so the assertion is
-    # generous (within 3x either way) and the figures are printed for the record.
-    assert 1 / 3 <= measured / predicted <= 3, (predicted, rates)
+          f"predicted / measured {predicted / measured:.2f}; benchmark after the runs {now}")  # fmt: skip
+    # The issue's target: the prediction within ±30% of the measured speed.
+    assert abs(predicted - measured) <= 0.3 * measured, (predicted, rates)
 
 
 def _tcp_try(cl: Cluster, host: str, target: str, port: int, payload: str) -> dict[str, Any]:
@@ -236,18 +240,26 @@ def test_c_a_degraded_link_is_measured_again_and_moves_the_next_plan(cluster3: C
     cluster3.set_link("fast2", delay_ms=120, rate_mbit=5)
     t0 = time.monotonic()
     try:
+        # fast2's links to slow too (about 340 ms round trip now): with their old figures
+        # (about 115 ms) fast2+slow and fast1+slow were a tie that load noise decided.
         wait_for(
             lambda: all(
                 (lk := links_by_name(cluster3).get(pair))
                 and lk["rtt_ms"] > 200
-                and lk["bandwidth_method"] == "measured"
-                for pair in (("fast1", "fast2"), ("fast2", "fast1"))
+                and (lk["bandwidth_method"] == "measured" or "slow" in pair)
+                for pair in (
+                    ("fast1", "fast2"),
+                    ("fast2", "fast1"),
+                    ("fast2", "slow"),
+                    ("slow", "fast2"),
+                )
             ),
-            90,
-            "the fast1-fast2 link to be measured again",
+            120,
+            "fast2's links to be measured again",
         )
         print(f"\n(c) re-measured after {time.monotonic() - t0:.1f} s: "
-              f"{links_by_name(cluster3)[('fast1', 'fast2')]}")  # fmt: skip
+              f"fast1-fast2 {links_by_name(cluster3)[('fast1', 'fast2')]}, "
+              f"fast2-slow {links_by_name(cluster3)[('fast2', 'slow')]}")  # fmt: skip
         after = preview(cluster3)
         show("(c) after fast2's link degraded", after)
         assert plan_nodes(after) == {"fast1", "slow"}, after["explanation"]
