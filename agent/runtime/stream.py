@@ -3,6 +3,14 @@
 Generation must not wait on Redis: chunks go through an in-process queue to a writer thread that
 pipelines every chunk waiting at that moment together with one EXISTS on the cancel key, so a token
 costs the generator a queue put and the cancel check rides along with writes that happen anyway.
+
+A write that fails on the connection (Redis restarting) is retried with capped backoff for
+WRITE_RETRY_SECONDS, past the ~17 s the controller's clients retry (racon/redis.py), so a restart
+costs the job a pause, not its stream. Retries never duplicate an entry or change the order: a
+batch goes in one MULTI/EXEC under WATCH (all of it lands or none, and redis-py never re-sends a
+watched transaction on its own, it raises WatchError), and before each retry the stream is read
+back to drop what did land (a reply lost after EXEC ran). Only the missing tail is sent again,
+before any later entry.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 import redis
@@ -22,10 +31,29 @@ from agent.protocol import (
     job_cancel_key,
     job_stream_key,
 )
+from agent.retry import RetryStopped, retry_call
 
 log = logging.getLogger("agent.runtime.stream")
 
 _STOP = object()
+
+# How long one write is retried when Redis is unreachable: longer than the controller's clients
+# retry (about 17 s), so the stream outlasts a restart they outlast too. The stream follower waits
+# STREAM_IDLE_TIMEOUT_SECONDS from its own reconnect (60 s by default), longer still.
+WRITE_RETRY_SECONDS = 20.0
+WRITE_RETRY_BASE = 0.05
+WRITE_RETRY_CAP = 1.0
+# What a second try can fix: the connection (a restart, LOADING while the appendonly file is read
+# back, the node's ACL user not restored yet) and a WATCH that fired (the connection died under the
+# watched transaction, or another writer of the key, such as append_error, got in between).
+RETRYABLE: tuple[type[redis.RedisError], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.WatchError,
+)
+# Entries read back to find where a retried batch stands: the batch plus room for a superseded
+# attempt's late entries in the same key.
+_READ_BACK_SLACK = 64
 
 
 def entry(
@@ -72,8 +100,10 @@ class StreamWriter:
         ttl: int = STREAM_TTL_SECONDS,
         attempt: int = 1,
         start: bool = True,
+        retry_seconds: float = WRITE_RETRY_SECONDS,
     ) -> None:
         self.attempt = attempt
+        self.retry_seconds = retry_seconds
         self.r = client
         self.job_id = job_id
         self.key = job_stream_key(job_id, node_id)
@@ -111,10 +141,11 @@ class StreamWriter:
         )
         self.close()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Flush every queued entry (the final one included) before returning."""
+    def close(self, timeout: float | None = None) -> None:
+        """Flush every queued entry (the final one included) before returning; by default waits
+        as long as a write may be retried, plus a little."""
         self._q.put(_STOP)
-        self._thread.join(timeout)
+        self._thread.join(self.retry_seconds + 5.0 if timeout is None else timeout)
 
     def _next(self) -> int:
         seq = self.seq
@@ -139,24 +170,89 @@ class StreamWriter:
 
     def _write(self, entries: list[dict[str, str]]) -> None:
         final = entries[-1]["type"] != "chunk"
+        pending = entries
+        tries = 0
+        last: list[BaseException] = []
+
+        def attempt() -> bool:
+            nonlocal pending, tries
+            tries += 1
+            if tries > 1:
+                pending = self._not_landed(pending)
+                if not pending:
+                    return False  # all of it landed before the reply was lost
+            return self._send(pending, final)
+
+        def retrying(exc: BaseException, failures: int, delay: float) -> None:
+            last[:] = [exc]
+            if failures == 1:
+                log.warning(
+                    "job %s: stream write failed (%s); retrying for up to %.0f s",
+                    self.job_id,
+                    exc,
+                    self.retry_seconds,
+                )
+
+        # After a write has failed for good, later ones (the end entry) get one try each.
+        deadline = time.monotonic() + (self.retry_seconds if self.error is None else 0.0)
         try:
-            pipe = self.r.pipeline(transaction=False)
+            cancelled = retry_call(
+                attempt,
+                retry_on=RETRYABLE,
+                base=WRITE_RETRY_BASE,
+                cap=WRITE_RETRY_CAP,
+                give_up=lambda: time.monotonic() >= deadline,
+                on_retry=retrying,
+            )
+        except RetryStopped:
+            self._failed(last[0] if last else TimeoutError("stream write retry window spent"))
+            return
+        except redis.RedisError as exc:
+            self._failed(exc)
+            return
+        if tries > 1:
+            log.info("job %s: stream write went through after %d tries", self.job_id, tries)
+        if cancelled:
+            self.cancel.set()
+
+    def _send(self, entries: list[dict[str, str]], final: bool) -> bool:
+        """One batch in one transaction; returns whether the cancel key is set."""
+        with self.r.pipeline(transaction=True) as pipe:
+            pipe.watch(self.key)  # so that a lost connection raises, never re-sends (see above)
+            pipe.multi()
             for e in entries:
                 pipe.xadd(self.key, e, maxlen=STREAM_MAXLEN, approximate=True)
             if not self._expire_set or final:
                 # TTL from the first entry, renewed at the end so readers get the full window.
                 pipe.expire(self.key, self.ttl)
-                self._expire_set = True
             pipe.exists(self.cancel_key)
             results = pipe.execute()
-        except redis.RedisError as exc:
-            if self.error is None:
-                log.error("job %s: cannot write its stream: %s", self.job_id, exc)
-            self.error = f"stream write failed: {exc}"
-            self.cancel.set()
-            return
-        if results[-1]:
-            self.cancel.set()
+        self._expire_set = True
+        return bool(results[-1])
+
+    def _not_landed(self, entries: list[dict[str, str]]) -> list[dict[str, str]]:
+        """The entries of a batch that are not in the stream: a transaction lands whole, so all
+        of them or none, told by the newest entry of this attempt."""
+        rows = self.r.xrevrange(self.key, count=len(entries) + _READ_BACK_SLACK)
+        for _id, fields in rows:
+            if (_field(fields, "attempt") or "1") == str(self.attempt):
+                try:
+                    newest = int(_field(fields, "seq"))
+                except ValueError:
+                    continue
+                return [e for e in entries if int(e["seq"]) > newest]
+        return entries
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.error is None:
+            log.error("job %s: cannot write its stream: %s", self.job_id, exc)
+        self.error = f"stream write failed: {exc}"
+        self.cancel.set()
+
+
+def _field(fields: dict[Any, Any], name: str) -> str:
+    raw = fields.get(name, fields.get(name.encode(), ""))
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 class DirectStreamWriter(StreamWriter):
@@ -185,7 +281,7 @@ class DirectStreamWriter(StreamWriter):
             [entry(self._next(), "error", message, "error", usage, attempt=self.attempt, code=code)]
         )
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float | None = None) -> None:
         return
 
 

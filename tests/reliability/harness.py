@@ -106,6 +106,7 @@ class Outcome:
     job: str = ""
     started: float = 0.0
     ended: float = 0.0
+    client_port: int = 0  # the local port of its connection: which server process held it
 
     @property
     def ok(self) -> bool:
@@ -136,6 +137,14 @@ def stream_chat(
     finish: str | None = None
     done = False
     error = ""
+
+    def trace(event: str, info: dict[str, Any]) -> None:
+        # The connection's local port, known before the request is sent: a request that fails
+        # before any response still says which server process had accepted it.
+        if event == "connection.connect_tcp.complete":
+            addr = info["return_value"].get_extra_info("client_addr")
+            out.client_port = int(addr[1]) if addr else 0
+
     try:
         with httpx.Client(timeout=httpx.Timeout(STREAM_GAP, connect=10.0)) as client:
             with client.stream(
@@ -143,6 +152,7 @@ def stream_chat(
                 f"{url}/v1/chat/completions",
                 headers={"Authorization": f"Bearer {api_key}"},
                 json=body,
+                extensions={"trace": trace},
             ) as resp:
                 out.deployment = resp.headers.get("X-Racon-Deployment-Id", "")
                 out.job = resp.headers.get("X-Racon-Job-Id", "")
@@ -462,6 +472,7 @@ class Result:
     replicas_s: float | None = None  # from the settled cluster to two READY replicas again
     note: str = ""
     failures: dict[str, int] = field(default_factory=dict)
+    failed: list[Outcome] = field(default_factory=list)  # every request that was not ok
 
     def line(self) -> str:
         if self.note.startswith("skipped"):
@@ -537,6 +548,7 @@ def run_scenario(
     for o in outcomes:
         if o.ok:
             continue
+        result.failed.append(o)
         result.failures[o.kind] = result.failures.get(o.kind, 0) + 1
         if by_design(o):
             result.lost_by_design += 1
@@ -574,6 +586,15 @@ def run_scenario(
     result.note = "; ".join([*([result.note] if result.note else []), *details, *cluster.notes])
     cluster.notes.clear()
     return result
+
+
+def client_ports(p: psutil.Process, server_port: int) -> set[int]:
+    """The client ports of the connections `p` holds on `server_port` (accepted, not closed)."""
+    try:
+        conns = p.net_connections(kind="tcp")
+    except psutil.Error:
+        return set()
+    return {c.raddr.port for c in conns if c.raddr and c.laddr.port == server_port}
 
 
 def wait_gone(p: psutil.Process, timeout: float = 30.0) -> None:

@@ -3,8 +3,8 @@
 What each prints (and the summary table gathers): requests sent and lost, jobs left open, ledger
 violations (credits_check), holds still open, and the time from the kill until a retry succeeds.
 Required whatever the failover does (CLARIFICATIONS, Recovery): no stuck job, a ledger that
-verifies, every hold released, a retry that succeeds. Requests lost: the goal is 0 while a replica
-is available; where mid-stream failover is not in yet the figure is recorded, not asserted (TODO).
+verifies, every hold released, a retry that succeeds. Requests lost: 0 while a replica is
+available, asserted where the cluster meets it; where it does not yet the figure is recorded (TODO).
 
 Redis comes last: after its restart the surviving daphne process still holds dead pooled
 connections for a while (a request then gets 500), which would count against the next scenario.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import psutil
 import pytest
@@ -28,6 +29,7 @@ from .harness import (
     Cluster,
     Outcome,
     Result,
+    client_ports,
     cmdline,
     run_scenario,
     wait_gone,
@@ -55,6 +57,11 @@ def launcher_child(cluster: Cluster, program: str, *args: str) -> psutil.Process
 def record(results: list[Result], r: Result) -> Result:
     results.append(r)
     print(f"\n{r.line()}")
+    for o in r.failed:
+        print(
+            f"  {o.kind}: client port {o.client_port}, job {o.job[:8] or '?'}, {o.chunks} chunks,"
+            f" {o.ended - o.started:.1f} s: {' '.join(o.detail.split())[:160]}"
+        )
     return r
 
 
@@ -148,17 +155,27 @@ def test_the_celery_worker(cluster: Cluster, results: list[Result]) -> None:
 def test_a_daphne_process(cluster: Cluster, results: list[Result]) -> None:
     daphne = launcher_child(cluster, "daphne")
 
-    def kill() -> str:
-        return sigkill(daphne, "daphne")
+    held: set[int] = set()
+    killed_at: list[float] = []
 
-    def dropped(o: Outcome) -> bool:  # its clients' connections die with it, by design
-        return o.kind == "dropped"
+    def kill() -> str:
+        held.update(client_ports(daphne, cluster.launcher.port))
+        killed_at.append(time.monotonic())
+        return f"{sigkill(daphne, 'daphne')}, holding {len(held)} client connections"
+
+    def dropped(o: Outcome) -> bool:
+        # A connection the killed process held dies with it, by design, whatever the client saw;
+        # any other failure is a loss (a later request on a reused port number is not exempt).
+        return o.client_port in held and o.started <= killed_at[0]
 
     r = record(results, run_scenario(cluster, "daphne", kill, by_design=dropped))
     assert_settled(r)
-    # The other daphne process serves everyone else: 0 lost in one CI run, 4 client timeouts in
-    # the next (2026-12-01, while the killed process's port was taken over). TODO(issue 13):
-    # assert r.lost == 0 once requests queued on the dying process are retried; printed meanwhile.
+    # The other daphne process serves everyone else. The client timeouts seen (4 in a CI run on
+    # 2026-12-01, 5 in a local run the same day) are not the killed process's: with the counting
+    # by connection above they were all on the surviving one's, streams still going after
+    # REQUEST_DEADLINE on 2 loaded cores (load average 5.5; that run's celery worker scenario,
+    # which drops no connection, timed out 4 the same way). Real losses, so counted as such.
+    # TODO(issue 13): assert r.lost == 0 once streams keep pace under that load; printed meanwhile.
 
 
 def test_redis(cluster: Cluster, results: list[Result]) -> None:
@@ -170,10 +187,7 @@ def test_redis(cluster: Cluster, results: list[Result]) -> None:
 
     r = record(results, run_scenario(cluster, "redis", kill))
     assert_settled(r)
-    # The clients retry on new connections and stream followers wait out the restart
-    # (racon/redis.py, apps/jobs/streams.py). Requests are still lost (7 of 16 in CI on
-    # 2026-12-01): the agent's stream writer fails a job when a write fails instead of retrying
-    # through the restart (agent/runtime/stream.py), and the follower then waits out its idle
-    # limit. TODO(issue 13): assert r.lost == 0 once the writer retries; the figure is printed,
-    # and assert_settled above holds it to 0 stuck jobs, 0 ledger violations, holds released
-    # and a retry that succeeds.
+    # The clients retry on new connections, stream followers wait out the restart (racon/redis.py,
+    # apps/jobs/streams.py) and the agent's stream writer retries its writes through it, in order
+    # and without duplicates (agent/runtime/stream.py): no request is lost.
+    assert r.lost == 0, r.line()
