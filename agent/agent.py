@@ -36,6 +36,7 @@ from agent.lending import (
     LinuxIdleSource,
     PolicyError,
     check_caps,
+    owner_policy_at_start,
 )
 from agent.metrics import MetricsServer
 from agent.models import ShaCache, scan_models
@@ -114,6 +115,7 @@ class Agent:
             rpc_worker=lambda: self.commands.rpc_worker,
             on_revoked=self._on_revoked,
             on_credential_refused=self._on_credential_refused,
+            on_protocol_refused=lambda message: self._refused("protocol unsupported", message),
         )
         self.commands = Commands(
             config=config,
@@ -128,17 +130,16 @@ class Agent:
             stop=self._stop,
             wake_heartbeat=self.heartbeat.wake,
             on_rpc_worker_started=self._on_rpc_worker_started,
+            adopt_lending=self._adopt_policy,
         )
         self.lending = LendingMonitor(
             state_dir=config.state_dir,
             policy=lambda: self.config.lending,
-            idle=LinuxIdleSource()
-            if config.lending.idle_minutes or config.lending.cpu_below
-            else None,
+            # Always there: an owner's policy from the UI may turn idle-only on (set_lending);
+            # it is polled only while the policy asks for it.
+            idle=LinuxIdleSource(),
             event=self.outbox.event,
             hand_off=lambda: lifecycle.hand_off_jobs(self.registry, self.redis, self.node_id),
-            fetch=lambda: lifecycle.owner_policy(self.redis, self.node_id),
-            adopt=self._adopt_policy,
         )
         self.dispatcher = Dispatcher(
             commands=self.commands,
@@ -233,9 +234,14 @@ class Agent:
             self.heartbeat.start()  # the controller sees UNINITIALIZED → REGISTERING → READY
         self.hardware = self.hw.inventory(benchmark=self.config.run_benchmarks)
         try:
+            self.config.lending, saved = owner_policy_at_start(
+                self.config.state_dir, self.config.lending, hardware=dict(self.hardware)
+            )
             check_caps(self.config.lending, dict(self.hardware))
         except PolicyError as exc:
             raise FatalAgentError(f"lending policy: {exc}", EXIT_CONFIG) from None
+        if saved:
+            log.info("lending: the policy the owner set in the controller's UI (%s)", saved)
         models = scan_models(self.config.models_dir, self.sha_cache)
         self.set_state(AgentState.REGISTERING, "handshake with the controller")
         if resumable:
@@ -291,7 +297,8 @@ class Agent:
     # --- callbacks from the parts ---------------------------------------------------------------
 
     def _adopt_policy(self, policy: LendingPolicy) -> None:
-        """The owner's policy from the controller replaces the file's until the agent restarts."""
+        """The owner's policy from the controller (set_lending) replaces the file's; it is kept
+        in the state dir across restarts (agent/lending.py: owner_policy_at_start)."""
         check_caps(policy, dict(self.hardware or {}))
         self.config.lending = policy
 

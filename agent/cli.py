@@ -41,6 +41,7 @@ from agent.config import (
     default_state_dir,
 )
 from agent.hardware import hardware_source
+from agent.hardware.gpu_benchmark import doctor_check
 from agent.identity import IdentityError, load_identity, write_private_file
 from agent.lending import HANDOFFS, lending_status_path, pause_path, read_json
 from agent.models import ShaCache, scan_models
@@ -380,6 +381,7 @@ def run_doctor(
         src = hardware_source(models_dir, state_dir, hardware_profile)
         report["hardware"] = src.inventory(benchmark=benchmark)
         check("hardware", True, "detected")
+        check("gpu benchmark", *doctor_check(report["hardware"]["gpus"], src.gpu_benchmark_detail))
     except Exception as exc:
         check("hardware", False, f"{type(exc).__name__}: {exc}")
 
@@ -460,7 +462,12 @@ def cmd_doctor(argv: Sequence[str]) -> int:
         for g in hw["gpus"]:
             print(
                 f"gpu {g['index']}: {g['name']} {g['vram_total'] / 2**30:.1f} GiB "
-                f"({g['vram_free'] / 2**30:.1f} free), driver {g['driver']}"
+                f"({g['vram_free'] / 2**30:.1f} free), driver {g['driver']}; benchmark "
+                + (
+                    f"{g['gflops']} GFLOPS, {g['mem_bandwidth_gbps']} GB/s"
+                    if "gflops" in g
+                    else "none (the controller assumes figures)"
+                )
             )
         if not hw["gpus"]:
             print("gpu: none detected")

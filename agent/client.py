@@ -15,10 +15,12 @@ import httpx
 
 from agent import __version__
 from agent.protocol import (
+    PROTOCOL_PATH,
     EnrollRequest,
     EnrollResponse,
     Heartbeat,
     HeartbeatResponse,
+    ProtocolInfo,
     Report,
 )
 from agent.retry import RetryStopped, retry_call
@@ -41,6 +43,11 @@ class NodeRevoked(ControllerError):
 
 class Unauthorized(ControllerError):
     """The credential or enrollment token was refused (not revoked: unknown, expired, wrong)."""
+
+
+class ProtocolUnsupported(ControllerError):
+    """The controller refused this agent's node protocol version (HTTP 409 protocol_unsupported).
+    Final: only another agent version can talk to it."""
 
 
 class ControllerUnavailable(Exception):
@@ -183,6 +190,8 @@ class ControllerClient:
             )
         if resp.status_code >= 400:
             message = _error_message(resp) or body[:200]
+            if resp.status_code == 409 and _error_code(resp) == "protocol_unsupported":
+                raise ProtocolUnsupported(message, status=resp.status_code, body=body)
             raise ControllerError(
                 f"{method} {path} failed (HTTP {resp.status_code}): {message}",
                 status=resp.status_code,
@@ -201,6 +210,18 @@ class ControllerClient:
 
     def health(self, *, retries: int = 0) -> dict[str, Any]:
         return cast(dict[str, Any], self.request("GET", "/health", auth=False, retries=retries))
+
+    def protocol(
+        self, *, retries: int | None = None, stop: threading.Event | None = None
+    ) -> ProtocolInfo:
+        """The controller's node protocol (no auth, nothing changes): read before enrolling."""
+        body = self.request("GET", PROTOCOL_PATH, auth=False, retries=retries, stop=stop)
+        version = body.get("protocol_version") if isinstance(body, dict) else None
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ControllerError(
+                f"GET {PROTOCOL_PATH}: no integer 'protocol_version' in the answer"
+            )
+        return cast(ProtocolInfo, body)
 
     def enroll(
         self,
@@ -260,3 +281,12 @@ def _error_message(resp: httpx.Response) -> str:
             return str(err.get("message", err))
         return str(err)
     return ""
+
+
+def _error_code(resp: httpx.Response) -> str:
+    try:
+        data = resp.json()
+    except ValueError:
+        return ""
+    err = data.get("error") if isinstance(data, dict) else None
+    return str(err.get("code", "")) if isinstance(err, dict) else ""

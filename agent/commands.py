@@ -14,14 +14,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
+import httpx
 import redis
 
 from agent.client import ControllerClient
 from agent.config import AgentConfig
 from agent.hardware import HardwareSource
 from agent.hardware.benchmark import speed_challenge_digest
+from agent.lending import LendingPolicy, PolicyError, owner_policy_save, policy_from_wire
 from agent.links import bulk_bytes_for, probe_peer
 from agent.models import ShaCache, fetch_model, resolve_model, scan_models
 from agent.outbox import Outbox
@@ -51,6 +53,22 @@ CONTROL = frozenset({"rpc_start", "rpc_stop", "load_primary", "unload"})
 RUN_JOB_MAX_TOKENS = 256  # when a run_job carries none
 
 
+@runtime_checkable
+class SlotStateHandle(Protocol):
+    """A primary whose slots can be saved and restored (llama-server's; agent/runtime/server.py)."""
+
+    def slot_file(self, filename: str) -> Path: ...
+
+    def slot_save(self, *, slot: int, filename: str, timeout: float = 120.0) -> dict[str, Any]: ...
+
+    def slot_restore(
+        self, *, slot: int, filename: str, timeout: float = 120.0
+    ) -> dict[str, Any]: ...
+
+
+KV_TIMEOUT_SECONDS = 120.0
+
+
 class AlreadyLoaded(Exception):
     """load_primary for a deployment already here with the same plan: its earlier result."""
 
@@ -75,8 +93,12 @@ class Commands:
         stop: threading.Event,
         wake_heartbeat: Callable[[], None],
         on_rpc_worker_started: Callable[[], None],
+        adopt_lending: Callable[[LendingPolicy], None] | None = None,
     ) -> None:
         self.config = config
+        self.adopt_lending = adopt_lending
+        # The policy of the --policy file and flags, before any owner's from the UI replaced it.
+        self.configured_lending = config.lending
         self.registry = registry
         self.runtime = runtime
         self.client = client
@@ -102,6 +124,9 @@ class Commands:
             "hash_challenge": self.hash_challenge,
             "speed_challenge": self.speed_challenge,
             "fetch_model": self.fetch_model,
+            "kv_save": self.kv_save,
+            "kv_restore": self.kv_restore,
+            "set_lending": self.set_lending,
         }
 
     # --- the RPC worker ---------------------------------------------------------------------------
@@ -442,6 +467,157 @@ class Commands:
         )
         self.rescan_models({})
         return {"path": str(path), "sha256": payload["sha256"].lower(), "size": path.stat().st_size}
+
+    def set_lending(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The owner set the lending policy in the controller's UI: check it against this
+        machine, apply it (the lending monitor reads it from its next evaluation) and keep it
+        in the state dir, so it survives a restart (agent/lending.py: owner_policy_at_start)."""
+        if self.adopt_lending is None:
+            raise CommandError("set_lending: this agent cannot change its lending policy")
+        raw = payload.get("lending")
+        try:
+            if not isinstance(raw, dict):
+                raise PolicyError("lending: must be an object")
+            policy = policy_from_wire(raw)
+            self.adopt_lending(policy)
+        except PolicyError as exc:
+            self.outbox.event(
+                "LENDING_POLICY_REFUSED", f"owner's lending policy refused: {exc}", {}
+            )
+            raise CommandError(f"set_lending: {exc}") from None
+        path = owner_policy_save(self.config.state_dir, policy, configured=self.configured_lending)
+        wire = policy.to_wire()
+        self.outbox.event("LENDING_POLICY", "adopted the owner's lending policy", {"lending": wire})
+        log.info("adopted the owner's lending policy (kept in %s)", path)
+        return {"lending": wire, "saved": str(path)}
+
+    # --- KV state transfer (apps/jobs/kvtransfer.py) ---------------------------------------------
+
+    def _slot_handle(self, payload: dict[str, Any], kind: str) -> tuple[SlotStateHandle, int, str]:
+        dep_id, slot, tid = (payload.get(k) for k in ("deployment_id", "slot", "transfer_id"))
+        if not isinstance(dep_id, str) or not dep_id:
+            raise CommandError(f"malformed {kind}: missing 'deployment_id'")
+        if not isinstance(slot, int) or isinstance(slot, bool) or slot < 0:
+            raise CommandError(f"malformed {kind}: 'slot' must be a slot index >= 0")
+        if not isinstance(tid, str) or not tid.isalnum() or len(tid) > 64:
+            raise CommandError(f"malformed {kind}: 'transfer_id' must be 1-64 letters or digits")
+        dep = self.registry.get(dep_id)
+        if dep is None or dep.primary is None:
+            raise CommandError(f"{kind}: deployment {dep_id} is not loaded on this node")
+        if not isinstance(dep.primary, SlotStateHandle):
+            raise CommandError(f"{kind}: this runtime cannot save or restore slot state")
+        return dep.primary, slot, tid
+
+    def _kv_url(self, url: Any, kind: str, field: str) -> str:
+        if not isinstance(url, str) or not url.startswith("/api/agent/kv/"):
+            raise CommandError(
+                f"malformed {kind}: {field!r} must be a controller /api/agent/kv/ path"
+            )
+        return self.config.controller_url.rstrip("/") + url
+
+    def kv_save(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Save a slot and upload the file to the controller with this node's credential."""
+        primary, slot, tid = self._slot_handle(payload, "kv_save")
+        url = self._kv_url(payload.get("upload_url"), "kv_save", "upload_url")
+        filename = f"{tid}.bin"
+        path = primary.slot_file(filename)
+        t0 = time.perf_counter()
+        try:
+            saved = primary.slot_save(slot=slot, filename=filename, timeout=KV_TIMEOUT_SECONDS)
+            save_s = time.perf_counter() - t0
+            digest = hashlib.sha256()
+            with open(path, "rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    digest.update(chunk)
+            size = path.stat().st_size
+            t1 = time.perf_counter()
+            with open(path, "rb") as fh:
+                resp = self.client.download().post(
+                    url,
+                    content=fh,
+                    headers={
+                        **self.client.auth_headers(),
+                        "Content-Type": "application/octet-stream",
+                        "Content-Length": str(size),
+                    },
+                    timeout=httpx.Timeout(KV_TIMEOUT_SECONDS, connect=5.0),
+                )
+            if resp.status_code != 201:
+                raise CommandError(
+                    f"kv_save: upload refused ({resp.status_code}): {resp.text[:300]}"
+                )
+        except (OSError, httpx.HTTPError, ValueError) as exc:
+            raise CommandError(f"kv_save of slot {slot} failed: {exc}") from None
+        finally:
+            path.unlink(missing_ok=True)
+        return {
+            "transfer_id": tid,
+            "slot": slot,
+            "n_saved": int(saved.get("n_saved") or 0),
+            "size": size,
+            "sha256": digest.hexdigest(),
+            "save_s": round(save_s, 4),
+            "upload_s": round(time.perf_counter() - t1, 4),
+        }
+
+    def kv_restore(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Download a saved slot with this node's credential, check its sha256, restore it."""
+        primary, slot, tid = self._slot_handle(payload, "kv_restore")
+        url = self._kv_url(payload.get("url"), "kv_restore", "url")
+        sha = payload.get("sha256")
+        size = payload.get("size")
+        if not isinstance(sha, str) or len(sha) != 64:
+            raise CommandError("malformed kv_restore: 'sha256' must be 64 hex digits")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise CommandError("malformed kv_restore: 'size' must be a byte count > 0")
+        filename = f"{tid}.bin"
+        path = primary.slot_file(filename)
+        t0 = time.perf_counter()
+        try:
+            digest = hashlib.sha256()
+            got = 0
+            with (
+                self.client.download().stream(
+                    "GET",
+                    url,
+                    headers=self.client.auth_headers(),
+                    timeout=httpx.Timeout(KV_TIMEOUT_SECONDS, connect=5.0),
+                ) as resp,
+                open(path, "wb") as out,
+            ):
+                if resp.status_code != 200:
+                    resp.read()
+                    raise CommandError(
+                        f"kv_restore: download refused ({resp.status_code}): {resp.text[:300]}"
+                    )
+                for chunk in resp.iter_bytes(1 << 20):
+                    got += len(chunk)
+                    if got > size:
+                        raise CommandError(f"kv_restore: more than the {size} bytes announced")
+                    digest.update(chunk)
+                    out.write(chunk)
+            download_s = time.perf_counter() - t0
+            if got != size or digest.hexdigest() != sha.lower():
+                raise CommandError(
+                    f"kv_restore: the download ({got} bytes, sha256 {digest.hexdigest()}) does "
+                    f"not match the transfer ({size} bytes, sha256 {sha.lower()}); not restored"
+                )
+            t1 = time.perf_counter()
+            restored = primary.slot_restore(
+                slot=slot, filename=filename, timeout=KV_TIMEOUT_SECONDS
+            )
+        except (OSError, httpx.HTTPError, ValueError) as exc:
+            raise CommandError(f"kv_restore into slot {slot} failed: {exc}") from None
+        finally:
+            path.unlink(missing_ok=True)
+        return {
+            "transfer_id": tid,
+            "slot": slot,
+            "n_restored": int(restored.get("n_restored") or 0),
+            "size": got,
+            "download_s": round(download_s, 4),
+            "restore_s": round(time.perf_counter() - t1, 4),
+        }
 
 
 def _load_result(dep_id: str, model: Path, loaded: dict[str, Any]) -> dict[str, Any]:

@@ -19,12 +19,13 @@ from agent.client import (
     ControllerError,
     ControllerUnavailable,
     NodeRevoked,
+    ProtocolUnsupported,
     Unauthorized,
 )
 from agent.config import AgentConfig
 from agent.hardware import HardwareSource
 from agent.identity import write_private_file
-from agent.protocol import Heartbeat
+from agent.protocol import PROTOCOL_VERSION, Heartbeat, controller_protocol_refusal
 from agent.registry import DeploymentRegistry
 from agent.runtime import RpcWorkerHandle
 from agent.state import AgentState
@@ -47,6 +48,7 @@ class HeartbeatLoop:
         rpc_worker: Callable[[], RpcWorkerHandle | None],
         on_revoked: Refusal,
         on_credential_refused: Refusal,
+        on_protocol_refused: Callable[[str], None],
     ) -> None:
         self.config = config
         self.client = client
@@ -57,6 +59,8 @@ class HeartbeatLoop:
         self.rpc_worker = rpc_worker
         self.on_revoked = on_revoked
         self.on_credential_refused = on_credential_refused
+        # Either side refused the other's node protocol: the agent stops (message names both).
+        self.on_protocol_refused = on_protocol_refused
         self.interval = 5.0  # the controller's figure replaces it with each answer
         self.controller_state: str | None = None
         self._wake = threading.Event()
@@ -91,7 +95,12 @@ class HeartbeatLoop:
                 self._wake.wait(min(left, 1.0))
 
     def beat(self) -> None:
-        hb = Heartbeat(state=self.state().value, sent_at=time.time(), telemetry=self.telemetry())
+        hb = Heartbeat(
+            state=self.state().value,
+            sent_at=time.time(),
+            protocol_version=PROTOCOL_VERSION,
+            telemetry=self.telemetry(),
+        )
         try:
             resp = self.client.heartbeat(hb)
         except NodeRevoked as exc:
@@ -102,8 +111,19 @@ class HeartbeatLoop:
             return
         except ControllerUnavailable:
             return  # logged once per outage by the client
+        except ProtocolUnsupported as exc:
+            self.on_protocol_refused(f"the controller refused this agent's heartbeat: {exc}")
+            return
         except ControllerError as exc:
             log.warning("heartbeat rejected: %s", exc)
+            return
+        theirs = resp.get("protocol_version", 1)
+        if isinstance(theirs, bool) or not isinstance(theirs, int):
+            refusal: str | None = f"protocol_version {theirs!r} is not a protocol version"
+        else:
+            refusal = controller_protocol_refusal(theirs, agent_version=__version__)
+        if refusal:
+            self.on_protocol_refused(f"heartbeat answer: {refusal}")
             return
         interval = resp.get("heartbeat_interval")
         if isinstance(interval, int | float) and 0.2 <= interval <= 3600:

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from agent.identity import write_private_file
+
 GiB = 1 << 30
 HANDOFFS = ("failover", "finish")
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -45,6 +47,12 @@ _WINDOW_RE = re.compile(
 
 class PolicyError(ValueError):
     """A lending policy value is wrong. The message names the field and is meant for the owner."""
+
+    @property
+    def field(self) -> str:
+        """The field the message names (its text before the first colon): ``caps.ram_gb``,
+        ``windows[1]``, ``timezone``; a form maps it back to its input."""
+        return str(self).split(":", 1)[0].strip()
 
 
 @dataclass(frozen=True)
@@ -466,7 +474,8 @@ class LendingMonitor:
 
     A pause sends LENDING_PAUSED (the controller drains the node at once) and, with the failover
     handoff, hands each running job to another replica (``hand_off(job_id)``); with ``finish`` the
-    jobs run to their end. A resume sends LENDING_RESUMED.
+    jobs run to their end. A resume sends LENDING_RESUMED. ``policy`` is read on every evaluation,
+    so a policy the owner set in the UI (the set_lending command) applies from the next one.
     """
 
     def __init__(
@@ -478,8 +487,6 @@ class LendingMonitor:
         event: Callable[[str, str, dict[str, Any]], None],
         hand_off: Callable[[], list[str]],
         clock: Callable[[], datetime] | None = None,
-        fetch: Callable[[], dict[str, Any] | None] | None = None,
-        adopt: Callable[[LendingPolicy], None] | None = None,
         poll: float = 0.2,
         every: float = 5.0,
     ) -> None:
@@ -488,8 +495,6 @@ class LendingMonitor:
         self.idle = idle
         self.event = event
         self.hand_off = hand_off
-        self.fetch = fetch
-        self.adopt = adopt
         self.clock = clock or (lambda: datetime.now().astimezone())
         self.poll = poll
         self.every = every
@@ -524,7 +529,6 @@ class LendingMonitor:
         mono = time.monotonic()
         if force or mono >= self._next_eval:
             self._next_eval = mono + self.every
-            self._owner_policy()
             ok, why = lending_open(self.policy(), now=self.clock(), idle=self.idle)
             self._policy_closed = (not ok, why)
         if manual is not None:
@@ -556,21 +560,6 @@ class LendingMonitor:
             self._written = (self.paused, handoff)
             self._write(handoff)
 
-    def _owner_policy(self) -> None:
-        """Adopt the policy the owner set in the controller's UI, when it differs."""
-        if self.fetch is None or self.adopt is None:
-            return
-        wire = self.fetch()
-        if not wire or wire == self.policy().to_wire():
-            return
-        try:
-            policy = policy_from_wire(wire)
-            self.adopt(policy)
-        except PolicyError as exc:
-            self.event("LENDING_POLICY_REFUSED", f"owner's lending policy refused: {exc}", {})
-            return
-        self.event("LENDING_POLICY", "adopted the owner's lending policy", {"lending": wire})
-
     def _write(self, handoff: str) -> None:
         body = {
             "paused": self.paused,
@@ -586,3 +575,60 @@ class LendingMonitor:
             tmp.replace(path)
         except OSError:
             pass
+
+
+# --- the owner's policy, set in the controller's UI ----------------------------------------------
+
+
+def owner_policy_path(state_dir: Path) -> Path:
+    """The policy the owner set in the controller's UI (the set_lending command), kept across
+    restarts: ``{"policy": wire, "base": wire, "saved_at"}``. ``base`` is the policy the agent's
+    own --policy file and flags gave when the owner first set one from the UI."""
+    return state_dir / "owner-lending.json"
+
+
+def owner_policy_save(state_dir: Path, policy: LendingPolicy, *, configured: LendingPolicy) -> Path:
+    """Persist the owner's policy (mode 0600, atomically). ``configured`` is the policy of the
+    --policy file and flags; an earlier save's ``base`` is kept, since the running policy may
+    already be an owner's one."""
+    path = owner_policy_path(state_dir)
+    earlier = read_json(path) or {}
+    base = earlier.get("base") if isinstance(earlier.get("base"), dict) else configured.to_wire()
+    body = {"policy": policy.to_wire(), "base": base, "saved_at": time.time()}
+    write_private_file(path, json.dumps(body, indent=2) + "\n")
+    return path
+
+
+def owner_policy_at_start(
+    state_dir: Path, configured: LendingPolicy, *, hardware: Mapping[str, Any] | None = None
+) -> tuple[LendingPolicy, Path | None]:
+    """The policy to start with, and the owner's saved file when it is that one.
+
+    The latest word wins: the owner's policy from the UI, unless the --policy file or the flags
+    changed since it was set (they no longer give its ``base``): then they do, and the saved one
+    is removed. Raises PolicyError naming the file when the saved policy no longer parses or,
+    given the machine's ``hardware``, asks for more than it has (check_caps).
+    """
+    path = owner_policy_path(state_dir)
+    if not path.exists():
+        return configured, None
+    saved = read_json(path)
+    if saved is None or not isinstance(saved.get("policy"), dict):
+        raise PolicyError(
+            f"{path}: not a saved lending policy (delete it to use --policy and flags)"
+        )
+    if saved.get("base") != configured.to_wire():
+        logging.getLogger("agent").info(
+            "the --policy file or lending flags changed since the owner set a policy in the UI: "
+            "using them (removing %s)",
+            path,
+        )
+        path.unlink(missing_ok=True)
+        return configured, None
+    try:
+        policy = policy_from_wire(saved["policy"])
+        if hardware is not None:
+            check_caps(policy, hardware)
+        return policy, path
+    except PolicyError as exc:
+        raise PolicyError(f"{path}: {exc} (delete it to use --policy and flags)") from None

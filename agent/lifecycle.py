@@ -5,7 +5,6 @@ These are steps the Agent runs in order (agent/agent.py); each takes only the pa
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -17,6 +16,7 @@ from agent.client import (
     ControllerError,
     ControllerUnavailable,
     NodeRevoked,
+    ProtocolUnsupported,
     Unauthorized,
 )
 from agent.commands import Commands
@@ -25,14 +25,13 @@ from agent.identity import Identity, machine_id, save_identity
 from agent.metrics import MetricsServer, Snapshot, start_metrics_server
 from agent.outbox import Outbox
 from agent.protocol import (
-    NODE_PREFIX,
     PROTOCOL_VERSION,
-    SUPPORTED_PROTOCOL_VERSIONS,
     EnrollRequest,
     EnrollResponse,
     Hardware,
     Heartbeat,
     PublicAddressError,
+    controller_protocol_refusal,
     is_private_address,
 )
 from agent.redis_link import RedisLink
@@ -74,6 +73,38 @@ def credential_still_valid(client: ControllerClient, config: AgentConfig) -> boo
     return True
 
 
+def controller_protocol_accepted(client: ControllerClient, *, stop: threading.Event) -> bool:
+    """Read the controller's protocol version (GET, no token sent) and refuse one this agent
+    does not speak before the token is ever presented, so the refusal leaves it unused.
+
+    Retries an unreachable controller until `stop` (then False). A controller without the
+    endpoint (404) predates it and speaks protocol 1.
+    """
+    try:
+        info = retry_call(
+            lambda: client.protocol(retries=0),
+            retry_on=ControllerUnavailable,
+            base=1.0,
+            cap=30.0,
+            stop=stop,
+        )
+        theirs = info["protocol_version"]
+    except RetryStopped:
+        return False
+    except ControllerError as exc:
+        if exc.status != 404:
+            raise FatalAgentError(
+                f"reading the controller's protocol version failed: {exc}", EXIT_REFUSED
+            ) from None
+        theirs = 1
+    refusal = controller_protocol_refusal(theirs, agent_version=__version__)
+    if refusal:
+        raise FatalAgentError(
+            f"{refusal} (the enrollment token was not used)", EXIT_REFUSED, refused=True
+        )
+    return True
+
+
 def enroll(
     client: ControllerClient,
     config: AgentConfig,
@@ -110,6 +141,8 @@ def enroll(
     presented = (stored.node_id, stored.credential) if stored else None
     if stop.is_set():
         return None
+    if not controller_protocol_accepted(client, stop=stop):
+        return None
     try:
         # The client logs an outage once; keep trying with capped backoff.
         resp = retry_call(
@@ -125,17 +158,20 @@ def enroll(
         raise FatalAgentError(
             f"enrollment refused by the controller: {exc}", EXIT_REFUSED
         ) from None
-    except ControllerError as exc:
-        raise FatalAgentError(f"enrollment failed: {exc}", EXIT_REFUSED) from None
-    theirs = int(resp.get("protocol_version", 1))
-    if theirs not in SUPPORTED_PROTOCOL_VERSIONS:
+    except ProtocolUnsupported as exc:
         raise FatalAgentError(
-            f"the controller speaks node protocol {theirs}; this agent ({__version__}) speaks "
-            f"protocol {PROTOCOL_VERSION} (supports {', '.join(map(str, SUPPORTED_PROTOCOL_VERSIONS))}): "
-            "install the controller's agent with `node-agent upgrade` or the join line",
+            f"the controller refused this agent's protocol (the token was not used): {exc}",
             EXIT_REFUSED,
             refused=True,
-        )
+        ) from None
+    except ControllerError as exc:
+        raise FatalAgentError(f"enrollment failed: {exc}", EXIT_REFUSED) from None
+    # Checked before enrolling too; this guards a controller replaced in between.
+    refusal = controller_protocol_refusal(
+        int(resp.get("protocol_version", 1)), agent_version=__version__
+    )
+    if refusal:
+        raise FatalAgentError(refusal, EXIT_REFUSED, refused=True)
     identity = Identity(
         node_id=str(resp["node_id"]),
         credential=str(resp["credential"]),
@@ -259,16 +295,3 @@ def hand_off_jobs(
         except Exception as exc:  # redis errors: the job then finishes here instead
             log.warning("job %s: cannot hand off: %s", job_id, exc)
     return handed
-
-
-def owner_policy(redis_link: RedisLink, node_id: str | None) -> dict[str, Any] | None:
-    """The lending policy the owner set in the controller, from the node's own key (or None)."""
-    r = redis_link.client
-    if r is None or node_id is None:
-        return None
-    try:
-        raw = r.get(f"{NODE_PREFIX}{node_id}:lending")
-        data = json.loads(raw) if raw else None
-    except Exception:  # redis errors, bad JSON: keep the current policy
-        return None
-    return data if isinstance(data, dict) else None

@@ -8,6 +8,7 @@ Transport:
     POST /api/agent/enroll      EnrollRequest → EnrollResponse  (no credential yet; enrollment token)
     POST /api/agent/heartbeat   Heartbeat → HeartbeatResponse   (Authorization: Node <node_id>:<credential>)
     POST /api/agent/reports     Report → ReportResponse         (same auth)
+    GET  /api/agent/protocol    → ProtocolInfo                  (no auth: checked before enrolling)
 - Controller → agent: the node's own Redis list ``node_queue_key(node_id)`` holding JSON Commands.
   The agent moves each command atomically into ``node_processing_key(node_id)`` (BLMOVE) and removes
   it once the controller has accepted the command's report, so a crash never loses a command.
@@ -28,6 +29,21 @@ PROTOCOL_VERSION = 1
 # controller answers with its own; each refuses a version outside this tuple, naming both (an
 # agent from before the field existed speaks 1). Upgrade: `node-agent upgrade`, or the join line.
 SUPPORTED_PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
+# The agent reads the controller's version here before it sends the token, so a refused version
+# never uses the token up; a controller without this endpoint (404) speaks 1.
+PROTOCOL_PATH = "/api/agent/protocol"
+
+
+def controller_protocol_refusal(theirs: int, *, agent_version: str) -> str | None:
+    """The agent's refusal of a controller speaking protocol `theirs`, or None if it speaks it."""
+    if theirs in SUPPORTED_PROTOCOL_VERSIONS:
+        return None
+    return (
+        f"the controller speaks node protocol {theirs}; this agent ({agent_version}) speaks "
+        f"protocol {PROTOCOL_VERSION} (supports {', '.join(map(str, SUPPORTED_PROTOCOL_VERSIONS))}): "
+        "install the controller's agent with `node-agent upgrade` or the join line"
+    )
+
 
 # --- Redis keys -------------------------------------------------------------------------------
 # Every key a node may touch lives under its own prefix ``racon:n:{node_id}:`` so that its Redis
@@ -97,6 +113,9 @@ CommandKind = Literal[
     "fetch_model",  # FetchModelPayload
     "hash_challenge",  # {"sha256", "path", "offset", "length", "nonce"} → {"digest"}
     "speed_challenge",  # {"seed", "n", "reps"} → {"digest"} (agent.hardware.benchmark)
+    "kv_save",  # {"deployment_id", "slot", "transfer_id", "upload_url"} → {"sha256", "size", ...}
+    "kv_restore",  # {"deployment_id", "slot", "transfer_id", "url", "sha256", "size"} → {"n_restored", ...}
+    "set_lending",  # {"lending": LendingPolicy.to_wire()} → {"lending", "saved"} (the owner's, from the UI)
 ]
 COMMAND_KINDS: tuple[str, ...] = (
     "rpc_start",
@@ -110,6 +129,9 @@ COMMAND_KINDS: tuple[str, ...] = (
     "fetch_model",
     "hash_challenge",
     "speed_challenge",
+    "kv_save",
+    "kv_restore",
+    "set_lending",
 )
 # Commands acknowledged without a command_result once accepted: nobody waits on their result, and
 # the job's stream and job_finished report carry its outcome. A refusal still sends a result.
@@ -296,6 +318,10 @@ class GpuInfo(TypedDict):
     vram_total: int
     vram_free: int
     driver: str
+    # Measured by agent/hardware/gpu_benchmark.py when the llama.cpp build has a GPU backend;
+    # absent, the controller assumes figures (apps/jobs/selectors.py, _gpu_speed).
+    gflops: NotRequired[float]
+    mem_bandwidth_gbps: NotRequired[float]
 
 
 class Hardware(TypedDict):
@@ -335,9 +361,15 @@ class EnrollResponse(TypedDict):
     protocol_version: NotRequired[int]  # the controller's; absent: 1
 
 
+class ProtocolInfo(TypedDict):
+    protocol_version: int  # the controller's
+    supported_protocol_versions: list[int]  # the agent protocols the controller accepts
+
+
 class Heartbeat(TypedDict):
     state: NotRequired[str]  # what the agent wants: READY once its runtime checks pass
     sent_at: NotRequired[float]  # agent clock; ignored for health decisions
+    protocol_version: NotRequired[int]  # the agent's; absent: 1 (refused with 409 if unsupported)
     telemetry: dict[
         str, Any
     ]  # cpu_percent, mem_available, gpu_free[], rpc_worker, primaries[], jobs[]
@@ -346,6 +378,9 @@ class Heartbeat(TypedDict):
 class HeartbeatResponse(TypedDict):
     state: str
     heartbeat_interval: float
+    protocol_version: NotRequired[
+        int
+    ]  # the controller's; absent: 1 (the agent stops if unsupported)
 
 
 def new_id() -> str:

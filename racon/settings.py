@@ -184,6 +184,7 @@ CELERY_PLACEMENT_QUEUE = env("CELERY_PLACEMENT_QUEUE", f"{CELERY_TASK_DEFAULT_QU
 CELERY_TASK_ROUTES = {
     "racon.jobs.place_deployment": {"queue": CELERY_PLACEMENT_QUEUE},
     "racon.jobs.speed_challenge": {"queue": CELERY_PLACEMENT_QUEUE},
+    "racon.jobs.kv_transfer": {"queue": CELERY_PLACEMENT_QUEUE},
 }
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_IGNORE_RESULT = True
@@ -302,6 +303,14 @@ KV_AFFINITY_WAIT_SECONDS = envfloat("KV_AFFINITY_WAIT_SECONDS", 2.0)
 KV_ROUTE_LOAD_TOKENS = envfloat("KV_ROUTE_LOAD_TOKENS", 256.0)
 KV_PREFIX_MAX_ENTRIES = envint("KV_PREFIX_MAX_ENTRIES", 10000)
 KV_PREFIX_TTL_SECONDS = envint("KV_PREFIX_TTL_SECONDS", 3600)
+# A drain moves its replicas' conversations (KV state: slot save, upload, download, restore) to
+# another replica instead of dropping them (apps/jobs/kvtransfer.py); racon:kv:transfer overrides.
+KV_TRANSFER = envbool("KV_TRANSFER", True)
+KV_TRANSFER_MAX_BYTES = envint("KV_TRANSFER_MAX_BYTES", 512 * 1024 * 1024)  # one slot's save file
+KV_TRANSFER_TIMEOUT_SECONDS = envfloat("KV_TRANSFER_TIMEOUT_SECONDS", 120.0)  # per agent step
+KV_TRANSFER_MAX_CONVERSATIONS = envint("KV_TRANSFER_MAX_CONVERSATIONS", 64)  # per replica drained
+# A turn whose owner is moving its state waits at most this long for the move, then prefills.
+KV_TRANSFER_WAIT_SECONDS = envfloat("KV_TRANSFER_WAIT_SECONDS", 30.0)
 # A node whose lending window closes sooner than this is avoided for new deployments (a fallback).
 LENDING_MIN_WINDOW_SECONDS = envfloat("LENDING_MIN_WINDOW_SECONDS", 3600.0)
 # In-process caches of the API-key principal, the model by name and the route (racon/cache.py):

@@ -9,6 +9,7 @@ from apps.api.health import health
 from apps.api.metrics_view import metrics
 from apps.api.v1 import views as v1
 from apps.jobs import api as jobs_api
+from apps.jobs import kvtransfer_api
 from apps.models_repo import api as models_api
 from apps.nodes import api as nodes_api
 
@@ -17,6 +18,7 @@ agent_urls = [
     path("heartbeat", nodes_api.agent_heartbeat, name="agent-heartbeat"),
     path("reports", jobs_api.AgentReportsApi.as_view(), name="agent-reports"),
     path("models/<str:sha256>", models_api.model_file_download, name="agent-model-file"),
+    path("kv/<str:transfer_id>", kvtransfer_api.kv_blob, name="agent-kv-blob"),
 ]
 
 admin_urls = [

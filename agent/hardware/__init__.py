@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agent.hardware import benchmark as _bench
-from agent.hardware import nvml, psutil_detector
+from agent.hardware import gpu_benchmark, nvml, psutil_detector
 from agent.hardware.fake import ProfileError, load_profile
 from agent.protocol import Hardware
 
@@ -35,6 +35,9 @@ def fingerprint(hw: Hardware) -> str:
 
 
 class HardwareSource(Protocol):
+    # How the GPUs' gflops and mem_bandwidth_gbps came about (measured, or why not): doctor.
+    gpu_benchmark_detail: str
+
     def inventory(self, *, benchmark: bool = True) -> Hardware: ...
 
     def telemetry(self) -> dict[str, Any]: ...
@@ -49,6 +52,7 @@ class HostHardware:
         self.models_dir = models_dir
         self.state_dir = state_dir
         self._memory_total: int | None = None
+        self.gpu_benchmark_detail = "not run"
 
     def inventory(self, *, benchmark: bool = True) -> Hardware:
         hw = Hardware(
@@ -63,6 +67,11 @@ class HostHardware:
         hw["fingerprint"] = fingerprint(hw)
         if benchmark:
             hw["benchmark"] = _bench.cached_benchmarks(self.state_dir, hw["fingerprint"])
+            gpu = gpu_benchmark.cached_gpu_benchmarks(
+                self.state_dir, hw["fingerprint"], hw["gpus"], self.models_dir
+            )
+            gpu.apply(hw["gpus"])
+            self.gpu_benchmark_detail = gpu.detail
         return hw
 
     def telemetry(self) -> dict[str, Any]:
@@ -84,6 +93,7 @@ class FakeHardware:
     def __init__(self, profile: Hardware, state_dir: Path | None = None) -> None:
         self.profile = profile
         self.state_dir = state_dir
+        self.gpu_benchmark_detail = "a hardware profile: its GPUs' figures, if any, as written"
 
     @classmethod
     def from_file(cls, path: Path, state_dir: Path | None = None) -> FakeHardware:

@@ -25,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +42,7 @@ from agent.protocol import (
     StreamUsage,
     job_cancel_key,
 )
-from agent.runtime import EventSink, JobFinishedSink, LoadFailed
+from agent.runtime import EventSink, JobFinishedSink, LoadFailed, RuntimeErrorReport
 from agent.runtime.child import child_env, log_tail, stop_process
 from agent.runtime.primary import (
     BUFFER_RE,
@@ -96,8 +97,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_args(plan: LoadPrimaryPayload, model_path: Path, port: int) -> list[str]:
-    """llama-server's command line for a plan: each slot's context explicit (-c = n_ctx × -np)."""
+def server_args(
+    plan: LoadPrimaryPayload, model_path: Path, port: int, slot_save_path: Path | None = None
+) -> list[str]:
+    """llama-server's command line for a plan: each slot's context explicit (-c = n_ctx × -np);
+    with ``slot_save_path``, slot save/restore on (the KV coordinator's state transfer)."""
     n_parallel = max(1, int(plan.get("n_parallel") or 1))
     n_ctx = int(plan.get("n_ctx") or 0) or 2048
     n_threads = int(plan.get("n_threads") or 0) or (os.cpu_count() or 1)
@@ -122,6 +126,8 @@ def server_args(plan: LoadPrimaryPayload, model_path: Path, port: int) -> list[s
         "--poll", "0",
         "--log-verbosity", "4",  # llama.cpp's info (buffers per device); layer lines are debug, with per-token noise
     ]  # fmt: skip
+    if slot_save_path is not None:
+        args += ["--slot-save-path", str(slot_save_path)]
     endpoints = list(plan.get("rpc_endpoints") or [])
     if endpoints:
         args += ["--rpc", ",".join(endpoints)]
@@ -195,6 +201,8 @@ class ServerPrimary:
         self._local_endpoints: dict[str, str] = {}  # tunnel client's 127.0.0.1 endpoint → worker
         # Whether the model's chat template renders tools itself (/props); else the agent does.
         self.template_has_tools = False
+        # llama-server's --slot-save-path: slot state files of a KV transfer pass through here.
+        self.slot_dir: Path | None = None
 
     def _engine_plan(self) -> LoadPrimaryPayload:
         """The plan as llama-server sees it: workers behind their tunnels are local endpoints."""
@@ -249,12 +257,18 @@ class ServerPrimary:
                 self._tunnels.append(client)
                 self._local_endpoints[client.local_endpoint] = ep
         self.port = free_port()
+        self.slot_dir = Path(tempfile.mkdtemp(prefix=f"racon-kv-{self.deployment_id[:8]}-"))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         start_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as logf:
             self._proc = subprocess.Popen(
                 die_with_parent(
-                    [str(exe), *server_args(self._engine_plan(), self.model_path, self.port)]
+                    [
+                        str(exe),
+                        *server_args(
+                            self._engine_plan(), self.model_path, self.port, self.slot_dir
+                        ),
+                    ]
                 ),
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
@@ -314,6 +328,8 @@ class ServerPrimary:
         if proc is not None:
             stop_process(proc, timeout)
         self._close_tunnels()
+        if self.slot_dir is not None:
+            shutil.rmtree(self.slot_dir, ignore_errors=True)
         for j in jobs:
             if j.thread is not None and j.thread is not threading.current_thread():
                 j.thread.join(timeout)
@@ -343,6 +359,50 @@ class ServerPrimary:
     def jobs(self) -> list[str]:
         with self._lock:
             return list(self._jobs)
+
+    # --- slot state (the KV coordinator's transfer) ---------------------------------------------
+
+    def slot_file(self, filename: str) -> Path:
+        """Where llama-server reads and writes ``filename`` (a bare name: llama-server refuses paths)."""
+        if self.slot_dir is None:
+            raise LoadFailed(f"deployment {self.deployment_id}: primary is not loaded")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", filename) or filename.startswith("."):
+            raise ValueError(f"filename: {filename!r} is not a bare file name")
+        return self.slot_dir / filename
+
+    def slot_save(self, *, slot: int, filename: str, timeout: float = 120.0) -> dict[str, Any]:
+        """Save one slot's tokens and KV cells to slot_file(filename) (llama-server waits for the
+        slot to be idle). Returns llama-server's answer: n_saved tokens, n_written bytes."""
+        return self._slot_action(slot, "save", filename, timeout)
+
+    def slot_restore(self, *, slot: int, filename: str, timeout: float = 120.0) -> dict[str, Any]:
+        """Load slot_file(filename) into one slot: its next request reuses the restored prompt
+        (cache_prompt). Returns llama-server's answer: n_restored tokens, n_read bytes."""
+        return self._slot_action(slot, "restore", filename, timeout)
+
+    def _slot_action(self, slot: int, action: str, filename: str, timeout: float) -> dict[str, Any]:
+        self.slot_file(filename)
+        if not 0 <= int(slot) < self.n_parallel:
+            raise ValueError(f"slot: {slot} is not a slot of this server (0-{self.n_parallel - 1})")
+        if not self.alive:
+            raise LoadFailed(f"deployment {self.deployment_id}: primary process is not running")
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(
+                "POST",
+                f"/slots/{int(slot)}?action={action}",
+                json.dumps({"filename": filename}),
+                {"Content-Type": "application/json"},
+            )
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        if resp.status != 200:
+            err = _error_from(resp.status, data)
+            raise RuntimeErrorReport(f"slot {action} of slot {slot} failed: {err}")
+        out: dict[str, Any] = json.loads(data)
+        return out
 
     # --- one job --------------------------------------------------------------------------------
 

@@ -7,11 +7,15 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth.password_validation import password_validators_help_texts
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.extensions import OpenApiSerializerExtension
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions, serializers
+from rest_framework.parsers import JSONParser
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -71,7 +75,11 @@ class AccountListCreateApi(APIView):
     class AccountCreateIn(serializers.Serializer):
         username = serializers.RegexField(r"^[\w.@+-]{1,150}$")
         email = serializers.EmailField(required=False, default="", allow_blank=True)
-        password = serializers.CharField(required=False, allow_blank=True, write_only=True)
+        # Taken as sent (no trimming): a password's spaces are part of it. Absent or blank: an
+        # invite. Else AUTH_PASSWORD_VALIDATORS' rules (AccountCreateInSchema states them).
+        password = serializers.CharField(
+            required=False, allow_blank=True, trim_whitespace=False, write_only=True
+        )
         is_staff = serializers.BooleanField(default=False)
 
     class AccountCreatedOut(ContributorAccountOut):
@@ -84,7 +92,16 @@ class AccountListCreateApi(APIView):
     def get(self, request: Request) -> Response:
         return Response(ContributorAccountOut(selectors.account_list()[:1000], many=True).data)
 
-    @extend_schema(request=AccountCreateIn, responses={201: AccountCreatedOut})
+    @extend_schema(
+        request=AccountCreateIn,
+        responses={201: AccountCreatedOut},
+        description=(
+            "Create a contributor account with a password, or invite one (no password: the "
+            "answer carries a one-time link to set it). A username in use already is a 409 "
+            "with `error.code` `username_taken` and `error.fields.username`; a password the "
+            "password rules refuse is a 400 naming `password`."
+        ),
+    )
     def post(self, request: Request) -> Response:
         data = self.AccountCreateIn(data=request.data)
         data.is_valid(raise_exception=True)
@@ -96,11 +113,49 @@ class AccountListCreateApi(APIView):
                 password=v.get("password") or None,
                 is_staff=v["is_staff"],
             )
-        except (ValueError, DjangoValidationError) as exc:
+        except services.UsernameTaken as exc:
+            return Response(
+                {
+                    "error": {
+                        "message": str(exc),
+                        "code": exc.code,
+                        "fields": {exc.field: [str(exc)]},
+                    }
+                },
+                status=409,
+            )
+        except DjangoValidationError as exc:  # validate_password: the password's rules
+            raise exceptions.ValidationError({"password": exc.messages}) from exc
+        except ValueError as exc:
             raise _bad_request(exc) from exc
         out = dict(ContributorAccountOut(created.account).data)
         out["invite_url"] = invite_url(created.invite) if created.invite else None
         return Response(out, status=201)
+
+
+class AccountCreateInSchema(OpenApiSerializerExtension):
+    """AccountCreateIn's password rules, which the field alone cannot state: blank (an invite) or
+    at least AUTH_PASSWORD_VALIDATORS' minimum length, and every configured rule in words."""
+
+    target_class = AccountListCreateApi.AccountCreateIn
+
+    def map_serializer(self, auto_schema: Any, direction: Any) -> dict[str, Any]:
+        schema: dict[str, Any] = auto_schema._map_serializer(
+            self.target, direction, bypass_extensions=True
+        )
+        if direction == "request":
+            password = schema["properties"]["password"]
+            minimum = services.password_min_length()
+            if minimum > 0:  # drf-spectacular says blank as a oneOf branch {maxLength: 0}
+                for branch in password.get("oneOf", [password]):
+                    if branch.get("maxLength") != 0:
+                        branch["minLength"] = minimum
+            rules = " ".join(password_validators_help_texts())
+            password["description"] = (
+                "absent or blank: the answer carries a one-time invite link instead. "
+                f"Else the password rules: {rules or 'none configured.'}"
+            )
+        return schema
 
 
 class AccountInviteApi(APIView):
@@ -211,6 +266,7 @@ class KeyListCreateApi(APIView):
 
     permission_classes = [IsAuthenticatedAccount, KeyScope]
     key_scopes = {"GET": ApiKey.SCOPE_READ, "*": ApiKey.SCOPE_KEYS}
+    parser_classes = [JSONParser]  # expires_at may be null, which form data cannot carry
 
     class KeyFilterIn(serializers.Serializer):
         account = serializers.UUIDField(required=False)
@@ -224,11 +280,30 @@ class KeyListCreateApi(APIView):
             default=[ApiKey.SCOPE_INFERENCE],
             allow_empty=False,
         )
-        expires_at = serializers.DateTimeField(required=False, allow_null=True)
+        expires_at = serializers.DateTimeField(
+            required=False,
+            allow_null=True,
+            help_text=(
+                "a moment in the future, up to 9999-12-31T23:59:59Z (a past one is a 400); "
+                "null or absent: never"
+            ),
+        )
         expires_in_days = serializers.IntegerField(
             required=False, min_value=1, max_value=3650, help_text="instead of expires_at"
         )
         account = serializers.UUIDField(required=False, help_text="staff only; default: yours")
+
+        def validate_expires_at(self, value: Any) -> Any:
+            if value is not None and value <= timezone.now():
+                raise serializers.ValidationError("must be in the future")
+            return value
+
+        def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+            if "expires_at" in attrs and "expires_in_days" in attrs:
+                raise serializers.ValidationError(
+                    {"expires_in_days": ["give expires_at or expires_in_days, not both"]}
+                )
+            return attrs
 
     class KeyCreatedOut(ApiKeyOut):
         key = serializers.CharField(help_text="the secret: shown in this answer only")
@@ -238,7 +313,7 @@ class KeyListCreateApi(APIView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("account", str, description="account id (staff only)"),
+            OpenApiParameter("account", OpenApiTypes.UUID, description="account id (staff only)"),
             OpenApiParameter(
                 "all", str, enum=["true", "false"], description="include revoked keys"
             ),
@@ -255,7 +330,13 @@ class KeyListCreateApi(APIView):
         )
         return Response(ApiKeyOut(keys.select_related("account")[:1000], many=True).data)
 
-    @extend_schema(request=KeyCreateIn, responses={201: KeyCreatedOut})
+    @extend_schema(
+        request=KeyCreateIn,
+        responses={
+            201: KeyCreatedOut,
+            415: OpenApiResponse(description="the body is not JSON (application/json only)"),
+        },
+    )
     def post(self, request: Request) -> Response:
         data = self.KeyCreateIn(data=request.data)
         data.is_valid(raise_exception=True)
@@ -293,6 +374,22 @@ class KeyListCreateApi(APIView):
         out = dict(ApiKeyOut(key).data)
         out["key"] = plaintext
         return Response(out, status=201)
+
+
+class KeyCreateInSchema(OpenApiSerializerExtension):
+    """KeyCreateIn's rules the fields alone do not state: expires_at or expires_in_days, not both;
+    at least one scope (allow_empty=False)."""
+
+    target_class = KeyListCreateApi.KeyCreateIn
+
+    def map_serializer(self, auto_schema: Any, direction: Any) -> dict[str, Any]:
+        schema: dict[str, Any] = auto_schema._map_serializer(
+            self.target, direction, bypass_extensions=True
+        )
+        if direction == "request":
+            schema["not"] = {"required": ["expires_at", "expires_in_days"]}
+            schema["properties"]["scopes"]["minItems"] = 1
+        return schema
 
 
 class KeyRevokeApi(APIView):

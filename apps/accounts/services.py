@@ -21,9 +21,13 @@ from typing import Any
 
 import redis
 from django.contrib.auth import get_user_model
-from django.contrib.auth.password_validation import validate_password
+from django.contrib.auth.password_validation import (
+    MinimumLengthValidator,
+    get_default_password_validators,
+    validate_password,
+)
 from django.contrib.auth.tokens import default_token_generator
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils.encoding import force_bytes
 from django.utils.http import urlsafe_base64_decode, urlsafe_base64_encode
 
@@ -46,6 +50,13 @@ _touched_lock = threading.Lock()
 
 class InviteInvalid(ValueError):
     """The invite link is unknown, used already (the password was set), or expired."""
+
+
+class UsernameTaken(ValueError):
+    """A user with this username exists already (the REST API answers 409 username_taken)."""
+
+    code = "username_taken"
+    field = "username"
 
 
 @dataclass(frozen=True)
@@ -150,19 +161,37 @@ def account_user_create(
     Without a password the user cannot sign in until they follow the returned one-time invite.
     """
     User = get_user_model()
+    taken = UsernameTaken(f"a user named {username!r} exists already")
     if User.objects.filter(username=username).exists():
-        raise ValueError(f"a user named {username!r} exists already")
+        raise taken
     user = User(username=username, email=email, is_staff=is_staff)
     if password:
         validate_password(password, user)
         user.set_password(password)
     else:
         user.set_unusable_password()
-    with transaction.atomic():
-        user.save()
-        account = user_account(user=user)
+    try:
+        with transaction.atomic():
+            user.save()
+            account = user_account(user=user)
+    except IntegrityError as exc:  # created by a concurrent request since the check above
+        if User.objects.filter(username=username).exists():
+            raise taken from exc
+        raise
     return AccountCreated(
         account=account, user=user, invite=None if password else invite_issue(user=user)
+    )
+
+
+def password_min_length() -> int:
+    """The shortest password AUTH_PASSWORD_VALIDATORS allow (0: no MinimumLengthValidator)."""
+    return max(
+        (
+            v.min_length
+            for v in get_default_password_validators()
+            if isinstance(v, MinimumLengthValidator)
+        ),
+        default=0,
     )
 
 

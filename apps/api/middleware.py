@@ -73,6 +73,9 @@ class BodyLimitMiddleware:
     @staticmethod
     def _over(request: Any) -> int | None:
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        if request.path.startswith("/api/agent/kv/"):
+            # A KV state transfer's saved slot (apps/jobs/kvtransfer.py): its own, larger cap.
+            limit = settings.KV_TRANSFER_MAX_BYTES
         if limit is None:
             return None
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import views as auth_views
 from django.urls import path, re_path
 
-from . import ui_accounts
+from . import ui_accounts, ui_lending
 from . import ui_views as v
 from .login import ThrottledLoginView
 
@@ -18,6 +18,7 @@ urlpatterns = [
     path("nodes/<uuid:node_id>/", v.node_detail, name="ui-node"),
     path("nodes/<uuid:node_id>/drain", v.node_drain, name="ui-node-drain"),
     path("nodes/<uuid:node_id>/undrain", v.node_undrain, name="ui-node-undrain"),
+    path("nodes/<uuid:node_id>/lending", ui_lending.node_lending, name="ui-node-lending"),
     path("tokens/", v.token_list, name="ui-tokens"),
     path("tokens/<uuid:token_id>/revoke", v.token_revoke, name="ui-token-revoke"),
     path("models/", v.model_list, name="ui-models"),
@@ -29,6 +30,7 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/cancel", v.job_cancel, name="ui-job-cancel"),
     path("credits/", v.credits_page, name="ui-credits"),
     path("credits/receipts/verify", v.receipt_verify, name="ui-receipt-verify"),
+    path("credits/earnings/", ui_lending.earnings_page, name="ui-earnings"),
     path("keys/", ui_accounts.key_list, name="ui-keys"),
     path("keys/<uuid:key_id>/revoke", ui_accounts.key_revoke, name="ui-key-revoke"),
     path("accounts/", ui_accounts.account_list, name="ui-accounts"),

@@ -8,9 +8,16 @@ from typing import Any
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from django_filters.rest_framework import DjangoFilterBackend
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+)
 from rest_framework import exceptions, serializers, status
 from rest_framework.generics import GenericAPIView
+from rest_framework.parsers import JSONParser
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -19,11 +26,13 @@ from rest_framework.views import APIView
 from apps.accounts.models import Account, ApiKey
 from apps.accounts.permissions import IsAuthenticatedAccount, IsStaff, KeyScope
 from apps.accounts.principal import request_account_id
+from apps.nodes.api import AgentErrorSerializer
 from racon.filters import filters_checked
 
 from . import ledger, receipts, selectors
 from .filters import LedgerFilter, ReceiptFilter
 from .models import Posting, Receipt
+from .rules import MAX_AMOUNT
 
 
 class InsufficientCreditsError(exceptions.APIException):
@@ -49,7 +58,9 @@ def _target_account(request: Request, view: Any, requested: Any) -> Any:
 
 
 def _account_param(name: str = "account") -> OpenApiParameter:
-    return OpenApiParameter(name, str, description="account id (staff only; default: yours)")
+    return OpenApiParameter(
+        name, OpenApiTypes.UUID, description="account id (staff only; default: yours)"
+    )
 
 
 class AccountOut(serializers.ModelSerializer):
@@ -81,9 +92,17 @@ class BalanceApi(APIView):
             help_text="queue priority: balance + recent contribution"
         )
 
-    @extend_schema(parameters=[_account_param()], responses=BalanceOut)
+    @extend_schema(
+        parameters=[_account_param()],
+        responses={
+            200: BalanceOut,
+            404: OpenApiResponse(AgentErrorSerializer, description="no such account"),
+        },
+    )
     def get(self, request: Request) -> Response:
-        f = self.FilterIn(data=request.query_params)
+        # A plain dict: DRF reads an empty value of a QueryDict as absent (?account= would be
+        # yours), not as the malformed id it is.
+        f = self.FilterIn(data=request.query_params.dict())
         f.is_valid(raise_exception=True)
         account_id = _target_account(request, self, f.validated_data.get("account"))
         get_object_or_404(Account, pk=account_id)
@@ -236,6 +255,7 @@ class ReceiptVerifyApi(APIView):
 
     authentication_classes: list[Any] = []  # anyone may check a receipt; it proves nothing secret
     permission_classes = [AllowAny]
+    parser_classes = [JSONParser]  # a receipt is a JSON document
 
     class VerifyIn(serializers.Serializer):
         receipt = serializers.DictField(
@@ -271,17 +291,44 @@ class PublicKeyApi(APIView):
         return Response(self.KeyOut(receipts.receipt_public_key()).data)
 
 
+@extend_schema_field(
+    {"type": "integer", "minimum": -MAX_AMOUNT, "maximum": MAX_AMOUNT, "not": {"enum": [0]}}
+)
+class NonZeroAmountField(serializers.IntegerField):
+    """Micro-credits within ±2^62, never 0 (the ledger's amount_check)."""
+
+    default_error_messages = {"zero": "must not be zero"}
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(min_value=-MAX_AMOUNT, max_value=MAX_AMOUNT, **kwargs)
+
+    def to_internal_value(self, data: Any) -> int:
+        value = super().to_internal_value(data)
+        if value == 0:
+            self.fail("zero")
+        return value
+
+
 class _AdminMoveApi(APIView):
     permission_classes = [IsStaff]
     allow_negative = False
 
     class MoveIn(serializers.Serializer):
+        """A grant: amount > 0."""
+
         account = serializers.UUIDField()
-        amount = serializers.IntegerField(help_text="micro-credits")
+        amount = serializers.IntegerField(
+            min_value=1, max_value=MAX_AMOUNT, help_text="micro-credits (1 to 2^62)"
+        )
         reason = serializers.CharField(max_length=500)
         idempotency_key = serializers.CharField(
             max_length=100, required=False, help_text="repeat-safe: same key, one entry"
         )
+
+    class AdjustIn(MoveIn):
+        """An adjustment: amount ≠ 0, negative takes credits back (down to the floor)."""
+
+        amount = NonZeroAmountField(help_text="micro-credits (±2^62, not 0)")
 
     class EntryOut(serializers.Serializer):
         entry_id = serializers.IntegerField(source="entry.id")
@@ -291,7 +338,7 @@ class _AdminMoveApi(APIView):
         account = AccountOut()
 
     def _move(self, request: Request) -> Response:
-        data = self.MoveIn(data=request.data)
+        data = (self.AdjustIn if self.allow_negative else self.MoveIn)(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
         account = get_object_or_404(Account, pk=v["account"])
@@ -327,7 +374,7 @@ class AdminAdjustApi(_AdminMoveApi):
 
     allow_negative = True
 
-    @extend_schema(request=_AdminMoveApi.MoveIn, responses={201: _AdminMoveApi.EntryOut})
+    @extend_schema(request=_AdminMoveApi.AdjustIn, responses={201: _AdminMoveApi.EntryOut})
     def post(self, request: Request) -> Response:
         return self._move(request)
 
@@ -348,8 +395,12 @@ class EarningsApi(APIView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("days", int, description="how many days back (1-366, default 30)"),
-            OpenApiParameter("node", str, description="only this node"),
+            OpenApiParameter(
+                "days",
+                {"type": "integer", "minimum": 1, "maximum": 366, "default": 30},
+                description="how many days back (1-366, default 30)",
+            ),
+            OpenApiParameter("node", OpenApiTypes.UUID, description="only this node"),
         ],
         responses=EarningsOut(many=True),
         operation_id="credits_earnings",

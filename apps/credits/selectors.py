@@ -235,19 +235,21 @@ def key_usage(*, account_id: Any) -> list[dict[str, Any]]:
 def node_earnings(
     *, account_id: Any, days: int = 30, node_id: Any = None, now: datetime | None = None
 ) -> list[dict[str, Any]]:
-    """Per node of the account and per day (UTC), newest first: credits earned (the ledger's
-    earning postings to the account), jobs served and receipts issued (the node's receipts)."""
+    """Per node of the account and per day (UTC), newest first: credits earned, jobs served and
+    receipts issued. A job's settlement is one ledger entry for all its nodes (no node on it), so
+    a node's part of it is its receipt's credits (escrowed ones included, as in earnings_total);
+    standby pay is the ledger's STANDBY postings, which name the node."""
     now = now or timezone.now()
     since = now - timedelta(days=days)
-    credited = Posting.objects.filter(
+    standby = Posting.objects.filter(
         beneficiary_id=account_id,
-        entry__kind__in=EARNING_KINDS,
+        entry__kind=EntryKind.STANDBY,
         entry__created_at__gte=since,
         entry__node__isnull=False,
     )
-    issued = Receipt.objects.filter(node__account_id=account_id, issued_at__gte=since)
+    issued = Receipt.objects.filter(account_id=account_id, issued_at__gte=since)
     if node_id is not None:
-        credited = credited.filter(entry__node_id=node_id)
+        standby = standby.filter(entry__node_id=node_id)
         issued = issued.filter(node_id=node_id)
     rows: dict[tuple[str, Any], dict[str, Any]] = {}
 
@@ -265,7 +267,7 @@ def node_earnings(
         return rows[key]
 
     for r in (
-        credited.annotate(day=TruncDate("entry__created_at", tzinfo=UTC))
+        standby.annotate(day=TruncDate("entry__created_at", tzinfo=UTC))
         .values("entry__node_id", "entry__node__name", "day")
         .annotate(s=Sum("amount"))
         .order_by()
@@ -274,10 +276,11 @@ def node_earnings(
     for i in (
         issued.annotate(day=TruncDate("issued_at", tzinfo=UTC))
         .values("node_id", "node__name", "day")
-        .annotate(jobs=Count("job_id", distinct=True), receipts=Count("id"))
+        .annotate(jobs=Count("job_id", distinct=True), receipts=Count("id"), s=Sum("credits"))
         .order_by()
     ):
         got = row(i["node_id"], i["node__name"], i["day"])
+        got["credits"] += int(i["s"] or 0)
         got["jobs"] += int(i["jobs"])
         got["receipts"] += int(i["receipts"])
     return sorted(rows.values(), key=lambda x: (x["day"], x["node_name"]), reverse=True)

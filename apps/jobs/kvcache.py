@@ -17,9 +17,10 @@ that weighs a cached prefix against load (docs/design/serving.md, "KV cache coor
   (λ = ``KV_ROUTE_LOAD_TOKENS``), as the SGLang and llm-d routers weigh prefix and load. The owner
   wins while its prefix is worth more than its queue; when it has no free slot the request waits
   for it at most ``KV_AFFINITY_WAIT_SECONDS``, then goes to the best other replica, and ownership
-  moves with it (KV_OWNERSHIP_MOVED). An owner that no longer serves (drained, stopped, failed)
-  loses its records with KV_STATE_DROPPED: slot state is not transferred between nodes, the new
-  owner prefills again.
+  moves with it (KV_OWNERSHIP_MOVED). A draining owner's conversations move with their state
+  (kvtransfer.py: slot save, upload, download, restore; KV_STATE_MOVED), and a turn waits for
+  that move; an owner that no longer serves with no move under way (stopped, failed, or a move
+  that failed) loses its records with KV_STATE_DROPPED: the new owner prefills again.
 - ``racon:kv:routing`` (or the ``KV_ROUTING`` setting) picks the policy: ``prefix`` (default),
   ``round_robin`` or ``least_loaded`` (the earlier free-share ranking); the last two pin no slot
   and leave the slot to llama-server's own prompt cache (the benchmark's baseline).
@@ -63,6 +64,7 @@ STAT_FIELDS = (
     "dropped",
     "bytes_moved",
     "transfer_seconds",
+    "transferred",
 )
 
 
@@ -78,6 +80,16 @@ def dep_busy_key(deployment_id: Any) -> str:
 
 def rr_key(model_id: Any) -> str:
     return f"racon:kv:rr:{model_id}"
+
+
+TRANSFER_SWITCH_KEY = "racon:kv:transfer"  # STRING "on"/"off": overrides settings.KV_TRANSFER
+# A busy entry held by a state transfer, not a job: "kv-move:{transfer}:{expiry unix s}".
+MOVE_HOLDER = "kv-move:"
+
+
+def transfer_state_key(deployment_id: Any) -> str:
+    """STRING "moving" while the deployment's conversations are being moved off it, then "done"."""
+    return f"racon:kv:dep:{deployment_id}:transfer"
 
 
 # --- the hash chain -------------------------------------------------------------------------------
@@ -215,6 +227,8 @@ def route_request(
     used = admission.slots_in_use(ids)
     waiting = admission.queue_depth(ids)
     owner = owner_lookup(chain) if policy == "prefix" else None
+    if owner is not None and owner.deployment_id not in ids:
+        owner = _await_transfer(chain=chain, owner=owner)
     lam = float(settings.KV_ROUTE_LOAD_TOKENS)
     scores: dict[str, float] = {}
     for d in candidates:
@@ -270,6 +284,23 @@ def route_request(
     return route
 
 
+def _await_transfer(*, chain: Sequence[str], owner: Owner) -> Owner | None:
+    """The owner no longer serves: while its conversations are being moved off it (a drain's state
+    transfer), wait at most KV_TRANSFER_WAIT_SECONDS for the move, then look the prefix up again."""
+    r = get_redis()
+    key = transfer_state_key(owner.deployment_id)
+    deadline = time.monotonic() + float(settings.KV_TRANSFER_WAIT_SECONDS)
+    waited = False
+    while r.get(key) == "moving" and time.monotonic() < deadline:
+        waited = True
+        time.sleep(0.05)
+    if not waited:
+        return owner
+    found = owner_lookup(chain)
+    log.debug("kv route waited for the transfer off %s: now %s", owner.deployment_id, found)
+    return found if found is not None else owner
+
+
 def route_fallback(*, route: Route) -> Any:
     """The affinity wait ran out: the best other replica (ownership moves with the job)."""
     route.hit, route.tokens_saved = False, 0
@@ -304,7 +335,11 @@ def slot_claim(
         pipe.zrangebyscore(admission.slots_key(dep), f"({now!r}", "+inf")
         busy, held, live = pipe.execute()
     live_jobs = {str(j) for j in live}
-    stale = [s for s, j in busy.items() if str(j) not in live_jobs and str(j) != str(job_id)]
+    stale = [
+        s
+        for s, j in busy.items()
+        if str(j) not in live_jobs and str(j) != str(job_id) and not _move_holds(str(j), now)
+    ]
     if stale:
         r.hdel(dep_busy_key(dep), *stale)
     taken = {int(s) for s, j in busy.items() if s not in stale}
@@ -327,6 +362,56 @@ def slot_claim(
             route.slot, route.slot_deployment_id = slot, dep
             return slot
     return None  # every slot is pinned (leases out of step): llama-server picks
+
+
+def _move_holds(holder: str, now: float) -> bool:
+    """Whether a busy entry is a state transfer's reservation that has not expired."""
+    if not holder.startswith(MOVE_HOLDER):
+        return False
+    try:
+        return float(holder.rsplit(":", 1)[1]) > now
+    except ValueError:
+        return False
+
+
+def slot_reserve(
+    *, deployment_id: Any, n_parallel: int, transfer_id: str, ttl: float
+) -> int | None:
+    """Pin a free slot of the deployment for a state restore (the least recently used, an empty one
+    first), as a job would be pinned: no job is given it until slot_unreserve. None: all busy."""
+    dep = str(deployment_id)
+    r = get_redis()
+    now = time.time()
+    with r.pipeline(transaction=False) as pipe:
+        pipe.hgetall(dep_busy_key(dep))
+        pipe.hgetall(dep_slots_key(dep))
+        pipe.zrangebyscore(admission.slots_key(dep), f"({now!r}", "+inf")
+        busy, held, live = pipe.execute()
+    live_jobs = {str(j) for j in live}
+    taken = {int(s) for s, j in busy.items() if str(j) in live_jobs or _move_holds(str(j), now)}
+
+    def last_use(slot: int) -> float:
+        v = held.get(str(slot))
+        return float(str(v).split("|")[2]) if v else 0.0
+
+    holder = f"{MOVE_HOLDER}{transfer_id}:{now + ttl!r}"
+    for slot in sorted((s for s in range(max(1, int(n_parallel))) if s not in taken), key=last_use):
+        stale = busy.get(str(slot))
+        if stale is not None:  # a dead job's pin: take it over only if it is still that one
+            if r.eval(_RELEASE_LUA, 1, dep_busy_key(dep), str(slot), str(stale)) != 1:
+                continue
+        if r.hsetnx(dep_busy_key(dep), str(slot), holder):
+            r.expire(dep_busy_key(dep), int(settings.KV_PREFIX_TTL_SECONDS))
+            return slot
+    return None
+
+
+def slot_unreserve(*, deployment_id: Any, slot: int, transfer_id: str) -> None:
+    r = get_redis()
+    key = dep_busy_key(deployment_id)
+    held = r.hget(key, str(slot))
+    if held and str(held).startswith(f"{MOVE_HOLDER}{transfer_id}:"):
+        r.eval(_RELEASE_LUA, 1, key, str(slot), str(held))
 
 
 def slot_release(*, route: Route | None, job_id: Any) -> None:
@@ -467,7 +552,7 @@ def prune(*, now: float | None = None) -> int:
 
 def deployment_drop(*, deployment_id: Any, reason: str) -> int:
     """Forget every prefix a deployment's slots hold, with one KV_STATE_DROPPED event saying so
-    (slot state is not moved between nodes: the conversations prefill again where they go next)."""
+    (what was not moved by a state transfer prefills again where it goes next)."""
     r = get_redis()
     dep = str(deployment_id)
     held = r.hgetall(dep_slots_key(dep))
@@ -491,6 +576,151 @@ def deployment_drop(*, deployment_id: Any, reason: str) -> int:
     )
     log.info("kv state of deployment %s dropped (%d conversations): %s", dep, len(prefixes), reason)
     return len(prefixes)
+
+
+# --- state transfer (apps/jobs/kvtransfer.py moves the bytes) -------------------------------------
+
+
+def transfer_enabled() -> bool:
+    """Whether a drain moves its replicas' conversations (``racon:kv:transfer`` overrides
+    ``KV_TRANSFER``)."""
+    try:
+        override = get_redis().get(TRANSFER_SWITCH_KEY)
+    except Exception:  # noqa: BLE001 - a switch: Redis trouble falls back to the setting
+        override = None
+    if override in ("on", "off"):
+        return override == "on"
+    return bool(settings.KV_TRANSFER)
+
+
+_BEGIN_LUA = """
+if redis.call('GET', KEYS[1]) == 'moving' then return 0 end
+redis.call('SET', KEYS[1], 'moving', 'EX', ARGV[1])
+return 1
+"""
+
+
+def transfer_begin(*, deployment_id: Any, ttl: float) -> bool:
+    """Mark the deployment's conversations as moving (False while a transfer is under way; a later
+    drain may move again). The mark expires, so a lost task never holds a drain up for good."""
+    key = transfer_state_key(deployment_id)
+    return bool(get_redis().eval(_BEGIN_LUA, 1, key, str(max(1, int(ttl)))))
+
+
+def transfer_end(*, deployment_id: Any) -> None:
+    get_redis().set(transfer_state_key(deployment_id), "done", ex=3600)
+
+
+def transfer_state(*, deployment_id: Any) -> str | None:
+    value = get_redis().get(transfer_state_key(deployment_id))
+    return str(value) if value else None
+
+
+@dataclass
+class Held:
+    """One conversation held in a slot: what a state transfer moves."""
+
+    slot: int
+    prefix: str
+    tokens: int
+    last_use: float
+
+
+def slots_held(*, deployment_id: Any) -> list[Held]:
+    """The conversations the deployment's slots hold, the most recently used first."""
+    out: list[Held] = []
+    for slot_s, value in (get_redis().hgetall(dep_slots_key(deployment_id)) or {}).items():
+        parts = str(value).split("|")
+        try:
+            out.append(Held(int(slot_s), parts[0], int(parts[1]), float(parts[2])))
+        except (IndexError, ValueError):
+            continue
+    return sorted(out, key=lambda h: -h.last_use)
+
+
+def conversation_moved(
+    *,
+    held: Held,
+    from_deployment_id: Any,
+    to_deployment_id: Any,
+    to_slot: int,
+    n_bytes: int,
+    seconds: float,
+    tokens_restored: int,
+) -> bool:
+    """A conversation's KV state was restored into ``to_slot``: the new owner holds it (one
+    KV_STATE_MOVED event, bytes and seconds counted). False, recording nothing, when the old slot
+    no longer names the prefix (a job replaced it, or the record was dropped meanwhile)."""
+    r = get_redis()
+    src, dst = str(from_deployment_id), str(to_deployment_id)
+    current = r.hget(dep_slots_key(src), str(held.slot))
+    if not current or str(current).split("|")[0] != held.prefix:
+        return False
+    now = time.time()
+    ttl = int(settings.KV_PREFIX_TTL_SECONDS)
+    old = r.hget(dep_slots_key(dst), str(to_slot))
+    displaced = 0
+    if old and str(old).split("|")[0] != held.prefix:
+        _forget(r, [str(old).split("|")[0]])
+        displaced = 1
+    with r.pipeline(transaction=True) as pipe:
+        pipe.hdel(dep_slots_key(src), str(held.slot))
+        pipe.hset(OWNERS_KEY, held.prefix, f"{dst}|{to_slot}|{held.tokens}")
+        pipe.zadd(LRU_KEY, {held.prefix: now})
+        pipe.hset(dep_slots_key(dst), str(to_slot), f"{held.prefix}|{held.tokens}|{now!r}")
+        for key in (OWNERS_KEY, LRU_KEY, dep_slots_key(dst)):
+            pipe.expire(key, ttl)
+        _stats_add(
+            pipe,
+            moved=1,
+            displaced=displaced,
+            transferred=1,
+            bytes_moved=int(n_bytes),
+            transfer_seconds=float(seconds),
+        )
+        pipe.execute()
+    event_record(
+        kind="KV_STATE_MOVED",
+        category=EventCategory.INFERENCE,
+        now=timezone.now(),
+        deployment_id=dst,
+        message=(
+            f"KV state of a conversation ({tokens_restored} tokens, {n_bytes} bytes) moved from "
+            f"deployment {src} slot {held.slot} to slot {to_slot} in {seconds:.2f}s"
+        ),
+        data={
+            "from_deployment": src,
+            "from_slot": held.slot,
+            "to_deployment": dst,
+            "to_slot": to_slot,
+            "tokens": tokens_restored,
+            "bytes": int(n_bytes),
+            "seconds": round(float(seconds), 4),
+        },
+    )
+    return True
+
+
+def conversation_drop(*, deployment_id: Any, held: Held, reason: str) -> bool:
+    """Forget one conversation a slot held (its transfer failed), with KV_STATE_DROPPED saying why."""
+    r = get_redis()
+    dep = str(deployment_id)
+    current = r.hget(dep_slots_key(dep), str(held.slot))
+    if not current or str(current).split("|")[0] != held.prefix:
+        return False
+    _forget(r, [held.prefix])
+    r.hincrby(STATS_KEY, "dropped", 1)
+    event_record(
+        kind="KV_STATE_DROPPED",
+        category=EventCategory.INFERENCE,
+        now=timezone.now(),
+        deployment_id=dep,
+        message=f"KV state of a conversation ({held.tokens} tokens, slot {held.slot}) dropped: "
+        f"{reason}; the next turn prefills on its new replica",
+        data={"conversations": 1, "tokens": held.tokens, "slot": held.slot, "reason": reason},
+    )
+    log.info("kv state of deployment %s slot %d dropped: %s", dep, held.slot, reason)
+    return True
 
 
 # --- reads (metrics, UI) --------------------------------------------------------------------------

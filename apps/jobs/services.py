@@ -41,7 +41,7 @@ from racon.logging import log_context
 from racon.redis import get_redis, get_redis_blocking
 from racon.transitions import transition_guarded
 
-from . import admission, hooks, selectors, streams
+from . import admission, hooks, kvcache, selectors, streams
 from .models import Deployment, Job, JobAttempt
 from .scheduler import CostModel, PlacementRefused, PlacementRequest, Plan, plan_placement
 from .states import (
@@ -690,6 +690,8 @@ def deployment_stop(
             command_send(
                 node_id=dep.primary_id, kind="unload", payload={"deployment_id": str(dep.id)}
             )
+        # Its slots' KV state goes with the process: whatever was not moved is dropped, said so.
+        kvcache.deployment_drop(deployment_id=dep.id, reason=f"the replica stopped ({reason})")
         for job_id in Job.objects.filter(deployment=dep, state__in=JOB_OPEN).values_list(
             "id", flat=True
         ):
@@ -1023,12 +1025,16 @@ def deployments_drain_step(*, node_id: Any, now: datetime) -> bool:
         if dep.state in DEPLOYMENT_PENDING:
             remaining = True  # its placement re-plans without the draining node (_require_live)
             continue
+        _kv_transfer_begin(dep)
         replacement = _drain_replacement(dep=dep, node_id=node_id, now=now)
         if replacement is not None and replacement.state in DEPLOYMENT_PENDING:
             remaining = True  # the old one serves its own jobs until the new one is READY
             continue
         if Job.objects.filter(deployment=dep, state__in=JOB_OPEN).exists():
             remaining = True  # running (and already queued) jobs finish where they are
+            continue
+        if kvcache.transfer_state(deployment_id=dep.id) == "moving":
+            remaining = True  # its conversations' KV state is moving to another replica
             continue
         name = selectors.node_name(node_id)
         moved = replacement is not None and replacement.state in DEPLOYMENT_SERVING
@@ -1040,6 +1046,22 @@ def deployments_drain_step(*, node_id: Any, now: datetime) -> bool:
             else f"node {name} drained: no capacity elsewhere for a replacement",
         )
     return remaining or Job.objects.filter(nodes__id=node_id, state__in=JOB_IN_FLIGHT).exists()
+
+
+def _kv_transfer_begin(dep: Deployment) -> None:
+    """Start moving the conversations the replica's slots hold (once per replica; the task waits
+    for its running jobs to end first). Routing waits for the move instead of dropping them, and
+    the replica is stopped only once it is done (apps/jobs/kvtransfer.py)."""
+    if dep.state not in DEPLOYMENT_SERVING or not kvcache.transfer_enabled():
+        return
+    held = len(kvcache.slots_held(deployment_id=dep.id))
+    if not held:
+        return
+    step = float(settings.KV_TRANSFER_TIMEOUT_SECONDS)
+    n = min(held, int(settings.KV_TRANSFER_MAX_CONVERSATIONS))
+    # The mark outlives every step the task may wait for, and expires if the task is lost.
+    if kvcache.transfer_begin(deployment_id=dep.id, ttl=step * (1 + 2 * n) + 60):
+        task_send_on_commit("racon.jobs.kv_transfer", deployment_id=str(dep.id))
 
 
 def _draining_member(dep: Deployment) -> str:
@@ -1391,6 +1413,7 @@ def job_failover_dispatch(
     from_node_id: Any,
     cause: str,
     now: datetime,
+    id_slot: int | None = None,
 ) -> dict[str, Any]:
     """Start attempt ``attempt`` on ``deployment`` (the caller holds a slot there): run_job with
     the token ids so far as ``resume_tokens`` and what is left of max_tokens, the job moved to
@@ -1415,6 +1438,8 @@ def job_failover_dispatch(
             "resume_tokens": list(resume_tokens),
             "attempt": attempt,
         }
+        if id_slot is not None:  # the llama-server slot the KV coordinator pinned it to
+            payload["id_slot"] = id_slot
         # An earlier attempt's failover on this same node set its cancel key (job_failover_begin):
         # left there, it would cancel this attempt as soon as the primary saw it (found by the
         # reliability suite: "The request was cancelled." after a failover back to a node).

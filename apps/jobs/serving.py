@@ -25,16 +25,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connections
+from django.db.models import Max
 from django.utils import timezone
 
 from agent.protocol import job_cancel_key
 from apps.models_repo.models import Model
+from apps.nodes.models import Node
+from apps.nodes.selectors import heartbeat_ages
+from apps.nodes.states import PLACEABLE, NodeState
 from racon import cache
 from racon.redis import get_redis
 
@@ -245,6 +249,8 @@ async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> No
                 other = await pooled(services.job_failover_route)(
                     model_id=adm.model_id, exclude=tried, now=timezone.now()
                 )
+                if other is None:
+                    other = await capacity_await(adm=adm, tried=tried, deadline=deadline)
                 if other is None or time.monotonic() >= deadline:
                     raise
                 log.warning(
@@ -266,6 +272,85 @@ async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> No
         await pooled(admission_give_up)(adm=adm, reason="timed out waiting for capacity")
         raise
     await pooled(admission_dispatch)(adm=adm)
+
+
+# --- a node on its way (the first request after start) ---------------------------------------
+#
+# The first request after ``make run`` (or after a restart) can arrive while the only node is still
+# handshaking: its placement is refused at once ("no eligible nodes"), and without this the request
+# would 503 although the node turns READY seconds later. Such a request waits, within the same
+# DEPLOYMENT_WAIT_SECONDS, while a node is on its way, and is placed again once one turned
+# placeable; with no node on its way it still fails at once.
+
+COMING_STATES = frozenset({NodeState.UNINITIALIZED, NodeState.REGISTERING, NodeState.OFFLINE})
+COMING_POLL_SECONDS = 0.5
+
+
+def nodes_coming(*, now: datetime) -> bool:
+    """Whether a node is on its way to READY: enrolled or restarting (UNINITIALIZED, REGISTERING,
+    or OFFLINE from its last run) and heard from within the offline threshold, not revoked and
+    not being drained. A node silent for longer is not coming, however its row reads."""
+    window = float(settings.HEARTBEAT_OFFLINE_AFTER) * float(settings.HEARTBEAT_INTERVAL)
+    rows = list(
+        Node.objects.filter(
+            state__in=list(COMING_STATES), revoked_at__isnull=True, drain_requested=False
+        ).values_list("id", "state", "state_changed_at")
+    )
+    if not rows:
+        return False
+    ages = heartbeat_ages([str(r[0]) for r in rows], now=now)
+    since = now - timedelta(seconds=window)
+    for node_id, state, changed in rows:
+        age = ages.get(str(node_id))
+        if age is not None and age <= window:
+            return True  # heartbeating: an agent is running there
+        # Handshaking but no heartbeat yet (the enrollment call came first).
+        if state != NodeState.OFFLINE and changed is not None and changed >= since:
+            return True
+    return False
+
+
+class _Wait:
+    """capacity_step's answer while a node is still on its way."""
+
+
+WAIT = _Wait()
+
+
+def capacity_step(*, model_id: Any, tried: set[str], now: datetime) -> Deployment | _Wait | None:
+    """One look for somewhere to wait, after the deployments in ``tried`` ended: a deployment
+    (another replica, the model's active one, or a new placement once a node turned placeable
+    after the last tried one was created), WAIT while a node is on its way, or None."""
+    dep = services.job_failover_route(model_id=model_id, exclude=tried, now=now)
+    if dep is not None:
+        return dep
+    since = Deployment.objects.filter(pk__in=list(tried)).aggregate(t=Max("created_at"))["t"]
+    arrived = Node.objects.filter(
+        state__in=list(PLACEABLE), revoked_at__isnull=True, drain_requested=False
+    )
+    if since is not None:
+        arrived = arrived.filter(state_changed_at__gt=since)
+    if since is not None and arrived.exists():
+        # A node turned placeable after the refused placement was planned: place again now
+        # (deployment_ensure makes one deployment between concurrent waiters).
+        ensured = services.deployment_ensure(model=Model.objects.get(pk=model_id), now=now)
+        return None if str(ensured.id) in tried else ensured
+    return WAIT if nodes_coming(now=now) else None
+
+
+async def capacity_await(*, adm: Admission, tried: set[str], deadline: float) -> Deployment | None:
+    """Wait (until ``deadline``, monotonic) while a node is on its way; the deployment to wait on
+    once there is one, None when nothing is coming or time ran out."""
+    logged = False
+    while time.monotonic() < deadline:
+        got = await pooled(capacity_step)(model_id=adm.model_id, tried=tried, now=timezone.now())
+        if not isinstance(got, _Wait):
+            return got
+        if not logged:
+            log.info("job %s: no deployment yet, a node is on its way; waiting", adm.job_id)
+            logged = True
+        await asyncio.sleep(min(COMING_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+    return None
 
 
 def admission_dispatch(*, adm: Admission) -> None:
@@ -415,6 +500,13 @@ async def job_failover(
                 continue
             except (admission.QueueFull, admission.WaitTimedOut):
                 return None
+            # The dead attempt's slot pin is given back and one on the new replica is taken, so
+            # the KV coordinator never hands this attempt's slot to another job (found by the
+            # real-agent pause test: a job pinned to the same slot produced nothing for 60 s).
+            await pooled(kvcache.slot_release)(route=adm.kv, job_id=adm.job_id)
+            slot = await pooled(kvcache.slot_claim)(
+                route=adm.kv, deployment_id=dep.id, job_id=adm.job_id, n_parallel=dep.n_parallel
+            )
             try:
                 out = await pooled(services.job_failover_dispatch)(
                     job_id=adm.job_id,
@@ -425,8 +517,10 @@ async def job_failover(
                     from_node_id=old_node,
                     cause=cause,
                     now=timezone.now(),
+                    id_slot=slot,
                 )
             except services.DeploymentError:
+                await pooled(kvcache.slot_release)(route=adm.kv, job_id=adm.job_id)
                 return None
             adm.deployment_id, adm.primary_id = str(dep.id), out["primary"]
             adm.n_parallel = int(out.get("n_parallel") or dep.n_parallel)

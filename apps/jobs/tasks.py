@@ -7,7 +7,7 @@ from typing import Any
 from celery import shared_task
 from django.utils import timezone
 
-from . import admission, services
+from . import admission, kvtransfer, services
 from .autoscale import replicas_autoscale
 from .challenges import node_speed_challenge, speed_challenge_due
 
@@ -58,3 +58,11 @@ def links_reprobe(**kwargs: Any) -> dict[str, int]:
 def admission_sweep(**kwargs: Any) -> dict[str, int]:
     """Reclaim slot leases and queue entries that crashed views left (beat: every 15 s)."""
     return admission.admission_sweep(now=timezone.now())
+
+
+@shared_task(name="racon.jobs.kv_transfer", ignore_result=True)
+def kv_transfer(*, deployment_id: str, **kwargs: Any) -> dict[str, Any]:
+    """Move a draining replica's conversations (KV state) to another replica, or drop them with an
+    event (placement queue: it waits on two agents)."""
+    out = kvtransfer.deployment_kv_transfer(deployment_id=deployment_id, now=timezone.now())
+    return {"moved": out.moved, "dropped": out.dropped, "bytes": out.bytes, "seconds": out.seconds}

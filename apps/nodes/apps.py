@@ -10,5 +10,6 @@ class NodesConfig(AppConfig):
 
     def ready(self) -> None:
         # Loading the tasks registers them, so a task sent by name (racon.celery.task_send)
-        # runs eagerly under ALWAYS_EAGER. Here, not at the top: they import models.
-        from . import tasks  # noqa: F401, PLC0415
+        # runs eagerly under ALWAYS_EAGER. Here, not at the top: they import models. Loading
+        # schema registers the enrollment body's rules with drf-spectacular (its extensions).
+        from . import schema, tasks  # noqa: F401, PLC0415

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from . import join
+from . import api, join
 
 TOKEN = r"(?P<token>rcn_[A-Za-z0-9_-]{1,200})"
 
@@ -13,6 +13,8 @@ urlpatterns = [
     re_path(rf"^join/{TOKEN}\.py$", join.join_py, name="join-py"),
     re_path(rf"^join/{TOKEN}/manifest\.json$", join.join_manifest, name="join-manifest"),
     re_path(rf"^join/{TOKEN}$", join.join_sh, name="join-sh"),
+    # Read by the agent before it enrolls (agent/protocol.py PROTOCOL_PATH).
+    path("api/agent/protocol", api.AgentProtocolApi.as_view(), name="agent-protocol"),
     path("api/agent/wheelhouse/manifest.json", join.upgrade_manifest, name="agent-wheelhouse"),
     path(
         "api/agent/wheelhouse/files/<path:rel>", join.wheelhouse_file, name="agent-wheelhouse-file"

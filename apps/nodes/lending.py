@@ -3,22 +3,29 @@ setting from the UI, pause and resume (a drain), and what the scheduler reads (o
 caps). Its own module next to services.py/selectors.py: one concern, and the policy logic itself
 is agent/lending.py (pure, shared with the agent).
 
-The agent fetches an owner's policy from its own key ``owner_policy_key(node_id)`` (under the
-node's prefix, so its Redis ACL user may read it) and reports the policy it adopted.
+An owner's policy (``node_lending_owner_set``) applies on the controller at once and is pushed to
+the agent as a ``set_lending`` command on the node's own queue (the caller sends it: jobs owns
+the queue); the agent checks it against its machine, applies it, keeps it across restarts, and
+reports it back (LENDING_POLICY), which ``node_lending_claim`` records as adopted.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from django.db import transaction
 
-from agent.lending import LendingPolicy, PolicyError, check_caps, policy_from_wire, window_state
-from agent.protocol import NODE_PREFIX
-from racon.redis import get_redis
+from agent.lending import (
+    LendingPolicy,
+    PolicyError,
+    check_caps,
+    policy_from_document,
+    policy_from_wire,
+    window_state,
+)
 
 from .events import event_record
 from .models import EventCategory, Node
@@ -32,12 +39,7 @@ __all__ = [
     "node_lending_owner_set",
     "node_lending_paused",
     "node_lending_resumed",
-    "owner_policy_key",
 ]
-
-
-def owner_policy_key(node_id: Any) -> str:
-    return f"{NODE_PREFIX}{node_id}:lending"
 
 
 def _validated(node: Node, policy: Any) -> LendingPolicy:
@@ -54,7 +56,12 @@ def node_lending_claim(*, node_id: Any, policy: Any, now: datetime) -> LendingPo
         parsed = _validated(node, policy)
         wire = parsed.to_wire()
         before = (node.lending or {}).get("policy")
-        node.lending = {**(node.lending or {}), "policy": wire, "source": "agent"}
+        owner = (node.lending or {}).get("owner") or {}
+        # The agent adopting the owner's policy (set_lending) reports it back: still the owner's.
+        source = "owner" if owner.get("policy") == wire else "agent"
+        node.lending = {**(node.lending or {}), "policy": wire, "source": source}
+        if source == "owner":
+            node.lending["owner"] = {**owner, "adopted_at": now.isoformat()}
         Node.objects.filter(pk=node_id).update(lending=node.lending)
         if before != wire and not (before is None and parsed.is_default):
             event_record(
@@ -68,24 +75,38 @@ def node_lending_claim(*, node_id: Any, policy: Any, now: datetime) -> LendingPo
     return parsed
 
 
-def node_lending_owner_set(*, node_id: Any, policy: dict[str, Any], now: datetime) -> LendingPolicy:
-    """The owner set the policy (UI/API): stored, and left for the agent to fetch and adopt."""
+def node_lending_owner_set(
+    *,
+    node_id: Any,
+    policy: Mapping[str, Any],
+    now: datetime,
+    by: str = "",
+    push: Callable[[dict[str, Any]], Any] | None = None,
+) -> LendingPolicy:
+    """The owner set the policy (the UI's form): ``policy`` is a policy file's document
+    (timezone, windows, handoff, idle.minutes/cpu_below, caps.ram_gb/vram_gb/threads), checked
+    as the agent checks its own (agent/lending.py) and against the node's hardware. Stored and
+    applied to planning at once; ``push(wire)`` runs after the commit to send it to the agent.
+    Raises PolicyError naming the field; nothing is stored then."""
+    parsed = policy_from_document(policy)
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_id)
-        parsed = _validated(node, policy)
+        check_caps(parsed, node.hardware or {})
         wire = parsed.to_wire()
+        owner = {"policy": wire, "at": now.isoformat(), "by": by[:150]}
         Node.objects.filter(pk=node_id).update(
-            lending={**(node.lending or {}), "policy": wire, "source": "owner"}
+            lending={**(node.lending or {}), "policy": wire, "source": "owner", "owner": owner}
         )
         event_record(
             kind="LENDING_POLICY",
             category=EventCategory.MANAGEMENT,
             now=now,
             node_id=node_id,
-            message="lending policy set by the owner",
-            data={"policy": wire},
+            message=f"lending policy set by the owner{f' ({by})' if by else ''}",
+            data={"policy": wire, "by": by},
         )
-    get_redis().set(owner_policy_key(node_id), json.dumps(wire), ex=30 * 24 * 3600)
+        if push is not None:
+            transaction.on_commit(lambda: push(wire))
     return parsed
 
 

@@ -183,14 +183,14 @@ def check_disk(where, needed):
 # --- install -------------------------------------------------------------------------------------
 
 
-def run(cmd, what, **kw):
-    env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
+def run(cmd, what, env=None, hint="", **kw):
+    env = dict(env or os.environ, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
     env.pop("RACON_ENROLLMENT_TOKEN", None)
     proc = subprocess.run(
         cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env, **kw
     )
     if proc.returncode != 0:
-        raise JoinError(f"{what} failed:\n{(proc.stderr or proc.stdout)[-2000:]}")
+        raise JoinError(f"{what} failed{hint}:\n{(proc.stderr or proc.stdout)[-2000:]}")
     return proc.stdout
 
 
@@ -239,6 +239,12 @@ def install_wheels(python, venv, manifest, dl):
     os.symlink(lib, os.path.join(llama_dir, "lib"))
 
 
+INDEX_HINT = (
+    " (building here takes llama-cpp-python's build tools and the dependencies from a package "
+    "index: is one reachable from this machine? PIP_INDEX_URL names another)"
+)
+
+
 def build_here(python, venv, manifest, dl, key, abi):
     """Another platform: build llama.cpp with ggml-rpc here (scripts/build-llama.sh)."""
     say(
@@ -266,7 +272,9 @@ def build_here(python, venv, manifest, dl, key, abi):
     os.makedirs(src_dir, exist_ok=True)
     sdist = by_kind["llama-cpp-python-sdist"][0]
     with tarfile.open(sdist) as tar:
-        tar.extractall(src_dir)
+        tar.extractall(src_dir, filter="data") if hasattr(
+            tarfile, "data_filter"
+        ) else tar.extractall(src_dir)
     shutil.copy(sdist, src_dir)
     for script in by_kind["script"]:
         os.chmod(script, 0o755)
@@ -274,23 +282,13 @@ def build_here(python, venv, manifest, dl, key, abi):
         run([python, "-m", "venv", venv], "python -m venv")
     vpip = os.path.join(venv, "bin", "pip")
     env = dict(os.environ, RACON_CACHE=cache, PIP=vpip)
-    proc = subprocess.run(
-        [os.path.join(dl, "build-llama.sh")],
-        env=env,
-        stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise JoinError("building llama.cpp failed (see the lines above)")
-    prefix = proc.stdout.strip().splitlines()[-1]
     pkg_src = [
         d
         for d in os.listdir(src_dir)
         if d.startswith("llama_cpp_python-") and os.path.isdir(os.path.join(src_dir, d))
     ][0]
     run([vpip, "install", "-q", "--no-deps", "--no-cache-dir", "--force-reinstall", os.path.join(src_dir, pkg_src)],
-        "pip install llama-cpp-python (LLAMA_BUILD=OFF)",
+        "pip install llama-cpp-python (LLAMA_BUILD=OFF)", hint=INDEX_HINT,
         env=dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"))  # fmt: skip
     run(
         [
@@ -303,7 +301,19 @@ def build_here(python, venv, manifest, dl, key, abi):
             "jinja2>=2.11.3",
         ],
         "pip install (llama-cpp-python's dependencies)",
+        hint=INDEX_HINT,
     )
+    # The compile comes last: a machine that cannot reach a package index learns it in seconds.
+    proc = subprocess.run(
+        [os.path.join(dl, "build-llama.sh")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise JoinError("building llama.cpp failed (see the lines above)")
+    prefix = proc.stdout.strip().splitlines()[-1]
     pkg = run(
         [
             os.path.join(venv, "bin", "python"),
@@ -315,12 +325,34 @@ def build_here(python, venv, manifest, dl, key, abi):
     os.makedirs(os.path.join(pkg, "lib"), exist_ok=True)
     for name in os.listdir(os.path.join(prefix, "lib")):
         shutil.copy(os.path.join(prefix, "lib", name), os.path.join(pkg, "lib", name))
-    run([vpip, "install", "-q"] + by_kind["agent"], "pip install racon-agent")
+    run([vpip, "install", "-q"] + by_kind["agent"], "pip install racon-agent", hint=INDEX_HINT)
     site_llama(venv)
     link = os.path.join(venv, "llama.cpp")
     if os.path.islink(link):
         os.unlink(link)
     os.symlink(prefix, link)
+
+
+def clean_up_failed(home, venv, dl, *, created):
+    """A failed run leaves no agent behind: the downloads go, and the venv and home if this run
+    created them. A finished llama.cpp build (minutes of compiling) stays in home/cache, so the
+    next run of the line does not compile again."""
+    shutil.rmtree(dl, ignore_errors=True)
+    if not created:
+        return
+    cache = os.path.join(home, "cache")
+    llama = os.path.join(cache, "llama")
+    built = os.path.isdir(llama) and any(
+        os.path.isfile(os.path.join(llama, d, "bin", "llama-server")) for d in os.listdir(llama)
+    )
+    if not built:
+        shutil.rmtree(home, ignore_errors=True)
+        return
+    for name in os.listdir(home):
+        if name != "cache":
+            path = os.path.join(home, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+    say(f"nothing was installed; kept the llama.cpp build in {cache} for the next run")
 
 
 def main(argv):
@@ -346,7 +378,7 @@ def main(argv):
         else:
             install_wheels(python, venv, manifest, dl)
     except BaseException:
-        shutil.rmtree(home if created else dl, ignore_errors=True)
+        clean_up_failed(home, venv, dl, created=created)
         raise
     shutil.rmtree(dl, ignore_errors=True)
     agent = os.path.join(venv, "bin", "node-agent")

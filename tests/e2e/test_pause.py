@@ -1,0 +1,288 @@
+"""`node-agent pause` with real agents and the real SmolLM2 (issue 18): two agents, one replica of
+the model on each, a stream running on one of them when its owner pauses it.
+
+- No new job reaches the paused node once the controller has it DRAINING: every job dispatched
+  after that transition went to the other node (asserted by order; the time from the pause to
+  DRAINING is printed as a figure).
+- ``--handoff failover``: the running stream goes on from the other replica (the planned handoff,
+  code ``node_paused``), every token once, one final usage, two attempts.
+- ``--handoff finish``: the running stream finishes on the paused node, one attempt, and the node
+  turns DRAINED once it has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from apps.jobs.models import Deployment, Job, JobAttempt
+from apps.nodes.models import Event, Node
+
+from .harness import BIN, ROOT, AgentProc, Controller, start_agent, stop_agent, wait_for
+from .test_cluster import make_account_with_key
+from .test_failover import _stream
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+MODEL = "smollm2-pause"
+NODES = ("pz-a", "pz-b")
+# The prompt of tests/e2e/test_failover.py: SmolLM2 counts for well over a hundred tokens.
+PROMPT = [
+    {"role": "user", "content": "Count slowly from one to forty, in words, one number per line."}
+]
+LONG = {"model": MODEL, "messages": PROMPT, "max_tokens": 100, "temperature": 0, "seed": 7}
+
+
+def _replica_on(controller: Controller, node: str) -> None:
+    """One READY replica of the model on ``node`` (placed again after a pause stopped it)."""
+
+    def ready() -> bool:
+        return Deployment.objects.filter(
+            model__name=MODEL, primary__name=node, state__in=["READY", "DEGRADED"]
+        ).exists()
+
+    if ready():
+        return
+    dep = controller.post(
+        "/api/admin/deployments", {"model": MODEL, "nodes": [node], "n_ctx": 512, "n_parallel": 2}
+    )
+    assert dep.status_code == 202, dep.text
+    wait_for(ready, 180, f"a READY replica on {node}")
+
+
+def _node_state(name: str) -> str:
+    return str(Node.objects.get(name=name).state)
+
+
+def _lending(agent: AgentProc, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "node-agent"), *args, "--state-dir", str(agent.state_dir), "--timeout", "20"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _draining_at(node: Node, after: datetime) -> datetime:
+    ev = wait_for(
+        lambda: (
+            # NODE_DRAIN_REQUESTED: the pause's drain (apps/nodes/services.py: node_drain)
+            Event.objects.filter(node=node, new_state="DRAINING", created_at__gte=after)
+            .order_by("created_at")
+            .first()
+        ),
+        30,
+        f"{node.name} DRAINING",
+    )
+    return ev.created_at
+
+
+def _served_elsewhere_after(node: Node, since: datetime) -> list[str]:
+    """Jobs dispatched after ``since``: those that went to ``node`` (none expected)."""
+    first = Job.objects.filter(dispatched_at__gt=since, deployment__primary=node)
+    later = JobAttempt.objects.filter(started_at__gt=since, primary=node)
+    return [str(j) for j in first.values_list("id", flat=True)] + [
+        str(a) for a in later.values_list("job_id", flat=True)
+    ]
+
+
+@pytest.fixture
+def cluster(
+    controller: Controller,
+    model_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    django_db_blocker: Any,
+) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("pause")
+    models_dir = tmp / "models"
+    models_dir.mkdir()
+    try:
+        os.link(model_path, models_dir / model_path.name)
+    except OSError:
+        shutil.copy(model_path, models_dir / model_path.name)
+    agents: dict[str, AgentProc] = {}
+    with django_db_blocker.unblock():
+        try:
+            for name in NODES:
+                acct_id, _ = make_account_with_key(f"owner-{name}")
+                tok = controller.post("/api/admin/tokens", {"label": name, "account": acct_id})
+                assert tok.status_code == 201, tok.text
+                agents[name] = start_agent(
+                    controller, tok.json()["token"], name, tmp, models_dir=models_dir
+                )
+            wait_for(
+                lambda: (
+                    all(_node_state(n) == "READY" for n in NODES)
+                    if Node.objects.filter(name__in=NODES).count() == 2
+                    else False
+                ),
+                90,
+                "two READY nodes",
+            )
+            created = controller.post("/api/admin/models", {"path": str(model_path), "name": MODEL})
+            assert created.status_code == 201, created.text
+            for n in NODES:
+                _replica_on(controller, n)
+            _, key = make_account_with_key("pause-consumer")
+            yield {"headers": {"Authorization": f"Bearer {key}"}, "agents": agents}
+        finally:
+            for agent in agents.values():
+                stop_agent(agent)
+
+
+def _pause_mid_stream(
+    controller: Controller, cluster: dict[str, Any], handoff: str
+) -> dict[str, Any]:
+    """Stream LONG; after 8 chunks pause the node serving it; then two more requests. Returns
+    the stream, the paused node, the times and the later requests' answers."""
+    for n in NODES:
+        _replica_on(controller, n)
+    agents: dict[str, AgentProc] = cluster["agents"]
+    box: dict[str, Any] = {"later": []}
+    paused = threading.Event()
+
+    def later_request() -> None:
+        resp = httpx.post(
+            controller.url + "/v1/chat/completions",
+            json={**LONG, "max_tokens": 8},
+            headers=cluster["headers"],
+            timeout=240,
+        )
+        box["later"].append(resp)
+
+    def pause() -> None:
+        box["asked"] = timezone.now()
+        t0 = time.monotonic()
+        box["cli"] = _lending(agents[box["node"]], "pause", "--handoff", handoff)
+        box["cli_s"] = time.monotonic() - t0
+        box["confirmed"] = timezone.now()
+        paused.set()
+
+    worker = threading.Thread(target=pause)
+
+    def on_chunk(out: dict[str, Any]) -> None:
+        if out["chunks"] == 8 and "node" not in box:
+            box["node"] = out["node"]
+            worker.start()
+
+    body = {**LONG, "stream": True, "stream_options": {"include_usage": True}}
+    box["stream"] = _stream(controller, cluster["headers"], body, on_chunk=on_chunk)
+    assert paused.wait(60), box
+    worker.join(300)
+    # Later requests, once the stream is over (each replica then has its slots free): the
+    # paused node takes none of them.
+    for _ in range(2):
+        later_request()
+    cli = box["cli"]
+    assert cli.returncode == 0, (cli.stdout, cli.stderr)
+    assert f"handoff: {handoff}" in cli.stdout, cli.stdout
+    node = Node.objects.get(name=box["node"])
+    box["paused_node"] = node
+    box["other"] = next(n for n in NODES if n != node.name)
+    box["draining_at"] = _draining_at(node, box["asked"])
+    lag = (box["draining_at"] - box["asked"]).total_seconds()
+    print(
+        f"\npause ({handoff}): CLI confirmed in {box['cli_s']:.2f}s; the controller had "
+        f"{node.name} DRAINING {lag:.2f}s after the pause was asked for"
+    )
+    assert lag < 30  # a generous bound; the figure above is what to read
+    return box
+
+
+def _no_new_job_after_draining(box: dict[str, Any]) -> None:
+    node, since = box["paused_node"], box["draining_at"]
+    assert _served_elsewhere_after(node, since) == []
+    assert len(box["later"]) == 2
+    for resp in box["later"]:
+        assert resp.status_code == 200, resp.text
+        job = Job.objects.select_related("deployment__primary").get(
+            pk=resp.headers["x-racon-job-id"]
+        )
+        assert job.dispatched_at is not None and job.dispatched_at > since
+        assert resp.headers["x-racon-nodes"] == box["other"], (resp.headers, since)
+
+
+def _resume(cluster: dict[str, Any], box: dict[str, Any]) -> None:
+    agent = cluster["agents"][box["paused_node"].name]
+    out = _lending(agent, "resume")
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    wait_for(lambda: _node_state(agent.name) == "READY", 60, f"{agent.name} READY after resume")
+
+
+def _failover_handoff(controller: Controller, cluster: dict[str, Any]) -> None:
+    box = _pause_mid_stream(controller, cluster, "failover")
+    out = box["stream"]
+    assert out["done"] and out["error"] is None, out
+    assert len(out["usage"]) == 1, out["usage"]
+    job = wait_for(
+        lambda: Job.objects.filter(pk=out["job"], state="COMPLETED").first(),
+        30,
+        "the streamed job COMPLETED",
+    )
+    attempts = list(JobAttempt.objects.filter(job=job).order_by("number"))
+    assert [a.number for a in attempts] == [1, 2], attempts
+    assert attempts[0].outcome == "NODE_PAUSED" and attempts[1].outcome == "COMPLETED"
+    assert attempts[0].primary_id == box["paused_node"].id
+    assert attempts[1].primary.name == box["other"]
+    assert attempts[0].completion_tokens >= 8 and attempts[1].completion_tokens > 0
+    assert attempts[0].completion_tokens + attempts[1].completion_tokens == job.completion_tokens
+    assert out["usage"][0]["completion_tokens"] == job.completion_tokens
+    moved = Event.objects.get(kind="JOB_FAILOVER", job_id=job.id)
+    assert moved.data["cause"] == "node_paused", moved.data
+    # The handoff happened after the pause was asked for, at the tokens produced so far.
+    assert attempts[1].started_at >= box["asked"]
+    print(
+        f"failover handoff: {attempts[0].completion_tokens} tokens on {box['paused_node'].name}, "
+        f"{attempts[1].completion_tokens} on {box['other']}"
+    )
+    _no_new_job_after_draining(box)
+    _resume(cluster, box)
+
+
+def _finish_handoff(controller: Controller, cluster: dict[str, Any]) -> None:
+    box = _pause_mid_stream(controller, cluster, "finish")
+    out = box["stream"]
+    assert out["done"] and out["error"] is None, out
+    job = wait_for(
+        lambda: Job.objects.filter(pk=out["job"], state="COMPLETED").first(),
+        30,
+        "the streamed job COMPLETED",
+    )
+    # It finished where it ran: one attempt, no failover, on the paused node.
+    assert not JobAttempt.objects.filter(job=job, number__gt=1).exists()
+    assert not Event.objects.filter(kind="JOB_FAILOVER", job_id=job.id).exists()
+    assert job.deployment is not None and job.deployment.primary_id == box["paused_node"].id
+    assert out["node"] == box["paused_node"].name
+    assert job.finished_at is not None and job.finished_at > box["draining_at"]
+    _no_new_job_after_draining(box)
+    # Drained once its last job ended.
+    wait_for(
+        lambda: _node_state(box["paused_node"].name) == "DRAINED",
+        120,
+        f"{box['paused_node'].name} DRAINED",
+    )
+    lending = Node.objects.get(pk=box["paused_node"].pk).lending
+    assert lending["paused"]["handoff"] == "finish", lending
+    _resume(cluster, box)
+
+
+def test_pause_stops_new_jobs_and_hands_running_ones_off_as_the_owner_chose(
+    controller: Controller, cluster: dict[str, Any]
+) -> None:
+    """One test: the database is flushed after each test of this module (transaction=True)."""
+    _failover_handoff(controller, cluster)
+    _finish_handoff(controller, cluster)
+    print(json.dumps({"nodes": {n: _node_state(n) for n in NODES}}))
