@@ -12,7 +12,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -51,6 +52,14 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 INLINE = frozenset({"run_job", "cancel_job"})
 CONTROL = frozenset({"rpc_start", "rpc_stop", "load_primary", "unload"})
 RUN_JOB_MAX_TOKENS = 256  # when a run_job carries none
+
+
+def rpc_threads(configured: int, lending: LendingPolicy) -> int:
+    """The RPC worker's threads: --rpc-threads or every core, never above the owner's thread
+    cap (a worker on all cores would lend what the owner kept back)."""
+    threads = configured or os.cpu_count() or 1
+    cap = lending.caps.threads
+    return max(1, min(threads, cap)) if cap else threads
 
 
 @runtime_checkable
@@ -137,7 +146,7 @@ class Commands:
                 host=self.config.advertise_address,
                 port=self.config.rpc_port,
                 cache_dir=self.config.state_dir / "rpc-cache",
-                n_threads=self.config.rpc_threads or os.cpu_count() or 1,
+                n_threads=rpc_threads(self.config.rpc_threads, self.config.lending),
                 log_path=self.log_dir / "rpc-worker.log",
                 on_event=self.outbox.event,
             )
@@ -519,10 +528,8 @@ class Commands:
         """Save a slot and upload the file to the controller with this node's credential."""
         primary, slot, tid = self._slot_handle(payload, "kv_save")
         url = self._kv_url(payload.get("upload_url"), "kv_save", "upload_url")
-        filename = f"{tid}.bin"
-        path = primary.slot_file(filename)
-        t0 = time.perf_counter()
-        try:
+        with _staged_slot_file(primary, tid, f"kv_save of slot {slot}") as (filename, path):
+            t0 = time.perf_counter()
             saved = primary.slot_save(slot=slot, filename=filename, timeout=KV_TIMEOUT_SECONDS)
             save_s = time.perf_counter() - t0
             digest = hashlib.sha256()
@@ -546,10 +553,6 @@ class Commands:
                 raise CommandError(
                     f"kv_save: upload refused ({resp.status_code}): {resp.text[:300]}"
                 )
-        except (OSError, httpx.HTTPError, ValueError) as exc:
-            raise CommandError(f"kv_save of slot {slot} failed: {exc}") from None
-        finally:
-            path.unlink(missing_ok=True)
         return {
             "transfer_id": tid,
             "slot": slot,
@@ -570,10 +573,8 @@ class Commands:
             raise CommandError("malformed kv_restore: 'sha256' must be 64 hex digits")
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise CommandError("malformed kv_restore: 'size' must be a byte count > 0")
-        filename = f"{tid}.bin"
-        path = primary.slot_file(filename)
-        t0 = time.perf_counter()
-        try:
+        with _staged_slot_file(primary, tid, f"kv_restore into slot {slot}") as (filename, path):
+            t0 = time.perf_counter()
             digest = hashlib.sha256()
             got = 0
             with (
@@ -606,10 +607,6 @@ class Commands:
             restored = primary.slot_restore(
                 slot=slot, filename=filename, timeout=KV_TIMEOUT_SECONDS
             )
-        except (OSError, httpx.HTTPError, ValueError) as exc:
-            raise CommandError(f"kv_restore into slot {slot} failed: {exc}") from None
-        finally:
-            path.unlink(missing_ok=True)
         return {
             "transfer_id": tid,
             "slot": slot,
@@ -618,6 +615,23 @@ class Commands:
             "download_s": round(download_s, 4),
             "restore_s": round(time.perf_counter() - t1, 4),
         }
+
+
+@contextmanager
+def _staged_slot_file(
+    primary: SlotStateHandle, transfer_id: str, what: str
+) -> Iterator[tuple[str, Path]]:
+    """The file a kv_save or kv_restore stages a slot's state in: (its name for llama-server, its
+    path here). It is removed afterwards whatever happened, and an I/O, HTTP or bad-value error on
+    the way becomes a CommandError saying ``what`` failed."""
+    filename = f"{transfer_id}.bin"
+    path = primary.slot_file(filename)
+    try:
+        yield filename, path
+    except (OSError, httpx.HTTPError, ValueError) as exc:
+        raise CommandError(f"{what} failed: {exc}") from None
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def _load_result(dep_id: str, model: Path, loaded: dict[str, Any]) -> dict[str, Any]:

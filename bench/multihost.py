@@ -124,9 +124,14 @@ def main() -> int:
     )
     p.add_argument("--runs", type=int, default=2, help="timed requests per shape (median)")
     p.add_argument("--quick", action="store_true", help="two shapes, one timed request each")
+    p.add_argument(
+        "--threads", type=int, default=1, help="threads each host lends (--max-threads; >= 1)"
+    )
     args = p.parse_args()
     if args.runs < 1:
         p.error("--runs must be at least 1")
+    if args.threads < 1:
+        p.error("--threads must be at least 1")
     shapes = SHAPES[:2] if args.quick else SHAPES
     runs = 1 if args.quick else args.runs
     reason = skip_reason()
@@ -152,6 +157,8 @@ def main() -> int:
                     tok,
                     models_dir=models,
                     profile=host_profile(ram_bytes=200 << 20, benchmark=bench),
+                    # The hosts share this machine's cores (tests/cluster/conftest.py says why).
+                    extra_args=("--max-threads", str(args.threads)),
                 )
             wait_for(
                 lambda: len(cl.get("/api/admin/nodes?state=READY").json()) == 3, 120, "3 READY"

@@ -32,10 +32,11 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.utils import timezone
 
@@ -329,12 +330,7 @@ def slot_claim(
     n = max(1, int(n_parallel))
     r = get_redis()
     now = time.time()
-    with r.pipeline(transaction=False) as pipe:
-        pipe.hgetall(dep_busy_key(dep))
-        pipe.hgetall(dep_slots_key(dep))
-        pipe.zrangebyscore(admission.slots_key(dep), f"({now!r}", "+inf")
-        busy, held, live = pipe.execute()
-    live_jobs = {str(j) for j in live}
+    busy, live_jobs, last_use = _slot_view(r, dep, now)
     stale = [
         s
         for s, j in busy.items()
@@ -343,11 +339,6 @@ def slot_claim(
     if stale:
         r.hdel(dep_busy_key(dep), *stale)
     taken = {int(s) for s, j in busy.items() if s not in stale}
-
-    def last_use(slot: int) -> float:
-        v = held.get(str(slot))
-        return float(str(v).split("|")[2]) if v else 0.0
-
     want = route.owner.slot if route.hit and route.owner is not None else None
     if want is not None and str(route.owner.deployment_id if route.owner else "") != dep:
         want = None
@@ -362,6 +353,25 @@ def slot_claim(
             route.slot, route.slot_deployment_id = slot, dep
             return slot
     return None  # every slot is pinned (leases out of step): llama-server picks
+
+
+def _slot_view(
+    r: redis.Redis, dep: str, now: float
+) -> tuple[dict[Any, Any], set[str], Callable[[int], float]]:
+    """One read of the deployment's slots: the busy pins (slot → holder), the jobs whose admission
+    slot is live at ``now``, and each slot's last use from its ownership record (0.0 for a slot
+    holding nothing, so sorting by it puts empty slots first, then the least recently used)."""
+    with r.pipeline(transaction=False) as pipe:
+        pipe.hgetall(dep_busy_key(dep))
+        pipe.hgetall(dep_slots_key(dep))
+        pipe.zrangebyscore(admission.slots_key(dep), f"({now!r}", "+inf")
+        busy, held, live = pipe.execute()
+
+    def last_use(slot: int) -> float:
+        v = held.get(str(slot))
+        return float(str(v).split("|")[2]) if v else 0.0
+
+    return busy, {str(j) for j in live}, last_use
 
 
 def _move_holds(holder: str, now: float) -> bool:
@@ -382,18 +392,8 @@ def slot_reserve(
     dep = str(deployment_id)
     r = get_redis()
     now = time.time()
-    with r.pipeline(transaction=False) as pipe:
-        pipe.hgetall(dep_busy_key(dep))
-        pipe.hgetall(dep_slots_key(dep))
-        pipe.zrangebyscore(admission.slots_key(dep), f"({now!r}", "+inf")
-        busy, held, live = pipe.execute()
-    live_jobs = {str(j) for j in live}
+    busy, live_jobs, last_use = _slot_view(r, dep, now)
     taken = {int(s) for s, j in busy.items() if str(j) in live_jobs or _move_holds(str(j), now)}
-
-    def last_use(slot: int) -> float:
-        v = held.get(str(slot))
-        return float(str(v).split("|")[2]) if v else 0.0
-
     holder = f"{MOVE_HOLDER}{transfer_id}:{now + ttl!r}"
     for slot in sorted((s for s in range(max(1, int(n_parallel))) if s not in taken), key=last_use):
         stale = busy.get(str(slot))

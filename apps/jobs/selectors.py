@@ -133,8 +133,18 @@ def cluster_snapshot(
             # The owner's cap is a planning limit: never more than it, net of our own books.
             ram_free = max(0, min(ram_free, lend.ram_bytes - reserved.get(nid, 0)))
         eff = float(settings.SCHEDULER_MEASURED_EFFICIENCY)
-        gflops = n.gflops * eff if n.gflops else DEFAULT_GFLOPS
-        bw = n.mem_bandwidth_gbps * eff if n.mem_bandwidth_gbps else DEFAULT_BANDWIDTH_GBPS
+        # The engine runs on the physical cores (plan n_threads), or on the owner's thread cap:
+        # the benchmark ran on the whole machine, so a cap below the default lends that share
+        # of its compute and memory bandwidth (one decode thread cannot use the whole bus).
+        default_threads = n.cpu_physical_cores or n.cpu_logical_cores or 1
+        threads = max(1, min(default_threads, lend.threads or default_threads))
+        share = threads / default_threads
+        gflops = n.gflops * eff * share if n.gflops else DEFAULT_GFLOPS * share
+        bw = (
+            n.mem_bandwidth_gbps * eff * share
+            if n.mem_bandwidth_gbps
+            else DEFAULT_BANDWIDTH_GBPS * share
+        )
         devices = [
             DeviceSnapshot(
                 node_id=nid,
@@ -172,13 +182,7 @@ def cluster_snapshot(
                 address=n.address,
                 rpc_port=n.rpc_port,
                 devices=tuple(devices),
-                threads=max(
-                    1,
-                    min(
-                        n.cpu_physical_cores or n.cpu_logical_cores or 1,
-                        lend.threads or n.cpu_logical_cores or 1 << 16,
-                    ),
-                ),
+                threads=threads,
                 has_model_file=nid in holders,
                 serves_model=nid in serving,
                 window_open=lend.open,

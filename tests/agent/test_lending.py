@@ -15,11 +15,14 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
+from agent.commands import rpc_threads
 from agent.config import ConfigError, parse_run_args
 from agent.lending import (
+    Caps,
     FakeIdleSource,
     GiB,
     LendingMonitor,
+    LendingPolicy,
     PolicyError,
     check_caps,
     lending_open,
@@ -221,6 +224,33 @@ def test_caps_show_up_in_the_snapshot_and_plans() -> None:
     assert mine.devices[0].free_bytes <= 2 * GiB and mine.threads <= 2
     plan = plan_placement(TINY, dataclasses.replace(snap, nodes=(mine,)), PlacementRequest())
     assert sum(d.memory_bytes for d in plan.devices) <= 2 * GiB
+
+
+@pytest.mark.django_db
+def test_a_thread_cap_lends_that_share_of_the_benchmarked_speed() -> None:
+    """The benchmark ran on the whole machine; the engine gets only the capped threads, so the
+    planner must not predict the whole machine's speed for them (test (b) in tests/cluster)."""
+    whole = NodeFactory(state="READY", cpu_physical_cores=8, cpu_logical_cores=16)
+    capped = NodeFactory(state="READY", cpu_physical_cores=8, cpu_logical_cores=16)
+    for n in (whole, capped):
+        n.gflops, n.mem_bandwidth_gbps = 200.0, 40.0
+    capped.lending = {"policy": {"caps": {"threads": 2}}}
+    whole.save()
+    capped.save()
+    snap = {n.node_id: n for n in cluster_snapshot().nodes}
+    full, quarter = snap[str(whole.id)], snap[str(capped.id)]
+    assert (full.threads, quarter.threads) == (8, 2)
+    assert quarter.devices[0].gflops == pytest.approx(full.devices[0].gflops / 4)
+    assert quarter.devices[0].mem_bandwidth_gbps == pytest.approx(
+        full.devices[0].mem_bandwidth_gbps / 4
+    )
+
+
+def test_the_rpc_worker_keeps_to_the_thread_cap() -> None:
+    assert rpc_threads(0, LendingPolicy(caps=Caps(threads=1))) == 1
+    assert rpc_threads(6, LendingPolicy(caps=Caps(threads=2))) == 2
+    assert rpc_threads(1, LendingPolicy(caps=Caps(threads=4))) == 1
+    assert rpc_threads(3, LendingPolicy()) == 3
 
 
 # --- the service file -----------------------------------------------------------------------------

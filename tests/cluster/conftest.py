@@ -77,6 +77,10 @@ def cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 tok.json()["token"],
                 models_dir=models,
                 profile=host_profile(ram_bytes=HOST_RAM, benchmark=bench),
+                # One thread each: the hosts share this machine's cores, and an engine with a
+                # thread per core stalls 2-20x whenever another host's process runs (measured;
+                # the reason in test (b)). The planner lends the benchmark's share for the cap.
+                extra_args=("--max-threads", "1"),
             )
         try:
             wait_for(

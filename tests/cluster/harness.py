@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,7 +252,13 @@ class Cluster:
         tmp.replace(self.wire_config)
 
     def start_agent(
-        self, host: str, token: str, *, models_dir: Path, profile: dict[str, Any]
+        self,
+        host: str,
+        token: str,
+        *,
+        models_dir: Path,
+        profile: dict[str, Any],
+        extra_args: Sequence[str] = (),
     ) -> None:
         h = self.hosts[host]
         h.state_dir = self.workdir / "agents" / host
@@ -278,6 +284,7 @@ class Cluster:
                 "--advertise-address", h.address,
                 "--rpc-port", str(RPC_PORT),
                 "--hardware-profile", str(prof),
+                *extra_args,
             ],
             h.log_path,
             env=env,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,6 +263,92 @@ def stop_agent(agent: AgentProc, sig: int = signal.SIGTERM, timeout: float = 20)
         except subprocess.TimeoutExpired:
             pass
     _stop(agent.proc, signal.SIGKILL, timeout=5)
+
+
+def consumer_headers(name: str) -> dict[str, str]:
+    """The auth headers of a new account's inference key (tests/e2e/test_cluster.py)."""
+    from .test_cluster import make_account_with_key  # test_cluster imports this module
+
+    _, key = make_account_with_key(name)
+    return {"Authorization": f"Bearer {key}"}
+
+
+@contextmanager
+def agents_serving_model(
+    ctl: Controller, model_path: Path, workdir: Path, names: tuple[str, ...], model: str
+) -> Iterator[tuple[dict[str, AgentProc], dict[str, dict[str, Any]]]]:
+    """One agent per name (each enrolled with a token of its own ``owner-<name>`` account), all
+    sharing one models dir that holds ``model_path`` (a hard link, a copy across file systems);
+    once every node is READY, ``model_path`` is registered as ``model``. Yields (the agents, the
+    READY node records, both by name); stops the agents after, however the block ended."""
+    from .test_cluster import make_account_with_key  # test_cluster imports this module
+
+    models_dir = workdir / "models"
+    models_dir.mkdir()
+    try:
+        os.link(model_path, models_dir / model_path.name)
+    except OSError:
+        shutil.copy(model_path, models_dir / model_path.name)
+    agents: dict[str, AgentProc] = {}
+    try:
+        for name in names:
+            acct_id, _ = make_account_with_key(f"owner-{name}")
+            tok = ctl.post("/api/admin/tokens", {"label": name, "account": acct_id})
+            assert tok.status_code == 201, tok.text
+            agents[name] = start_agent(
+                ctl, tok.json()["token"], name, workdir, models_dir=models_dir
+            )
+
+        def ready_nodes() -> dict[str, dict[str, Any]] | None:
+            got = {
+                n["name"]: n
+                for n in ctl.get("/api/admin/nodes?state=READY").json()
+                if n["name"] in names
+            }
+            return got if len(got) == len(names) else None
+
+        nodes = wait_for(ready_nodes, 90, f"{len(names)} READY nodes")
+        created = ctl.post("/api/admin/models", {"path": str(model_path), "name": model})
+        assert created.status_code == 201, created.text
+        yield agents, nodes
+    finally:
+        for agent in agents.values():
+            stop_agent(agent)
+
+
+# serving_agents (tests/e2e/conftest.py): (label, node names, model name) → agents_serving_model's
+# (agents, READY node records).
+StartAgents = Callable[
+    [str, tuple[str, ...], str], tuple[dict[str, AgentProc], dict[str, dict[str, Any]]]
+]
+
+
+def chat_ok(ctl: Controller, headers: dict[str, str], body: dict[str, Any]) -> httpx.Response:
+    """POST /v1/chat/completions (not streamed), asserting 200."""
+    resp = httpx.post(ctl.url + "/v1/chat/completions", json=body, headers=headers, timeout=180)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def replica_per_node(
+    ctl: Controller, model: str, names: tuple[str, ...], **request: Any
+) -> dict[str, str]:
+    """One deployment of ``model`` pinned to each named node (``request``: n_ctx, n_parallel...),
+    all READY (none FAILED or STOPPED on the way); their ids by node name."""
+    deps: dict[str, str] = {}
+    for name in names:
+        dep = ctl.post("/api/admin/deployments", {"model": model, "nodes": [name], **request})
+        assert dep.status_code == 202, dep.text
+        deps[name] = dep.json()["id"]
+
+    def ready(dep_id: str) -> bool:
+        d = ctl.get(f"/api/admin/deployments/{dep_id}").json()
+        assert d["state"] not in ("FAILED", "STOPPED"), d
+        return bool(d["state"] == "READY")
+
+    for dep_id in deps.values():
+        wait_for(lambda dep_id=dep_id: ready(dep_id), 180, "every replica READY")
+    return deps
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.25) -> Any:

@@ -6,8 +6,6 @@ DRAINED with NODE_DRAINED written after its last job finished, and no job is los
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 from datetime import datetime
 from pathlib import Path
@@ -17,8 +15,7 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from .harness import AgentProc, Controller, start_agent, stop_agent, wait_for
-from .test_cluster import make_account_with_key
+from .harness import Controller, agents_serving_model, chat_ok, consumer_headers, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -32,36 +29,10 @@ def _at(event: dict[str, Any]) -> datetime:
 def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(
     controller: Controller, model_path: Path, tmp_path: Path
 ) -> None:
-    models_dir = tmp_path / "models"
-    models_dir.mkdir()
-    try:
-        os.link(model_path, models_dir / model_path.name)
-    except OSError:
-        shutil.copy(model_path, models_dir / model_path.name)
-    agents: list[AgentProc] = []
-    try:
-        for name in ("drain-a", "drain-b"):
-            acct_id, _ = make_account_with_key(f"owner-{name}")
-            tok = controller.post("/api/admin/tokens", {"label": name, "account": acct_id})
-            assert tok.status_code == 201, tok.text
-            agents.append(
-                start_agent(controller, tok.json()["token"], name, tmp_path, models_dir=models_dir)
-            )
-
-        def ready_nodes() -> dict[str, Any] | None:
-            got = {
-                n["name"]: n
-                for n in controller.get("/api/admin/nodes?state=READY").json()
-                if n["name"].startswith("drain-")
-            }
-            return got if len(got) == 2 else None
-
-        nodes = wait_for(ready_nodes, 90, "two READY nodes")
+    names = ("drain-a", "drain-b")
+    started = agents_serving_model(controller, model_path, tmp_path, names, "smollm2-drain")
+    with started as (_, nodes):
         a_id = nodes["drain-a"]["id"]
-        created = controller.post(
-            "/api/admin/models", {"path": str(model_path), "name": "smollm2-drain"}
-        )
-        assert created.status_code == 201, created.text
         dep = controller.post(
             "/api/admin/deployments", {"model": "smollm2-drain", "nodes": ["drain-a"], "n_ctx": 512}
         )
@@ -74,8 +45,7 @@ def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(
             return str(d["state"])
 
         wait_for(lambda: state_of(old_id) == "READY", 180, "the deployment on drain-a to be READY")
-        _, key = make_account_with_key("drain-consumer")
-        headers = {"Authorization": f"Bearer {key}"}
+        headers = consumer_headers("drain-consumer")
         body = {
             "model": "smollm2-drain",
             "messages": PROMPT,
@@ -134,13 +104,7 @@ def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(
         wait_for(lambda: state_of(new_id) == "READY", 180, "the replacement to be READY")
         served = []
         for _ in range(2):
-            resp = httpx.post(
-                controller.url + "/v1/chat/completions",
-                json={**body, "stream": False, "max_tokens": 8},
-                headers=headers,
-                timeout=180,
-            )
-            assert resp.status_code == 200, resp.text
+            resp = chat_ok(controller, headers, {**body, "stream": False, "max_tokens": 8})
             assert resp.headers["x-racon-nodes"] == "drain-b"
             served.append(resp.headers["x-racon-job-id"])
 
@@ -161,6 +125,3 @@ def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(
         # Zero lost jobs: every job of the model completed.
         for job_id in [streamed["job"], *served]:
             assert controller.get(f"/api/admin/jobs/{job_id}").json()["state"] == "COMPLETED"
-    finally:
-        for agent in agents:
-            stop_agent(agent)

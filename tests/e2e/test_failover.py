@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,8 +24,7 @@ from apps.credits.models import Entry, EntryKind, Receipt
 from apps.jobs.models import Deployment, Job, JobAttempt
 from apps.nodes.models import Event
 
-from .harness import AgentProc, Controller, start_agent, stop_agent, wait_for
-from .test_cluster import make_account_with_key
+from .harness import Controller, StartAgents, chat_ok, consumer_headers, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -83,64 +79,21 @@ def _ensure_two_replicas(controller: Controller) -> None:
 
 
 @pytest.fixture
-def cluster(
-    controller: Controller,
-    model_path: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    django_db_blocker: Any,
-) -> Iterator[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("failover")
-    models_dir = tmp / "models"
-    models_dir.mkdir()
-    try:
-        os.link(model_path, models_dir / model_path.name)
-    except OSError:
-        shutil.copy(model_path, models_dir / model_path.name)
-    agents: list[AgentProc] = []
-    with django_db_blocker.unblock():
-        try:
-            for name in ("fo-a", "fo-b"):
-                acct_id, _ = make_account_with_key(f"owner-{name}")
-                tok = controller.post("/api/admin/tokens", {"label": name, "account": acct_id})
-                assert tok.status_code == 201, tok.text
-                agents.append(
-                    start_agent(controller, tok.json()["token"], name, tmp, models_dir=models_dir)
-                )
-
-            def ready_nodes() -> bool:
-                return (
-                    len(
-                        [
-                            n
-                            for n in controller.get("/api/admin/nodes?state=READY").json()
-                            if n["name"].startswith("fo-")
-                        ]
-                    )
-                    == 2
-                )
-
-            wait_for(ready_nodes, 90, "two READY nodes")
-            created = controller.post("/api/admin/models", {"path": str(model_path), "name": MODEL})
-            assert created.status_code == 201, created.text
-            deps = [_replica(controller, n) for n in ("fo-a", "fo-b")]
-            for d in deps:
-                wait_for(lambda d=d: _ready(d), 180, "both replicas READY")
-            _, key = make_account_with_key("failover-consumer")
-            headers = {"Authorization": f"Bearer {key}"}
-            # The greedy reference, run alone (CLARIFICATIONS, "Output identity").
-            ref = httpx.post(
-                controller.url + "/v1/chat/completions", json=GREEDY, headers=headers, timeout=180
-            )
-            assert ref.status_code == 200, ref.text
-            yield {
-                "headers": headers,
-                "reference": ref.json()["choices"][0]["message"]["content"],
-                "ref_usage": ref.json()["usage"],
-                "agents": agents,
-            }
-        finally:
-            for agent in agents:
-                stop_agent(agent)
+def cluster(controller: Controller, serving_agents: StartAgents) -> dict[str, Any]:
+    names = ("fo-a", "fo-b")
+    agents, _ = serving_agents("failover", names, MODEL)
+    deps = [_replica(controller, n) for n in names]
+    for d in deps:
+        wait_for(lambda d=d: _ready(d), 180, "both replicas READY")
+    headers = consumer_headers("failover-consumer")
+    # The greedy reference, run alone (CLARIFICATIONS, "Output identity").
+    ref = chat_ok(controller, headers, GREEDY)
+    return {
+        "headers": headers,
+        "reference": ref.json()["choices"][0]["message"]["content"],
+        "ref_usage": ref.json()["usage"],
+        "agents": list(agents.values()),
+    }
 
 
 def _stream(

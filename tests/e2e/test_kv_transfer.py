@@ -6,19 +6,22 @@ temperature 0, says what it said with no move."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from agent.protocol import job_stream_key
 from racon.redis import get_redis
 
-from .harness import AgentProc, Controller, start_agent, stop_agent, wait_for
-from .test_cluster import make_account_with_key
+from .harness import (
+    Controller,
+    agents_serving_model,
+    chat_ok,
+    consumer_headers,
+    replica_per_node,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -43,65 +46,19 @@ def metric(text: str, name: str) -> float:
 def test_a_drained_replicas_conversation_continues_from_its_moved_state(
     controller: Controller, model_path: Path, tmp_path: Path
 ) -> None:
-    models_dir = tmp_path / "models"
-    models_dir.mkdir()
-    try:
-        os.link(model_path, models_dir / model_path.name)
-    except OSError:
-        shutil.copy(model_path, models_dir / model_path.name)
-    agents: list[AgentProc] = []
-    try:
-        for name in ("kvt-a", "kvt-b"):
-            acct_id, _ = make_account_with_key(f"transfer-{name}")
-            tok = controller.post("/api/admin/tokens", {"label": name, "account": acct_id})
-            assert tok.status_code == 201, tok.text
-            agents.append(
-                start_agent(controller, tok.json()["token"], name, tmp_path, models_dir=models_dir)
-            )
-
-        def ready_nodes() -> dict[str, Any] | None:
-            got = {
-                n["name"]: n
-                for n in controller.get("/api/admin/nodes?state=READY").json()
-                if n["name"].startswith("kvt-")
-            }
-            return got if len(got) == 2 else None
-
-        nodes = wait_for(ready_nodes, 90, "two READY nodes")
-        created = controller.post("/api/admin/models", {"path": str(model_path), "name": MODEL})
-        assert created.status_code == 201, created.text
-        deps: dict[str, str] = {}
-        for name in ("kvt-a", "kvt-b"):
-            dep = controller.post(
-                "/api/admin/deployments",
-                {"model": MODEL, "nodes": [name], "n_ctx": 1024, "n_parallel": 2},
-            )
-            assert dep.status_code == 202, dep.text
-            deps[name] = dep.json()["id"]
-
-        def ready(dep_id: str) -> bool:
-            d = controller.get(f"/api/admin/deployments/{dep_id}").json()
-            assert d["state"] not in ("FAILED", "STOPPED"), d
-            return bool(d["state"] == "READY")
-
-        for dep_id in deps.values():
-            wait_for(lambda dep_id=dep_id: ready(dep_id), 180, "both replicas READY")
+    names = ("kvt-a", "kvt-b")
+    with agents_serving_model(controller, model_path, tmp_path, names, MODEL) as (_, nodes):
+        deps = replica_per_node(controller, MODEL, names, n_ctx=1024, n_parallel=2)
         node_of = {deps[name]: nodes[name]["id"] for name in deps}
-        _, key = make_account_with_key("kvt-consumer")
-        headers = {"Authorization": f"Bearer {key}"}
+        headers = consumer_headers("kvt-consumer")
         messages: list[dict[str, str]] = [
             {"role": "system", "content": "You are a terse assistant."}
         ]
 
         def ask(msgs: list[dict[str, str]]) -> tuple[str, str, dict[str, Any]]:
             """(reply, deployment, the engine's usage) for one chat at temperature 0."""
-            resp = httpx.post(
-                controller.url + "/v1/chat/completions",
-                json={"model": MODEL, "messages": msgs, "max_tokens": 16, "temperature": 0},
-                headers=headers,
-                timeout=180,
-            )
-            assert resp.status_code == 200, resp.text
+            body = {"model": MODEL, "messages": msgs, "max_tokens": 16, "temperature": 0}
+            resp = chat_ok(controller, headers, body)
             dep_id = str(resp.headers["x-racon-deployment-id"])
             usage = engine_usage(str(resp.headers["x-racon-job-id"]), node_of[dep_id])
             return str(resp.json()["choices"][0]["message"]["content"]), dep_id, usage
@@ -164,6 +121,3 @@ def test_a_drained_replicas_conversation_continues_from_its_moved_state(
         )
         old_events = controller.get(f"/api/admin/deployments/{owner}").json()["events"]
         assert not any(e["kind"] == "KV_STATE_DROPPED" for e in old_events), old_events
-    finally:
-        for agent in agents:
-            stop_agent(agent)

@@ -13,7 +13,6 @@ one chunk (the agent's ``primary_died`` error entry), attempt 2 runs on the othe
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -28,11 +27,11 @@ from agent.runtime.stream import entry
 from apps.jobs import kvcache, serving
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DeploymentState, JobState
-from apps.models_repo.models import Model, ModelFile
-from apps.models_repo.profile import synthetic_profile
+from apps.models_repo.models import Model
 from apps.nodes.models import Node
 from racon.redis import get_redis
 from tests.factories import NodeFactory
+from tests.jobs.helpers import placeable_model
 from tests.jobs.test_deployments import FakeAgents
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the follower's steps run on the thread pool
@@ -88,22 +87,12 @@ class RunJobAgents(FakeAgents):
 
 @pytest.fixture
 def model(tmp_path: Path) -> Model:
-    m = Model.objects.create(name="failover-slots-model")
-    store = tmp_path / "store-m.gguf"
-    store.write_bytes(os.urandom(2**20))
-    tiny = synthetic_profile(
-        name="tiny", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152
-    )
-    ModelFile.objects.create(
-        model=m,
-        file_name="m.gguf",
+    return placeable_model(
+        name="failover-slots-model",
         sha256="f" * 64,
-        size=100 * 1024**2,
-        n_layer=30,
-        profile=tiny.to_dict(),
-        store_path=str(store),
+        store=tmp_path / "store-m.gguf",
+        store_bytes=2**20,
     )
-    return m
 
 
 def small_node() -> Node:

@@ -17,39 +17,18 @@ from django.utils import timezone
 from apps.jobs import admission, kvcache, kvtransfer
 from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
-from apps.models_repo.models import Model, ModelFile
+from apps.models_repo.models import Model
 from apps.nodes.models import Event
 from racon.redis import get_redis
 from tests.factories import NodeFactory
+from tests.jobs.helpers import chat, deployment, kv_model
 
 pytestmark = pytest.mark.django_db
-
-SYSTEM = {"role": "system", "content": "You are terse."}
-
-
-def chat(*turns: str) -> dict[str, Any]:
-    msgs: list[dict[str, Any]] = [SYSTEM]
-    for i, t in enumerate(turns):
-        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": t})
-    return {"messages": msgs}
 
 
 @pytest.fixture
 def model() -> Model:
-    m = Model.objects.create(name="kvt-model")
-    ModelFile.objects.create(model=m, file_name="m.gguf", sha256="e" * 64, size=1000)
-    return m
-
-
-def deployment(model: Model, *, n_parallel: int = 2) -> Deployment:
-    return Deployment.objects.create(
-        model=model,
-        model_file=model.files.get(),
-        state=DeploymentState.READY,
-        primary=NodeFactory(),
-        n_parallel=n_parallel,
-        n_ctx=2048,
-    )
+    return kv_model(name="kvt-model", sha256="e" * 64)
 
 
 def held_on(model: Model, dep: Deployment, slot: int, *turns: str) -> list[str]:

@@ -9,7 +9,6 @@ commands as its agent does) once one is.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from datetime import timedelta
@@ -25,13 +24,13 @@ from agent.protocol import HEARTBEATS_ZSET
 from apps.jobs import admission, serving
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DeploymentState, JobState
-from apps.models_repo.models import Model, ModelFile, Replica
-from apps.models_repo.profile import synthetic_profile
+from apps.models_repo.models import Model, Replica
 from apps.nodes.models import Node
 from apps.nodes.services import node_transition
 from apps.nodes.states import NodeState
 from racon.redis import get_redis
 from tests.factories import NodeFactory
+from tests.jobs.helpers import placeable_model
 from tests.jobs.test_deployments import FakeAgents
 
 pytestmark = pytest.mark.django_db(transaction=True)  # waits run on the thread pool
@@ -39,23 +38,9 @@ pytestmark = pytest.mark.django_db(transaction=True)  # waits run on the thread 
 
 @pytest.fixture
 def model(tmp_path: Path) -> Model:
-    m = Model.objects.create(name="wait-model")
-    # The controller's store copy that the node's replica claim is challenged against.
-    store = tmp_path / "store-m.gguf"
-    store.write_bytes(os.urandom(3 * 2**20))
-    tiny = synthetic_profile(
-        name="tiny", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152
+    return placeable_model(
+        name="wait-model", sha256="e" * 64, store=tmp_path / "store-m.gguf", store_bytes=3 * 2**20
     )
-    ModelFile.objects.create(
-        model=m,
-        file_name="m.gguf",
-        sha256="e" * 64,
-        size=100 * 1024**2,
-        n_layer=30,
-        profile=tiny.to_dict(),
-        store_path=str(store),
-    )
-    return m
 
 
 def open_(model: Model) -> serving.Admission:

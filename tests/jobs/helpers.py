@@ -1,0 +1,66 @@
+"""Setup shared by the tests in tests/jobs: chat payloads and READY deployments for the KV cache
+tests (test_kvcache.py, test_kvtransfer.py), and a model with a store copy and a placeable
+profile for the tests that place or fail over through FakeAgents (test_failover_slots.py,
+test_serving_wait.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from apps.jobs.models import Deployment
+from apps.jobs.states import DeploymentState
+from apps.models_repo.models import Model, ModelFile
+from apps.models_repo.profile import synthetic_profile
+from tests.factories import NodeFactory
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def chat(*turns: str) -> dict[str, Any]:
+    """A chat payload: the system message, then the turns (user first, alternating)."""
+    msgs: list[dict[str, Any]] = [SYSTEM]
+    for i, t in enumerate(turns):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": t})
+    return {"messages": msgs}
+
+
+def kv_model(*, name: str, sha256: str) -> Model:
+    """A model with one 1000-byte file (no store copy: nothing places it)."""
+    m = Model.objects.create(name=name)
+    ModelFile.objects.create(model=m, file_name="m.gguf", sha256=sha256, size=1000)
+    return m
+
+
+def deployment(model: Model, *, n_parallel: int = 2) -> Deployment:
+    """A READY deployment of ``model`` on a new node, with ``n_parallel`` slots."""
+    return Deployment.objects.create(
+        model=model,
+        model_file=model.files.get(),
+        state=DeploymentState.READY,
+        primary=NodeFactory(),
+        n_parallel=n_parallel,
+        n_ctx=2048,
+    )
+
+
+def placeable_model(*, name: str, sha256: str, store: Path, store_bytes: int) -> Model:
+    """A model whose file has a tiny 30-layer profile (the scheduler can place it) and a store
+    copy of ``store_bytes`` random bytes at ``store`` (a node's replica claim is challenged
+    against it)."""
+    m = Model.objects.create(name=name)
+    store.write_bytes(os.urandom(store_bytes))
+    tiny = synthetic_profile(
+        name="tiny", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152
+    )
+    ModelFile.objects.create(
+        model=m,
+        file_name="m.gguf",
+        sha256=sha256,
+        size=100 * 1024**2,
+        n_layer=30,
+        profile=tiny.to_dict(),
+        store_path=str(store),
+    )
+    return m
