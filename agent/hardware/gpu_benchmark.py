@@ -79,7 +79,7 @@ class GpuBackend:
 def gpu_backend() -> GpuBackend:
     try:
         # Optional (the [agent] extra), and importing it loads libllama: only when asked.
-        import llama_cpp  # noqa: PLC0415
+        import llama_cpp  # noqa: PLC0415 - optional (the [agent] extra); absent: no GPU backend
     except (ImportError, OSError) as exc:
         return GpuBackend(False, (), f"llama-cpp-python is not available ({exc})")
     try:

@@ -43,7 +43,7 @@ from racon.redis import get_redis
 
 from . import kvcache, selectors, services
 from .models import Deployment, Job
-from .states import JOB_OPEN
+from .states import DEPLOYMENT_PENDING, JOB_OPEN
 
 log = logging.getLogger("racon.jobs.kvtransfer")
 
@@ -176,11 +176,20 @@ def _wait_for_idle(dep: Deployment, deadline: float) -> bool:
 
 
 def _wait_for_target(dep: Deployment, deadline: float) -> Deployment | None:
-    """Another serving replica, or the drain's replacement once it serves (bounded)."""
+    """Another serving replica, or the drain's replacement once it serves (bounded). None at once
+    when no other replica of the model is being placed or loaded: nothing is coming to take the
+    state (a one-node cluster's drain would otherwise wait out the whole timeout)."""
     while True:
         target = _target(dep)
         if target is not None or time.monotonic() > deadline:
             return target
+        coming = (
+            Deployment.objects.filter(model_id=dep.model_id, state__in=list(DEPLOYMENT_PENDING))
+            .exclude(pk=dep.pk)
+            .exists()
+        )
+        if not coming:
+            return None
         time.sleep(0.5)
 
 

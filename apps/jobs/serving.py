@@ -614,6 +614,9 @@ def kv_finish(*, adm: Admission, outcome: Outcome, entry: dict[str, str] | None)
         log.warning("job %s: the KV cache record was not updated", adm.job_id, exc_info=True)
 
 
+FINISH_THREAD_PREFIX = "racon-finish-"  # the threads admission_finish_in_background starts
+
+
 def admission_finish_in_background(
     *,
     adm: Admission,
@@ -635,7 +638,7 @@ def admission_finish_in_background(
         finally:
             connections.close_all()  # this thread's own connection
 
-    threading.Thread(target=run, daemon=True).start()
+    threading.Thread(target=run, name=f"{FINISH_THREAD_PREFIX}{adm.job_id}", daemon=True).start()
 
 
 def admission_cancel(*, adm: Admission) -> None:

@@ -4,6 +4,7 @@ hold, wait, give up, finish."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -187,3 +188,9 @@ def test_a_cancel_flags_the_primary_and_records_the_job_cancelled(model: Model) 
     assert Job.objects.get(pk=adm.job_id).state == JobState.CANCELLED
     serving.admission_cancel(adm=adm)  # a second cancel is a no-op
     assert adm.finished
+    # The recording thread goes on past CANCELLED (settlement, the KV record): left running, it
+    # wrote rows while the test database was flushed, and PostgreSQL found a deadlock (CI).
+    for t in threading.enumerate():
+        if t.name == f"{serving.FINISH_THREAD_PREFIX}{adm.job_id}":
+            t.join(30)
+            assert not t.is_alive()
