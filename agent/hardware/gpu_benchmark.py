@@ -22,7 +22,6 @@ uses its assumption (apps/jobs/selectors.py).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import subprocess
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.protocol import GpuInfo
+from agent.runtime.ggml import DeviceInfo, Ggml, GgmlUnavailable
 
 log = logging.getLogger("agent.hardware.gpu_benchmark")
 
@@ -44,8 +44,6 @@ MAX_MODEL_BYTES = 4 * 2**30  # a "small" model: loads in seconds on any GPU wort
 RUN_TIMEOUT_S = 180.0  # one GPU's subprocess: model load plus two short timings
 # The controller's figures for a GPU with no measurement (apps/jobs/selectors.py).
 ASSUMPTION = "the controller assumes 20x the node's CPU GFLOPS and 300 GB/s for each GPU"
-_GGML_TYPE_GPU = 1  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL, META
-_GGML_TYPE_IGPU = 2
 
 
 def gflops_from_prompt(*, n_params: int, tokens: int, seconds: float) -> float:
@@ -98,56 +96,26 @@ def gpu_backend() -> GpuBackend:
     return GpuBackend(True, tuple(devices), f"llama.cpp GPU backend: {', '.join(devices)}")
 
 
-def _ggml() -> Any | None:
+def _devices() -> list[DeviceInfo]:
+    """Every ggml backend device, read through the process's one ggml (agent/runtime/ggml.py opens
+    the soname copy libllama links against: another copy has a registry of its own, where the
+    backends libllama loaded are not seen; FACTS.md)."""
     try:
-        import llama_cpp.llama_cpp as bindings  # noqa: PLC0415 - optional, as above
-    except (ImportError, OSError):
-        return None
-    path = Path(bindings._lib._name).parent / "libggml.so"
-    try:
-        lib = ctypes.CDLL(str(path)) if path.exists() else bindings._lib
-        lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-        lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-        lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        lib.ggml_backend_dev_type.restype = ctypes.c_int
-        lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-        lib.ggml_backend_dev_name.restype = ctypes.c_char_p
-        lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-        lib.ggml_backend_dev_description.restype = ctypes.c_char_p
-        lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
-    except (OSError, AttributeError):
-        return None
-    return lib
-
-
-def _devices() -> list[tuple[int, str, str]]:
-    """(type, name, description) of every ggml backend device."""
-    lib = _ggml()
-    if lib is None:
+        return Ggml().devices()
+    except (GgmlUnavailable, OSError):
         return []
-    out = []
-    for i in range(int(lib.ggml_backend_dev_count())):
-        dev = lib.ggml_backend_dev_get(i)
-        out.append(
-            (
-                int(lib.ggml_backend_dev_type(dev)),
-                (lib.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
-                (lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
-            )
-        )
-    return out
 
 
 def _ggml_devices() -> list[str]:
-    return [name for _type, name, _desc in _devices()]
+    return [d.name for d in _devices()]
 
 
 def _ggml_gpu_devices() -> list[str]:
     """Descriptions of the devices llama.cpp offloads to, in its main_gpu order: the discrete
     GPUs (RPC servers aside), else the integrated ones (src/llama.cpp, llama_model_load)."""
     devs = _devices()
-    gpus = [d for t, n, d in devs if t == _GGML_TYPE_GPU and not n.startswith("RPC")]
-    return gpus or [d for t, _n, d in devs if t == _GGML_TYPE_IGPU]
+    gpus = [d.description for d in devs if d.type == "gpu" and not d.name.startswith("RPC")]
+    return gpus or [d.description for d in devs if d.type == "igpu"]
 
 
 def pick_model(models_dir: Path) -> Path | None:
