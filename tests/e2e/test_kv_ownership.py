@@ -16,6 +16,7 @@ from .harness import (
     chat_ok,
     consumer_headers,
     replica_per_node,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -59,7 +60,14 @@ def test_turns_follow_the_owner_and_the_new_owner_after_a_drain(
         assert drained.status_code == 200, drained.text
         assert turn(6) == other
         assert turn(7) == other
-        old_events = controller.get(f"/api/admin/deployments/{owner}").json()["events"]
+
+        # The drop is recorded by the drain's own step, which can come after the turns above are
+        # routed elsewhere (seen in CI): wait for the event, bounded.
+        def dropped() -> list[dict[str, object]] | None:
+            events = controller.get(f"/api/admin/deployments/{owner}").json()["events"]
+            return events if any(e["kind"] == "KV_STATE_DROPPED" for e in events) else None
+
+        old_events = wait_for(dropped, 60, "KV_STATE_DROPPED on the drained owner")
         assert any(e["kind"] == "KV_STATE_DROPPED" for e in old_events), old_events
         new_events = controller.get(f"/api/admin/deployments/{other}").json()["events"]
         moved = [e for e in new_events if e["kind"] == "KV_OWNERSHIP_MOVED"]
