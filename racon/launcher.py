@@ -322,6 +322,21 @@ class Supervisor:
                 child.proc.wait()
 
 
+def local_agent_threads(agents: int) -> list[str]:
+    """node-agent flags that share this machine's cores among its `agents` local agents.
+
+    Each agent would otherwise plan its engine for every core, and two engines with a thread per
+    core on the same cores stall each other: ggml's threads meet at a barrier after each step, so
+    an engine whose second thread is waiting for a core loses a time slice per step. Found by the
+    reliability suite: with both replicas busy, a second's CPU taken by a restarting process left
+    both at about half a token per second for the next minute. An operator's lending policy file
+    (RACON_POLICY) sets its own cap, and wins.
+    """
+    if agents <= 1 or os.environ.get("RACON_POLICY"):
+        return []
+    return ["--max-threads", str(max(1, (os.cpu_count() or 1) // agents))]
+
+
 def wait_health(url: str, sup: Supervisor, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -515,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--enrollment-token", info["token"], "--node-name", name,
                 "--state-dir", str(var / "agents" / name), "--models-dir", str(models_dir),
                 "--advertise-address", "127.0.0.1", "--rpc-port", str(rpc_port + i),
+                *local_agent_threads(args.agents),
             ]  # fmt: skip
             # A restarted agent presents its stored credential, so the token's use count is not spent again.
             sup.start(

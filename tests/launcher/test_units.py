@@ -60,6 +60,19 @@ def no_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_secrets")
+def test_local_agents_share_the_cores_unless_a_policy_file_sets_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RACON_POLICY", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert launcher.local_agent_threads(1) == []  # one agent: every core, as the agent plans
+    assert launcher.local_agent_threads(2) == ["--max-threads", "4"]
+    assert launcher.local_agent_threads(3) == ["--max-threads", "2"]
+    assert launcher.local_agent_threads(16) == ["--max-threads", "1"]  # never 0
+    monkeypatch.setenv("RACON_POLICY", "/etc/racon/policy.toml")
+    assert launcher.local_agent_threads(2) == []  # the operator's cap wins
+
+
 def test_secrets_are_generated_once_into_a_private_env_file(tmp_path: Path) -> None:
     env_file = tmp_path / "var" / ".env.local"
     created = launcher.ensure_secrets(env_file)

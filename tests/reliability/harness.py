@@ -107,6 +107,8 @@ class Outcome:
     started: float = 0.0
     ended: float = 0.0
     client_port: int = 0  # the local port of its connection: which server process held it
+    last_chunk: float = 0.0  # monotonic time of the newest content chunk (0: none)
+    max_gap: float = 0.0  # the longest wait between two content chunks, in seconds
 
     @property
     def ok(self) -> bool:
@@ -178,6 +180,10 @@ def stream_chat(
                         usage = obj["usage"]
                     for choice in obj.get("choices") or []:
                         if (choice.get("delta") or {}).get("content"):
+                            now = time.monotonic()
+                            if out.last_chunk:
+                                out.max_gap = max(out.max_gap, now - out.last_chunk)
+                            out.last_chunk = now
                             out.chunks += 1
                             if on_chunk is not None:
                                 on_chunk(out.chunks)
@@ -578,7 +584,9 @@ def run_scenario(
     bad = [o for o in outcomes if not o.ok][:2]
     details += [
         (
-            f"{o.kind} (job {o.job[:8] or '?'}, {o.chunks} chunks, {o.ended - o.started:.1f} s): "
+            f"{o.kind} (job {o.job[:8] or '?'}, {o.chunks} chunks, {o.ended - o.started:.1f} s, "
+            f"last chunk at {(o.last_chunk - o.started) if o.last_chunk else 0:.1f} s, "
+            f"longest gap {o.max_gap:.1f} s): "
             f"{' '.join(o.detail.split())[:120]}"
         )
         for o in bad
