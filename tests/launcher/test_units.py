@@ -59,7 +59,6 @@ def no_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(key, raising=False)
 
 
-@pytest.mark.usefixtures("no_secrets")
 def test_local_agents_share_the_cores_unless_a_policy_file_sets_the_cap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -73,6 +72,7 @@ def test_local_agents_share_the_cores_unless_a_policy_file_sets_the_cap(
     assert launcher.local_agent_threads(2) == []  # the operator's cap wins
 
 
+@pytest.mark.usefixtures("no_secrets")
 def test_secrets_are_generated_once_into_a_private_env_file(tmp_path: Path) -> None:
     env_file = tmp_path / "var" / ".env.local"
     created = launcher.ensure_secrets(env_file)
