@@ -33,12 +33,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from django.conf import settings
-from django.db.models import Q
 
 from agent.protocol import new_id
-from apps.nodes.models import Node
-from apps.nodes.services import node_drain_advance
-from apps.nodes.states import NodeState
 from racon.redis import get_redis
 
 from . import kvcache, selectors, services
@@ -244,19 +240,9 @@ def deployment_kv_transfer(*, deployment_id: Any, now: datetime) -> Outcome:
             out.seconds,
             out.dropped,
         )
-        _drains_advance(deployment_id=deployment_id, now=now)
-
-
-def _drains_advance(*, deployment_id: Any, now: datetime) -> None:
-    """The transfer held the old replica's stop back (deployments_drain_step): its drain goes on."""
-    node_ids = set(
-        Node.objects.filter(
-            Q(deployments__id=deployment_id) | Q(primary_of__id=deployment_id),
-            state=NodeState.DRAINING,
-        ).values_list("id", flat=True)
-    )
-    for node_id in node_ids:
-        node_drain_advance(node_id=node_id, now=now)
+        # The transfer held the old replica's stop back (drain.deployments_drain_step): its
+        # drain goes on.
+        services.drains_advance(deployments=Deployment.objects.filter(pk=deployment_id), now=now)
 
 
 class TransferFailed(Exception):

@@ -10,9 +10,9 @@ from apps.nodes import hooks as node_hooks
 from apps.nodes.states import DRAIN_STATES
 from racon import cache
 
+from .drain import deployments_drain_step
 from .models import Deployment, Job
 from .selectors import ROUTE_CACHE
-from .services import deployments_drain_step
 from .states import JOB_IN_FLIGHT
 
 

@@ -1,23 +1,20 @@
-"""Writes for deployments (placement, loading, health) and jobs (dispatch, finish, cancel)."""
+"""Writes for commands to agents, deployments (create, health, stop) and jobs (dispatch, finish,
+cancel). A deployment's placement and loading are in placement.py, a node's drain in drain.py,
+a job's failover in failover.py: those import from here, never the other way round.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
-import hmac
 import json
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, QuerySet, Sum
@@ -25,25 +22,23 @@ from django.utils import timezone
 from redis.exceptions import LockError
 
 from agent.protocol import job_cancel_key, job_stream_key, new_id, node_queue_key
-from apps.models_repo.models import Model, ModelFile, Replica
+from apps.models_repo.models import Model, ModelFile
 from apps.models_repo.profile import ModelProfile
-from apps.models_repo.services import replicas_sync
 from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
 from apps.nodes.links import link_measurements, link_prune
 from apps.nodes.models import Event, EventCategory, Node
 from apps.nodes.services import node_drain_advance
-from apps.nodes.states import DRAIN_STATES, HEALTHY, LOADABLE, LOST, ONLINE, NodeState
+from apps.nodes.states import DRAIN_STATES, HEALTHY, LOST, ONLINE, NodeState
 from racon import cache
 from racon.broadcast import broadcast
 from racon.celery import task_send_on_commit
-from racon.logging import log_context
 from racon.redis import get_redis, get_redis_blocking
 from racon.transitions import transition_guarded
 
 from . import admission, hooks, kvcache, selectors, streams
 from .models import Deployment, Job, JobAttempt
-from .scheduler import CostModel, PlacementRefused, PlacementRequest, Plan, plan_placement
+from .scheduler import CostModel, PlacementRequest, Plan, plan_placement
 from .states import (
     DEPLOYMENT_ACTIVE,
     DEPLOYMENT_PENDING,
@@ -282,392 +277,6 @@ def deployment_create(
     return dep
 
 
-def deployment_place(
-    *, deployment_id: Any, clock: Callable[[], datetime] = timezone.now, max_revisions: int = 3
-) -> Deployment:
-    """Plan, start the RPC workers, load the primary and confirm every member; READY or FAILED.
-
-    A node lost before execution (a step fails on it) is excluded and the plan revised.
-    """
-    dep = Deployment.objects.select_related("model", "model_file").get(pk=deployment_id)
-    if dep.state != D.PLANNING:
-        return dep  # a retried task: another run already took it
-    request = PlacementRequest(**_request_of(dep))
-    excluded: list[str] = list(request.exclude_nodes)
-    with log_context(deployment_id=dep.id):
-        for revision in range(max_revisions + 1):
-            pins = (
-                (tuple(p for p in request.pin_nodes if p not in excluded) or None)
-                if request.pin_nodes
-                else None
-            )
-            req = dataclasses.replace(request, exclude_nodes=tuple(excluded), pin_nodes=pins)
-            try:
-                with _placement_lock():
-                    plan = deployment_preview(
-                        model_file=dep.model_file, request=req, exclude_deployment=dep.id
-                    )
-                    with transaction.atomic():
-                        Deployment.objects.filter(pk=dep.id).update(
-                            plan=plan.to_dict(),
-                            primary_id=plan.primary_node_id,
-                            revision=revision,
-                            n_ctx=plan.n_ctx,
-                            n_parallel=plan.n_parallel,
-                        )
-                        dep.nodes.set(list(plan.node_ids))  # type: ignore[arg-type]  # pks; the stubs take only int pks
-                        event_record(
-                            kind="PLAN_REVISED" if revision else "PLAN_CHOSEN",
-                            category=EventCategory.PLACEMENT,
-                            now=clock(),
-                            deployment_id=dep.id,
-                            node_id=plan.primary_node_id,
-                            message=(
-                                f"primary {selectors.node_name(plan.primary_node_id)}, "
-                                f"{len(plan.layer_devices)} device(s), {plan.n_parallel} slot(s), "
-                                f"predicted {plan.predicted_tokens_per_s:.1f} tok/s"
-                            ),
-                            data={
-                                "plan": plan.to_dict(),
-                                "revision": revision,
-                                "excluded": excluded,
-                            },
-                        )
-            except PlacementRefused as exc:
-                deployment_transition(
-                    deployment_id=dep.id,
-                    to=D.FAILED,
-                    now=clock(),
-                    kind="PLACEMENT_REFUSED",
-                    message=exc.reason[:500],
-                    data=exc.to_dict(),
-                    fields={"error": exc.reason},
-                )
-                return Deployment.objects.get(pk=dep.id)
-            deployment_transition(
-                deployment_id=dep.id, to=D.LOADING, expected=D.PLANNING, now=clock()
-            )
-            try:
-                report = _deployment_load(dep=dep, plan=plan, clock=clock)
-            except _NodeLost as lost:
-                excluded.append(lost.node_id)
-                event_record(
-                    kind="NODE_LOST_BEFORE_EXECUTION",
-                    category=EventCategory.PLACEMENT,
-                    now=clock(),
-                    deployment_id=dep.id,
-                    node_id=lost.node_id,
-                    message=lost.reason,
-                )
-                if not deployment_transition(
-                    deployment_id=dep.id,
-                    to=D.PLANNING,
-                    expected=D.LOADING,
-                    now=clock(),
-                    message="re-scoring without the lost node",
-                ):
-                    return Deployment.objects.get(pk=dep.id)
-                continue
-            except DeploymentError as exc:
-                deployment_transition(
-                    deployment_id=dep.id,
-                    to=D.FAILED,
-                    expected=D.LOADING,
-                    now=clock(),
-                    kind="DEPLOYMENT_FAILED",
-                    message=str(exc)[:500],
-                    fields={"error": str(exc)},
-                )
-                return Deployment.objects.get(pk=dep.id)
-            except SoftTimeLimitExceeded:
-                # The placement worker's bound (settings.PLACEMENT_SOFT_TIME_LIMIT): fail visibly
-                # rather than be killed at the hard limit with the deployment left LOADING.
-                message = (
-                    f"placement timed out after {settings.PLACEMENT_SOFT_TIME_LIMIT:.0f}s "
-                    "(PLACEMENT_SOFT_TIME_LIMIT)"
-                )
-                deployment_transition(
-                    deployment_id=dep.id,
-                    to=D.FAILED,
-                    expected=D.LOADING,
-                    now=clock(),
-                    kind="DEPLOYMENT_FAILED",
-                    message=message,
-                    fields={"error": message},
-                )
-                return Deployment.objects.get(pk=dep.id)
-            except Exception as exc:
-                # Never leave a deployment LOADING forever: an unexpected fault fails it, visibly.
-                log.exception("placement of deployment %s failed", dep.id)
-                deployment_transition(
-                    deployment_id=dep.id,
-                    to=D.FAILED,
-                    expected=D.LOADING,
-                    now=clock(),
-                    kind="DEPLOYMENT_FAILED",
-                    message=f"internal error during placement: {exc}"[:500],
-                    fields={"error": str(exc)},
-                )
-                return Deployment.objects.get(pk=dep.id)
-            if deployment_transition(
-                deployment_id=dep.id,
-                to=D.READY,
-                expected=D.LOADING,
-                now=clock(),
-                kind="DEPLOYMENT_READY",
-                message="every member confirmed ready",
-                fields={"load_report": report},
-            ):
-                _drains_advance(
-                    deployments=Deployment.objects.filter(
-                        model_id=dep.model_id, state__in=list(DEPLOYMENT_SERVING)
-                    ),
-                    now=clock(),
-                )
-            return Deployment.objects.get(pk=dep.id)
-        deployment_transition(
-            deployment_id=dep.id,
-            to=D.FAILED,
-            now=clock(),
-            kind="DEPLOYMENT_FAILED",
-            message="too many plan revisions",
-            fields={"error": "too many plan revisions"},
-        )
-        return Deployment.objects.get(pk=dep.id)
-
-
-class _NodeLost(Exception):
-    def __init__(self, node_id: str, reason: str) -> None:
-        super().__init__(reason)
-        self.node_id = node_id
-        self.reason = reason
-
-
-def _deployment_load(
-    *, dep: Deployment, plan: Plan, clock: Callable[[], datetime]
-) -> dict[str, Any]:
-    """Setup and validation: RPC workers, model file on the primary, primary load, member check."""
-    timeout_rpc = settings.DEPLOYMENT_RPC_TIMEOUT
-    timeout_load = settings.DEPLOYMENT_LOAD_TIMEOUT
-    # 1. start or confirm the RPC workers of the plan, and let only this plan's primary through
-    # their tunnels: a fresh key per deployment (and placement attempt), never stored, sent only
-    # in the commands of the plan's members.
-    tunnel_key = secrets.token_hex(32)
-    primary_address = (
-        Node.objects.filter(pk=plan.primary_node_id).values_list("address", flat=True).first()
-    )
-    for worker in plan.rpc_workers():
-        node_id = worker["node_id"]
-        _require_live(node_id)
-        grant = {
-            "deployment_id": str(dep.id),
-            "tunnel_key": tunnel_key,
-            "primary_address": primary_address,
-        }
-        cid = command_send(node_id=node_id, kind="rpc_start", payload=grant)
-        result = command_wait(command_id=cid, timeout=timeout_rpc)
-        if result is None:
-            raise _NodeLost(
-                node_id,
-                f"RPC worker on {selectors.node_name(node_id)} did not confirm within {timeout_rpc:.0f}s",
-            )
-        if not result.get("ok"):
-            raise _NodeLost(
-                node_id,
-                f"RPC worker on {selectors.node_name(node_id)} failed: {result.get('error', '')}",
-            )
-        event_record(
-            kind="RPC_WORKER_CONFIRMED",
-            category=EventCategory.RUNTIME,
-            now=clock(),
-            node_id=node_id,
-            deployment_id=dep.id,
-            message=f"RPC worker ready at {worker['endpoint']}",
-            data={
-                "endpoint": worker["endpoint"],
-                "result": {k: v for k, v in result.items() if k != "node_id"},
-            },
-        )
-    # 2. the model file on the primary (only the primary needs it: workers get tensors over RPC)
-    primary = plan.primary_node_id
-    _require_live(primary)
-    path = _ensure_model_file(dep=dep, node_id=primary, clock=clock)
-    # 3. the primary verifies sha256 and loads with the plan's split
-    payload = {
-        "deployment_id": str(dep.id),
-        "model_name": dep.model.name,
-        "model_path": path,
-        "sha256": dep.model_file.sha256,
-        "rpc_endpoints": list(plan.rpc_endpoints),
-        "tensor_split": list(plan.tensor_split),
-        "n_gpu_layers": plan.n_gpu_layers,
-        "n_ctx": plan.n_ctx,
-        "n_parallel": plan.n_parallel,
-        "n_threads": plan.n_threads,
-        "n_batch": plan.n_batch,
-        "flash_attn": plan.flash_attn,
-        "memory_bytes": plan.memory_by_node().get(primary, 0),
-        "rpc_tunnel_key": tunnel_key,
-    }
-    cid = command_send(node_id=primary, kind="load_primary", payload=payload)
-    result = command_wait(command_id=cid, timeout=timeout_load)
-    if result is None:
-        raise _NodeLost(
-            primary,
-            f"primary {selectors.node_name(primary)} did not load within {timeout_load:.0f}s",
-        )
-    if not result.get("ok"):
-        error = str(result.get("error", "load failed"))
-        if "sha256" in error.lower() or "memory" in error.lower() or "missing" in error.lower():
-            raise DeploymentError(f"primary refused the plan: {error}")
-        raise _NodeLost(primary, f"primary {selectors.node_name(primary)} failed to load: {error}")
-    event_record(
-        kind="PRIMARY_LOADED",
-        category=EventCategory.RUNTIME,
-        now=clock(),
-        node_id=primary,
-        deployment_id=dep.id,
-        message=f"{dep.model.name} loaded",
-        data={k: v for k, v in result.items() if k != "node_id"},
-    )
-    # 4. every member confirmed ready (cheap re-check of their states right before READY)
-    for node_id in plan.node_ids:
-        _require_live(node_id)
-    return {k: v for k, v in result.items() if k != "node_id"}
-
-
-def _require_live(node_id: str) -> None:
-    state = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
-    if state not in LOADABLE:
-        raise _NodeLost(node_id, f"node {selectors.node_name(node_id)} is {state or 'gone'}")
-
-
-def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], datetime]) -> str:
-    """The primary's path to the file; copies it there first when it lacks it (retried once)."""
-    replica = Replica.objects.filter(node_id=node_id, model_file=dep.model_file).first()
-    if replica is not None:
-        # A node's "I hold this file" is a claim: trusted only once its bytes answer a challenge.
-        if replica_challenge(
-            node_id=node_id,
-            model_file=dep.model_file,
-            path=replica.path,
-            deployment_id=dep.id,
-            now=clock(),
-        ):
-            return replica.path
-        Replica.objects.filter(pk=replica.pk).delete()  # the store's copy is sent instead
-    mf = dep.model_file
-    url = f"{settings.CONTROLLER_PUBLIC_URL.rstrip('/')}/api/agent/models/{mf.sha256}"
-    timeout = settings.MODEL_FETCH_TIMEOUT
-    last_error = ""
-    for attempt in (1, 2):
-        event_record(
-            kind="MODEL_TRANSFER_STARTED",
-            category=EventCategory.PLACEMENT,
-            now=clock(),
-            node_id=node_id,
-            deployment_id=dep.id,
-            message=f"copying {mf.file_name} to the primary (attempt {attempt})",
-            data={"size": mf.size},
-        )
-        cid = command_send(
-            node_id=node_id,
-            kind="fetch_model",
-            payload={"sha256": mf.sha256, "file_name": mf.file_name, "size": mf.size, "url": url},
-        )
-        result = command_wait(command_id=cid, timeout=timeout)
-        if result is None:
-            raise _NodeLost(node_id, "model transfer timed out")
-        if result.get("ok") and result.get("path"):
-            if not replica_challenge(
-                node_id=node_id,
-                model_file=mf,
-                path=str(result["path"]),
-                deployment_id=dep.id,
-                now=clock(),
-            ):
-                raise _NodeLost(
-                    node_id, "the primary's copy of the model failed its hash challenge"
-                )
-            replicas_sync(
-                node_id=node_id,
-                files=[{"sha256": mf.sha256, "path": result["path"]}],
-                now=clock(),
-                prune=False,
-            )
-            event_record(
-                kind="MODEL_TRANSFER_DONE",
-                category=EventCategory.PLACEMENT,
-                now=clock(),
-                node_id=node_id,
-                deployment_id=dep.id,
-                message=f"{mf.file_name} verified on the primary",
-            )
-            return str(result["path"])
-        last_error = str(result.get("error", "transfer failed"))
-    raise DeploymentError(f"model transfer failed twice; file not used: {last_error}")
-
-
-REPLICA_CHALLENGE_BYTES = 1 << 20
-
-
-def replica_challenge(
-    *, node_id: Any, model_file: Any, path: str, deployment_id: Any = None, now: datetime
-) -> bool:
-    """Whether the node's copy of a model file answers a hash challenge on a random range.
-
-    The node returns sha256(nonce | bytes[offset:offset+length]) of its file; the controller
-    computes the same from its own store copy. A fresh nonce and range each time, so no answer
-    can be prepared without the bytes. Without a store copy nothing can be checked: False.
-    """
-    store = Path(model_file.store_path) if model_file.store_path else None
-    if store is None or not store.is_file():
-        event_record(
-            kind="REPLICA_UNVERIFIABLE",
-            category=EventCategory.SECURITY,
-            now=now,
-            node_id=node_id,
-            deployment_id=deployment_id,
-            message=f"no store copy of {model_file.file_name} to challenge the node's claim against",
-        )
-        return False
-    size = store.stat().st_size
-    length = min(REPLICA_CHALLENGE_BYTES, size)
-    offset = secrets.randbelow(max(1, size - length + 1))
-    nonce = secrets.token_bytes(16)
-    with open(store, "rb") as f:
-        f.seek(offset)
-        expected = hashlib.sha256(nonce + f.read(length)).hexdigest()
-    cid = command_send(
-        node_id=node_id,
-        kind="hash_challenge",
-        payload={
-            "sha256": model_file.sha256,
-            "path": path,
-            "offset": offset,
-            "length": length,
-            "nonce": nonce.hex(),
-        },
-    )
-    result = command_wait(command_id=cid, timeout=float(settings.DEPLOYMENT_RPC_TIMEOUT))
-    ok = bool(
-        result and result.get("ok") and hmac.compare_digest(str(result.get("digest", "")), expected)
-    )
-    event_record(
-        kind="REPLICA_VERIFIED" if ok else "REPLICA_CHALLENGE_FAILED",
-        category=EventCategory.SECURITY,
-        now=now,
-        node_id=node_id,
-        deployment_id=deployment_id,
-        message=(
-            f"{model_file.file_name}: bytes {offset}-{offset + length} "
-            f"{'match' if ok else 'do not match'} the store's copy"
-        ),
-        data={"offset": offset, "length": length, "answered": result is not None},
-    )
-    return ok
-
-
 def deployment_stop(
     *, deployment_id: Any, now: datetime, reason: str = "stopped by operator"
 ) -> Deployment:
@@ -753,7 +362,9 @@ def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> Non
                 # Replace it: a new placement without the lost node.
                 replacement = deployment_create(
                     model=dep.model,
-                    request=PlacementRequest(**{**_request_of(dep), "exclude_nodes": (node_id,)}),
+                    request=PlacementRequest(
+                        **{**deployment_request_of(dep), "exclude_nodes": (node_id,)}
+                    ),
                     now=now,
                     auto=True,
                 )
@@ -781,6 +392,43 @@ def _jobs_fail_unread(*, dep: Deployment, now: datetime, error: str) -> None:
             log.info("job %s: deployment %s failed; its reader fails it over", job_id, dep.id)
             continue
         job_fail(job_id=job_id, now=now, error=error, during_execution=True)
+
+
+def deployment_failed_replace(
+    *, dep: Deployment, node_id: Any, message: str, now: datetime
+) -> bool:
+    """A serving deployment whose primary died: FAILED (routing skips it), its unread jobs failed,
+    and replaced, once. False when it had already left serving (another report got there first)."""
+    fresh = Deployment.objects.select_related("model").filter(pk=dep.pk).first()
+    if fresh is None or fresh.state not in DEPLOYMENT_SERVING:
+        return False  # already failed (a RUNTIME_FAILED report, a lost node), or never served
+    if not deployment_transition(
+        deployment_id=fresh.id,
+        to=D.FAILED,
+        expected=fresh.state,
+        now=now,
+        kind="DEPLOYMENT_FAILED",
+        message=message[:500],
+        fields={"error": message[:2000]},
+    ):
+        return False
+    _jobs_fail_unread(dep=fresh, now=now, error=f"runtime failure during execution: {message}")
+    replacement = deployment_create(
+        model=fresh.model,
+        request=PlacementRequest(**deployment_request_of(fresh)),
+        now=now,
+        auto=True,
+    )
+    event_record(
+        kind="DEPLOYMENT_REPLACED",
+        category=EventCategory.PLACEMENT,
+        now=now,
+        deployment_id=fresh.id,
+        node_id=node_id,
+        message=f"replaced by {replacement.id}",
+        data={"replacement": str(replacement.id)},
+    )
+    return True
 
 
 def _uuid_or_refuse(value: Any, *, what: str) -> uuid.UUID:
@@ -837,7 +485,7 @@ def deployment_runtime_failed(
     dep = deployment_member_check(deployment_id=deployment_id, node_id=node_id)
     if dep.state not in DEPLOYMENT_SERVING:
         return False  # while LOADING, the placement task owns failures (and re-plans)
-    return _deployment_failed_replace(dep=dep, node_id=node_id, message=message, now=now)
+    return deployment_failed_replace(dep=dep, node_id=node_id, message=message, now=now)
 
 
 def deployments_lost_on_restart(*, node_id: Any, loaded: list[str], now: datetime) -> list[str]:
@@ -861,7 +509,7 @@ def deployments_lost_on_restart(*, node_id: Any, loaded: list[str], now: datetim
         if str(dep.pk) in keep:
             continue
         role = "primary" if str(dep.primary_id) == str(node_id) else "RPC worker"
-        _deployment_failed_replace(
+        deployment_failed_replace(
             dep=dep,
             node_id=node_id,
             message=f"the agent of its {role} node restarted and no longer holds it",
@@ -920,22 +568,19 @@ def links_reprobe(*, now: datetime) -> dict[str, int]:
     return {"pruned": pruned, "requested": sent}
 
 
-def _request_of(dep: Deployment) -> dict[str, Any]:
+def deployment_request_of(dep: Deployment) -> dict[str, Any]:
     req = dict(dep.request)
     req["pin_nodes"] = tuple(req["pin_nodes"]) if req.get("pin_nodes") else None
     req["exclude_nodes"] = tuple(req.get("exclude_nodes") or ())
     return req
 
 
-PLACEMENT_LOCK_KEY = "racon:lock:placement"
-
-
-def _ensure_lock_key(model_id: Any) -> str:
+def ensure_lock_key(model_id: Any) -> str:
     return f"racon:lock:ensure:{model_id}"
 
 
 @contextmanager
-def _redis_lock(name: str, *, timeout: float) -> Iterator[bool]:
+def redis_lock(name: str, *, timeout: float) -> Iterator[bool]:
     """Hold a Redis lock (expiring after timeout, so a dead holder frees it); yields whether it
     was acquired: after waiting timeout for it, the caller goes on unlocked rather than fail."""
     lock = get_redis().lock(name, timeout=timeout, blocking_timeout=timeout)
@@ -950,16 +595,6 @@ def _redis_lock(name: str, *, timeout: float) -> Iterator[bool]:
                 lock.release()
             except LockError:
                 pass  # expired meanwhile: someone else may hold it now, and that is theirs
-
-
-@contextmanager
-def _placement_lock() -> Iterator[bool]:
-    # Plans are chosen one at a time, across every worker: each sees the memory and the replicas
-    # that the plans before it recorded. Two placements choosing at once both saw a free node and
-    # both landed there (two READY replicas of one model on one node under `make run`). Held while
-    # the plan is chosen and recorded (milliseconds), never while it loads.
-    with _redis_lock(PLACEMENT_LOCK_KEY, timeout=60) as acquired:
-        yield acquired
 
 
 def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
@@ -978,7 +613,7 @@ def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
     existing = active()
     if existing is not None:
         return existing
-    with _redis_lock(_ensure_lock_key(model.id), timeout=30):
+    with redis_lock(ensure_lock_key(model.id), timeout=30):
         existing = active()
         if existing is not None:
             return existing
@@ -990,7 +625,7 @@ def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
             .first()
         )
         if draining is not None:
-            replacement = _drain_replacement_locked(
+            replacement = drain_replacement_locked(
                 dep=draining, node_id=_draining_member(draining), now=now
             )
             if replacement is not None:
@@ -1000,68 +635,10 @@ def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
         )
 
 
-# --- drain ------------------------------------------------------------------------------------
+# --- drain helpers (the drain itself is apps/jobs/drain.py) -----------------------------------
 #
-# A draining node (apps/nodes/services.py: node_drain, node_drain_advance) takes no new job:
-# routing and deployment_ensure skip deployments with a draining member. Each of its serving
-# deployments gets one replacement, placed on other nodes (DEPLOYMENT_MIGRATING names it); the old
-# one keeps serving the jobs it already has, and is stopped once the replacement is READY (or has
-# failed: no capacity elsewhere) and none of its own jobs is open. Once nothing is left on the
-# node, the node is DRAINED. Each step is idempotent and runs again from a job's end, from a
-# replacement becoming READY, and from the node's heartbeat.
-
-
-def deployments_drain_step(*, node_id: Any, now: datetime) -> bool:
-    """Move a draining node's deployments off it, stop those done; whether any work is still on it."""
-    remaining = False
-    deps = (
-        Deployment.objects.filter(
-            Q(nodes__id=node_id) | Q(primary_id=node_id), state__in=list(DEPLOYMENT_ACTIVE)
-        )
-        .distinct()
-        .select_related("model")
-    )
-    for dep in deps:
-        if dep.state in DEPLOYMENT_PENDING:
-            remaining = True  # its placement re-plans without the draining node (_require_live)
-            continue
-        _kv_transfer_begin(dep)
-        replacement = _drain_replacement(dep=dep, node_id=node_id, now=now)
-        if replacement is not None and replacement.state in DEPLOYMENT_PENDING:
-            remaining = True  # the old one serves its own jobs until the new one is READY
-            continue
-        if Job.objects.filter(deployment=dep, state__in=JOB_OPEN).exists():
-            remaining = True  # running (and already queued) jobs finish where they are
-            continue
-        if kvcache.transfer_state(deployment_id=dep.id) == "moving":
-            remaining = True  # its conversations' KV state is moving to another replica
-            continue
-        name = selectors.node_name(node_id)
-        moved = replacement is not None and replacement.state in DEPLOYMENT_SERVING
-        deployment_stop(
-            deployment_id=dep.id,
-            now=now,
-            reason=f"node {name} drained: moved to deployment {replacement.id}"
-            if moved and replacement is not None
-            else f"node {name} drained: no capacity elsewhere for a replacement",
-        )
-    return remaining or Job.objects.filter(nodes__id=node_id, state__in=JOB_IN_FLIGHT).exists()
-
-
-def _kv_transfer_begin(dep: Deployment) -> None:
-    """Start moving the conversations the replica's slots hold (once per replica; the task waits
-    for its running jobs to end first). Routing waits for the move instead of dropping them, and
-    the replica is stopped only once it is done (apps/jobs/kvtransfer.py)."""
-    if dep.state not in DEPLOYMENT_SERVING or not kvcache.transfer_enabled():
-        return
-    held = len(kvcache.slots_held(deployment_id=dep.id))
-    if not held:
-        return
-    step = float(settings.KV_TRANSFER_TIMEOUT_SECONDS)
-    n = min(held, int(settings.KV_TRANSFER_MAX_CONVERSATIONS))
-    # The mark outlives every step the task may wait for, and expires if the task is lost.
-    if kvcache.transfer_begin(deployment_id=dep.id, ttl=step * (1 + 2 * n) + 60):
-        task_send_on_commit("racon.jobs.kv_transfer", deployment_id=str(dep.id))
+# Here rather than in drain.py because deployment_ensure (a first request meeting a draining
+# deployment), deployment placement and a job's end use them too.
 
 
 def _draining_member(dep: Deployment) -> str:
@@ -1073,7 +650,7 @@ def _draining_member(dep: Deployment) -> str:
     return str(node_id or dep.primary_id)
 
 
-def _drain_replacement_recorded(dep: Deployment) -> tuple[bool, Deployment | None]:
+def drain_replacement_recorded(dep: Deployment) -> tuple[bool, Deployment | None]:
     event = (
         Event.objects.filter(kind="DEPLOYMENT_MIGRATING", deployment_id=dep.id)
         .order_by("-created_at", "-id")
@@ -1087,22 +664,11 @@ def _drain_replacement_recorded(dep: Deployment) -> tuple[bool, Deployment | Non
     )
 
 
-def _drain_replacement(*, dep: Deployment, node_id: Any, now: datetime) -> Deployment | None:
-    """The deployment that replaces ``dep`` off the draining node, created once (None: none can be)."""
-    found, replacement = _drain_replacement_recorded(dep)
+def drain_replacement_locked(*, dep: Deployment, node_id: Any, now: datetime) -> Deployment | None:
+    found, replacement = drain_replacement_recorded(dep)
     if found:
         return replacement
-    # Under the model's ensure lock, like deployment_ensure: a first request arriving during the
-    # drain and the drain itself make one replacement between them.
-    with _redis_lock(_ensure_lock_key(dep.model_id), timeout=30):
-        return _drain_replacement_locked(dep=dep, node_id=node_id, now=now)
-
-
-def _drain_replacement_locked(*, dep: Deployment, node_id: Any, now: datetime) -> Deployment | None:
-    found, replacement = _drain_replacement_recorded(dep)
-    if found:
-        return replacement
-    request = _request_of(dep)
+    request = deployment_request_of(dep)
     request["exclude_nodes"] = tuple(dict.fromkeys([*request["exclude_nodes"], str(node_id)]))
     try:
         # One transaction: the event that names the replacement commits with it, before its
@@ -1133,7 +699,7 @@ def _drain_replacement_locked(*, dep: Deployment, node_id: Any, now: datetime) -
     return replacement
 
 
-def _drains_advance(*, deployments: QuerySet[Deployment], now: datetime) -> None:
+def drains_advance(*, deployments: QuerySet[Deployment], now: datetime) -> None:
     """Advance the drain of every draining node that is a member of these deployments."""
     node_ids = set(
         Node.objects.filter(
@@ -1303,231 +869,6 @@ def job_dispatch(
     return {"nodes": dispatch_node_ids(deployment), "primary": str(deployment.primary_id)}
 
 
-# --- failover (docs/design/serving.md, "Failover") ---------------------------------------------
-#
-# The job's reader (apps/jobs/streams.py) sees its attempt end because the primary died, vanished
-# or went silent. job_failover_begin records that attempt's end and stops routing to a dead
-# deployment; the reader then takes a slot on another serving replica (serving.py) and
-# job_failover_dispatch starts the next attempt there, resuming from the token ids relayed so far.
-
-
-def job_failover_begin(
-    *,
-    job_id: Any,
-    deployment_id: Any,
-    node_id: Any,
-    attempt: int,
-    cause: str,
-    message: str,
-    chunks: int,
-    completion_tokens: int,
-    wait_seconds: float,
-    now: datetime,
-) -> bool:
-    """End attempt ``attempt`` (``chunks``/``completion_tokens``: the reader's counts of it).
-
-    The job's JobAttempt rows start here (the first from the job itself). A deployment whose
-    primary died or was lost is FAILED at once (routing skips it, a replacement is placed), as a
-    runtime failure report would; the old primary is told to stop in case it still runs. False
-    when the job is no longer open (cancelled meanwhile): there is nothing to fail over.
-    """
-    job = Job.objects.filter(pk=job_id).select_related("deployment").first()
-    if job is None or job.state in JOB_TERMINAL:
-        return False
-    admission.failover_begin(job_id=job_id, seconds=wait_seconds + 60)
-    get_redis().set(job_cancel_key(str(job_id), str(node_id)), 1, ex=3600)
-    dep = job.deployment
-    with transaction.atomic():
-        if attempt == 1 and not JobAttempt.objects.filter(job_id=job_id).exists():
-            JobAttempt.objects.create(
-                job_id=job_id,
-                number=1,
-                deployment=dep,
-                primary_id=node_id,
-                plan=(dep.plan if dep is not None else {}) or {},
-                started_at=job.dispatched_at or job.queued_at,
-            )
-        JobAttempt.objects.filter(job_id=job_id, number=attempt, ended_at__isnull=True).update(
-            ended_at=now,
-            outcome=cause.upper(),
-            error=message[:2000],
-            completion_tokens=completion_tokens,
-            chunks=chunks,
-        )
-    if cause in ("primary_died", "primary_lost", "deployment_not_loaded") and dep is not None:
-        # Before the slot is given back: no waiter may take it on a dead deployment.
-        _deployment_failed_replace(
-            dep=dep, node_id=node_id, message=f"job {job_id}: {message}", now=now
-        )
-    admission.slot_release(deployment_id=deployment_id, job_id=job_id)
-    return True
-
-
-def _deployment_failed_replace(
-    *, dep: Deployment, node_id: Any, message: str, now: datetime
-) -> bool:
-    """A serving deployment whose primary died: FAILED (routing skips it), its unread jobs failed,
-    and replaced, once. False when it had already left serving (another report got there first)."""
-    fresh = Deployment.objects.select_related("model").filter(pk=dep.pk).first()
-    if fresh is None or fresh.state not in DEPLOYMENT_SERVING:
-        return False  # already failed (a RUNTIME_FAILED report, a lost node), or never served
-    if not deployment_transition(
-        deployment_id=fresh.id,
-        to=D.FAILED,
-        expected=fresh.state,
-        now=now,
-        kind="DEPLOYMENT_FAILED",
-        message=message[:500],
-        fields={"error": message[:2000]},
-    ):
-        return False
-    _jobs_fail_unread(dep=fresh, now=now, error=f"runtime failure during execution: {message}")
-    replacement = deployment_create(
-        model=fresh.model, request=PlacementRequest(**_request_of(fresh)), now=now, auto=True
-    )
-    event_record(
-        kind="DEPLOYMENT_REPLACED",
-        category=EventCategory.PLACEMENT,
-        now=now,
-        deployment_id=fresh.id,
-        node_id=node_id,
-        message=f"replaced by {replacement.id}",
-        data={"replacement": str(replacement.id)},
-    )
-    return True
-
-
-def job_failover_left(*, job_id: Any, tokens_so_far: int) -> int:
-    """Completion tokens the next attempt may still produce."""
-    max_tokens = Job.objects.filter(pk=job_id).values_list("max_tokens", flat=True).first() or 0
-    return int(max_tokens) - int(tokens_so_far)
-
-
-def job_failover_dispatch(
-    *,
-    job_id: Any,
-    deployment: Deployment,
-    attempt: int,
-    resume_tokens: list[int],
-    from_deployment_id: Any,
-    from_node_id: Any,
-    cause: str,
-    now: datetime,
-    id_slot: int | None = None,
-) -> dict[str, Any]:
-    """Start attempt ``attempt`` on ``deployment`` (the caller holds a slot there): run_job with
-    the token ids so far as ``resume_tokens`` and what is left of max_tokens, the job moved to
-    the new plan, its JobAttempt row and the JOB_FAILOVER event. DeploymentError (slot given back)
-    when the job ended meanwhile."""
-    try:
-        deployment = Deployment.objects.get(
-            pk=deployment.pk
-        )  # placed while the caller waited: its primary now
-        job = Job.objects.only("id", "kind", "max_tokens", "params", "state").get(pk=job_id)
-        left = int(job.max_tokens) - len(resume_tokens)
-        if job.state in JOB_TERMINAL or left <= 0:
-            raise DeploymentError("job is no longer open")
-        payload = {
-            **job_run_payload(
-                job_id=job.id,
-                deployment_id=deployment.id,
-                kind=job.kind,
-                max_tokens=left,
-                params=job.params,
-            ),
-            "resume_tokens": list(resume_tokens),
-            "attempt": attempt,
-        }
-        if id_slot is not None:  # the llama-server slot the KV coordinator pinned it to
-            payload["id_slot"] = id_slot
-        # An earlier attempt's failover on this same node set its cancel key (job_failover_begin):
-        # left there, it would cancel this attempt as soon as the primary saw it (found by the
-        # reliability suite: "The request was cancelled." after a failover back to a node).
-        get_redis().delete(job_cancel_key(str(job.id), str(deployment.primary_id)))
-        command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
-        plan = deployment.plan or {}
-        placement = dispatch_placement(deployment)
-        node_ids = dispatch_node_ids(deployment)
-        with transaction.atomic():
-            moved = Job.objects.filter(pk=job_id, state__in=JOB_IN_FLIGHT).update(
-                deployment_id=deployment.id,
-                placement={"devices": placement, "primary": plan.get("primary_node_id")},
-            )
-            if not moved:
-                raise DeploymentError("job is no longer open")
-            job.nodes.add(*node_ids)  # type: ignore[arg-type]  # pks; the stubs take only int pks
-            JobAttempt.objects.create(
-                job_id=job_id,
-                number=attempt,
-                deployment=deployment,
-                primary_id=deployment.primary_id,
-                plan=plan,
-                started_at=now,
-            )
-            event_record(
-                kind="JOB_FAILOVER",
-                category=EventCategory.EXECUTION,
-                now=now,
-                job_id=job_id,
-                deployment_id=deployment.id,
-                node_id=deployment.primary_id,
-                message=(
-                    f"attempt {attempt}: {cause} on deployment {from_deployment_id}; "
-                    f"continues on {deployment.id} after {len(resume_tokens)} tokens"
-                ),
-                data={
-                    "from_deployment": str(from_deployment_id),
-                    "to_deployment": str(deployment.id),
-                    "from_node": str(from_node_id),
-                    "to_node": str(deployment.primary_id),
-                    "attempt": attempt,
-                    "tokens_so_far": len(resume_tokens),
-                    "cause": cause,
-                },
-            )
-    except BaseException:
-        get_redis().set(job_cancel_key(str(job_id), str(deployment.primary_id)), 1, ex=3600)
-        admission.slot_release(deployment_id=deployment.id, job_id=job_id)
-        raise
-    finally:
-        admission.failover_end(job_id=job_id)
-    return {
-        "nodes": node_ids,
-        "primary": str(deployment.primary_id),
-        "n_parallel": deployment.n_parallel,
-    }
-
-
-def job_failover_route(
-    *, model_id: Any, exclude: Collection[Any], now: datetime
-) -> Deployment | None:
-    """Where a failed-over job can go: the best serving replica but those excluded, else the
-    model's active deployment (a replacement being placed; one is created when there is none)."""
-    dep = selectors.deployment_route(model_id=model_id, exclude=exclude)
-    if dep is not None:
-        return Deployment.objects.get(pk=dep.pk)
-    excluded = {str(e) for e in exclude}
-    # Waiters poll this every second: at most one automatic placement per model per
-    # FAILOVER_ENSURE_BACKOFF_SECONDS, so a placement that fails at once (no capacity) is not
-    # retried in a loop that floods the model with FAILED deployments.
-    if not get_redis().set(
-        f"racon:model:{model_id}:failover-ensure",
-        1,
-        nx=True,
-        ex=int(settings.FAILOVER_ENSURE_BACKOFF_SECONDS),
-    ):
-        pending = (
-            Deployment.objects.filter(model_id=model_id, state__in=list(DEPLOYMENT_ACTIVE))
-            .exclude(pk__in=list(excluded))
-            .order_by("-created_at")
-            .first()
-        )
-        return pending
-    model = Model.objects.get(pk=model_id)
-    ensured = deployment_ensure(model=model, now=now)
-    return None if str(ensured.id) in excluded else ensured
-
-
 def dispatch_placement(deployment: Deployment) -> list[dict[str, Any]]:
     """The plan's devices as a job's dispatch records them: node, device and layer range."""
     return [
@@ -1581,7 +922,7 @@ def _finish(
             # so that the drain's own queries see this job finished).
             transaction.on_commit(
                 functools.partial(
-                    _drains_advance,
+                    drains_advance,
                     deployments=Deployment.objects.filter(pk=job["deployment_id"]),
                     now=now,
                 )

@@ -43,6 +43,12 @@ from racon import cache
 from racon.redis import get_redis
 
 from . import admission, kvcache, selectors, services, streams
+from .failover import (
+    job_failover_begin,
+    job_failover_dispatch,
+    job_failover_left,
+    job_failover_route,
+)
 from .models import Deployment, Job
 from .states import DEPLOYMENT_SERVING
 from .streams import FailoverTarget, StreamFailure
@@ -246,7 +252,7 @@ async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> No
                 # The deployment it queued on failed (or was stopped): a queued job is not lost
                 # with it, it waits on another replica, or on the replacement being placed.
                 tried.add(str(adm.deployment_id))
-                other = await pooled(services.job_failover_route)(
+                other = await pooled(job_failover_route)(
                     model_id=adm.model_id, exclude=tried, now=timezone.now()
                 )
                 if other is None:
@@ -321,7 +327,7 @@ def capacity_step(*, model_id: Any, tried: set[str], now: datetime) -> Deploymen
     """One look for somewhere to wait, after the deployments in ``tried`` ended: a deployment
     (another replica, the model's active one, or a new placement once a node turned placeable
     after the last tried one was created), WAIT while a node is on its way, or None."""
-    dep = services.job_failover_route(model_id=model_id, exclude=tried, now=now)
+    dep = job_failover_route(model_id=model_id, exclude=tried, now=now)
     if dep is not None:
         return dep
     since = Deployment.objects.filter(pk__in=list(tried)).aggregate(t=Max("created_at"))["t"]
@@ -454,7 +460,7 @@ async def job_failover(
         failure.message,
         follower.completion_tokens,
     )
-    began = await pooled(services.job_failover_begin)(
+    began = await pooled(job_failover_begin)(
         job_id=adm.job_id,
         deployment_id=old_dep,
         node_id=old_node,
@@ -469,7 +475,7 @@ async def job_failover(
     if not began:
         return None
     try:
-        if follower.completion_tokens >= await pooled(services.job_failover_left)(
+        if follower.completion_tokens >= await pooled(job_failover_left)(
             job_id=adm.job_id, tokens_so_far=0
         ):
             return FailoverTarget(done=True)  # the dead attempt had produced everything asked for
@@ -480,7 +486,7 @@ async def job_failover(
             if left <= 0:
                 log.warning("job %s: no replica could take it over within %.0fs", adm.job_id, wait)
                 return None
-            dep = await pooled(services.job_failover_route)(
+            dep = await pooled(job_failover_route)(
                 model_id=adm.model_id, exclude=exclude, now=timezone.now()
             )
             if dep is None:
@@ -508,7 +514,7 @@ async def job_failover(
                 route=adm.kv, deployment_id=dep.id, job_id=adm.job_id, n_parallel=dep.n_parallel
             )
             try:
-                out = await pooled(services.job_failover_dispatch)(
+                out = await pooled(job_failover_dispatch)(
                     job_id=adm.job_id,
                     deployment=dep,
                     attempt=attempt + 1,

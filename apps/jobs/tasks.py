@@ -7,7 +7,7 @@ from typing import Any
 from celery import shared_task
 from django.utils import timezone
 
-from . import admission, kvtransfer, services
+from . import admission, kvtransfer, placement, services
 from .autoscale import replicas_autoscale
 from .challenges import node_speed_challenge, speed_challenge_due
 
@@ -26,7 +26,7 @@ def node_state_changed(*, node_id: str, state: str, **kwargs: Any) -> None:
 @shared_task(name="racon.jobs.place_deployment", ignore_result=True)
 def place_deployment(*, deployment_id: str, **kwargs: Any) -> None:
     """Plan, load and confirm a deployment (idempotent: only a PLANNING deployment is placed)."""
-    services.deployment_place(deployment_id=deployment_id)
+    placement.deployment_place(deployment_id=deployment_id)
 
 
 @shared_task(name="racon.jobs.speed_challenge", ignore_result=True)

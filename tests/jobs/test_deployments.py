@@ -15,7 +15,7 @@ import pytest
 from django.utils import timezone
 
 from agent.protocol import job_stream_key, node_queue_key
-from apps.jobs import services
+from apps.jobs import placement, services
 from apps.jobs.models import Deployment, Job
 from apps.jobs.reports import report_accept
 from apps.jobs.states import DeploymentState, JobState
@@ -156,7 +156,7 @@ def test_node_lost_before_execution_triggers_a_revised_plan(model: Model, settin
         model_file=model.files.get(), request=services.placement_request_from({"n_ctx": 512})
     ).primary_node_id
     with FakeAgents([str(a.id), str(b.id)], fail_load_on={first_choice}):
-        result = services.deployment_place(deployment_id=dep.id)
+        result = placement.deployment_place(deployment_id=dep.id)
     assert result.state == DeploymentState.READY, result.error
     assert str(result.primary_id) != first_choice
     kinds = list(
@@ -177,7 +177,7 @@ def test_impossible_placement_fails_with_the_refusal(model: Model) -> None:
     dep = Deployment.objects.create(
         model=model, model_file=model.files.get(), request={"n_ctx": 512}
     )
-    result = services.deployment_place(deployment_id=dep.id)
+    result = placement.deployment_place(deployment_id=dep.id)
     assert result.state == DeploymentState.FAILED
     assert "more memory" in result.error or "memory" in result.error
     assert Event.objects.filter(deployment=dep, kind="PLACEMENT_REFUSED").exists()
@@ -389,7 +389,7 @@ def test_a_replica_claim_that_fails_its_hash_challenge_is_dropped_and_the_stores
         model=model, model_file=model.files.get(), request={"n_ctx": 512}
     )
     with FakeAgents([str(liar.id)], liars={str(liar.id)}) as agents:
-        services.deployment_place(deployment_id=dep.id)
+        placement.deployment_place(deployment_id=dep.id)
     kinds = [k for _, k in agents.seen]
     # Its claim was challenged and failed, so the file was copied from the store, and the copy
     # was challenged in turn (which this liar fails too): it never loads a file it cannot show.
@@ -411,7 +411,7 @@ def test_an_honest_replica_answers_its_challenge_and_is_used_without_a_copy(
         model=model, model_file=model.files.get(), request={"n_ctx": 512}
     )
     with FakeAgents([str(node.id)]) as agents:
-        placed = services.deployment_place(deployment_id=dep.id)
+        placed = placement.deployment_place(deployment_id=dep.id)
     assert placed.state == DeploymentState.READY, placed.error
     kinds = [k for _, k in agents.seen]
     assert "hash_challenge" in kinds and "fetch_model" not in kinds

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from apps.jobs import services
+from apps.jobs import failover, services
 from apps.jobs.models import Deployment, Job
 from apps.jobs.selectors import deployment_route
 from apps.jobs.states import DeploymentState, JobState
@@ -162,7 +162,7 @@ def test_failover_waiters_polling_a_model_without_capacity_start_one_placement_n
 ) -> None:
     # No node can hold the model: every automatic placement fails at once. Waiters poll each second.
     now = timezone.now()
-    routes = [services.job_failover_route(model_id=model.id, exclude=[], now=now) for _ in range(5)]
+    routes = [failover.job_failover_route(model_id=model.id, exclude=[], now=now) for _ in range(5)]
     auto = Deployment.objects.filter(model=model)
     assert auto.count() == 1, [(d.state, d.created_at) for d in auto]
     assert auto.get().state == DeploymentState.FAILED and routes[1:] == [None] * 4

@@ -13,7 +13,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from apps.jobs import admission, services
+from apps.jobs import admission, placement, services
 from apps.jobs.autoscale import autoscale_key, replicas_autoscale
 from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
@@ -60,7 +60,7 @@ def test_a_placed_deployment_records_the_slots_memory_allows_and_the_agent_gets_
         request=services.placement_request_from({"n_ctx": 512}).to_dict(),
     )
     with RecordingAgents([str(a.id)]) as agents:
-        result = services.deployment_place(deployment_id=dep.id)
+        result = placement.deployment_place(deployment_id=dep.id)
     assert result.state == D.READY, result.error
     assert (
         result.n_parallel == result.plan["n_parallel"] == 16
@@ -180,7 +180,7 @@ def test_two_placements_at_once_put_their_replicas_on_different_nodes(model: Mod
 
         try:
             barrier.wait()
-            services.deployment_place(deployment_id=dep_id)
+            placement.deployment_place(deployment_id=dep_id)
         finally:
             connection.close()
 
