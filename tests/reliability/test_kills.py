@@ -17,15 +17,17 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 import psutil
 import pytest
 
-from tests.launcher.harness import is_redis
+from tests.launcher.harness import is_redis, wait_for
 
 from .harness import (
     ACTIVE,
     GHOST_NOTE,
+    READY_TIMEOUT,
     Cluster,
     Outcome,
     Result,
@@ -81,41 +83,71 @@ def assert_settled(r: Result) -> None:
     assert r.replicas_s is not None, f"two READY replicas did not come back: {r.line()}"
 
 
-def test_an_rpc_worker(cluster: Cluster, results: list[Result]) -> None:
-    split = [
+def split_deployments(cluster: Cluster) -> list[dict[str, Any]]:
+    """Active deployments whose plan has an RPC worker (a model split across the two agents)."""
+    return [
         d for d in cluster.deployments() if d["state"] in ACTIVE and d["plan"].get("rpc_endpoints")
     ]
-    if not split:
-        reason = (
-            "skipped: no split plan in this cluster. SmolLM2 fits one node, so each replica is a "
-            "whole model on one agent; forcing a split needs a memory cap (node-agent "
-            "--hardware-profile / RACON_HARDWARE_PROFILE), which the launcher would give both local "
-            "agents alike, leaving no node for the second replica this suite needs"
+
+
+def test_an_rpc_worker(cluster: Cluster, results: list[Result]) -> None:
+    # SmolLM2 fits one node, so the cluster's two replicas are whole models. A third, spread over
+    # both agents, gives the scenario a split whose RPC worker can die under load; its jobs fail
+    # over to the whole replicas. It is stopped at the end, with any replacement of it, so the
+    # later scenarios see the two replicas alone.
+    names = sorted(n["name"] for n in cluster.ready_nodes())
+    resp = cluster.post(
+        "/api/admin/deployments",
+        {"model": cluster.model, "nodes": names, "spread": True, "allow_same_node": True},
+    )
+    assert resp.status_code == 202, resp.text
+    made = resp.json()["id"]
+    try:
+        dep = wait_for(
+            lambda: next(
+                (
+                    d
+                    for d in split_deployments(cluster)
+                    if d["id"] == made and d["state"] == "READY"
+                ),
+                None,
+            ),
+            READY_TIMEOUT,
+            "the split deployment to be READY",
+            interval=1.0,
         )
-        record(results, Result("rpc worker", note=reason))
-        pytest.skip(reason)
-    dep = split[0]
-    workers = {
-        dev["node_id"]
-        for dev in dep["plan"]["devices"]
-        if dev.get("endpoint") and dev["node_id"] != dep["primary"]
-    }
-    names = {n["id"]: n["name"] for n in cluster.ready_nodes()}
-    agents = cluster.agents()
+        workers = {
+            dev["node_id"]
+            for dev in dep["plan"]["devices"]
+            if dev.get("endpoint") and dev["node_id"] != dep["primary"]
+        }
+        assert workers, dep["plan"]
+        by_id = {n["id"]: n["name"] for n in cluster.ready_nodes()}
+        agents = cluster.agents()
 
-    def kill() -> str:
-        for node_id in workers:
-            agent = agents.get(names.get(node_id, ""))
-            if agent is None:
-                continue
-            for p in agent.children(recursive=True):
-                if "agent.runtime.rpc_worker_main" in cmdline(p):
-                    return sigkill(p, f"the RPC worker of {names[node_id]}")
-        raise AssertionError(f"no RPC worker process for the plan's workers {workers}")
+        def kill() -> str:
+            for node_id in workers:
+                agent = agents.get(by_id.get(node_id, ""))
+                if agent is None:
+                    continue
+                for p in agent.children(recursive=True):
+                    if "agent.runtime.rpc_worker_main" in cmdline(p):
+                        return sigkill(p, f"the RPC worker of {by_id[node_id]}")
+            raise AssertionError(f"no RPC worker process for the plan's workers {workers}")
 
-    r = record(results, cluster=cluster, r=run_scenario(cluster, "rpc worker", kill))
+        r = record(results, cluster=cluster, r=run_scenario(cluster, "rpc worker", kill))
+    finally:
+        for d in split_deployments(cluster):
+            cluster.post(f"/api/admin/deployments/{d['id']}/stop", None)
+        wait_for(
+            lambda: not split_deployments(cluster),
+            120,
+            "the split deployments to stop",
+            interval=1.0,
+        )
     assert_settled(r)
-    # TODO(failover, issue 13 item 1): assert r.lost == 0 once a worker's death fails over.
+    # The split's streams fail over to a whole replica (apps/jobs/failover.py).
+    assert r.lost == 0, r.line()
 
 
 def test_a_primary(cluster: Cluster, results: list[Result]) -> None:
