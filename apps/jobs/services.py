@@ -360,23 +360,7 @@ def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> Non
                         payload={"deployment_id": str(dep.id)},
                     )
                 # Replace it: a new placement without the lost node.
-                replacement = deployment_create(
-                    model=dep.model,
-                    request=PlacementRequest(
-                        **{**deployment_request_of(dep), "exclude_nodes": (node_id,)}
-                    ),
-                    now=now,
-                    auto=True,
-                )
-                event_record(
-                    kind="DEPLOYMENT_REPLACED",
-                    category=EventCategory.PLACEMENT,
-                    now=now,
-                    deployment_id=dep.id,
-                    node_id=node_id,
-                    message=f"replaced by {replacement.id}",
-                    data={"replacement": str(replacement.id)},
-                )
+                deployment_replace(dep=dep, node_id=node_id, now=now, exclude=(node_id,))
         elif state in LOST and dep.state in DEPLOYMENT_PENDING:
             pass  # the placement task sees the lost node and re-scores (PLAN_REVISED)
 
@@ -413,22 +397,31 @@ def deployment_failed_replace(
     ):
         return False
     _jobs_fail_unread(dep=fresh, now=now, error=f"runtime failure during execution: {message}")
+    deployment_replace(dep=fresh, node_id=node_id, now=now)
+    return True
+
+
+def deployment_replace(
+    *, dep: Deployment, node_id: Any, now: datetime, exclude: tuple[Any, ...] = ()
+) -> Deployment:
+    """A new automatic placement with ``dep``'s request (less the ``exclude`` nodes), recorded as
+    DEPLOYMENT_REPLACED on the old deployment and the node that caused it."""
+    request = deployment_request_of(dep)
+    if exclude:
+        request["exclude_nodes"] = exclude
     replacement = deployment_create(
-        model=fresh.model,
-        request=PlacementRequest(**deployment_request_of(fresh)),
-        now=now,
-        auto=True,
+        model=dep.model, request=PlacementRequest(**request), now=now, auto=True
     )
     event_record(
         kind="DEPLOYMENT_REPLACED",
         category=EventCategory.PLACEMENT,
         now=now,
-        deployment_id=fresh.id,
+        deployment_id=dep.id,
         node_id=node_id,
         message=f"replaced by {replacement.id}",
         data={"replacement": str(replacement.id)},
     )
-    return True
+    return replacement
 
 
 def _uuid_or_refuse(value: Any, *, what: str) -> uuid.UUID:
