@@ -54,6 +54,7 @@ from agent.runtime.primary import (
 )
 from agent.runtime.prompting import template_request, token_probs
 from agent.runtime.stream import DirectStreamWriter, append_error, last_seq
+from agent.runtime.template import RENDER_ERRORS, LocalTemplate, plain_messages
 from agent.tunnel import TunnelClient
 from agent.tunnel import reachable as tunnel_reachable
 
@@ -201,6 +202,8 @@ class ServerPrimary:
         self._local_endpoints: dict[str, str] = {}  # tunnel client's 127.0.0.1 endpoint → worker
         # Whether the model's chat template renders tools itself (/props); else the agent does.
         self.template_has_tools = False
+        # The chat template rendered here when it matches llama-server's (agent/runtime/template.py).
+        self.local_template: LocalTemplate | None = None
         # llama-server's --slot-save-path: slot state files of a KV transfer pass through here.
         self.slot_dir: Path | None = None
 
@@ -298,7 +301,11 @@ class ServerPrimary:
             time.sleep(0.05)
         load_ms = round((time.perf_counter() - t0) * 1000, 1)
         warmup_ms = self._warm_up()
-        self.template_has_tools = self._template_has_tools()
+        props = self._props()
+        self.template_has_tools = template_has_tools(props)
+        self.local_template = LocalTemplate.verified(
+            props, self._apply_template, name=f"deployment {self.deployment_id}"
+        )
         report = self._load_report(start_offset)
         self._monitor = threading.Thread(
             target=self._watch, name=f"server-{self.deployment_id[:8]}", daemon=True
@@ -540,7 +547,9 @@ class ServerPrimary:
                     "chat job needs a non-empty 'messages' list", code="invalid_request"
                 )
             request = template_request(job, template_has_tools=self.template_has_tools)
-            text = str(self._post(j, "/apply-template", request)["prompt"])
+            text = self._render_locally(request)
+            if text is None:
+                text = str(self._post(j, "/apply-template", request)["prompt"])
         else:
             prompt = job.get("prompt")
             if not isinstance(prompt, str):
@@ -550,6 +559,19 @@ class ServerPrimary:
             text = prompt
         resume = [int(t) for t in job.get("resume_tokens") or []]
         return [text, *resume] if resume else text
+
+    def _render_locally(self, request: dict[str, Any]) -> str | None:
+        """The prompt from the verified local template, or None: no such template, messages it
+        does not take (tools, structured content), or a template that refuses them (the server's
+        /apply-template then answers, with its own error if it has one)."""
+        plain = plain_messages(request) if self.local_template is not None else None
+        if self.local_template is None or plain is None:
+            return None
+        try:
+            return self.local_template.render(plain)
+        except RENDER_ERRORS as exc:
+            log.info("deployment %s: local template refused a job (%s)", self.deployment_id, exc)
+            return None
 
     def _connect(self, j: _Job) -> http.client.HTTPConnection:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=None)
@@ -642,8 +664,8 @@ class ServerPrimary:
             return None
         return round((time.perf_counter() - t0) * 1000, 1)
 
-    def _template_has_tools(self) -> bool:
-        """Whether the chat template renders tools (llama-server's /props caps)."""
+    def _props(self) -> dict[str, Any]:
+        """llama-server's /props ({} when unreadable: no tools in the template, no local template)."""
         try:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
             conn.request("GET", "/props")
@@ -651,9 +673,24 @@ class ServerPrimary:
             conn.close()
         except (OSError, http.client.HTTPException, ValueError) as exc:
             log.warning("deployment %s: /props unreadable: %s", self.deployment_id, exc)
-            return False
-        caps = props.get("chat_template_caps") or {}
-        return bool(caps.get("supports_tools") and caps.get("supports_tool_calls"))
+            return {}
+        return props if isinstance(props, dict) else {}
+
+    def _apply_template(self, messages: list[dict[str, str]]) -> str | None:
+        """The server's own rendering of a conversation (what a local template must match), or
+        None when the server cannot give it."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            body = json.dumps({"messages": messages})
+            conn.request("POST", "/apply-template", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+            return str(json.loads(data)["prompt"]) if resp.status == 200 else None
+        except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
+            log.warning("deployment %s: /apply-template failed: %s", self.deployment_id, exc)
+            return None
+        finally:
+            conn.close()
 
     def _load_report(self, offset: int) -> dict[str, Any]:
         """Where every layer and buffer went, read from the server's own load log."""
@@ -785,6 +822,12 @@ class ServerPrimary:
             fn(*args)
         except Exception:
             log.exception("callback %r failed", fn)
+
+
+def template_has_tools(props: dict[str, Any]) -> bool:
+    """Whether the chat template renders tools itself (llama-server's /props caps)."""
+    caps = props.get("chat_template_caps") or {}
+    return bool(caps.get("supports_tools") and caps.get("supports_tool_calls"))
 
 
 def _completion_body(job: dict[str, Any], prompt: str | list[Any]) -> dict[str, Any]:
