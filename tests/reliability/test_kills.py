@@ -95,27 +95,30 @@ def test_an_rpc_worker(cluster: Cluster, results: list[Result]) -> None:
     # both agents, gives the scenario a split whose RPC worker can die under load; its jobs fail
     # over to the whole replicas. It is stopped at the end, with any replacement of it, so the
     # later scenarios see the two replicas alone.
-    names = sorted(n["name"] for n in cluster.ready_nodes())
+    # Placement takes only nodes that can take new work: both must be READY (not BUSY from the
+    # warm-up's jobs) when the split is asked for, or the plan lands on one of them.
+    def both_ready() -> list[str] | None:
+        found = sorted(n["name"] for n in cluster.ready_nodes())
+        return found if len(found) >= 2 else None
+
+    names = wait_for(both_ready, 60, "both agents READY", interval=0.5)
     resp = cluster.post(
         "/api/admin/deployments",
         {"model": cluster.model, "nodes": names, "spread": True, "allow_same_node": True},
     )
     assert resp.status_code == 202, resp.text
     made = resp.json()["id"]
+
+    def split_ready() -> dict[str, Any] | None:
+        d = next((d for d in cluster.deployments() if d["id"] == made), None)
+        assert d is not None and d["state"] not in ("FAILED", "STOPPED"), d
+        if d["state"] != "READY":
+            return None
+        assert d["plan"].get("rpc_endpoints"), f"the spread deployment is not split: {d['plan']}"
+        return d
+
     try:
-        dep = wait_for(
-            lambda: next(
-                (
-                    d
-                    for d in split_deployments(cluster)
-                    if d["id"] == made and d["state"] == "READY"
-                ),
-                None,
-            ),
-            READY_TIMEOUT,
-            "the split deployment to be READY",
-            interval=1.0,
-        )
+        dep = wait_for(split_ready, READY_TIMEOUT, "the split deployment to be READY", interval=1.0)
         workers = {
             dev["node_id"]
             for dev in dep["plan"]["devices"]
