@@ -316,7 +316,15 @@ class Commands:
         try:
             primary.submit(job)
         except RuntimeErrorReport as exc:
-            self.fail_job(job["job_id"], str(exc))
+            # A primary that died before the agent noticed: the job never ran, and the controller
+            # moves it to another replica (primary_died, as for a death mid-job). The attempt
+            # number keeps a failover attempt's refusal visible to the reader of that attempt.
+            self.fail_job(
+                job["job_id"],
+                str(exc),
+                code="" if primary.alive else "primary_died",
+                attempt=int(job.get("attempt") or 1),
+            )
             return str(exc)
         return None
 

@@ -177,6 +177,24 @@ def test_run_job_sent_right_behind_load_waits_for_the_load(h: Harness) -> None:
     assert done["status"] == "completed"
 
 
+def test_a_job_sent_to_a_primary_that_died_unnoticed_ends_as_a_failover_cause(h: Harness) -> None:
+    # The reliability suite's primary kill: a job dispatched in the moment between llama-server's
+    # death and the agent noticing it got an error without a code, so the client saw a 502
+    # instead of the job moving to the other replica.
+    agent = h.start()
+    dep, _ = h.load(agent)
+    held = agent.registry.get(dep)
+    assert held is not None and held.primary is not None
+    held.primary._alive = False  # type: ignore[attr-defined]  # the fake primary's own flag
+    job = h.job(dep, attempt=2)
+    h.send(agent, "run_job", job)
+    done = h.controller.wait_for(lambda c: c.job_finished(job["job_id"]))[0]
+    assert done["status"] == "failed" and "not running" in done["error"]
+    entries = read_stream(h.r, job["job_id"])
+    assert entries[-1]["type"] == "error" and entries[-1]["code"] == "primary_died"
+    assert entries[-1]["attempt"] == "2"  # the failover attempt's reader sees it
+
+
 def test_cancel_job_stops_generation_within_a_token(h: Harness) -> None:
     agent = h.start(
         runtime=FakeRuntime(tokens=tuple(f" t{i}" for i in range(200)), token_delay=0.05)
