@@ -75,45 +75,30 @@ class GpuBackend:
 
 
 def gpu_backend() -> GpuBackend:
+    """The GPUs ggml can offload to, read the way the RPC worker reads its devices
+    (agent/runtime/ggml.py): without importing llama_cpp. llama_supports_gpu_offload() would not
+    tell, since it is true on the RPC build without any GPU: the device list is what does."""
     try:
-        # Optional (the [agent] extra), and importing it loads libllama: only when asked.
-        import llama_cpp  # noqa: PLC0415 - optional (the [agent] extra); absent: no GPU backend
-    except (ImportError, OSError) as exc:
+        ggml = Ggml()
+        ggml.backend_load_all()  # a GPU backend built as a loadable module registers here
+        devs = ggml.devices()
+    except (GgmlUnavailable, OSError) as exc:
         return GpuBackend(False, (), f"llama-cpp-python is not available ({exc})")
-    try:
-        offload = bool(llama_cpp.llama_supports_gpu_offload())  # also loads ggml's backends
-    except AttributeError:
-        offload = False
-    devices = _ggml_gpu_devices()
-    if not offload or not devices:
+    devices = _gpu_descriptions(devs)
+    if not devices:
         return GpuBackend(
             False,
             (),
             "no GPU backend in this llama.cpp build (its devices: "
-            f"{', '.join(_ggml_devices()) or 'none found'}); rebuild llama-cpp-python "
+            f"{', '.join(d.name for d in devs) or 'none found'}); rebuild llama-cpp-python "
             "with CMAKE_ARGS=-DGGML_CUDA=on (or Vulkan, HIP, Metal) to use a GPU",
         )
     return GpuBackend(True, tuple(devices), f"llama.cpp GPU backend: {', '.join(devices)}")
 
 
-def _devices() -> list[DeviceInfo]:
-    """Every ggml backend device, read through the process's one ggml (agent/runtime/ggml.py opens
-    the soname copy libllama links against: another copy has a registry of its own, where the
-    backends libllama loaded are not seen; FACTS.md)."""
-    try:
-        return Ggml().devices()
-    except (GgmlUnavailable, OSError):
-        return []
-
-
-def _ggml_devices() -> list[str]:
-    return [d.name for d in _devices()]
-
-
-def _ggml_gpu_devices() -> list[str]:
+def _gpu_descriptions(devs: list[DeviceInfo]) -> list[str]:
     """Descriptions of the devices llama.cpp offloads to, in its main_gpu order: the discrete
     GPUs (RPC servers aside), else the integrated ones (src/llama.cpp, llama_model_load)."""
-    devs = _devices()
     gpus = [d.description for d in devs if d.type == "gpu" and not d.name.startswith("RPC")]
     return gpus or [d.description for d in devs if d.type == "igpu"]
 
