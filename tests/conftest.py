@@ -28,3 +28,58 @@ def now() -> Any:
     from django.utils import timezone
 
     return timezone.now()
+
+
+# --- the flush between transactional tests ---------------------------------------------------
+#
+# A transaction=True test ends with Django's TRUNCATE of every table. A thread that outlived its
+# test (a request's background finish, a pool thread) can still hold a lock then: PostgreSQL
+# answers "deadlock detected" and Django reports only "couldn't be flushed". The flush is retried
+# (bounded), and each failure prints what it met: the database error, the threads still alive
+# and the other sessions on the test database. It never changes what a test asserts.
+
+FLUSH_TRIES = 4
+
+
+def _flush_diagnostics(exc: BaseException) -> str:
+    import threading
+
+    from django.db import connection
+
+    lines = [f"flush failed: {exc!r}; cause: {exc.__cause__!r}"]
+    lines.append("threads: " + ", ".join(sorted(t.name for t in threading.enumerate())))
+    if connection.vendor == "postgresql":
+        try:
+            with connection.cursor() as cur:
+                cur.execute(
+                    "SELECT pid, state, wait_event_type, left(query, 160) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+                lines += [f"session {row}" for row in cur.fetchall()]
+        except Exception as err:  # noqa: BLE001 - diagnostics only
+            lines.append(f"pg_stat_activity unreadable: {err!r}")
+    return "\n".join(lines)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import os
+    import time
+
+    from django.core.management.base import CommandError
+    from django.test import TransactionTestCase
+
+    flush = TransactionTestCase._fixture_teardown
+
+    def fixture_teardown(self: TransactionTestCase) -> None:
+        for attempt in range(1, FLUSH_TRIES + 1):
+            try:
+                flush(self)
+                return
+            except CommandError as exc:
+                test = os.environ.get("PYTEST_CURRENT_TEST", "?")
+                print(f"\n[tests] {test}: flush attempt {attempt}\n{_flush_diagnostics(exc)}")
+                if attempt == FLUSH_TRIES:
+                    raise
+                time.sleep(attempt)
+
+    TransactionTestCase._fixture_teardown = fixture_teardown

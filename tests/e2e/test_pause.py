@@ -48,6 +48,16 @@ PROMPT = [
     {"role": "user", "content": "Count slowly from one to forty, in words, one number per line."}
 ]
 LONG = {"model": MODEL, "messages": PROMPT, "max_tokens": 1000, "temperature": 0, "seed": 7}
+# The finish handoff streams another conversation: the same one again is routed to the slot that
+# holds its prefix (the KV coordinator), and in one fresh-clone CI run it then ended after 14
+# tokens, before the pause landed. This one ran to the 1,000-token cap alone, twice in a row on
+# one slot and beside LONG on a 2-slot llama-server, and in the e2e runs.
+STORY = [
+    {
+        "role": "user",
+        "content": "Write a long story about a dragon who learns to cook. Use at least five paragraphs.",
+    }
+]
 
 
 def _replica_on(controller: Controller, node: str) -> None:
@@ -113,9 +123,14 @@ def cluster(controller: Controller, serving_agents: StartAgents) -> dict[str, An
 
 
 def _pause_mid_stream(
-    controller: Controller, cluster: dict[str, Any], handoff: str, *, at_chunk: int = 8
+    controller: Controller,
+    cluster: dict[str, Any],
+    handoff: str,
+    *,
+    at_chunk: int = 8,
+    messages: list[dict[str, str]] = PROMPT,
 ) -> dict[str, Any]:
-    """Stream LONG; after ``at_chunk`` chunks pause the node serving it; then two more requests.
+    """Stream LONG (or ``messages``); after ``at_chunk`` chunks pause the node serving it; then two more requests.
     Returns the stream, the paused node, the times and the later requests' answers."""
     for n in NODES:
         _replica_on(controller, n)
@@ -147,7 +162,7 @@ def _pause_mid_stream(
             box["node"] = out["node"]
             worker.start()
 
-    body = {**LONG, "stream": True, "stream_options": {"include_usage": True}}
+    body = {**LONG, "messages": messages, "stream": True, "stream_options": {"include_usage": True}}
     box["stream"] = _stream(controller, cluster["headers"], body, on_chunk=on_chunk)
     assert paused.wait(60), box
     worker.join(300)
@@ -224,7 +239,7 @@ def _failover_handoff(controller: Controller, cluster: dict[str, Any]) -> None:
 def _finish_handoff(controller: Controller, cluster: dict[str, Any]) -> None:
     # Paused at the first chunk: the agent's stream writer batches tokens into chunks, so on a
     # quiet machine the 8th chunk can come so late that the stream ends before the pause lands.
-    box = _pause_mid_stream(controller, cluster, "finish", at_chunk=1)
+    box = _pause_mid_stream(controller, cluster, "finish", at_chunk=1, messages=STORY)
     out = box["stream"]
     assert out["done"] and out["error"] is None, out
     job = wait_for(
@@ -242,6 +257,9 @@ def _finish_handoff(controller: Controller, cluster: dict[str, Any]) -> None:
     assert job.finished_at is not None and job.finished_at > box["confirmed"], (
         job.finished_at,
         box["confirmed"],
+        job.completion_tokens,
+        out["chunks"],
+        out["text"][:200],
     )
     _no_new_job_after_draining(box)
     # Drained once its last job ended.
