@@ -224,6 +224,18 @@ class _NodeLost(Exception):
         self.reason = reason
 
 
+def _ask(
+    *, node_id: str, kind: str, payload: dict[str, Any], timeout: float, late: str
+) -> dict[str, Any]:
+    """Send a command and wait for its result, without the node_id the report carries. No
+    answer within ``timeout`` is the node lost: ``late`` says what it did not do in time."""
+    cid = command_send(node_id=node_id, kind=kind, payload=payload)
+    result = command_wait(command_id=cid, timeout=timeout)
+    if result is None:
+        raise _NodeLost(node_id, f"{late} within {timeout:.0f}s")
+    return {k: v for k, v in result.items() if k != "node_id"}
+
+
 def _deployment_load(
     *, dep: Deployment, plan: Plan, clock: Callable[[], datetime]
 ) -> dict[str, Any]:
@@ -245,18 +257,16 @@ def _deployment_load(
             "tunnel_key": tunnel_key,
             "primary_address": primary_address,
         }
-        cid = command_send(node_id=node_id, kind="rpc_start", payload=grant)
-        result = command_wait(command_id=cid, timeout=timeout_rpc)
-        if result is None:
-            raise _NodeLost(
-                node_id,
-                f"RPC worker on {selectors.node_name(node_id)} did not confirm within {timeout_rpc:.0f}s",
-            )
+        worker_name = f"RPC worker on {selectors.node_name(node_id)}"
+        result = _ask(
+            node_id=node_id,
+            kind="rpc_start",
+            payload=grant,
+            timeout=timeout_rpc,
+            late=f"{worker_name} did not confirm",
+        )
         if not result.get("ok"):
-            raise _NodeLost(
-                node_id,
-                f"RPC worker on {selectors.node_name(node_id)} failed: {result.get('error', '')}",
-            )
+            raise _NodeLost(node_id, f"{worker_name} failed: {result.get('error', '')}")
         event_record(
             kind="RPC_WORKER_CONFIRMED",
             category=EventCategory.RUNTIME,
@@ -264,10 +274,7 @@ def _deployment_load(
             node_id=node_id,
             deployment_id=dep.id,
             message=f"RPC worker ready at {worker['endpoint']}",
-            data={
-                "endpoint": worker["endpoint"],
-                "result": {k: v for k, v in result.items() if k != "node_id"},
-            },
+            data={"endpoint": worker["endpoint"], "result": result},
         )
     # 2. the model file on the primary (only the primary needs it: workers get tensors over RPC)
     primary = plan.primary_node_id
@@ -290,13 +297,13 @@ def _deployment_load(
         "memory_bytes": plan.memory_by_node().get(primary, 0),
         "rpc_tunnel_key": tunnel_key,
     }
-    cid = command_send(node_id=primary, kind="load_primary", payload=payload)
-    result = command_wait(command_id=cid, timeout=timeout_load)
-    if result is None:
-        raise _NodeLost(
-            primary,
-            f"primary {selectors.node_name(primary)} did not load within {timeout_load:.0f}s",
-        )
+    result = _ask(
+        node_id=primary,
+        kind="load_primary",
+        payload=payload,
+        timeout=timeout_load,
+        late=f"primary {selectors.node_name(primary)} did not load",
+    )
     if not result.get("ok"):
         error = str(result.get("error", "load failed"))
         if "sha256" in error.lower() or "memory" in error.lower() or "missing" in error.lower():
@@ -309,12 +316,12 @@ def _deployment_load(
         node_id=primary,
         deployment_id=dep.id,
         message=f"{dep.model.name} loaded",
-        data={k: v for k, v in result.items() if k != "node_id"},
+        data=result,
     )
     # 4. every member confirmed ready (cheap re-check of their states right before READY)
     for node_id in plan.node_ids:
         _require_live(node_id)
-    return {k: v for k, v in result.items() if k != "node_id"}
+    return result
 
 
 def _require_live(node_id: str) -> None:
@@ -351,14 +358,13 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
             message=f"copying {mf.file_name} to the primary (attempt {attempt})",
             data={"size": mf.size},
         )
-        cid = command_send(
+        result = _ask(
             node_id=node_id,
             kind="fetch_model",
             payload={"sha256": mf.sha256, "file_name": mf.file_name, "size": mf.size, "url": url},
+            timeout=timeout,
+            late="the model transfer did not finish",
         )
-        result = command_wait(command_id=cid, timeout=timeout)
-        if result is None:
-            raise _NodeLost(node_id, "model transfer timed out")
         if result.get("ok") and result.get("path"):
             if not replica_challenge(
                 node_id=node_id,
