@@ -45,7 +45,7 @@ SHAPES = (("fast1", "fast2"), ("fast1", "slow"), ("fast1", "fast2", "slow"))
 Row = tuple[tuple[str, ...], float | None, float | None, str, dict[str, float] | None]
 
 
-def placement_quality(env: dict[str, str], rows: list[Row]) -> None:
+def placement_quality(env: dict[str, str], rows: list[Row], bench: dict[str, float]) -> None:
     # Django is set up only now, on the cluster controller's database and Redis.
     os.environ.update(env)
     os.environ["DJANGO_SETTINGS_MODULE"] = "racon.settings"
@@ -74,7 +74,9 @@ def placement_quality(env: dict[str, str], rows: list[Row]) -> None:
     def nodes(p: Any) -> str:
         return "+".join(sorted({names[d.node_id] for d in p.devices}))
 
-    # The same shapes predicted again with the benchmark measured around each one's requests.
+    # The same shapes predicted again with the benchmark measured around each one's requests:
+    # each device's figure (the enrolled benchmark as the scheduler scaled it: measured
+    # efficiency, the lent thread share) scaled by the fresh benchmark over the enrolled one.
     ids = {n.name: n.node_id for n in snap.nodes}
     print("\n== the same shapes, predicted with the benchmark measured around their requests ==")
     print(
@@ -89,7 +91,13 @@ def placement_quality(env: dict[str, str], rows: list[Row]) -> None:
                 dataclasses.replace(
                     n,
                     devices=tuple(
-                        dataclasses.replace(d, gflops=fresh["gflops"], mem_bandwidth_gbps=fresh["mem_bandwidth_gbps"])
+                        dataclasses.replace(
+                            d,
+                            gflops=d.gflops * fresh["gflops"] / bench["gflops"],
+                            mem_bandwidth_gbps=d.mem_bandwidth_gbps
+                            * fresh["mem_bandwidth_gbps"]
+                            / bench["mem_bandwidth_gbps"],
+                        )
                         for d in n.devices
                     ),
                 )
@@ -224,7 +232,7 @@ def main() -> int:
                 print(
                     f"  {'+'.join(row_shape):28} {pred or 0:10.2f} {meas or 0:10.2f} {ratio}  {note}"
                 )
-            placement_quality(cl.env, rows)
+            placement_quality(cl.env, rows, bench)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

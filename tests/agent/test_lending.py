@@ -228,8 +228,9 @@ def test_caps_show_up_in_the_snapshot_and_plans() -> None:
 
 @pytest.mark.django_db
 def test_a_thread_cap_lends_that_share_of_the_benchmarked_speed() -> None:
-    """The benchmark ran on the whole machine; the engine gets only the capped threads, so the
-    planner must not predict the whole machine's speed for them (test (b) in tests/cluster)."""
+    """The compute benchmark ran on the whole machine; the engine gets only the capped threads, so
+    the planner must not predict the whole machine's GFLOPS for them (test (b) in tests/cluster).
+    The bandwidth benchmark copies with one thread: any cap of one thread or more keeps it."""
     whole = NodeFactory(state="READY", cpu_physical_cores=8, cpu_logical_cores=16)
     capped = NodeFactory(state="READY", cpu_physical_cores=8, cpu_logical_cores=16)
     for n in (whole, capped):
@@ -242,8 +243,15 @@ def test_a_thread_cap_lends_that_share_of_the_benchmarked_speed() -> None:
     assert (full.threads, quarter.threads) == (8, 2)
     assert quarter.devices[0].gflops == pytest.approx(full.devices[0].gflops / 4)
     assert quarter.devices[0].mem_bandwidth_gbps == pytest.approx(
-        full.devices[0].mem_bandwidth_gbps / 4
+        full.devices[0].mem_bandwidth_gbps
     )
+    one = NodeFactory(state="READY", cpu_physical_cores=8, cpu_logical_cores=16)
+    one.gflops, one.mem_bandwidth_gbps = 200.0, 40.0
+    one.lending = {"policy": {"caps": {"threads": 1}}}
+    one.save()
+    single = {n.node_id: n for n in cluster_snapshot().nodes}[str(one.id)]
+    assert single.devices[0].mem_bandwidth_gbps == pytest.approx(full.devices[0].mem_bandwidth_gbps)
+    assert single.devices[0].gflops == pytest.approx(full.devices[0].gflops / 8)
 
 
 def test_the_rpc_worker_keeps_to_the_thread_cap() -> None:
