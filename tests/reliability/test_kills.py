@@ -4,7 +4,7 @@ What each prints (and the summary table gathers): requests sent and lost, jobs l
 violations (credits_check), holds still open, and the time from the kill until a retry succeeds.
 Required whatever the failover does (CLARIFICATIONS, Recovery): no stuck job, a ledger that
 verifies, every hold released, a retry that succeeds. Requests lost: 0 while a replica is
-available, asserted where the cluster meets it; where it does not yet the figure is recorded (TODO).
+available, asserted in every scenario (the requests a killed daphne held count as lost by design).
 
 Redis comes last: after its restart the surviving daphne process still holds dead pooled
 connections for a while (a request then gets 500), which would count against the next scenario.
