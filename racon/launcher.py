@@ -358,6 +358,11 @@ def env_defaults(url: str) -> None:
     # debug pages show settings and tracebacks to anyone.
     os.environ.setdefault("DEBUG", "false")
     os.environ.setdefault("LOG_FORMAT", "text")
+    # The first run reads as the launcher's own lines and its one ready summary: the processes it
+    # starts log warnings and errors unless the operator asks for more (LOG_LEVEL=INFO make run
+    # shows every event as it happens; the events are kept either way: /api/admin/events, the UI).
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+    os.environ.setdefault("RACON_LOG_LEVEL", os.environ["LOG_LEVEL"])  # the local agents'
     # Named here, not left to settings' defaults, because the placement worker is started with
     # its queue's name (-Q) and settings must route to that same queue.
     os.environ.setdefault("CELERY_TASK_DEFAULT_QUEUE", "racon")
@@ -548,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
             f"\n[racon] ready: {url}  (web UI: log in as admin; API key: AI_API_KEY in var/.env.local)",
             flush=True,
         )
+        if os.environ["LOG_LEVEL"].upper() == "WARNING":
+            print(
+                "[racon] logs: warnings and errors only; LOG_LEVEL=INFO make run shows every event",
+                flush=True,
+            )
         print(f"[racon] try: curl {url}/v1/chat/completions -H 'Authorization: Bearer $AI_API_KEY' "
               "-H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{info.get('model')}\", "

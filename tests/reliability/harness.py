@@ -407,6 +407,8 @@ def cluster_env(var: Path, port: int, rpc_port: int) -> dict[str, str]:
         STREAM_IDLE_TIMEOUT_SECONDS=str(STREAM_IDLE_TIMEOUT),
         REPLICA_MAX_PER_MODEL="2",
         LOG_FORMAT="text",
+        # Every event in the launcher's log: a lost request's report quotes its job's lines.
+        LOG_LEVEL="INFO",
     )
     return env
 
