@@ -553,9 +553,10 @@ def main(argv: list[str] | None = None) -> int:
             f"\n[racon] ready: {url}  (web UI: log in as admin; API key: AI_API_KEY in var/.env.local)",
             flush=True,
         )
-        if os.environ["LOG_LEVEL"].upper() == "WARNING":
+        level = os.environ["LOG_LEVEL"].upper()
+        if level not in ("DEBUG", "INFO"):
             print(
-                "[racon] logs: warnings and errors only; LOG_LEVEL=INFO make run shows every event",
+                f"[racon] logs: {level} and above only; LOG_LEVEL=INFO make run shows every event",
                 flush=True,
             )
         print(f"[racon] try: curl {url}/v1/chat/completions -H 'Authorization: Bearer $AI_API_KEY' "
