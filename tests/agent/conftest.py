@@ -102,6 +102,7 @@ class FakeController:
         self.reports: list[dict[str, Any]] = []
         self.rejected_reports = 0
         self.fail_reports = 0  # answer the next N report posts with 503
+        self.fail_report_kind: str | None = None  # only reports of this kind count (None: any)
         self.fail_all = False  # answer everything with 503
         self.revoked: set[str] = set()
         self.credentials: dict[str, str] = {}
@@ -191,7 +192,8 @@ class FakeController:
                         "heartbeat_interval": self.heartbeat_interval,
                     }
                 if path == "/api/agent/reports":
-                    if self.fail_reports > 0:
+                    kind_matches = self.fail_report_kind in (None, body.get("kind"))
+                    if self.fail_reports > 0 and kind_matches:
                         self.fail_reports -= 1
                         self.rejected_reports += 1
                         return 503, {"error": "try later"}

@@ -368,6 +368,9 @@ def test_rpc_stop_and_start_commands(h: Harness) -> None:
 
 def test_controller_5xx_on_reports_delays_the_ack_until_accepted(h: Harness) -> None:
     agent = h.start()
+    # Only the command's result is refused: the agent's own start-up reports (events) could
+    # otherwise take the 503s, and the result would be accepted at once (seen once in CI).
+    h.controller.fail_report_kind = "command_result"
     h.controller.fail_reports = 3
     cid = h.send(agent, "rescan_models")
     h.controller.wait_for(lambda c: c.rejected_reports >= 1)
