@@ -360,6 +360,11 @@ CREDITS_RECEIPT_KEY_PATH = Path(
 )
 PRIORITY_MAX_WAIT_SECONDS = envfloat("PRIORITY_MAX_WAIT_SECONDS", 30.0)
 
+# The web UI's charts (apps/jobs/rollup.py): beat rolls jobs and node telemetry into per-minute
+# rows every ROLLUP_PERIOD_SECONDS and deletes rows older than ROLLUP_RETENTION_HOURS.
+ROLLUP_PERIOD_SECONDS = envfloat("ROLLUP_PERIOD_SECONDS", 60.0)
+ROLLUP_RETENTION_HOURS = envfloat("ROLLUP_RETENTION_HOURS", 48.0)
+
 CELERY_BEAT_SCHEDULE = {
     "celery-ping": {"task": "racon.celery.ping", "schedule": 10.0},
     "health-sweep": {
@@ -390,6 +395,10 @@ CELERY_BEAT_SCHEDULE = {
     "links-reprobe": {
         "task": "racon.jobs.links_reprobe",
         "schedule": LINK_PROBE_INTERVAL_SECONDS,
+    },
+    "minute-rollup": {
+        "task": "racon.jobs.rollup",
+        "schedule": ROLLUP_PERIOD_SECONDS,
     },
 }
 

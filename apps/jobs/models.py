@@ -127,3 +127,38 @@ class JobAttempt(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.job_id} attempt {self.number} {self.outcome or 'running'}"
+
+
+class MinuteRollup(models.Model):
+    """Per-minute figures for the web UI's charts, written by ``apps/jobs/rollup.py`` (beat, every
+    ROLLUP_PERIOD_SECONDS) from the jobs and the nodes' Redis telemetry, and deleted after
+    ROLLUP_RETENTION_HOURS. One row per minute and scope: ``pool`` (every job), ``model:<id>``
+    (that model's jobs) or ``node:<id>`` (the jobs the node took part in, and a telemetry sample)."""
+
+    minute = models.DateTimeField(help_text="start of the minute (UTC)")
+    scope = models.CharField(max_length=48, help_text="pool, model:<id> or node:<id>")
+    model = models.ForeignKey(
+        "models_repo.Model", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    node = models.ForeignKey(
+        "nodes.Node", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    requests = models.PositiveIntegerField(default=0, help_text="jobs that ended in the minute")
+    failed = models.PositiveIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0, help_text="counted by the controller")
+    layers = models.BigIntegerField(default=0, help_text="layers held, summed over the jobs")
+    ttft_p50_ms = models.FloatField(null=True, blank=True, help_text="queued → first token")
+    ttft_p95_ms = models.FloatField(null=True, blank=True)
+    cpu_percent = models.FloatField(null=True, blank=True, help_text="node rows: telemetry")
+    mem_used_bytes = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["minute"]
+        constraints = [
+            models.UniqueConstraint(fields=["minute", "scope"], name="minute_rollup_unique_scope")
+        ]
+        indexes = [models.Index(fields=["scope", "minute"])]
+
+    def __str__(self) -> str:
+        return f"{self.scope} {self.minute:%Y-%m-%d %H:%M}"

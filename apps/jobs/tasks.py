@@ -10,6 +10,7 @@ from django.utils import timezone
 from . import admission, kvtransfer, placement, services
 from .autoscale import replicas_autoscale
 from .challenges import node_speed_challenge, speed_challenge_due
+from .rollup import rollup_write
 
 
 @shared_task(name="racon.jobs.node_state_changed", ignore_result=True)
@@ -66,3 +67,10 @@ def kv_transfer(*, deployment_id: str, **kwargs: Any) -> dict[str, Any]:
     event (placement queue: it waits on two agents)."""
     out = kvtransfer.deployment_kv_transfer(deployment_id=deployment_id, now=timezone.now())
     return {"moved": out.moved, "dropped": out.dropped, "bytes": out.bytes, "seconds": out.seconds}
+
+
+@shared_task(name="racon.jobs.rollup", ignore_result=True)
+def rollup(**kwargs: Any) -> dict[str, int]:
+    """Roll jobs and node telemetry into per-minute rows for the charts, and sweep old rows (beat:
+    every ROLLUP_PERIOD_SECONDS)."""
+    return rollup_write(now=timezone.now())
