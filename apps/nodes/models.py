@@ -51,7 +51,9 @@ class EnrollmentToken(models.Model):
 class Node(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     name = models.CharField(max_length=120)
-    machine_id = models.CharField(max_length=128, unique=True)
+    # From the world-readable /etc/machine-id: it names a machine within an account only
+    # (node_machine_unique_per_account), so nobody can squat another account's machine (issue 28).
+    machine_id = models.CharField(max_length=128)
     account = models.ForeignKey("accounts.Account", on_delete=models.PROTECT, related_name="nodes")
     enrollment_token = models.ForeignKey(
         EnrollmentToken, null=True, blank=True, on_delete=models.SET_NULL
@@ -87,6 +89,9 @@ class Node(models.Model):
     # The operator's drain, kept through an OFFLINE spell (the next heartbeat drains again); the
     # drain's progress is the state itself (DRAINING → DRAINED, with NODE_DRAINED).
     drain_requested = models.BooleanField(default=False)
+    # Who asked for it: "operator" (the API, UI, CLI) or "lending" (the agent's own pause). The
+    # agent's resume lifts only a "lending" drain; an operator's drain during a pause takes it over.
+    drain_requested_by = models.CharField(max_length=16, blank=True, default="")
     # The owner's lending terms (apps/nodes/lending.py): {"policy": LendingPolicy wire form,
     # "source": "agent" | "owner", "paused": {"handoff", "reason", "at"} while paused}.
     lending = models.JSONField(default=dict, blank=True)
@@ -104,6 +109,11 @@ class Node(models.Model):
                 condition=models.Q(revoked_at__isnull=True),
                 name="node_name_unique_per_account",
                 violation_error_message="node names are unique within an account",
+            ),
+            models.UniqueConstraint(
+                fields=["account", "machine_id"],
+                name="node_machine_unique_per_account",
+                violation_error_message="a machine is enrolled once within an account",
             ),
         ]
 
