@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -106,6 +107,15 @@ class EmbeddedRedis:
             client.close()
 
 
+def _memory_bound() -> list[tuple[str, str]]:
+    # The launcher's Redis is the broker and holds every queue and stream (issue 28): full, it
+    # refuses writes (noeviction) rather than grow without bound or evict queued work.
+    return [
+        ("maxmemory", os.environ.get("REDIS_MAXMEMORY", "1gb")),
+        ("maxmemory-policy", "noeviction"),
+    ]
+
+
 def _spawn(
     data_dir: Path, port: int, password: str | None, *, appendonly: bool, die_with_parent: bool
 ) -> subprocess.Popen[bytes]:
@@ -118,6 +128,7 @@ def _spawn(
         "--protected-mode", "yes",
         *(["--appendonly", "yes", "--appendfsync", "everysec"] if appendonly else ["--appendonly", "no"]),
         *(["--requirepass", password] if password else []),
+        *(arg for name, value in _memory_bound() for arg in (f"--{name}", value)),
     ]  # fmt: skip
     return subprocess.Popen(
         wrap(argv, sig=signal.SIGTERM) if die_with_parent else argv,

@@ -35,6 +35,7 @@ from dotenv import dotenv_values, set_key
 
 from racon.embedded import EmbeddedRedis, start_redis
 from racon.pdeathsig import wrap
+from racon.redis_acl import redis_memory_warning
 from racon.serve import bind_listener, daphne_argv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -423,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"[racon] embedded Redis on 127.0.0.1:{sup.redis.port} (password in var/.env.local)",
                 flush=True,
             )
+        elif warning := redis_memory_warning(os.environ["REDIS_URL"]):
+            print(f"[racon] warning: {warning}", file=sys.stderr, flush=True)  # read, never changed
         subprocess.run([py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, check=True)
         boot_args = [
             "--agents",

@@ -112,3 +112,37 @@ def node_redis_url(*, node_id: Any) -> str:
     if parts.port:
         netloc += f":{parts.port}"
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def redis_memory_warning(url: str) -> str | None:
+    """What is unsafe in an external Redis's memory settings, or None: without a maxmemory one
+    node's writes (or a backlog) can take the machine's memory, and any policy but noeviction lets
+    Redis drop queued commands, Celery messages and streams to make room. Reads CONFIG only; never
+    changes the server (CI's shared Redis is never reconfigured)."""
+    client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+    try:
+        config = client.config_get("maxmemory*")
+    except redis.RedisError as exc:
+        return (
+            f"Redis at {_where(url)}: its memory settings could not be read ({exc}); check that "
+            "maxmemory is set and maxmemory-policy is noeviction"
+        )
+    finally:
+        client.close()
+    problems = []
+    if int(config.get("maxmemory") or 0) == 0:
+        problems.append("maxmemory is 0 (no bound)")
+    if config.get("maxmemory-policy", "noeviction") != "noeviction":
+        problems.append(f"maxmemory-policy is {config.get('maxmemory-policy')}, not noeviction")
+    if not problems:
+        return None
+    return (
+        f"Redis at {_where(url)}: {' and '.join(problems)}; it is the broker and holds every queue "
+        "and stream: set maxmemory (e.g. 1gb) with maxmemory-policy noeviction, so that a full "
+        "Redis refuses writes instead of growing without bound or evicting queued work"
+    )
+
+
+def _where(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.hostname or '127.0.0.1'}:{parts.port or 6379}"
