@@ -1,17 +1,15 @@
-"""`node-agent`: run the agent (foreground or detached), and doctor / status / stop.
+"""`node-agent`: lend this machine to a RACoN controller. `node-agent --help` lists the commands.
 
-node-agent --foreground --controller-url URL --enrollment-token TOKEN --node-name NAME
-node-agent doctor [--bundle PATH]
-node-agent status
-node-agent stop
-node-agent upgrade      (the controller's agent and llama.cpp, with the node's own credential)
-node-agent pause [--handoff failover|finish]   /   node-agent resume
-node-agent install-service [--user] [run flags...]   /   node-agent uninstall-service [--user]
+node-agent [run] --foreground --controller-url URL --enrollment-token TOKEN --node-name NAME
+node-agent doctor | status | stop | pause | resume | upgrade | install-service | uninstall-service
+Every command's `--help` shows its options and an example; an unknown command or flag gets one
+line naming the closest valid one.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -49,17 +47,105 @@ from agent.runtime.llama import llama_rpc_support
 from agent.service import install_service, uninstall_service
 from agent.upgrade import UpgradeError, upgrade
 
-SUBCOMMANDS = (
-    "run",
-    "doctor",
-    "status",
-    "stop",
-    "upgrade",
-    "pause",
-    "resume",
-    "install-service",
-    "uninstall-service",
+# (command, one line for `node-agent --help`, an example for its own --help), in that order.
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    (
+        "run",
+        "run the agent: enroll, lend this machine, take jobs (the default command)",
+        "node-agent run --foreground --controller-url https://10.0.0.5:8000 "
+        "--enrollment-token rcn_... --node-name desk-1",
+    ),
+    (
+        "doctor",
+        "check hardware, controller, Redis, llama.cpp and models; --bundle for a bug report",
+        "node-agent doctor --controller-url https://10.0.0.5:8000 --bundle doctor.tar.gz",
+    ),
+    ("status", "show whether the agent runs, its node, state and jobs", "node-agent status"),
+    ("stop", "stop a detached agent (it drains its work first)", "node-agent stop --timeout 60"),
+    (
+        "pause",
+        "stop lending now: the node drains; running jobs fail over or finish",
+        "node-agent pause --handoff finish",
+    ),
+    ("resume", "lend again after a pause", "node-agent resume"),
+    (
+        "install-service",
+        "write a systemd unit that runs the agent, and enable it",
+        "node-agent install-service --user --controller-url https://10.0.0.5:8000 --max-threads 4",
+    ),
+    (
+        "uninstall-service",
+        "stop and remove that systemd unit",
+        "node-agent uninstall-service --user",
+    ),
+    (
+        "upgrade",
+        "install the controller's current agent and llama.cpp, then restart the service",
+        "node-agent upgrade",
+    ),
 )
+SUBCOMMANDS = tuple(name for name, _, _ in COMMANDS)
+_SUMMARY = {name: summary for name, summary, _ in COMMANDS}
+_EXAMPLE = {name: example for name, _, example in COMMANDS}
+
+
+def top_help() -> str:
+    """`node-agent --help`: every command with one line, then where to read more."""
+    width = max(len(name) for name in SUBCOMMANDS) + 2
+    lines = [
+        "usage: node-agent [COMMAND] [options]      (no command: run)",
+        "",
+        "Lend this machine's CPU, RAM and GPU to a RACoN controller.",
+        "",
+        "commands:",
+        *(f"  {name.ljust(width)}{summary}" for name, summary, _ in COMMANDS),
+        "",
+        "options:",
+        "  -h, --help    show this list; `node-agent COMMAND --help` shows a command's options",
+        "  --version     print the agent's version",
+        "",
+        "example:",
+        f"  {_EXAMPLE['run']}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def closest(word: str, choices: Sequence[str]) -> str | None:
+    """The valid spelling nearest to `word` (difflib), or None when nothing is close."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with an example under --help and one-line errors that name the closest flag."""
+
+    def __init__(self, command: str, **kw: Any) -> None:
+        super().__init__(
+            prog=f"node-agent {command}",
+            description=_SUMMARY.get(command),
+            epilog=f"example:\n  {_EXAMPLE[command]}" if command in _EXAMPLE else None,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **kw,
+        )
+
+    def error(self, message: str) -> Any:  # noqa: ANN401 - argparse's signature (NoReturn)
+        print(
+            f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+    def parse(self, argv: Sequence[str]) -> argparse.Namespace:
+        args, extra = self.parse_known_args(list(argv))
+        if extra:
+            word = extra[0]
+            if word.startswith("-"):
+                flag = word.split("=", 1)[0]
+                near = closest(flag, [o for o in self._option_string_actions if o.startswith("--")])
+                hint = f"; did you mean {near}?" if near else ""
+                self.error(f"unknown flag {flag}{hint}")
+            self.error(f"unexpected argument {word!r}")
+        return args
 
 
 def _error(message: str, code: int = 2) -> int:
@@ -107,12 +193,10 @@ def _claim_pid_file(config: AgentConfig) -> str | None:
 
 
 def cmd_run(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="node-agent", description="Turn this machine into a RACoN node."
-    )
+    parser = Parser("run")
     parser.add_argument("--version", action="version", version=f"node-agent {__version__}")
     add_run_arguments(parser)
-    args = parser.parse_args(list(argv))
+    args = parser.parse(argv)
     try:
         config = config_from_args(args)
     except ConfigError as exc:
@@ -174,7 +258,7 @@ def _detach(config: AgentConfig, argv: Sequence[str]) -> int:
 
 
 def _state_dir_arg(argv: Sequence[str], prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"node-agent {prog}")
+    p = Parser(prog)
     p.add_argument("--state-dir", help="the agent's state dir (RACON_STATE_DIR)")
     if prog == "stop":
         p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the drain")
@@ -183,8 +267,8 @@ def _state_dir_arg(argv: Sequence[str], prog: str) -> argparse.Namespace:
         p.add_argument("--models-dir", help="models dir (RACON_MODELS_DIR)")
         p.add_argument("--hardware-profile", help="JSON profile instead of detection")
         p.add_argument("--bundle", help="write a .tar.gz with the report and recent logs")
-        p.add_argument("--no-benchmark", action="store_true")
-    return p.parse_args(list(argv))
+        p.add_argument("--no-benchmark", action="store_true", help="skip compute benchmarks")
+    return p.parse(argv)
 
 
 def _resolve_state_dir(args: argparse.Namespace) -> Path:
@@ -271,7 +355,7 @@ def cmd_upgrade(argv: Sequence[str]) -> int:
 
 
 def _lending_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"node-agent {prog}")
+    p = Parser(prog)
     p.add_argument("--state-dir", help="the agent's state dir (RACON_STATE_DIR)")
     if prog == "pause":
         p.add_argument(
@@ -281,7 +365,7 @@ def _lending_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
             "default: the policy's",
         )
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the agent")
-    return p.parse_args(list(argv))
+    return p.parse(argv)
 
 
 def _await_lending(state_dir: Path, *, paused: bool, request: str | None, timeout: float) -> bool:
@@ -329,14 +413,15 @@ def cmd_resume(argv: Sequence[str]) -> int:
 
 
 def cmd_install_service(argv: Sequence[str]) -> int:
-    args = list(argv)
-    user = "--user" in args
-    no_enable = "--no-enable" in args
-    flags = [a for a in args if a not in ("--user", "--no-enable")]
-    parser = argparse.ArgumentParser(prog="node-agent install-service")
+    parser = Parser("install-service")
+    parser.add_argument("--user", action="store_true", help="a user unit (~/.config/systemd/user)")
+    parser.add_argument("--no-enable", action="store_true", help="write the unit, do not enable it")
     add_run_arguments(parser)
+    parsed = parser.parse(argv)
+    user, no_enable = parsed.user, parsed.no_enable
+    flags = [a for a in argv if a not in ("--user", "--no-enable")]
     try:
-        config = config_from_args(parser.parse_args(flags))  # refuse a unit that cannot start
+        config = config_from_args(parsed)  # refuse a unit that cannot start
     except ConfigError as exc:
         return _error(str(exc))
     if "--state-dir" not in flags:
@@ -349,7 +434,9 @@ def cmd_install_service(argv: Sequence[str]) -> int:
 
 
 def cmd_uninstall_service(argv: Sequence[str]) -> int:
-    path, existed = uninstall_service(user="--user" in argv)
+    parser = Parser("uninstall-service")
+    parser.add_argument("--user", action="store_true", help="the user unit, not the system one")
+    path, existed = uninstall_service(user=parser.parse(argv).user)
     print(f"node-agent: {path} {'removed' if existed else 'was not installed'}")
     return 0
 
@@ -525,6 +612,16 @@ def _write_bundle(path: Path, state_dir: Path, report: dict[str, Any]) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"], ["help"]):
+        sys.stdout.write(top_help())
+        return 0
+    if args[:1] == ["--version"]:
+        print(f"node-agent {__version__}")
+        return 0
+    if args and not args[0].startswith("-") and args[0] not in SUBCOMMANDS:
+        near = closest(args[0], SUBCOMMANDS)
+        hint = f"; did you mean {near!r}?" if near else ""
+        return _error(f"unknown command {args[0]!r}{hint} (`node-agent --help` lists the commands)")
     if args and args[0] in SUBCOMMANDS:
         sub, rest = args[0], args[1:]
         handler = {

@@ -6,13 +6,16 @@ Exit codes: 0 ok, 1 the controller refused (4xx/5xx, the line says which), 2 bad
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer._click.exceptions import UsageError  # typer's own click, which it raises
 
 from .commands import (
     accounts,
+    bundle,
     chat,
     common,
     credits,
@@ -37,6 +40,7 @@ app.add_typer(jobs.app, name="jobs")
 app.add_typer(credits.app, name="credits")
 app.add_typer(accounts.app, name="accounts")
 app.add_typer(keys.app, name="keys")
+app.add_typer(bundle.app, name="bundle")
 # Top-level commands, in the order `racon --help` lists them.
 for command in (
     session.login,
@@ -68,7 +72,19 @@ def _root(
 
 
 def main() -> None:
-    app()
+    """`racon`: every command's --help ends with an example; a usage error is one line."""
+    from .examples import add_examples, one_line  # noqa: PLC0415 - only the console script
+
+    command = add_examples(app)
+    try:
+        code = command.main(prog_name="racon", standalone_mode=False)
+    except UsageError as exc:
+        print(one_line(exc), file=sys.stderr)
+        raise SystemExit(2) from None
+    except typer.Abort:
+        print("racon: aborted", file=sys.stderr)
+        raise SystemExit(1) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

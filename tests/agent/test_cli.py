@@ -190,3 +190,63 @@ def test_doctor_fails_when_the_controller_is_down(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "[FAIL] controller:" in out.stdout
     assert "[skip] redis:" in out.stdout
+
+
+# --- a command line people can discover (issue 26) ------------------------------------------------
+
+
+def test_help_lists_every_command_with_one_line_each() -> None:
+    from agent.cli import SUBCOMMANDS
+
+    out = node_agent("--help")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for name in (
+        "run",
+        "doctor",
+        "status",
+        "stop",
+        "pause",
+        "resume",
+        "install-service",
+        "upgrade",
+    ):
+        assert name in SUBCOMMANDS
+        row = [ln for ln in lines if ln.startswith(f"  {name} ")]
+        assert len(row) == 1 and len(row[0].split()) > 2, (name, out.stdout)
+
+
+def test_each_commands_help_has_an_example() -> None:
+    from agent.cli import SUBCOMMANDS
+
+    for name in SUBCOMMANDS:
+        out = node_agent(name, "--help")
+        assert out.returncode == 0, (name, out.stderr)
+        assert out.stdout.startswith(f"usage: node-agent {name}"), out.stdout
+        example = out.stdout.split("example:\n", 1)[1].strip()
+        assert example.startswith(f"node-agent {name}"), (name, example)
+
+
+def test_an_unknown_command_or_flag_gets_one_line_naming_the_closest() -> None:
+    cmd = node_agent("stauts")
+    assert cmd.returncode == 2 and cmd.stdout == ""
+    assert cmd.stderr.strip().splitlines() == [
+        "node-agent: error: unknown command 'stauts'; did you mean 'status'? "
+        "(`node-agent --help` lists the commands)"
+    ]
+    flag = node_agent("--foreground", "--controler-url", "http://127.0.0.1:1")
+    assert flag.returncode == 2
+    assert len(flag.stderr.strip().splitlines()) == 1, flag.stderr
+    assert "unknown flag --controler-url; did you mean --controller-url?" in flag.stderr
+    sub = node_agent("stop", "--timout", "3")
+    assert sub.returncode == 2 and len(sub.stderr.strip().splitlines()) == 1
+    assert "node-agent stop: error: unknown flag --timout; did you mean --timeout?" in sub.stderr
+    nothing_near = node_agent("status", "--zzzzzz")
+    assert "unknown flag --zzzzzz (" in nothing_near.stderr
+
+
+def test_the_old_invocation_without_a_command_still_runs_the_agent(tmp_path: Path) -> None:
+    # No command means run: its flags are parsed and checked (here: no controller URL given).
+    out = node_agent("--foreground", "--state-dir", str(tmp_path), env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2
+    assert "--controller-url (or RACON_CONTROLLER_URL) is required" in out.stderr
