@@ -1,7 +1,8 @@
-"""The real runtime: the ggml-rpc worker (llama-cpp-python's libraries) and llama-server primaries."""
+"""The real runtime: the ggml-rpc worker (`ggml-rpc-server`) and llama-server primaries."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,30 +10,35 @@ import redis
 
 from agent.protocol import LoadPrimaryPayload
 from agent.runtime import EventSink, JobFinishedSink, RuntimeErrorReport
+from agent.runtime.ggml import GgmlUnavailable
 from agent.runtime.rpc_worker import RpcWorker
+from agent.runtime.rpc_worker_main import find_rpc_server
 from agent.runtime.server import ServerPrimary, find_llama_server
 
 
 def llama_rpc_support() -> tuple[bool, str]:
-    """Whether this llama-cpp-python was built with GGML_RPC=ON (FACTS.md: pip's cache can lie)."""
+    """Whether this agent's llama.cpp build has llama-server and a ggml-rpc-server that starts.
+
+    The binaries of the backend build are the whole runtime (no llama-cpp-python at run time):
+    `ggml-rpc-server --help` loads every library the worker needs, so a missing or foreign
+    library (a bundle whose RPATH points elsewhere) fails here, not at the first split."""
     try:
-        # Optional (the [agent] extra), and importing it loads libllama: only when asked.
-        import llama_cpp  # noqa: PLC0415
-    except ImportError as exc:
-        return False, f"llama-cpp-python is not installed: {exc}"
-    except OSError as exc:  # the shared library failed to load
-        return False, f"llama-cpp-python's library failed to load: {exc}"
-    version = getattr(llama_cpp, "__version__", "?")
+        server = find_llama_server()
+        rpc = find_rpc_server()
+    except (RuntimeErrorReport, GgmlUnavailable) as exc:
+        return False, str(exc)
+    if not server.is_file():
+        return False, f"llama-server not found at {server}"
     try:
-        ok = bool(llama_cpp.llama_supports_rpc())
-    except AttributeError:
-        ok = False
-    if not ok:
-        return False, (
-            f"llama-cpp-python {version} has no RPC support; reinstall with "
-            "CMAKE_ARGS=-DGGML_RPC=ON pip install --no-cache-dir --force-reinstall llama-cpp-python"
+        proc = subprocess.run(
+            [str(rpc), "--help"], capture_output=True, text=True, timeout=60, check=False
         )
-    return True, f"llama-cpp-python {version} with RPC support"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"{rpc} does not run: {exc}"
+    if "--port" not in proc.stderr + proc.stdout:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return False, f"{rpc} does not run (exit {proc.returncode}): {tail[0]}"
+    return True, f"llama-server and ggml-rpc-server in {rpc.parent}"
 
 
 class LlamaRuntime:
@@ -43,16 +49,7 @@ class LlamaRuntime:
         self.ready_timeout = ready_timeout
 
     def check(self) -> tuple[bool, str]:
-        ok, detail = llama_rpc_support()
-        if not ok:
-            return ok, detail
-        try:
-            server = find_llama_server()
-        except RuntimeErrorReport as exc:
-            return False, str(exc)
-        if not server.is_file():
-            return False, f"llama-server not found at {server}"
-        return True, f"{detail}; llama-server {server}"
+        return llama_rpc_support()
 
     def rpc_worker(
         self,
