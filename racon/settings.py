@@ -163,8 +163,13 @@ NODE_REDIS_ACL = envbool("NODE_REDIS_ACL", True)
 
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": "racon:channels"},
+        # channels_redis, with a receive that retries a slow Redis and logs one line (the module
+        # says why); the socket timeout stays above channels_redis's 5 s blocking pop.
+        "BACKEND": "apps.api.channel_layer.RetryingRedisChannelLayer",
+        "CONFIG": {
+            "hosts": [{"address": REDIS_URL, "socket_timeout": 15, "socket_connect_timeout": 5}],
+            "prefix": "racon:channels",
+        },
     }
 }
 
@@ -454,6 +459,9 @@ SECURE_PROXY_SSL_HEADER = (
 )
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
+# Browsers honour Cross-Origin-Opener-Policy only from a trustworthy origin (https, localhost);
+# over plain http on a LAN address Chromium logs an error for it on every page. Sent over TLS only.
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin" if RACON_TLS else None
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

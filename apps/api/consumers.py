@@ -1,23 +1,53 @@
-"""WebSocket consumers: a job's live token stream, and the dashboard's live node/deployment rows."""
+"""WebSocket consumers: a job's live token stream, and the dashboard's live rows and charts.
+
+A slow Redis never ends a socket with a traceback: a timeout or a dropped connection is retried
+(``_retrying``) and logged as one line; the channel layer's own receive does the same
+(``apps/api/channel_layer.py``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.http import Http404
+from django.utils import timezone
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from agent.protocol import job_stream_key
-from apps.api.ui_render import render_deployment_row, render_node_row
+from apps.api.ui_charts import ChartRefused, chart_payload
+from apps.api.ui_render import render_deployment_row, render_node_row, viewer_for
 from apps.credits.ledger import account_for_user
 from apps.jobs.models import Job
 from apps.jobs.selectors import job_stream_node
 from racon.redis import get_async_redis
 
 log = logging.getLogger("racon.ws")
+
+RETRY_DELAYS = (0.2, 0.5, 1.0)
+MAX_CHARTS = 24  # per socket: a page shows a handful
+
+
+async def _retrying[T](what: str, call: Callable[[], Awaitable[T]]) -> T | None:
+    """``call()``, retried on a Redis timeout or dropped connection; after the last try one line is
+    logged and None returned (the socket stays open: the next update tries again)."""
+    for attempt, delay in enumerate((*RETRY_DELAYS, None), start=1):
+        try:
+            return await call()
+        except (RedisTimeoutError, RedisConnectionError) as exc:
+            if delay is None:
+                log.warning(
+                    "%s: Redis did not answer after %d tries (%s); skipped", what, attempt, exc
+                )
+                return None
+            await asyncio.sleep(delay)
+    return None
 
 
 def _can_see_job(user: Any, job_id: str) -> bool:
@@ -53,7 +83,10 @@ class JobStreamConsumer(AsyncWebsocketConsumer):
         idle = 0
         try:
             while idle < 120:
-                got = await r.xread({key: last}, block=1000, count=256)
+                got = await _retrying(
+                    f"job {self.job_id} stream",
+                    lambda c=last: r.xread({key: c}, block=1000, count=256),  # type: ignore[misc]
+                )
                 if not got:
                     idle += 1
                     continue
@@ -79,9 +112,12 @@ class JobStreamConsumer(AsyncWebsocketConsumer):
 
 
 class DashboardConsumer(AsyncWebsocketConsumer):
-    """ws/dashboard/: pushes re-rendered node rows (hx-swap-oob) when a node's state changes."""
+    """ws/dashboard/: pushes re-rendered node and deployment rows (hx-swap-oob) when one changes,
+    and the page's charts (JSON ``{"type": "charts", "charts": {id: payload}}``) when it asks for
+    them (``{"charts": {id: spec}}``) and again each time the rollup is written."""
 
     group = "nodes.dashboard"
+    charts: dict[str, dict[str, Any]]
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -94,17 +130,64 @@ class DashboardConsumer(AsyncWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         await self.channel_layer.group_discard(self.group, self.channel_name)
 
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        try:
+            msg = json.loads(text_data or "")
+        except ValueError:
+            return
+        specs = msg.get("charts") if isinstance(msg, dict) else None
+        if not isinstance(specs, dict):
+            return
+        self.charts = {
+            str(k): v for k, v in list(specs.items())[:MAX_CHARTS] if isinstance(v, dict)
+        }
+        await self._send_charts()
+
+    async def rollup_written(self, event: dict[str, Any]) -> None:
+        if getattr(self, "charts", None):
+            await self._send_charts()
+
+    async def _send_charts(self) -> None:
+        user = self.scope.get("user")
+        charts = dict(self.charts)
+        payloads = await _retrying(
+            "dashboard charts", lambda: sync_to_async(_chart_payloads)(user, charts)
+        )
+        if payloads:
+            await self.send(text_data=json.dumps({"type": "charts", "charts": payloads}))
+
     async def node_changed(self, event: dict[str, Any]) -> None:
-        html = await sync_to_async(_render_node_row)(self.scope.get("user"), event["node_id"])
+        user = self.scope.get("user")
+        html = await _retrying(
+            f"node {event['node_id']} row",
+            lambda: sync_to_async(_render_node_row)(user, event["node_id"]),
+        )
         if html:
             await self.send(text_data=html)
 
     async def deployment_changed(self, event: dict[str, Any]) -> None:
-        html = await sync_to_async(_render_deployment_row)(
-            self.scope.get("user"), event["deployment_id"]
+        user = self.scope.get("user")
+        html = await _retrying(
+            f"deployment {event['deployment_id']} row",
+            lambda: sync_to_async(_render_deployment_row)(user, event["deployment_id"]),
         )
         if html:
             await self.send(text_data=html)
+
+
+def _chart_payloads(user: Any, specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each chart the page asked for, re-checked for this user; a refused spec is left out."""
+    if not user or not user.is_authenticated:
+        return {}
+    viewer = viewer_for(user)
+    now = timezone.now()
+    out: dict[str, Any] = {}
+    for chart_id, spec in specs.items():
+        try:
+            out[chart_id] = chart_payload(viewer=viewer, spec=dict(spec), now=now)
+        except (ChartRefused, Http404, ValueError, TypeError) as exc:
+            log.info("chart %s refused for %s: %s", chart_id, user, exc)
+    return out
 
 
 def _render_node_row(user: Any, node_id: str) -> str:

@@ -18,8 +18,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods
 
 from agent.lending import HANDOFFS, GiB, PolicyError
-from apps.accounts.models import Account
-from apps.api import ui_render
+from apps.api import ui_charts, ui_render
 from apps.api.ui_views import render_ui
 from apps.credits import selectors as credit_selectors
 from apps.jobs import services as job_services
@@ -173,22 +172,35 @@ def earnings_page_context(
     account_id = viewer.account_id
     if account and not viewer.is_staff and _uuid(account, "account") != str(account_id):
         raise Http404("no such account")  # a contributor sees only their own
+    # An operator's own view covers the machines they enrolled with the operator key as well
+    # (those earn into the operator account, which is theirs to see).
+    accounts = [account_id] + (ui_render.operator_account_ids() if viewer.is_staff else [])
     if account and viewer.is_staff:
-        account_id = (
-            Account.objects.filter(pk=_uuid(account, "account"))
+        found = (
+            ui_render.person_accounts()
+            .filter(pk=_uuid(account, "account"))
             .values_list("id", flat=True)
             .first()
         )
-        if account_id is None:
+        if found is None:
             raise Http404("no such account")
-    nodes = list(Node.objects.filter(account_id=account_id).order_by("name"))
+        account_id, accounts = found, [found]
+    nodes = list(Node.objects.filter(account_id__in=accounts).order_by("name"))
     node_id = None
     if node:
         wanted = _uuid(node, "node")
         node_id = next((n.id for n in nodes if str(n.id) == wanted), None)
         if node_id is None:
             raise Http404("no such node of this account")
-    rows = credit_selectors.node_earnings(account_id=account_id, days=days, node_id=node_id)
+    rows = sorted(
+        (
+            r
+            for a in accounts
+            for r in credit_selectors.node_earnings(account_id=a, days=days, node_id=node_id)
+        ),
+        key=lambda x: (x["day"], x["node_name"]),
+        reverse=True,
+    )
     per_node: dict[str, dict[str, Any]] = {}
     for r in rows:
         t = per_node.setdefault(
@@ -204,9 +216,13 @@ def earnings_page_context(
         "day_choices": EARNINGS_DAYS,
         "nodes": nodes,
         "selected_node": str(node_id) if node_id else "",
-        "accounts": list(Account.objects.order_by("name")) if viewer.is_staff else [],
-        "selected_account": str(account_id),
+        "accounts": list(ui_render.person_accounts()) if viewer.is_staff else [],
+        "selected_account": str(account_id) if account else "",
+        "own_accounts": [str(a) for a in accounts],
         "is_staff": viewer.is_staff,
+        "charts": ui_charts.earnings_chart(
+            viewer=viewer, now=timezone.now(), days=days, accounts=accounts, node=node_id
+        ),
     }
 
 

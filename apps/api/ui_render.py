@@ -20,19 +20,29 @@ from django.http import Http404
 from django.template.loader import render_to_string
 from django.utils import timezone
 
-from apps.accounts.models import Account
+from apps.accounts.models import Account, AccountKind
 from apps.credits import selectors as credit_selectors
 from apps.credits.ledger import account_for_user
 from apps.credits.models import Receipt
-from apps.jobs import kvcache
+from apps.jobs import kvcache, series
 from apps.jobs import selectors as job_selectors
-from apps.jobs.models import Deployment, Job
-from apps.jobs.states import DEPLOYMENT_ACTIVE, JOB_IN_FLIGHT, JOB_OPEN, DeploymentState, JobState
+from apps.jobs.models import Deployment, Job, JobAttempt
+from apps.jobs.states import (
+    DEPLOYMENT_ACTIVE,
+    DEPLOYMENT_ENDED,
+    JOB_IN_FLIGHT,
+    JOB_OPEN,
+    DeploymentState,
+    JobState,
+)
 from apps.models_repo.models import Model
 from apps.nodes import selectors as node_selectors
+from apps.nodes.lending import lending_view
 from apps.nodes.links import link_matrix
 from apps.nodes.models import EnrollmentToken, Node
 from apps.nodes.states import POOL, NodeState
+
+from .ui_failures import failure_explained
 
 # Colours for the placement bar, one per node in plan order (kept in step with racon.css).
 NODE_COLOURS = (
@@ -129,7 +139,14 @@ def node_detail_page(*, user: Any, node_id: Any, now: datetime) -> dict[str, Any
         "gpus": hw.get("gpus") or [],
         "hardware_json": json.dumps(hw, indent=2, sort_keys=True, default=str),
         "telemetry_json": json.dumps(row["telemetry"], indent=2, sort_keys=True, default=str),
-        "events": node_selectors.node_events(node_id=node.id, limit=50),
+        "served": series.node_served(node_ids=[node.id])[str(node.id)],
+        "lending_summary": _lending_summary(node, now),
+        "earned_30d": sum(
+            int(r["credits"])
+            for r in credit_selectors.node_earnings(
+                account_id=node.account_id, days=30, node_id=node.id, now=now
+            )
+        ),
         "deployments": deployments,
         "is_staff": viewer.is_staff,
     }
@@ -241,7 +258,10 @@ def deployment_rows(
     """Rows for these deployments and a summary per model that has replicas (slots, queue),
     from one read of admission's figures."""
     load = job_selectors.replica_load(deployments=deps)
-    rows = [deployment_row(d, viewer, load=load) for d in deps]
+    measured = series.deployment_measured_tps(
+        deployment_ids=[d.id for d in deps], since=timezone.now() - timedelta(hours=1)
+    )
+    rows = [deployment_row(d, viewer, load=load, measured=measured) for d in deps]
     names = {str(d.model_id): d.model.name for d in deps}
     models = [
         {"model": names[mid], **vars(m)}
@@ -252,11 +272,19 @@ def deployment_rows(
 
 
 def deployment_row(
-    dep: Deployment, viewer: Viewer | None = None, load: Any = None
+    dep: Deployment,
+    viewer: Viewer | None = None,
+    load: Any = None,
+    measured: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """One deployment's row: nodes (as this viewer may see them), prediction, slots and queue."""
+    """One deployment's row: nodes (as this viewer may see them, linked), predicted and measured
+    tokens/s, slots and queue, and a failure's summary, cause and next step."""
     if load is None:
         load = job_selectors.replica_load(deployments=[dep])
+    if measured is None:
+        measured = series.deployment_measured_tps(
+            deployment_ids=[dep.id], since=timezone.now() - timedelta(hours=1)
+        )
     in_use, waiting, _ = load
     plan = dep.plan or {}
     # The KV cache coordinator's record: conversations its slots hold, and their memory
@@ -267,16 +295,37 @@ def deployment_row(
         else (0, 0)
     )
     nodes = list(dep.nodes.all())
-    names = [n.name for n in nodes]
+    primary = str(dep.primary_id or plan.get("primary_node_id") or "")
+    layers: dict[str, int] = {}
+    for d in plan.get("devices") or []:
+        layers[str(d["node_id"])] = layers.get(str(d["node_id"]), 0) + max(
+            0, int(d.get("layer_end", 0)) - int(d.get("layer_start", 0))
+        )
+    shown = nodes
     if viewer is not None and not viewer.is_staff:
+        shown = [n for n in nodes if n.account_id == viewer.account_id]
+    links = [
+        {
+            "id": str(n.id),
+            "name": n.name,
+            "primary": str(n.id) == primary,
+            "layers": layers.get(str(n.id)),
+        }
+        for n in shown
+    ]
+    names = [n.name for n in shown]
+    others = len(nodes) - len(shown)
+    if others:
         # A contributor sees their own nodes by name and only a count of everyone else's.
-        names = [n.name for n in nodes if n.account_id == viewer.account_id]
-        others = len(nodes) - len(names)
-        if others:
-            names.append(f"+{others} other node{'s' if others > 1 else ''}")
+        names.append(f"+{others} other node{'s' if others > 1 else ''}")
     return {
         "dep": dep,
         "node_names": names,
+        "node_links": links,
+        "other_nodes": others,
+        "failure": failure_explained(dep.error) if dep.state in DEPLOYMENT_ENDED else None,
+        "ended": dep.state in DEPLOYMENT_ENDED,
+        "measured_tps": measured.get(str(dep.id)),
         "predicted_tps": plan.get("predicted_tokens_per_s"),
         "active": dep.state in DEPLOYMENT_ACTIVE,
         "slots_in_use": in_use.get(str(dep.id), 0),
@@ -289,7 +338,13 @@ def deployment_row(
 def deployment_list_page(*, user: Any) -> dict[str, Any]:
     viewer = viewer_for(user)
     rows, replicas = deployment_rows(list(_visible_deployments(viewer)[:200]), viewer)
+    ended: dict[str, int] = {}
+    for r in rows:
+        if r["ended"]:
+            ended[r["dep"].state] = ended.get(r["dep"].state, 0) + 1
     return {
+        "ended_counts": sorted(ended.items()),
+        "ended_total": sum(ended.values()),
         "deployments": rows,
         "replicas": replicas,
         "models": list(Model.objects.filter(files__isnull=False).distinct().order_by("name")),
@@ -401,8 +456,35 @@ def job_detail_page(*, user: Any, job_id: Any) -> dict[str, Any]:
         return round((b - a).total_seconds() * 1000, 1) if a and b else None
 
     placement = (job.placement or {}).get("devices") or []
+    attempts = []
+    for a in JobAttempt.objects.filter(job_id=job.id).select_related("primary").order_by("number"):
+        devices = (a.plan or {}).get("devices") or []
+        attempts.append(
+            {
+                "attempt": a,
+                "devices": [
+                    {
+                        "node_id": d["node_id"],
+                        "node": d.get("node_name") or job_selectors.node_name(d["node_id"]),
+                        "device": d.get("device", ""),
+                        "layers": [d.get("layer_start", 0), d.get("layer_end", 0)],
+                    }
+                    for d in devices
+                ],
+            }
+        )
+    nodes = list(job.nodes.all())
+    visible = (
+        {str(n.id) for n in nodes}
+        if viewer.is_staff
+        else {str(n.id) for n in nodes if n.account_id == viewer.account_id}
+    )
     return {
         "job": job,
+        "attempts": attempts,
+        "visible_nodes": visible,
+        "node_links": [(str(n.id), n.name) for n in nodes if str(n.id) in visible],
+        "failure": failure_explained(job.error) if job.error else None,
         "timings": [
             ("Queued → dispatched", ms(job.queued_at, job.dispatched_at)),
             ("Queued → first token", ms(job.queued_at, job.first_token_at)),
@@ -442,9 +524,10 @@ def credits_page(*, user: Any, account: str | None, now: datetime) -> dict[str, 
         "receipts": list(
             credit_selectors.receipt_list(account_id=receipts_scope).select_related("node")[:100]
         ),
-        "accounts": list(Account.objects.order_by("name")) if viewer.is_staff else [],
+        "accounts": list(person_accounts()) if viewer.is_staff else [],
         "selected_account": str(account_id),
         "is_staff": viewer.is_staff,
+        "operator_accounts": [str(a) for a in operator_account_ids()] if viewer.is_staff else [],
     }
 
 
@@ -481,6 +564,94 @@ def playground_page() -> dict[str, Any]:
         if m not in served
     ]
     return {"served": served, "others": others}
+
+
+# --- a contributor's machines ----------------------------------------------------------------------
+
+
+OPERATOR_ACCOUNT = "system:operator"
+
+
+def operator_account_ids() -> list[Any]:
+    """The account the operator's own machines earn into (nodes enrolled with the operator key)."""
+    return list(Account.objects.filter(name=OPERATOR_ACCOUNT).values_list("id", flat=True))
+
+
+def person_accounts() -> QuerySet[Account]:
+    """Accounts a person may pick: people's, plus the operator's machines; never the ledger's own
+    system accounts (mint, escrow, holds, fees)."""
+    return Account.objects.filter(~Q(kind=AccountKind.SYSTEM) | Q(name=OPERATOR_ACCOUNT)).order_by(
+        "name"
+    )
+
+
+def _lending_summary(node: Node, now: datetime) -> dict[str, Any]:
+    view = lending_view(lending=node.lending, now=now)
+    caps = [
+        f"{label} ≤ {value}"
+        for label, value in (
+            ("RAM", _bytes(view.ram_bytes)),
+            ("VRAM", _bytes(view.vram_bytes)),
+            ("threads", view.threads),
+        )
+        if value
+    ]
+    has_policy = bool((node.lending or {}).get("policy"))
+    if view.paused:
+        status = "paused by the owner"
+    elif not view.open:
+        status = "outside its lending window"
+    elif view.closes_in is not None:
+        status = f"lent now; the window closes in {int(view.closes_in // 60)} min"
+    else:
+        status = "lent now" if has_policy else "lent fully, always (no policy set)"
+    return {"status": status, "caps": caps, "open": view.open and not view.paused}
+
+
+def _bytes(n: int | None) -> str | None:
+    if not n:
+        return None
+    return f"{n / 2**30:.1f} GiB"
+
+
+def machines_panel(*, viewer: Viewer, now: datetime) -> dict[str, Any]:
+    """The viewer's machines (an operator's: theirs and the operator account's): state, what each
+    served, its lending policy in force, credits earned in 30 days; and the account's standing."""
+    accounts = [viewer.account_id]
+    if viewer.is_staff:
+        accounts += operator_account_ids()
+    nodes = list(Node.objects.filter(account_id__in=accounts).order_by("name"))
+    served = series.node_served(node_ids=[n.id for n in nodes])
+    earned: dict[str, int] = {}
+    for account_id in accounts:
+        for r in credit_selectors.node_earnings(account_id=account_id, days=30, now=now):
+            earned[r["node"]] = earned.get(r["node"], 0) + int(r["credits"])
+    machines = [
+        {
+            "node": n,
+            "served": served.get(str(n.id), {"jobs": 0, "tokens": 0, "models": []}),
+            "lending": _lending_summary(n, now),
+            "earned_30d": earned.get(str(n.id), 0),
+        }
+        for n in nodes
+    ]
+    # Standing in the queue: the figure admission orders waiting jobs by (credits.selectors), and
+    # where it ranks among people's accounts.
+    people = list(Account.objects.exclude(kind=AccountKind.SYSTEM).values_list("id", flat=True))
+    standing = credit_selectors.account_standing(account_ids=people + [viewer.account_id], now=now)
+    summary = credit_selectors.account_summary(account_id=viewer.account_id, now=now)
+    mine = summary.get("standing", standing.get(viewer.account_id, 0))
+    rank = 1 + sum(1 for a in people if a != viewer.account_id and standing.get(a, 0) > mine)
+    return {
+        "machines": machines,
+        "standing": mine,
+        # Seconds a waiting request of this account goes ahead, where admission says (issue 28).
+        "priority_seconds": summary.get("priority_seconds"),
+        "standing_rank": rank,
+        "standing_of": max(len(set(people) | {viewer.account_id}), 1),
+        "earned_30d": sum(earned.values()),
+        "standing_window_hours": round(settings.CREDITS_STANDING_WINDOW_SECONDS / 3600, 1),
+    }
 
 
 # --- live rows (the dashboard consumer) --------------------------------------------------------

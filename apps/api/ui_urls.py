@@ -25,6 +25,7 @@ urlpatterns = [
     path("deployments/", v.deployment_list, name="ui-deployments"),
     path("deployments/preview", v.deployment_preview, name="ui-deployment-preview"),
     path("deployments/<uuid:deployment_id>/stop", v.deployment_stop, name="ui-deployment-stop"),
+    path("events/", v.events_page, name="ui-events"),
     path("jobs/", v.job_list, name="ui-jobs"),
     path("jobs/<uuid:job_id>/", v.job_detail, name="ui-job"),
     path("jobs/<uuid:job_id>/cancel", v.job_cancel, name="ui-job-cancel"),

@@ -32,7 +32,7 @@ from django.utils.cache import patch_vary_headers
 from django.views.decorators.http import require_GET, require_POST
 
 from apps.accounts.models import ApiKey
-from apps.api import ui_render
+from apps.api import ui_charts, ui_events, ui_render
 from apps.api.auth import api_key_create, api_key_revoke
 from apps.api.login import safe_next
 from apps.api.v1 import views as v1_views
@@ -116,11 +116,40 @@ def dashboard(request: HttpRequest) -> HttpResponse:
             ui_render.dashboard_stats(user=request.user, now=timezone.now()),
             partial="stats",
         )
+    now = timezone.now()
+    viewer = ui_render.viewer_for(request.user)
     return render_ui(
         request,
         "ui/dashboard.html",
-        ui_render.dashboard_page(user=request.user, now=timezone.now()),
+        {
+            **ui_render.dashboard_page(user=request.user, now=now),
+            **ui_render.machines_panel(viewer=viewer, now=now),
+            "charts": ui_charts.dashboard_charts(viewer=viewer, now=now),
+            "earnings_charts": ui_charts.earnings_chart(viewer=viewer, now=now)
+            if not viewer.is_staff
+            else [],
+            "feed": ui_events.event_feed(viewer=viewer, limit=15),
+        },
     )
+
+
+@login_required
+@require_GET
+def events_page(request: HttpRequest) -> HttpResponse:
+    """The event feed, filtered by kind and node (the dashboard's and node page's filters land here)."""
+    q = request.GET
+    try:
+        limit = max(5, min(200, int(q.get("limit") or 50)))
+    except ValueError:
+        limit = 50
+    feed = ui_events.event_feed(
+        viewer=ui_render.viewer_for(request.user),
+        kind=q.get("kind", ""),
+        node=q.get("node", ""),
+        limit=limit,
+    )
+    feed["full_page"] = not _wants_partial(request)
+    return render_ui(request, "ui/events.html", {"feed": feed}, partial="feed")
 
 
 # --- nodes -------------------------------------------------------------------------------------------
@@ -145,10 +174,16 @@ def node_links(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_GET
 def node_detail(request: HttpRequest, node_id: str) -> HttpResponse:
+    now = timezone.now()
+    viewer = ui_render.viewer_for(request.user)
+    ctx = ui_render.node_detail_page(user=request.user, node_id=node_id, now=now)
+    node = ctx["node"]
+    feed = ui_events.event_feed(viewer=viewer, node_id=node.id, limit=30)
+    feed["fixed_node"] = node.name
     return render_ui(
         request,
         "ui/nodes/detail.html",
-        ui_render.node_detail_page(user=request.user, node_id=node_id, now=timezone.now()),
+        {**ctx, "charts": ui_charts.node_charts(viewer=viewer, node=node, now=now), "feed": feed},
     )
 
 
@@ -422,8 +457,12 @@ def job_list(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_GET
 def job_detail(request: HttpRequest, job_id: str) -> HttpResponse:
+    # htmx asks for just the nodes and layers that served it (the playground, after an answer).
     return render_ui(
-        request, "ui/jobs/detail.html", ui_render.job_detail_page(user=request.user, job_id=job_id)
+        request,
+        "ui/jobs/detail.html",
+        ui_render.job_detail_page(user=request.user, job_id=job_id),
+        partial="served-by",
     )
 
 

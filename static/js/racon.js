@@ -40,6 +40,18 @@
     if (dot) { dot.classList.toggle("on", on); dot.title = on ? "live updates on" : "live updates off (reconnecting)"; }
   }
 
+  /* Filters that only show or hide rows: <input type="checkbox" data-toggle-class="C"
+     data-toggle-target="#sel" [data-toggle-inverse]> sets class C on the target while checked
+     (inverse: while unchecked). */
+  document.addEventListener("change", function (ev) {
+    const box = ev.target.closest("input[data-toggle-class]");
+    if (!box) return;
+    const target = document.querySelector(box.dataset.toggleTarget);
+    if (!target) return;
+    const on = box.hasAttribute("data-toggle-inverse") ? !box.checked : box.checked;
+    target.classList.toggle(box.dataset.toggleClass, on);
+  });
+
   /* Copy buttons: data-copy="#selector". */
   document.addEventListener("click", function (ev) {
     const btn = ev.target.closest("[data-copy]");
@@ -162,7 +174,11 @@
         stats.innerHTML = "";
         const line = document.createTextNode(tokens + " tokens · " + (first ? Math.round(first - t0) : "—") + " ms to first token · " + (secs > 0 ? (tokens / secs).toFixed(1) : "—") + " tok/s ");
         stats.append(line);
-        if (jobId) { const a = document.createElement("a"); a.href = "/jobs/" + jobId + "/"; a.textContent = "job " + jobId.slice(0, 8); stats.append(a); }
+        if (jobId) {
+          const a = document.createElement("a"); a.href = "/jobs/" + jobId + "/"; a.textContent = "job " + jobId.slice(0, 8); stats.append(a);
+          // Which nodes and layers served this answer (every attempt, after a failover too).
+          htmx.ajax("GET", "/jobs/" + jobId + "/", { target: "#pg-served", swap: "innerHTML" });
+        }
       } catch (err) {
         out.textContent = answer + (answer ? "\n" : "") + "⚠ " + err.message;
         out.classList.add("error");
@@ -175,13 +191,152 @@
     });
   }
 
+  /* Charts, drawn with the vendored uPlot. Each <figure class="chart" data-chart-id="ID"
+     data-spec='{...}'> carries its first payload in <script type="application/json"
+     id="chart-data-ID">. Over the dashboard socket the page sends its specs ({"charts": {ID:
+     spec}}) and gets fresh payloads ({"type": "charts"}) whenever the controller writes its
+     rollup; a window switch (hour/day) asks again over the same socket. window.raconCharts[ID]
+     is {plot, payload}: plot.data is exactly what is drawn. */
+  const PALETTE = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2", "#4d7c0f", "#db2777"];
+  window.raconCharts = {};
+  let liveSocket = null;
+
+  function fmt(v) {
+    if (v == null) return "—";
+    const a = Math.abs(v);
+    if (a >= 1e6) return (v / 1e6).toFixed(1) + "M";
+    if (a >= 1e4) return (v / 1e3).toFixed(0) + "k";
+    if (a >= 100) return v.toFixed(0);
+    if (a >= 1 || v === 0) return (Math.round(v * 10) / 10).toString();
+    return v.toPrecision(2);
+  }
+
+  function chartSpec(fig) { try { return JSON.parse(fig.dataset.spec || "{}"); } catch (e) { return {}; } }
+
+  function drawChart(fig, payload) {
+    if (!window.uPlot || !payload) return;
+    const id = fig.dataset.chartId;
+    const box = fig.querySelector(".chart-plot");
+    const lines = payload.lines || [];
+    const data = [payload.x || []].concat(lines.map(function (l) { return l.values; }));
+    const hasData = lines.some(function (l) { return l.values.some(function (v) { return v != null && v !== 0; }); });
+    fig.classList.toggle("no-data", !hasData);
+    const shape = lines.map(function (l) { return l.label; }).join("\u0000") + "|" + payload.kind;
+    const old = window.raconCharts[id];
+    if (old && old.shape === shape) {
+      old.plot.setData(data);
+      old.payload = payload;
+      return;
+    }
+    if (old) old.plot.destroy();
+    const bars = payload.kind === "bars" && window.uPlot.paths && window.uPlot.paths.bars;
+    const unit = payload.unit ? " " + payload.unit : "";
+    const opts = {
+      width: Math.max(240, box.clientWidth || 480),
+      height: 170,
+      cursor: { drag: { x: false, y: false } },
+      scales: { x: { time: true }, y: { range: function (u, min, max) { return [0, Math.max(max || 0, payload.kind === "bars" ? 1 : 0.1) * 1.1]; } } },
+      axes: [
+        { stroke: "#6b7280", grid: { stroke: "#eef0f3" } },
+        { stroke: "#6b7280", grid: { stroke: "#eef0f3" }, size: 48, values: function (u, vals) { return vals.map(fmt); } },
+      ],
+      series: [{ label: payload.step >= 86400 ? "day" : "time", value: payload.step >= 86400 ? "{YYYY}-{MM}-{DD}" : "{HH}:{mm}" }].concat(lines.map(function (l, i) {
+        const colour = PALETTE[i % PALETTE.length];
+        return {
+          label: l.label,
+          stroke: colour,
+          width: 2,
+          fill: bars ? colour + "55" : colour + "14",
+          paths: bars ? window.uPlot.paths.bars({ size: [0.7 / Math.max(1, lines.length), 40], align: 0, gap: 1 }) : undefined,
+          spanGaps: false,
+          points: { show: false },
+          value: function (u, v) { return v == null ? "—" : fmt(v) + unit; },
+        };
+      })),
+    };
+    box.innerHTML = "";
+    const plot = new window.uPlot(opts, data, box);
+    window.raconCharts[id] = { plot: plot, payload: payload, shape: shape };
+  }
+
+  function drawAll(root) {
+    root.querySelectorAll("figure.chart[data-chart-id]").forEach(function (fig) {
+      const src = document.getElementById("chart-data-" + fig.dataset.chartId);
+      const old = window.raconCharts[fig.dataset.chartId];
+      if (old && fig.contains(old.plot.root)) return;  // drawn already (and maybe updated live)
+      if (old) { old.plot.destroy(); delete window.raconCharts[fig.dataset.chartId]; }
+      if (src) { try { drawChart(fig, JSON.parse(src.textContent)); } catch (e) { /* drawn on the next push */ } }
+    });
+  }
+
+  function installCharts() {
+    drawAll(document);
+    // A filter that re-renders part of the page (the earnings table) brings new charts with it.
+    document.body.addEventListener("htmx:afterSettle", function () {
+      const fresh = Array.from(document.querySelectorAll("figure.chart[data-chart-id]")).some(function (fig) {
+        const old = window.raconCharts[fig.dataset.chartId];
+        return !old || !fig.contains(old.plot.root);
+      });
+      if (fresh) { drawAll(document); askCharts(); }
+    });
+    let resizeTimer = null;
+    window.addEventListener("resize", function () {
+      clearTimeout(resizeTimer);
+      resizeTimer = setTimeout(function () {
+        Object.keys(window.raconCharts).forEach(function (id) {
+          const fig = document.querySelector('figure.chart[data-chart-id="' + id + '"]');
+          const box = fig && fig.querySelector(".chart-plot");
+          if (box) window.raconCharts[id].plot.setSize({ width: Math.max(240, box.clientWidth), height: 170 });
+        });
+      }, 150);
+    });
+    document.addEventListener("change", function (ev) {
+      const sel = ev.target.closest("select[data-chart-window]");
+      if (!sel) return;
+      const group = document.getElementById(sel.dataset.chartWindow);
+      if (!group) return;
+      group.querySelectorAll("figure.chart[data-chart-id]").forEach(function (fig) {
+        const spec = chartSpec(fig); spec.window = sel.value; fig.dataset.spec = JSON.stringify(spec);
+      });
+      askCharts();
+    });
+  }
+
+  function askCharts() {
+    const specs = {};
+    document.querySelectorAll("figure.chart[data-chart-id]").forEach(function (fig) { specs[fig.dataset.chartId] = chartSpec(fig); });
+    if (liveSocket && Object.keys(specs).length) liveSocket.send(JSON.stringify({ charts: specs }));
+  }
+
+  function installChartSocket() {
+    document.body.addEventListener("htmx:wsOpen", function (ev) {
+      liveSocket = ev.detail.socketWrapper;
+      askCharts();
+    });
+    document.body.addEventListener("htmx:wsClose", function () { liveSocket = null; });
+    document.body.addEventListener("htmx:wsBeforeMessage", function (ev) {
+      const text = ev.detail.message;
+      if (typeof text !== "string" || text.charAt(0) !== "{") return;  // HTML rows: htmx swaps them
+      ev.preventDefault();
+      let msg;
+      try { msg = JSON.parse(text); } catch (e) { return; }
+      if (msg.type !== "charts") return;
+      Object.keys(msg.charts || {}).forEach(function (id) {
+        const fig = document.querySelector('figure.chart[data-chart-id="' + id + '"]');
+        if (fig) drawChart(fig, msg.charts[id]);
+      });
+      document.body.dataset.chartsUpdated = String(Date.now());
+    });
+  }
+
   // Defined now, before htmx processes the page on DOMContentLoaded and opens the socket.
-  if (window.htmx) installLiveExtension();
+  if (window.htmx) { installLiveExtension(); installChartSocket(); }
 
   document.addEventListener("DOMContentLoaded", function () {
     const pre = document.getElementById("token-stream");
     if (pre) followJob(pre);
     const form = document.getElementById("pg-form");
     if (form) playground(form);
+    installCharts();
   });
 })();

@@ -112,7 +112,10 @@ def test_drain_and_undrain_from_the_ui_move_the_node_and_write_events(
     resp = staff_client.post(f"/nodes/{nid}/drain", **HTMX)
     body = resp.content.decode()
     assert resp.status_code == 200 and "Undrain" in body
-    assert f'id="node-badge-{nid}" class="badge big warn" hx-swap-oob="true">DRAINING<' in body
+    assert (
+        f'id="node-badge-{nid}" class="badge big warn st-draining" hx-swap-oob="true">DRAINING<'
+        in body
+    )
     node = Node.objects.get(pk=nid)
     assert node.state == NodeState.DRAINING and node.drain_requested
     assert Event.objects.filter(node=node, kind="NODE_DRAIN_REQUESTED").exists()

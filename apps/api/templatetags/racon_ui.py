@@ -6,6 +6,8 @@ from typing import Any
 
 from django import template
 
+from apps.api.ui_events import names_in
+
 register = template.Library()
 
 _STATE_TONE = {
@@ -39,8 +41,11 @@ _STATE_TONE = {
 
 @register.filter
 def tone(state: Any) -> str:
-    """The badge colour class for a state."""
-    return _STATE_TONE.get(str(state), "info")
+    """The badge colour classes for a state: its tone, and a colour of its own (``st-offline``)
+    so that no two states of a legend look alike."""
+    name = str(state)
+    base = _STATE_TONE.get(name, "info")
+    return f"{base} st-{name.lower()}" if name.isupper() else base
 
 
 @register.filter
@@ -99,3 +104,9 @@ def get(mapping: Any, key: Any) -> Any:
         return mapping.get(key)
     except AttributeError:
         return None
+
+
+@register.filter
+def ids_named(text: Any) -> str:
+    """An event message with every node, deployment or job id in it replaced by its name."""
+    return names_in(str(text or ""))
