@@ -6,11 +6,15 @@ Only the transport lives here; what to send and when is the Agent's business.
 from __future__ import annotations
 
 import logging
+import os
+import ssl
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
+import certifi
 import httpx
 
 from agent import __version__
@@ -26,6 +30,51 @@ from agent.protocol import (
 from agent.retry import RetryStopped, retry_call
 
 log = logging.getLogger("agent.client")
+
+
+CA_FILE_NAME = "controller-ca.pem"
+BUNDLE_FILE_NAME = "ca-bundle.pem"
+REPIN_HINT = (
+    "the controller's certificate does not verify against the CA this agent keeps ({detail}). "
+    "If the controller's CA was renewed or rotated, re-pin: run the controller's new join line "
+    "on this machine (it keeps the node), or `node-agent upgrade` with the node's credential"
+)
+
+
+def controller_ca(state_dir: Path, given: Path | None) -> Path | None:
+    """The controller's CA this agent checks every https and rediss connection against.
+
+    `given` (--ca-file, RACON_CA_FILE: the join line and `make run` pass it) is copied into the
+    state dir, where a restarted agent finds it without being told again."""
+    kept = state_dir / CA_FILE_NAME
+    if given is not None:
+        data = given.read_bytes()
+        if not kept.is_file() or kept.read_bytes() != data:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            tmp = kept.with_name(f".{kept.name}.{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, kept)
+        return kept
+    return kept if kept.is_file() else None
+
+
+def trust_controller_ca(ca: Path | None, state_dir: Path) -> None:
+    """Process-wide: every TLS client of this process (httpx's model and KV downloads, redis-py,
+    urllib) trusts the system's CAs plus the controller's (SSL_CERT_FILE, a bundle in the state
+    dir). The controller's own client and Redis link also pass the CA explicitly."""
+    if ca is None:
+        return
+    try:
+        system = Path(certifi.where()).read_bytes()
+    except OSError:
+        system = b""
+    bundle = state_dir / BUNDLE_FILE_NAME
+    bundle.write_bytes(system + b"\n" + ca.read_bytes())
+    os.environ["SSL_CERT_FILE"] = str(bundle)
+
+
+def tls_verify(ca_file: Path | None) -> ssl.SSLContext | bool:
+    return ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else True
 
 
 class ControllerError(Exception):
@@ -69,6 +118,7 @@ class ControllerClient:
         backoff_cap: float = 30.0,
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        ca_file: Path | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
@@ -81,6 +131,7 @@ class ControllerClient:
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
             transport=transport,
+            verify=tls_verify(ca_file),
             headers={"User-Agent": f"racon-node-agent/{__version__}"},
         )
         self._state_lock = threading.Lock()
@@ -107,6 +158,8 @@ class ControllerClient:
         if ok:
             if before is False:
                 log.info("controller %s is reachable again", self.base_url)
+        elif "CERTIFICATE_VERIFY_FAILED" in detail:
+            log.error("controller %s: %s", self.base_url, REPIN_HINT.format(detail=detail))
         else:
             log.warning(
                 "controller %s unreachable (%s); retrying with backoff up to %.0fs",
@@ -177,7 +230,7 @@ class ControllerClient:
         body = resp.text
         if resp.status_code in (401, 403):
             message = _error_message(resp) or body[:200]
-            if "revoked" in body.lower():
+            if _error_code(resp) == "node_revoked":
                 raise NodeRevoked(
                     f"node credential revoked by the controller: {message}",
                     status=resp.status_code,

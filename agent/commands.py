@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
+from urllib.parse import urlsplit
 
 import httpx
 import redis
@@ -26,7 +27,7 @@ from agent.hardware import HardwareSource
 from agent.hardware.benchmark import speed_challenge_digest
 from agent.lending import LendingPolicy, PolicyError, owner_policy_save, policy_from_wire
 from agent.links import bulk_bytes_for, probe_peer
-from agent.models import ShaCache, fetch_model, resolve_model, scan_models
+from agent.models import OutsideModelsDir, ShaCache, fetch_model, resolve_model, scan_models
 from agent.outbox import Outbox
 from agent.protocol import (
     SAMPLING_DEFAULTS,
@@ -34,6 +35,7 @@ from agent.protocol import (
     LoadPrimaryPayload,
     is_private_address,
     job_cancel_key,
+    probe_key,
 )
 from agent.redis_link import RedisLink
 from agent.registry import DeploymentRegistry
@@ -41,6 +43,7 @@ from agent.runtime import PrimaryHandle, RpcWorkerHandle, Runtime, RuntimeErrorR
 from agent.runtime.primary import PlanError, check_memory, validate_plan_shape
 from agent.runtime.stream import append_done, append_error
 from agent.state import CommandError
+from agent.tunnel import TunnelTls
 
 log = logging.getLogger("agent")
 
@@ -52,6 +55,7 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 INLINE = frozenset({"run_job", "cancel_job"})
 CONTROL = frozenset({"rpc_start", "rpc_stop", "load_primary", "unload"})
 RUN_JOB_MAX_TOKENS = 256  # when a run_job carries none
+HASH_CHALLENGE_MIN_BYTES = 64 * 1024  # the shortest range a hash_challenge reads
 
 
 def rpc_threads(configured: int, lending: LendingPolicy) -> int:
@@ -99,6 +103,7 @@ class Commands:
         sha_cache: ShaCache,
         redis_link: RedisLink,
         node_id: Callable[[], str],
+        command_key: Callable[[], bytes | None],
         stop: threading.Event,
         wake_heartbeat: Callable[[], None],
         on_rpc_worker_started: Callable[[], None],
@@ -116,6 +121,7 @@ class Commands:
         self.sha_cache = sha_cache
         self.redis_link = redis_link
         self.node_id = node_id
+        self.command_key = command_key
         self.stop = stop
         self.wake_heartbeat = wake_heartbeat
         self.on_rpc_worker_started = on_rpc_worker_started
@@ -142,7 +148,7 @@ class Commands:
 
     def start_rpc_worker(self) -> dict[str, Any]:
         if self.rpc_worker is None:
-            self.rpc_worker = self.runtime.rpc_worker(
+            worker = self.runtime.rpc_worker(
                 host=self.config.advertise_address,
                 port=self.config.rpc_port,
                 cache_dir=self.config.state_dir / "rpc-cache",
@@ -150,6 +156,10 @@ class Commands:
                 log_path=self.log_dir / "rpc-worker.log",
                 on_event=self.outbox.event,
             )
+            key = self.command_key()
+            if key is not None:
+                worker.allow_probes(probe_key(key))
+            self.rpc_worker = worker
         return self.rpc_worker.start()
 
     def stop_rpc_worker(self) -> None:
@@ -167,15 +177,21 @@ class Commands:
         )
         if key is not None and not (isinstance(dep_id, str) and dep_id and isinstance(key, str)):
             raise CommandError("malformed rpc_start: 'tunnel_key' needs 'deployment_id'")
+        tls = None
+        if key is not None:
+            try:
+                tls = TunnelTls.from_wire(payload.get("tunnel_tls"))
+            except ValueError as exc:
+                raise CommandError(f"malformed rpc_start: 'tunnel_tls': {exc}") from None
         if primary is not None and not (isinstance(primary, str) and is_private_address(primary)):
             raise CommandError(
                 f"malformed rpc_start: 'primary_address' {primary!r} is not a private address"
             )
         status = self.start_rpc_worker()
         # With a key, dep_id is a str (checked above); the isinstance narrows it for the checker.
-        if key is not None and isinstance(dep_id, str) and self.rpc_worker is not None:
+        if key is not None and isinstance(dep_id, str) and tls and self.rpc_worker is not None:
             try:
-                self.rpc_worker.authorize(dep_id, key, primary)
+                self.rpc_worker.authorize(dep_id, key, primary, tls)
             except ValueError as exc:
                 raise CommandError(f"malformed rpc_start: {exc}") from None
         self.on_rpc_worker_started()
@@ -206,23 +222,19 @@ class Commands:
         plan = cast(LoadPrimaryPayload, payload)  # checked by register_load before it was queued
         dep_id = plan["deployment_id"]
         try:
-            model = resolve_model(
-                self.config.models_dir,
-                self.sha_cache,
-                sha256=plan["sha256"].lower(),
-                model_path=plan.get("model_path"),
-            )
+            model = self._resolve_model(plan["sha256"].lower(), plan.get("model_path"), "load_primary")
             if model is None:
                 where = (
                     plan.get("model_path") or f"sha256 {plan['sha256']} in {self.config.models_dir}"
                 )
-                raise PlanError(f"model file not found: {where}")
+                raise PlanError(f"model file not found: {where}", code="model_missing")
             check_memory(plan, self.hw.memory_total())
             digest = self.sha_cache.sha256(model)
             if digest != plan["sha256"].lower():
                 raise PlanError(
                     f"sha256 mismatch for {model}: the plan expects {plan['sha256'].lower()}, "
-                    f"the file has {digest}; refusing to load"
+                    f"the file has {digest}; refusing to load",
+                    code="sha256_mismatch",
                 )
             if self.redis_link.client is None:
                 raise CommandError("Redis is not connected")
@@ -439,15 +451,36 @@ class Commands:
             ) from None
         if offset < 0 or not 0 < length <= 16 * 2**20:
             raise CommandError("malformed hash_challenge: offset >= 0 and 0 < length <= 16 MiB")
-        path = resolve_model(
-            self.config.models_dir, self.sha_cache, sha256=sha, model_path=payload.get("path")
-        )
+        path = self._resolve_model(sha, payload.get("path"), "hash_challenge")
         if path is None:
             raise CommandError(f"hash_challenge: no file with sha256 {sha} on this node")
+        # Only a model file the node offers (its sha is the challenge's), and never a short read:
+        # byte-sized ranges would make the challenge an oracle for the file's bytes.
+        if self.sha_cache.sha256(path) != sha:
+            raise CommandError(
+                f"hash_challenge: {path} does not have sha256 {sha}", code="sha256_mismatch"
+            )
+        size = path.stat().st_size
+        if length < min(HASH_CHALLENGE_MIN_BYTES, size) or offset + length > size:
+            raise CommandError(
+                f"hash_challenge: a range must lie in the file ({size} bytes) and be at least "
+                f"{HASH_CHALLENGE_MIN_BYTES} bytes (or the whole file when it is smaller)",
+                code="challenge_range",
+            )
         with open(path, "rb") as f:
             f.seek(offset)
             data = f.read(length)
         return {"digest": hashlib.sha256(nonce + data).hexdigest(), "path": str(path)}
+
+    def _resolve_model(self, sha: str, model_path: Any, kind: str) -> Path | None:
+        if model_path is not None and not isinstance(model_path, str):
+            raise CommandError(f"malformed {kind}: the model path must be a string")
+        try:
+            return resolve_model(
+                self.config.models_dir, self.sha_cache, sha256=sha, model_path=model_path
+            )
+        except OutsideModelsDir as exc:
+            raise CommandError(f"{kind} refused: {exc}", code="path_outside_models_dir") from None
 
     def speed_challenge(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The chain of matmuls the controller times to check this node's gflops claim upward
@@ -471,8 +504,14 @@ class Commands:
         size = payload.get("size")
         url = payload["url"]
         if url.startswith("/"):
-            url = self.config.controller_url + url
-        headers = self.client.auth_headers() if url.startswith(self.config.controller_url) else {}
+            url = self.config.controller_url.rstrip("/") + url
+        if _origin(url) != _origin(self.config.controller_url):
+            raise CommandError(
+                f"fetch_model refused: {url!r} is not on the controller's origin "
+                f"{_origin(self.config.controller_url)}",
+                code="foreign_origin",
+            )
+        headers = self.client.auth_headers()
         path = fetch_model(
             url=url,
             dest_dir=self.config.models_dir,
@@ -640,6 +679,16 @@ def _staged_slot_file(
         raise CommandError(f"{what} failed: {exc}") from None
     finally:
         path.unlink(missing_ok=True)
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) with the scheme's default port filled in; unparsable: never equal."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return ("?", url, None)
+    return (parts.scheme.lower(), (parts.hostname or "").lower(), port)
 
 
 def _load_result(dep_id: str, model: Path, loaded: dict[str, Any]) -> dict[str, Any]:

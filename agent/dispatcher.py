@@ -14,6 +14,7 @@ from typing import Any
 import redis
 
 from agent.commands import CONTROL, INLINE, AlreadyLoaded, Commands, Handler
+from agent.envelope import CommandGuard, CommandRefused
 from agent.models import FetchError
 from agent.outbox import Outbox
 from agent.protocol import COMMAND_KINDS, SILENT_ON_SUCCESS, PublicAddressError, Report, new_id
@@ -37,8 +38,10 @@ class Dispatcher:
         redis_link: RedisLink,
         registry: DeploymentRegistry,
         stop: threading.Event,
+        guard: CommandGuard,
     ) -> None:
         self.commands = commands
+        self.guard = guard
         self.outbox = outbox
         self.redis_link = redis_link
         self.registry = registry
@@ -86,6 +89,13 @@ class Dispatcher:
         cid = str(item.command["id"])
         queue = self.redis_link.queue
         assert queue is not None
+        try:
+            self.guard.check(item.command)
+        except CommandRefused as exc:
+            # Reported, so the controller records who pushed what (a SECURITY event there).
+            self.finish(item, ok=False, error=str(exc), code=exc.code)
+            return
+        item.accepted = True
         if cid in self._inflight or queue.is_duplicate(cid):
             log.info("duplicate command %s (%s) ignored", cid, item.kind)
             self.ack(item)
@@ -107,8 +117,13 @@ class Dispatcher:
                 self.outbox.public_violation(exc, "load_primary")
                 self.finish(item, ok=False, error=str(exc))
                 return
-            except (PlanError, CommandError) as exc:
-                self.finish(item, ok=False, error=str(exc))
+            except CommandError as exc:
+                self.finish(
+                    item, ok=False, error=str(exc), **({"code": exc.code} if exc.code else {})
+                )
+                return
+            except PlanError as exc:
+                self.finish(item, ok=False, error=str(exc), code=exc.code)
                 return
         if kind in INLINE:
             self._run(handler, item, payload)
@@ -121,11 +136,13 @@ class Dispatcher:
         try:
             result = handler(payload)
         except CommandError as exc:
-            self.finish(item, ok=False, error=str(exc))
+            self.finish(item, ok=False, error=str(exc), **({"code": exc.code} if exc.code else {}))
         except PublicAddressError as exc:
             self.outbox.public_violation(exc, item.kind)
             self.finish(item, ok=False, error=str(exc))
-        except (RuntimeErrorReport, PlanError, FetchError) as exc:
+        except PlanError as exc:
+            self.finish(item, ok=False, error=str(exc), code=exc.code)
+        except (RuntimeErrorReport, FetchError) as exc:
             self.finish(item, ok=False, error=str(exc))
         except Exception as exc:
             log.exception("command %s (%s) failed", item.id, item.kind)
@@ -148,8 +165,9 @@ class Dispatcher:
         self.outbox.submit(report, on_accepted=lambda: self.ack(item))
 
     def ack(self, item: QueueItem) -> None:
-        if item.id:
+        if item.id and item.accepted:
             self._inflight.discard(item.id)
+            self.guard.done(item.command)
         queue = self.redis_link.queue
         if queue is None:
             return

@@ -19,16 +19,22 @@ Transport:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any, Final, Literal, NotRequired, TypedDict
 
-PROTOCOL_VERSION = 1
+# 2: errors carry a `code` (node_revoked, sha256_mismatch, out_of_memory, primary_died, ...) and
+# nothing is classified by its words any more, so a version-1 agent (whose deaths and refusals
+# were told apart by their text) is refused.
+PROTOCOL_VERSION = 2
 # The protocol versions this side speaks. The agent sends PROTOCOL_VERSION at enrollment and the
 # controller answers with its own; each refuses a version outside this tuple, naming both (an
 # agent from before the field existed speaks 1). Upgrade: `node-agent upgrade`, or the join line.
-SUPPORTED_PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
+SUPPORTED_PROTOCOL_VERSIONS: tuple[int, ...] = (2,)
 # The agent reads the controller's version here before it sends the token, so a refused version
 # never uses the token up; a controller without this endpoint (404) speaks 1.
 PROTOCOL_PATH = "/api/agent/protocol"
@@ -142,7 +148,57 @@ class Command(TypedDict):
     id: str
     kind: str
     payload: dict[str, Any]
-    issued_at: float  # controller clock, informational only
+    issued_at: float  # controller clock (time.time()); the agent refuses one older than its max age
+    node_id: str  # the node it is addressed to (signed: a copy on another node's queue is refused)
+    sig: str  # command_signature(): HMAC-SHA256 under the node's command key, hex
+
+
+# --- Signed commands (docs/design/serving.md, "The command envelope") ---------------------------
+# Every command carries an HMAC under a per-node key the controller issues at enrollment
+# (EnrollResponse.command_key; a node enrolled before it asks in a heartbeat). The agent refuses
+# an unsigned or wrongly signed command, one addressed to another node, one issued more than its
+# --command-max-age ago (or more than the skew ahead), and one whose id it already ran; it says
+# so in a command_result with one of these codes.
+COMMAND_SIGNATURE_VERSION = "racon-command-v1"
+COMMAND_MAX_AGE_SECONDS = 600.0  # the agent's default --command-max-age
+COMMAND_CLOCK_SKEW_SECONDS = 60.0  # how far ahead of the agent's clock an issue time may be
+COMMAND_REFUSALS: tuple[str, ...] = (
+    "command_unsigned",
+    "command_bad_signature",
+    "command_wrong_node",
+    "command_stale",
+    "command_replayed",
+)
+
+
+def command_signing_bytes(
+    *, node_id: str, command_id: str, kind: str, payload: dict[str, Any], issued_at: float
+) -> bytes:
+    """The bytes a command's HMAC covers: canonical JSON (sorted keys, no spaces, ASCII), which
+    both sides rebuild from the parsed values, so no byte-exact copy of the queue item is needed."""
+    body = [COMMAND_SIGNATURE_VERSION, node_id, command_id, kind, issued_at, payload]
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def command_signature(
+    key: bytes,
+    *,
+    node_id: str,
+    command_id: str,
+    kind: str,
+    payload: dict[str, Any],
+    issued_at: float,
+) -> str:
+    msg = command_signing_bytes(
+        node_id=node_id, command_id=command_id, kind=kind, payload=payload, issued_at=issued_at
+    )
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def probe_key(command_key: bytes) -> bytes:
+    """A node's RPC-tunnel probe key: both the node and the controller derive it from the node's
+    command key; the controller hands it to the peers it asks to probe that node."""
+    return hmac.new(command_key, b"racon-probe-key-v1", hashlib.sha256).digest()
 
 
 class LoadPrimaryPayload(TypedDict):
@@ -152,6 +208,9 @@ class LoadPrimaryPayload(TypedDict):
     sha256: str
     rpc_endpoints: list[str]  # "host:port", in plan order
     tensor_split: list[float]  # one entry per device: RPC devices in order, then local last
+    # The plan's offload devices by llama.cpp name (RPC1, Vulkan0), one per tensor_split entry:
+    # llama-server's --device ("none": CPU only). Absent (an older controller): every device.
+    offload_devices: NotRequired[list[str]]
     n_gpu_layers: int
     n_ctx: int
     n_parallel: int
@@ -160,6 +219,9 @@ class LoadPrimaryPayload(TypedDict):
     n_batch: NotRequired[int]  # llama.cpp n_batch the plan's memory estimate assumed
     flash_attn: NotRequired[bool]
     rpc_tunnel_key: NotRequired[str]  # hex; the deployment's key for its workers' RPC tunnels
+    # {cert, key, ca} PEM: the deployment's tunnel certificate from the controller's CA, with its
+    # key; required with rpc_tunnel_key when the plan has RPC workers (agent/tunnel.py TunnelTls)
+    rpc_tunnel_tls: NotRequired[dict[str, str]]
 
 
 class RunJobPayload(TypedDict):
@@ -319,9 +381,16 @@ class GpuInfo(TypedDict):
     vram_free: int
     driver: str
     # Measured by agent/hardware/gpu_benchmark.py when the llama.cpp build has a GPU backend;
-    # absent, the controller assumes figures (apps/jobs/selectors.py, _gpu_speed).
+    # a claim: the controller plans an unverified GPU at a floor (apps/jobs/selectors.py).
     gflops: NotRequired[float]
     mem_bandwidth_gbps: NotRequired[float]
+    # llama.cpp's device name (CUDA0, Vulkan0, ROCm0, Metal) and backend (agent/hardware/devices.py):
+    # what plans, the layer replay and llama-server's --device use.
+    device: NotRequired[str]
+    backend: NotRequired[str]
+    software: NotRequired[bool]  # a CPU-type device (lavapipe): lent only when named explicitly
+    nvml_index: NotRequired[int]  # its NVML entry, for live free memory and utilisation
+    pci_bus_id: NotRequired[str]
 
 
 class Hardware(TypedDict):
@@ -356,6 +425,7 @@ class EnrollResponse(TypedDict):
     node_id: str
     credential: str
     redis_url: str
+    command_key: NotRequired[str]  # hex: the key the node's commands are signed with
     heartbeat_interval: float
     state: str
     protocol_version: NotRequired[int]  # the controller's; absent: 1
@@ -370,6 +440,8 @@ class Heartbeat(TypedDict):
     state: NotRequired[str]  # what the agent wants: READY once its runtime checks pass
     sent_at: NotRequired[float]  # agent clock; ignored for health decisions
     protocol_version: NotRequired[int]  # the agent's; absent: 1 (refused with 409 if unsupported)
+    # An agent enrolled before commands were signed asks once for its command key.
+    want_command_key: NotRequired[bool]
     telemetry: dict[
         str, Any
     ]  # cpu_percent, mem_available, gpu_free[], rpc_worker, primaries[], jobs[]
@@ -381,6 +453,7 @@ class HeartbeatResponse(TypedDict):
     protocol_version: NotRequired[
         int
     ]  # the controller's; absent: 1 (the agent stops if unsupported)
+    command_key: NotRequired[str]  # hex, only when the heartbeat asked (want_command_key)
 
 
 def new_id() -> str:

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from agent.protocol import PROTOCOL_VERSION
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -141,6 +143,7 @@ class Conn:
 
 BODY = json.dumps(
     {
+        "protocol_version": PROTOCOL_VERSION,
         "state": "READY",
         "telemetry": {
             "cpu_percent": 12.5,

@@ -53,9 +53,9 @@ def placement_quality(env: dict[str, str], rows: list[Row], bench: dict[str, flo
 
     django.setup()
     from apps.jobs import selectors  # noqa: PLC0415
+    from apps.jobs.deployments import scheduler_cost_model  # noqa: PLC0415
     from apps.jobs.scheduler import PlacementRequest, plan_placement  # noqa: PLC0415
     from apps.jobs.scheduler.reference import exhaustive_best  # noqa: PLC0415
-    from apps.jobs.services import scheduler_cost_model  # noqa: PLC0415
     from apps.models_repo.models import ModelFile  # noqa: PLC0415
     from apps.models_repo.profile import ModelProfile  # noqa: PLC0415
 

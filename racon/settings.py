@@ -138,6 +138,9 @@ if DATABASE_URL:
     if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
         DATABASES["default"]["CONN_MAX_AGE"] = 0
         DATABASES["default"]["OPTIONS"] = dict(SQLITE_OPTIONS)
+    elif env("RACON_TEST_DB_NAME"):
+        # Set by racon.testing when another test run holds this machine's shared test database.
+        DATABASES["default"]["TEST"] = {"NAME": env("RACON_TEST_DB_NAME")}
 else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {
@@ -177,6 +180,16 @@ CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"
 
 # --- Celery ---
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", REDIS_URL)
+# --- LAN and trust (racon/tls.py, docs/design/serving.md "LAN and trust"), set by the launcher
+# for `BIND=<address> make run`: the join line pins the server key (curl --pinnedpubkey), nodes
+# keep the CA; RACON_INSECURE_LAN=1 is the only way back to plain http on a LAN.
+TLS_PIN = env("RACON_TLS_PIN")
+TLS_CA_FILE = env("RACON_TLS_CA_FILE")
+INSECURE_LAN = envbool("RACON_INSECURE_LAN", False)
+if CELERY_BROKER_URL.startswith("rediss://") and TLS_CA_FILE:
+    import ssl as _ssl
+
+    CELERY_BROKER_USE_SSL = {"ssl_cert_reqs": _ssl.CERT_REQUIRED, "ssl_ca_certs": TLS_CA_FILE}
 CELERY_RESULT_BACKEND = None
 # One queue per controller: two controllers sharing a broker (tests, staging next to production)
 # must never run each other's tasks (a settlement signs receipts with its own controller's key).
@@ -226,6 +239,19 @@ MAX_AGENT_BODY_BYTES = envint("MAX_AGENT_BODY_BYTES", 256 * 1024)
 # A machine already enrolled is taken over only with its node's credential, or within this window
 # after an operator's allow-reenroll (POST /api/admin/nodes/<id>/allow-reenroll).
 NODE_REENROLL_WINDOW_SECONDS = envint("NODE_REENROLL_WINDOW_SECONDS", 3600)
+# What a node can make the controller do (issue 28, README "Settings"): heartbeats and reports per
+# node per minute (over → 429), the size of an agent event's data, how long event rows are kept
+# (at least the web UI's longest chart), how long a finished job's stream stays in its node's
+# prefix, and how many bytes a node's own Redis keys may hold before it is revoked (0: no check;
+# checked every NODE_REDIS_CHECK_SECONDS over at most NODE_REDIS_SCAN_MAX_KEYS keys).
+NODE_HEARTBEAT_RATE_PER_MINUTE = envint("NODE_HEARTBEAT_RATE_PER_MINUTE", 120)
+NODE_REPORT_RATE_PER_MINUTE = envint("NODE_REPORT_RATE_PER_MINUTE", 1200)
+AGENT_EVENT_DATA_MAX_BYTES = envint("AGENT_EVENT_DATA_MAX_BYTES", 8192)
+EVENT_RETENTION_DAYS = envfloat("EVENT_RETENTION_DAYS", 30.0)
+JOB_STREAM_KEEP_SECONDS = envfloat("JOB_STREAM_KEEP_SECONDS", 300.0)
+NODE_MAX_REDIS_BYTES = envint("NODE_MAX_REDIS_BYTES", 256 * 1024**2)
+NODE_REDIS_CHECK_SECONDS = envfloat("NODE_REDIS_CHECK_SECONDS", 60.0)
+NODE_REDIS_SCAN_MAX_KEYS = envint("NODE_REDIS_SCAN_MAX_KEYS", 100_000)
 # Plausibility bounds on what a node says of itself (compute-plane trust). Enrollment over a bound
 # is refused with 400 naming the field; a heartbeat over one is clamped (TELEMETRY_CLAMPED event).
 NODE_MAX_MEMORY_BYTES = envint("NODE_MAX_MEMORY_BYTES", 4 * 1024**4)  # 4 TiB of RAM
@@ -248,10 +274,11 @@ SPEED_CHALLENGE_MAX_REPS = envint(
 SPEED_CHALLENGE_SLACK = envfloat(
     "SPEED_CHALLENGE_SLACK", 1.5
 )  # a claim up to this × the measured speed stands
-# Login attempts: this many failures per client address and username within the window → 429;
-# LOGIN_MAX_FAILURES_PER_USER failures for one username from any addresses → 429 as well.
+# Login attempts (/login/ and /django-admin/login/): this many failures per client address and
+# username within the window → 429 for that address; LOGIN_MAX_FAILURES_PER_ADDRESS failures from
+# one address over all usernames → 429 for that address. Never per username alone (issue 28).
 LOGIN_MAX_FAILURES = envint("LOGIN_MAX_FAILURES", 5)
-LOGIN_MAX_FAILURES_PER_USER = envint("LOGIN_MAX_FAILURES_PER_USER", 50)
+LOGIN_MAX_FAILURES_PER_ADDRESS = envint("LOGIN_MAX_FAILURES_PER_ADDRESS", 50)
 LOGIN_FAILURE_WINDOW_SECONDS = envint("LOGIN_FAILURE_WINDOW_SECONDS", 300)
 # Reverse proxies whose X-Forwarded-For is believed (client_address in racon/net.py); without
 # them, the client address is the connection's own (REMOTE_ADDR).
@@ -364,6 +391,22 @@ CREDITS_RECEIPT_KEY_PATH = Path(
     env("CREDITS_RECEIPT_KEY_PATH", str(VAR_DIR / "receipt-signing.key"))
 )
 PRIORITY_MAX_WAIT_SECONDS = envfloat("PRIORITY_MAX_WAIT_SECONDS", 30.0)
+# Issue 28. Waiting requests are ordered by arrival less a standing bonus of up to
+# PRIORITY_MAX_WAIT_SECONDS; the standing is what the account earned lending over
+# CREDITS_STANDING_WINDOW_SECONDS, and reaches half the bonus at PRIORITY_STANDING_HALF earned.
+PRIORITY_STANDING_HALF = envint("PRIORITY_STANDING_HALF", 1_000_000)
+# Per-key and per-account limits on /v1 (apps/api/quotas.py); the operator sets a key's or an
+# account's own figures; these apply where none is set. 0 is no limit.
+RATE_KEY_REQUESTS_PER_MINUTE = envint("RATE_KEY_REQUESTS_PER_MINUTE", 300)
+RATE_KEY_TOKENS_PER_MINUTE = envint("RATE_KEY_TOKENS_PER_MINUTE", 1_000_000)
+RATE_KEY_MAX_CONCURRENT = envint("RATE_KEY_MAX_CONCURRENT", 8)
+RATE_ACCOUNT_REQUESTS_PER_MINUTE = envint("RATE_ACCOUNT_REQUESTS_PER_MINUTE", 0)
+RATE_ACCOUNT_TOKENS_PER_MINUTE = envint("RATE_ACCOUNT_TOKENS_PER_MINUTE", 0)
+RATE_ACCOUNT_MAX_CONCURRENT = envint("RATE_ACCOUNT_MAX_CONCURRENT", 16)
+# A request's place in flight lapses after this long if its view process died without giving it back.
+RATE_INFLIGHT_LEASE_SECONDS = envint("RATE_INFLIGHT_LEASE_SECONDS", 3600)
+# Finished jobs' prompts and outputs (Job.params) are removed after this many days (0: kept).
+JOB_PARAMS_RETENTION_DAYS = envint("JOB_PARAMS_RETENTION_DAYS", 30)
 
 # The web UI's charts (apps/jobs/rollup.py): beat rolls jobs and node telemetry into per-minute
 # rows every ROLLUP_PERIOD_SECONDS and deletes rows older than ROLLUP_RETENTION_HOURS.
@@ -375,6 +418,13 @@ CELERY_BEAT_SCHEDULE = {
     "health-sweep": {
         "task": "racon.nodes.health_sweep",
         "schedule": HEALTH_SWEEP_SECONDS,
+    },
+    # Issue 28: event rows past EVENT_RETENTION_DAYS, finished jobs' streams, nodes' Redis bytes.
+    "events-prune": {"task": "racon.nodes.events_prune", "schedule": 3600.0},
+    "job-streams-prune": {"task": "racon.jobs.job_streams_prune", "schedule": 60.0},
+    "node-redis-bound": {
+        "task": "racon.nodes.redis_bound_check",
+        "schedule": NODE_REDIS_CHECK_SECONDS,
     },
     "credits-standby-reward": {
         "task": "racon.credits.standby_reward",
@@ -396,6 +446,11 @@ CELERY_BEAT_SCHEDULE = {
     "admission-sweep": {
         "task": "racon.jobs.admission_sweep",
         "schedule": 15.0,
+    },
+    # Issue 28: prompts of finished jobs past JOB_PARAMS_RETENTION_DAYS.
+    "job-params-retention": {
+        "task": "racon.jobs.params_retention_sweep",
+        "schedule": 3600.0,
     },
     "links-reprobe": {
         "task": "racon.jobs.links_reprobe",

@@ -8,6 +8,7 @@ moves to a dedicated database number so the suite never flushes data it does not
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import tempfile
 from pathlib import Path
@@ -16,6 +17,18 @@ from urllib.parse import urlsplit, urlunsplit
 from racon.embedded import start_redis
 
 TEST_REDIS_DB = os.environ.get("RACON_TEST_REDIS_DB", "13")
+
+# One test run at a time owns the shared test databases (Redis db 13/14 on REDIS_URL, PostgreSQL's
+# test_<name>): each test flushes its Redis database and the run drops its PostgreSQL database at
+# the end. A second run on the same machine (several checkouts, or a developer's focused run
+# beside a full one) would wipe the first one's state, so it gets its own: an embedded Redis and
+# a PostgreSQL test database named after its pid. The lock is held for the life of the process.
+_lock = open(os.path.join(tempfile.gettempdir(), "racon-pytest.lock"), "w")
+try:
+    fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except BlockingIOError:
+    os.environ.pop("REDIS_URL", None)
+    os.environ["RACON_TEST_DB_NAME"] = f"test_racon_{os.getpid()}"
 
 if not os.environ.get("REDIS_URL"):
     _redis = start_redis(data_dir=Path(tempfile.mkdtemp(prefix="racon-test-redis-")))

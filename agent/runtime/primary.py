@@ -18,6 +18,7 @@ from agent.protocol import (
     is_private_address,
     split_endpoint,
 )
+from agent.tunnel import TunnelTls
 
 LAYER_RE = re.compile(r"layer\s+(\d+) assigned to device (\S+?),")
 BUFFER_RE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s*([\d.]+) MiB")
@@ -27,7 +28,16 @@ MAX_DEVICES = 16  # llama.cpp's LLAMA_MAX_DEVICES
 
 
 class PlanError(ValueError):
-    """A load_primary plan this node refuses; the message says why, for the operator."""
+    """A load_primary plan this node refuses; the message says why, for the operator, and
+    ``code`` says which way for the controller (protocol 2: no error is classified by its text):
+    ``malformed_plan``, ``model_missing``, ``sha256_mismatch`` or ``out_of_memory``."""
+
+    def __init__(self, message: str, *, code: str = "malformed_plan") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_DEVICE_NAME = re.compile(r"^[A-Za-z][A-Za-z_]{0,15}[0-9]{0,3}$")
 
 
 def validate_plan_shape(payload: dict[str, Any]) -> LoadPrimaryPayload:
@@ -72,6 +82,16 @@ def validate_plan_shape(payload: dict[str, Any]) -> LoadPrimaryPayload:
             raise PlanError("malformed load_primary: tensor_split entries must be numbers >= 0")
     if len(split) > MAX_DEVICES:
         raise PlanError(f"tensor_split has {len(split)} entries; llama.cpp allows {MAX_DEVICES}")
+    names = payload.get("offload_devices")
+    if names is not None and (
+        not isinstance(names, list)
+        or not all(isinstance(n, str) and _DEVICE_NAME.match(n) for n in names)
+        or len(names) != len(split)
+    ):
+        raise PlanError(
+            "malformed load_primary: 'offload_devices' must be llama.cpp device names "
+            "(RPC0, Vulkan0, CUDA0), one per tensor_split entry"
+        )
     mem = payload.get("memory_bytes")
     if mem is not None and (not isinstance(mem, int) or isinstance(mem, bool) or mem < 0):
         raise PlanError("malformed load_primary: 'memory_bytes' must be an integer >= 0")
@@ -80,6 +100,11 @@ def validate_plan_shape(payload: dict[str, Any]) -> LoadPrimaryPayload:
         not isinstance(key, str) or len(key) < 32 or any(c not in "0123456789abcdef" for c in key)
     ):
         raise PlanError("malformed load_primary: 'rpc_tunnel_key' must be hex, at least 16 bytes")
+    if key is not None and payload.get("rpc_endpoints"):
+        try:
+            TunnelTls.from_wire(payload.get("rpc_tunnel_tls"))
+        except ValueError as exc:
+            raise PlanError(f"malformed load_primary: 'rpc_tunnel_tls': {exc}") from None
     mp = payload.get("model_path")
     if mp is not None and not isinstance(mp, str):
         raise PlanError("malformed load_primary: 'model_path' must be a string")
@@ -91,7 +116,8 @@ def check_memory(plan: LoadPrimaryPayload, memory_total: int) -> None:
     if need is not None and memory_total > 0 and need > memory_total:
         raise PlanError(
             f"plan needs {need / 2**30:.2f} GiB on the primary but this machine has "
-            f"{memory_total / 2**30:.2f} GiB of RAM; refusing to load"
+            f"{memory_total / 2**30:.2f} GiB of RAM; refusing to load",
+            code="out_of_memory",
         )
 
 

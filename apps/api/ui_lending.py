@@ -21,7 +21,7 @@ from agent.lending import HANDOFFS, GiB, PolicyError
 from apps.api import ui_charts, ui_render
 from apps.api.ui_views import render_ui
 from apps.credits import selectors as credit_selectors
-from apps.jobs import services as job_services
+from apps.nodes.commands import command_send
 from apps.nodes.lending import node_lending_owner_set
 from apps.nodes.models import Node
 
@@ -119,7 +119,7 @@ def node_lending(request: HttpRequest, node_id: str) -> HttpResponse:
     form = {k: str(request.POST.get(k, "")) for k in FIELDS}
 
     def push(wire: dict[str, Any]) -> None:
-        job_services.command_send(node_id=node.id, kind="set_lending", payload={"lending": wire})
+        command_send(node_id=node.id, kind="set_lending", payload={"lending": wire})
 
     try:
         node_lending_owner_set(

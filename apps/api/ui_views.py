@@ -38,11 +38,15 @@ from apps.api.login import safe_next
 from apps.api.v1 import views as v1_views
 from apps.credits.ledger import account_for_user
 from apps.credits.receipts import receipt_check
-from apps.jobs import services as job_services
+from apps.jobs import deployments as deployment_services
+from apps.jobs import jobs as job_services
+from apps.jobs.deployments import deployment_create, placement_request_from
+from apps.jobs.jobs import DeploymentError
 from apps.jobs.scheduler import PlacementRefused
 from apps.models_repo import services as model_services
 from apps.models_repo.models import Model
 from apps.nodes import services as node_services
+from apps.nodes.enrollment import EnrollmentError, enrollment_token_issue, enrollment_token_revoke
 from apps.nodes.join import join_command_line, join_python_line
 from apps.nodes.models import EnrollmentToken, Node
 from apps.nodes.selectors import agent_command_line
@@ -245,7 +249,7 @@ def token_create(request: HttpRequest) -> HttpResponse:
             status=422,
         )
     try:
-        token, plaintext = node_services.enrollment_token_issue(
+        token, plaintext = enrollment_token_issue(
             account_id=account_for_user(user=request.user).id,
             label=label,
             ttl_hours=ttl,
@@ -253,7 +257,7 @@ def token_create(request: HttpRequest) -> HttpResponse:
             created_by_id=request.user.pk,
             now=timezone.now(),
         )
-    except (node_services.EnrollmentError, ValueError) as exc:
+    except (EnrollmentError, ValueError) as exc:
         return render_ui(
             request,
             "ui/tokens/list.html",
@@ -277,7 +281,7 @@ def token_create(request: HttpRequest) -> HttpResponse:
 def token_revoke(request: HttpRequest, token_id: str) -> HttpResponse:
     if not EnrollmentToken.objects.filter(pk=token_id).exists():
         return HttpResponse("no such token", status=404)
-    node_services.enrollment_token_revoke(token_id=token_id, now=timezone.now())
+    enrollment_token_revoke(token_id=token_id, now=timezone.now())
     if getattr(request, "htmx", False):
         return render(
             request,
@@ -368,8 +372,8 @@ def deployment_preview(request: HttpRequest) -> HttpResponse:
             ctx["error"] = f"Model {model.name} has no registered file."
         else:
             try:
-                plan = job_services.deployment_preview(
-                    model_file=mf, request=job_services.placement_request_from(data)
+                plan = deployment_services.deployment_preview(
+                    model_file=mf, request=placement_request_from(data)
                 ).to_dict()
             except PlacementRefused as exc:
                 ctx["error"] = exc.reason
@@ -397,18 +401,18 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
         )
     model, data, error = _placement_input(request)
     if not error and model is not None:
-        req = job_services.placement_request_from(data)
+        req = placement_request_from(data)
         try:
             mf = model.files.order_by("-created_at").first()
             if mf is None:
-                raise job_services.DeploymentError(f"model {model.name} has no registered file")
-            job_services.deployment_preview(
+                raise DeploymentError(f"model {model.name} has no registered file")
+            deployment_services.deployment_preview(
                 model_file=mf, request=req
             )  # refuse impossible constraints up front, as the API does
-            job_services.deployment_create(model=model, request=req, now=timezone.now())
+            deployment_create(model=model, request=req, now=timezone.now())
         except PlacementRefused as exc:
             error = exc.reason
-        except job_services.DeploymentError as exc:
+        except DeploymentError as exc:
             error = str(exc)
     if not getattr(request, "htmx", False):
         if error:
@@ -426,7 +430,7 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
 @require_POST
 def deployment_stop(request: HttpRequest, deployment_id: str) -> HttpResponse:
     ui_render.deployment_detail(deployment_id=deployment_id)
-    dep = job_services.deployment_stop(
+    dep = deployment_services.deployment_stop(
         deployment_id=deployment_id, now=timezone.now(), reason="stopped from the web UI"
     )
     if getattr(request, "htmx", False):

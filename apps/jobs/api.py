@@ -19,7 +19,6 @@ from rest_framework.views import APIView
 
 from agent.protocol import job_stream_key
 from apps.models_repo.models import Model
-from apps.nodes import services as node_services
 from apps.nodes.api import (
     AgentErrorSerializer,
     EventOut,
@@ -27,14 +26,22 @@ from apps.nodes.api import (
     ReportSerializer,
     node_credentials,
 )
+from apps.nodes.enrollment import NodeAuthError, node_authenticate
 from apps.nodes.errors import ReportRefused
 from apps.nodes.models import Event, Node
 from racon.logging import log_context
 from racon.pagination import LimitPagination
 from racon.redis import get_redis
 
-from . import selectors, services
+from . import selectors
+from .deployments import (
+    deployment_create,
+    deployment_preview,
+    deployment_stop,
+    placement_request_from,
+)
 from .filters import DeploymentFilter, JobFilter
+from .jobs import job_cancel
 from .models import Deployment, Job
 from .reports import report_accept
 from .scheduler import PlacementRefused
@@ -217,9 +224,7 @@ class DeploymentPreviewApi(APIView):
         if mf is None:
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
         try:
-            plan = services.deployment_preview(
-                model_file=mf, request=services.placement_request_from(v)
-            )
+            plan = deployment_preview(model_file=mf, request=placement_request_from(v))
         except PlacementRefused as exc:
             return _refused(exc)
         body = plan.to_dict()
@@ -259,17 +264,15 @@ class DeploymentListCreateApi(GenericAPIView):
         if isinstance(resolved, Response):
             return resolved
         model, v = resolved
-        req = services.placement_request_from(v)
+        req = placement_request_from(v)
         mf = model.files.order_by("-created_at").first()
         if mf is None:
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
         try:
-            services.deployment_preview(
-                model_file=mf, request=req
-            )  # refuse impossible constraints up front
+            deployment_preview(model_file=mf, request=req)  # refuse impossible constraints up front
         except PlacementRefused as exc:
             return _refused(exc)
-        dep = services.deployment_create(model=model, request=req, now=timezone.now())
+        dep = deployment_create(model=model, request=req, now=timezone.now())
         dep.refresh_from_db()
         return Response(DeploymentOut(dep).data, status=202)
 
@@ -300,9 +303,7 @@ class DeploymentStopApi(APIView):
     def post(self, request: Request, deployment_id: str) -> Response:
         get_object_or_404(Deployment, pk=deployment_id)
         return Response(
-            DeploymentOut(
-                services.deployment_stop(deployment_id=deployment_id, now=timezone.now())
-            ).data
+            DeploymentOut(deployment_stop(deployment_id=deployment_id, now=timezone.now())).data
         )
 
 
@@ -442,7 +443,7 @@ class JobCancelApi(APIView):
     @extend_schema(request=None, responses=JobOut)
     def post(self, request: Request, job_id: str) -> Response:
         get_object_or_404(Job, pk=job_id)
-        services.job_cancel(job_id=job_id, now=timezone.now(), reason="cancelled by an operator")
+        job_cancel(job_id=job_id, now=timezone.now(), reason="cancelled by an operator")
         return Response(JobOut(Job.objects.get(pk=job_id)).data)
 
 
@@ -474,13 +475,13 @@ class AgentReportsApi(APIView):
         if creds is None:
             return Response({"error": {"message": "missing node credential"}}, status=401)
         try:
-            node = node_services.node_authenticate(node_id=creds[0], credential=creds[1])
-        except (node_services.NodeAuthError, ValueError) as exc:
+            node = node_authenticate(node_id=creds[0], credential=creds[1])
+        except (NodeAuthError, ValueError) as exc:
             return Response(
                 {
                     "error": {
                         "message": str(exc),
-                        "code": "node_revoked" if "revoked" in str(exc) else "invalid_credential",
+                        "code": getattr(exc, "code", "invalid_credential"),
                     }
                 },
                 status=401,

@@ -36,7 +36,13 @@ from apps.nodes.events import event_record
 from apps.nodes.models import Event, EventCategory
 from racon.redis import get_redis
 
-from . import admission, selectors, services
+from . import admission, selectors
+from .deployments import (
+    deployment_create,
+    deployment_preview,
+    deployment_stop,
+    placement_request_from,
+)
 from .models import Deployment
 from .scheduler import PlacementRefused, PlacementRequest
 from .states import DEPLOYMENT_ACTIVE, DEPLOYMENT_PENDING, DEPLOYMENT_SERVING
@@ -177,9 +183,9 @@ def _replica_request(*, model: Model, serving: list[Deployment]) -> PlacementReq
     serves the model: pins, spread and same-node permission do not carry over to a copy."""
     template = serving[-1] if serving else None
     base = (
-        services.placement_request_from(dict(template.request))
+        placement_request_from(dict(template.request))
         if template is not None
-        else services.placement_request_from({})
+        else placement_request_from({})
     )
     serving_nodes = selectors.nodes_serving_model(model_id=model.id)
     exclude = tuple(dict.fromkeys([*base.exclude_nodes, *sorted(serving_nodes)]))
@@ -197,12 +203,12 @@ def _replica_add(
         return None, "the model has no registered file"
     request = _replica_request(model=model, serving=serving)
     try:
-        plan = services.deployment_preview(model_file=model_file, request=request)
+        plan = deployment_preview(model_file=model_file, request=request)
     except PlacementRefused as exc:
         return None, f"no node can host another copy: {exc.reason}"
     replicas = len(serving) + 1
     with transaction.atomic():
-        dep = services.deployment_create(model=model, request=request, now=now, auto=True)
+        dep = deployment_create(model=model, request=request, now=now, auto=True)
         event_record(
             kind="REPLICA_ADDED",
             category=EventCategory.PLACEMENT,
@@ -244,7 +250,7 @@ def _idle_candidates(
 def _replica_remove(*, deployment: Deployment, now: datetime, idle_seconds: float) -> None:
     """Stop an idle replica and record REPLICA_REMOVED."""
     with transaction.atomic():
-        services.deployment_stop(
+        deployment_stop(
             deployment_id=deployment.id,
             now=now,
             reason=f"idle replica removed after {idle_seconds:.0f}s",

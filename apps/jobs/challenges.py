@@ -22,10 +22,9 @@ from typing import Any
 from django.conf import settings
 
 from agent.hardware.benchmark import CHALLENGE_N, speed_challenge_digest, speed_challenge_flops
+from apps.nodes.commands import command_send, command_wait
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory, Node
-
-from .services import command_send, command_wait
 
 
 @dataclass(frozen=True)

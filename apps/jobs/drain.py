@@ -1,6 +1,6 @@
 """The drain of a node: its deployments move off it (deployments_drain_step, a node drain step).
 
-The helpers that deployment_ensure, placement and a job's end share with it stay in services.py.
+The helpers that deployment_ensure, placement and a job's end share with it live in deployments.py (replacement) and jobs.py (drains_advance).
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from django.conf import settings
 from django.db.models import Q
 
 from racon.celery import task_send_on_commit
+from racon.locks import redis_lock
 
 from . import kvcache, selectors
-from .models import Deployment, Job
-from .services import (
+from .deployments import (
     deployment_stop,
     drain_replacement_locked,
     drain_replacement_recorded,
     ensure_lock_key,
-    redis_lock,
 )
+from .models import Deployment, Job
 from .states import (
     DEPLOYMENT_ACTIVE,
     DEPLOYMENT_PENDING,

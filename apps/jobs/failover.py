@@ -1,7 +1,7 @@
 """Failover of a running job to another replica: the attempt ended, the next one routed and started.
 
 Called by the job's reader (serving.py). A deployment found dead is failed and replaced through
-services.py (deployment_failed_replace), as a runtime failure report would.
+deployments.py (deployment_failed_replace), as a runtime failure report would.
 """
 
 from __future__ import annotations
@@ -13,23 +13,16 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-from agent.protocol import job_cancel_key
 from apps.models_repo.models import Model
+from apps.nodes.commands import command_send, job_cancel_clear, job_cancel_flag
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
 from racon.redis import get_redis
 
 from . import admission, selectors
+from .deployments import deployment_ensure, deployment_failed_replace
+from .jobs import DeploymentError, dispatch_node_ids, dispatch_placement, job_run_payload
 from .models import Deployment, Job, JobAttempt
-from .services import (
-    DeploymentError,
-    command_send,
-    deployment_ensure,
-    deployment_failed_replace,
-    dispatch_node_ids,
-    dispatch_placement,
-    job_run_payload,
-)
 from .states import DEPLOYMENT_ACTIVE, JOB_IN_FLIGHT, JOB_TERMINAL
 
 # --- failover (docs/design/serving.md, "Failover") ---------------------------------------------
@@ -64,7 +57,7 @@ def job_failover_begin(
     if job is None or job.state in JOB_TERMINAL:
         return False
     admission.failover_begin(job_id=job_id, seconds=wait_seconds + 60)
-    get_redis().set(job_cancel_key(str(job_id), str(node_id)), 1, ex=3600)
+    job_cancel_flag(job_id=str(job_id), node_id=str(node_id))
     dep = job.deployment
     with transaction.atomic():
         if attempt == 1 and not JobAttempt.objects.filter(job_id=job_id).exists():
@@ -138,7 +131,7 @@ def job_failover_dispatch(
         # An earlier attempt's failover on this same node set its cancel key (job_failover_begin):
         # left there, it would cancel this attempt as soon as the primary saw it (found by the
         # reliability suite: "The request was cancelled." after a failover back to a node).
-        get_redis().delete(job_cancel_key(str(job.id), str(deployment.primary_id)))
+        job_cancel_clear(job_id=str(job.id), node_id=str(deployment.primary_id))
         command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
         plan = deployment.plan or {}
         placement = dispatch_placement(deployment)
@@ -181,7 +174,7 @@ def job_failover_dispatch(
                 },
             )
     except BaseException:
-        get_redis().set(job_cancel_key(str(job_id), str(deployment.primary_id)), 1, ex=3600)
+        job_cancel_flag(job_id=str(job_id), node_id=str(deployment.primary_id))
         admission.slot_release(deployment_id=deployment.id, job_id=job_id)
         raise
     finally:

@@ -35,9 +35,11 @@ from typing import Any, BinaryIO
 from django.conf import settings
 
 from agent.protocol import new_id
+from apps.nodes.commands import command_send, command_wait
 from racon.redis import get_redis
 
-from . import kvcache, selectors, services
+from . import kvcache, selectors
+from .jobs import drains_advance
 from .models import Deployment, Job
 from .states import DEPLOYMENT_PENDING, JOB_OPEN
 
@@ -242,7 +244,7 @@ def deployment_kv_transfer(*, deployment_id: Any, now: datetime) -> Outcome:
         )
         # The transfer held the old replica's stop back (drain.deployments_drain_step): its
         # drain goes on.
-        services.drains_advance(deployments=Deployment.objects.filter(pk=deployment_id), now=now)
+        drains_advance(deployments=Deployment.objects.filter(pk=deployment_id), now=now)
 
 
 class TransferFailed(Exception):
@@ -250,8 +252,8 @@ class TransferFailed(Exception):
 
 
 def _command(*, node_id: Any, kind: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-    cid = services.command_send(node_id=node_id, kind=kind, payload=payload)
-    result = services.command_wait(command_id=cid, timeout=timeout)
+    cid = command_send(node_id=node_id, kind=kind, payload=payload)
+    result = command_wait(command_id=cid, timeout=timeout)
     if result is None:
         raise TransferFailed(f"{kind}: node {node_id} did not answer within {timeout:g}s")
     if not result.get("ok"):

@@ -9,13 +9,16 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_http_methods
 
 from apps.nodes.api import parse_node_auth
-from apps.nodes.services import NodeAuthError, node_authenticate
+from apps.nodes.enrollment import NodeAuthError, node_authenticate
 
 from . import kvtransfer
 
 
-def _error(message: str, status: int) -> JsonResponse:
-    return JsonResponse({"error": {"message": message}}, status=status)
+def _error(message: str, status: int, *, code: str | None = None) -> JsonResponse:
+    body: dict[str, str] = {"message": message}
+    if code:
+        body["code"] = code
+    return JsonResponse({"error": body}, status=status)
 
 
 @csrf_exempt  # node-authenticated by its credential header, never by a browser session
@@ -25,10 +28,10 @@ def kv_blob(request: HttpRequest, transfer_id: str) -> HttpResponseBase:
     creds = parse_node_auth(request.headers.get("Authorization", ""))
     try:
         if creds is None:
-            raise NodeAuthError("missing node credential")
+            raise NodeAuthError("missing node credential", code="missing_credential")
         node = node_authenticate(node_id=creds[0], credential=creds[1])
     except (NodeAuthError, ValueError) as exc:
-        return _error(str(exc), 401)
+        return _error(str(exc), 401, code=getattr(exc, "code", "invalid_credential"))
     try:
         if request.method == "POST":
             length = request.headers.get("Content-Length")

@@ -26,25 +26,25 @@ from django.utils import timezone
 
 from apps.models_repo.models import Replica
 from apps.models_repo.services import replicas_sync
+from apps.nodes.commands import command_send, command_wait
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory, Node
 from apps.nodes.states import LOADABLE
+from racon.locks import redis_lock
 from racon.logging import log_context
 
 from . import selectors
+from .deployments import deployment_preview, deployment_request_of, deployment_transition
+from .jobs import DeploymentError, drains_advance
 from .models import Deployment
 from .scheduler import PlacementRefused, PlacementRequest, Plan
-from .services import (
-    DeploymentError,
-    command_send,
-    command_wait,
-    deployment_preview,
-    deployment_request_of,
-    deployment_transition,
-    drains_advance,
-    redis_lock,
-)
 from .states import DEPLOYMENT_SERVING, DeploymentState
+
+# A primary's coded refusal of the plan itself (agent/runtime/primary.py PlanError): the plan is
+# wrong for that node, which is not lost; any other failure to load counts the node as lost.
+PLAN_REFUSED_CODES = frozenset(
+    {"malformed_plan", "model_missing", "sha256_mismatch", "out_of_memory"}
+)
 
 log = logging.getLogger("racon.jobs")
 D = DeploymentState
@@ -249,6 +249,7 @@ def _deployment_load(
     primary_address = (
         Node.objects.filter(pk=plan.primary_node_id).values_list("address", flat=True).first()
     )
+    exposed: dict[str, list[str]] = {}  # each worker's devices, in the order it serves them
     for worker in plan.rpc_workers():
         node_id = worker["node_id"]
         _require_live(node_id)
@@ -267,6 +268,9 @@ def _deployment_load(
         )
         if not result.get("ok"):
             raise _NodeLost(node_id, f"{worker_name} failed: {result.get('error', '')}")
+        served = (result.get("rpc_worker") or {}).get("devices") or []
+        if served and all(isinstance(d, dict) and d.get("name") for d in served):
+            exposed[node_id] = [str(d["name"]) for d in served]
         event_record(
             kind="RPC_WORKER_CONFIRMED",
             category=EventCategory.RUNTIME,
@@ -288,6 +292,8 @@ def _deployment_load(
         "sha256": dep.model_file.sha256,
         "rpc_endpoints": list(plan.rpc_endpoints),
         "tensor_split": list(plan.tensor_split),
+        # Exactly the plan's devices, in split order, by llama.cpp name: llama-server's --device.
+        "offload_devices": _offload_devices(plan, exposed),
         "n_gpu_layers": plan.n_gpu_layers,
         "n_ctx": plan.n_ctx,
         "n_parallel": plan.n_parallel,
@@ -306,7 +312,7 @@ def _deployment_load(
     )
     if not result.get("ok"):
         error = str(result.get("error", "load failed"))
-        if "sha256" in error.lower() or "memory" in error.lower() or "missing" in error.lower():
+        if result.get("code") in PLAN_REFUSED_CODES:
             raise DeploymentError(f"primary refused the plan: {error}")
         raise _NodeLost(primary, f"primary {selectors.node_name(primary)} failed to load: {error}")
     event_record(
@@ -453,3 +459,10 @@ def replica_challenge(
         data={"offset": offset, "length": length, "answered": result is not None},
     )
     return ok
+
+
+def _offload_devices(plan: Plan, exposed: dict[str, list[str]]) -> list[str]:
+    try:
+        return plan.offload_device_names(exposed)
+    except ValueError as exc:  # a worker that no longer serves a device the plan counted on
+        raise DeploymentError(str(exc)) from None

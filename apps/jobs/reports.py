@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from apps.models_repo.services import replicas_sync
+from apps.nodes.commands import command_result_accept
 from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
 from apps.nodes.lending import (
@@ -20,7 +21,12 @@ from apps.nodes.models import EventCategory
 from apps.nodes.services import node_report_fault
 from racon.redis import get_redis
 
-from . import services as jobs
+from .deployments import (
+    deployment_member_check,
+    deployment_runtime_failed,
+    deployments_lost_on_restart,
+)
+from .jobs import job_finish_from_report
 
 _EVENT_CATEGORIES = {
     "RPC_WORKER_STARTED": EventCategory.RUNTIME,
@@ -130,10 +136,10 @@ def _dispatch(
         dep_id = data.get("deployment_id")
         if dep_id and name == "RUNTIME_FAILED":
             # It fails the deployment: only a member of its plan may say so.
-            jobs.deployment_member_check(deployment_id=dep_id, node_id=node_id)
+            deployment_member_check(deployment_id=dep_id, node_id=node_id)
         elif dep_id:
             try:
-                jobs.deployment_member_check(deployment_id=dep_id, node_id=node_id)
+                deployment_member_check(deployment_id=dep_id, node_id=node_id)
             except (ValueError, ReportRefused):
                 # A late report from a node dropped from a revised plan is honest: keep it on the
                 # node, but never attach it to a deployment the node is not a member of.
@@ -162,12 +168,12 @@ def _dispatch(
         if name == "LENDING_RESUMED":
             node_lending_resumed(node_id=node_id, now=now)
         if name == "AGENT_STARTED":
-            failed = jobs.deployments_lost_on_restart(
+            failed = deployments_lost_on_restart(
                 node_id=node_id, loaded=[str(d) for d in loaded], now=now
             )
             return {"deployments_failed": failed}
         if name == "RUNTIME_FAILED" and dep_id:
-            jobs.deployment_runtime_failed(
+            deployment_runtime_failed(
                 deployment_id=dep_id,
                 node_id=node_id,
                 message=str(payload.get("message", "runtime failed")),
@@ -193,9 +199,9 @@ def _dispatch(
             raise ValueError("links report needs payload.links as a list")
         return {"stored": link_record(node_id=node_id, links=links, now=now)}
     if kind == "job_finished":
-        jobs.job_finish_from_report(node_id=node_id, payload=payload, now=now)
+        job_finish_from_report(node_id=node_id, payload=payload, now=now)
         return None
     if kind == "command_result":
-        jobs.command_result_accept(node_id=node_id, command_id=command_id, payload=payload, now=now)
+        command_result_accept(node_id=node_id, command_id=command_id, payload=payload, now=now)
         return None
     raise ValueError(f"unknown report kind {kind!r}")

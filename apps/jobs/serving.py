@@ -34,20 +34,30 @@ from django.db import connections
 from django.db.models import Max
 from django.utils import timezone
 
-from agent.protocol import job_cancel_key
 from apps.models_repo.models import Model
+from apps.nodes.commands import command_send, job_cancel_flag
 from apps.nodes.models import Node
 from apps.nodes.selectors import heartbeat_ages
 from apps.nodes.states import PLACEABLE, NodeState
 from racon import cache
-from racon.redis import get_redis
 
-from . import admission, kvcache, selectors, services, streams
+from . import admission, kvcache, selectors, streams
+from .deployments import deployment_ensure
 from .failover import (
     job_failover_begin,
     job_failover_dispatch,
     job_failover_left,
     job_failover_route,
+)
+from .jobs import (
+    DeploymentError,
+    dispatch_node_ids,
+    job_cancel,
+    job_complete,
+    job_create,
+    job_dispatch,
+    job_fail,
+    job_run_payload,
 )
 from .models import Deployment, Job
 from .states import DEPLOYMENT_SERVING
@@ -58,7 +68,12 @@ log = logging.getLogger("racon.jobs.serving")
 MODEL_CACHE = "model"  # racon/cache.py: invalidated by Model and ModelFile writes (api signals)
 
 Outcome = Literal["completed", "cancelled", "failed"]
-CreditHold = Callable[[Job], None]
+# The api layer's credit hold: the new job and the most prompt tokens it can be charged for.
+CreditHold = Callable[[Job, int], None]
+# The api layer's gate, run once the request's prompt bound is known and before anything is sent
+# to a node or written: (job id, model, prompt bound, max_tokens). It raises to refuse (no
+# balance, a key over its limits); what it returns is called once when the job ends.
+Gate = Callable[[str, Model, int, int], Callable[[], None] | None]
 
 
 def pooled(fn: Any) -> Any:
@@ -105,6 +120,7 @@ class Admission:
     handed_off: bool = False  # the streaming body owns the job from here
     finished: bool = False  # a finish (or a cancel) was recorded
     kv: kvcache.Route | None = None  # the KV cache coordinator's routing and slot (kvcache.py)
+    release: Callable[[], None] | None = None  # the gate's, called once at the job's end
 
 
 # --- admission (one sync hop) ---------------------------------------------------------------------
@@ -120,6 +136,15 @@ def model_servable(*, name: str) -> Model | None:
     return cache.cached(MODEL_CACHE, name, load)
 
 
+def prompt_hold_tokens(*, kind: str, params: dict[str, Any], max_tokens: int, n_ctx: int) -> int:
+    """The most prompt tokens a request is held for and can be charged: its bytes (plus the
+    template's), and never more than the slot's context leaves beside max_tokens, so a 2 MB
+    prompt does not hold 2 million tokens."""
+    return max(
+        0, min(streams.prompt_token_bound(kind=kind, params=params), int(n_ctx) - max_tokens)
+    )
+
+
 def admission_open(
     *,
     model_name: str,
@@ -132,12 +157,15 @@ def admission_open(
     request_id: str,
     hold: CreditHold | None,
     now: datetime,
+    gate: Gate | None = None,
 ) -> Admission:
     """Find the model, create the job with its credit hold; dispatch at once when a slot is free.
 
-    Raises ModelNotFound, ContextTooLong, or whatever ``hold`` raises (nothing stays: no job, no
-    slot, and a primary already sent the job is told to cancel it). Without a free slot the job
-    is QUEUED on a deployment (one is created when the model has none): admission_wait follows.
+    Raises ModelNotFound, ContextTooLong, whatever ``gate`` raises (before the prompt leaves the
+    controller: nothing is sent or written), or whatever ``hold`` raises (nothing stays: no job,
+    no slot, and a primary already sent the job is told to cancel it). Without a free slot the
+    job is QUEUED on a deployment (one is created when the model has none): admission_wait
+    follows.
     """
     model = model_servable(name=model_name)
     if model is None:
@@ -147,30 +175,68 @@ def admission_open(
     deployment = route.deployment
     if deployment is not None and max_tokens > deployment.n_ctx:
         raise ContextTooLong(max_tokens=max_tokens, n_ctx=deployment.n_ctx)
+    prompt_bound = prompt_hold_tokens(
+        kind=kind,
+        params=params,
+        max_tokens=max_tokens,
+        n_ctx=deployment.n_ctx if deployment is not None else settings.DEFAULT_N_CTX,
+    )
     job_id = uuid.uuid4()
+    release = gate(str(job_id), model, prompt_bound, max_tokens) if gate is not None else None
     adm = Admission(
         job_id=str(job_id),
         model_name=model.name,
         model_id=model.id,
         account_id=account_id,
         queued_ts=now.timestamp(),
-        prompt_bound=streams.prompt_token_bound(kind=kind, params=params),
+        prompt_bound=prompt_bound,
         kv=route,
+        release=release,
     )
+    try:
+        return _admission_start(
+            adm=adm,
+            route=route,
+            create=create_args(
+                model=model,
+                account_id=account_id,
+                api_key_id=api_key_id,
+                kind=kind,
+                params=params,
+                max_tokens=max_tokens,
+                stream=stream,
+                request_id=request_id,
+                now=now,
+                job_id=job_id,
+                hold=None if hold is None else (lambda job: hold(job, prompt_bound)),
+            ),
+        )
+    except BaseException:
+        admission_released(adm=adm)
+        raise
+
+
+def create_args(**kw: Any) -> dict[str, Any]:
+    """services.job_create's arguments."""
+    return kw
+
+
+def admission_released(*, adm: Admission) -> None:
+    """Call the gate's release once (the job ended, or was never created)."""
+    release, adm.release = adm.release, None
+    if release is not None:
+        try:
+            release()
+        except Exception:  # noqa: BLE001 - a lease bounds what a lost release keeps
+            log.warning("job %s: the quota release failed", adm.job_id, exc_info=True)
+
+
+def _admission_start(*, adm: Admission, route: kvcache.Route, create: dict[str, Any]) -> Admission:
+    """admission_open's second half: the fast path's dispatch, or the job QUEUED on a deployment."""
+    deployment = route.deployment
+    model, kind, params = create["model"], create["kind"], create["params"]
+    job_id, max_tokens, now = create["job_id"], create["max_tokens"], create["now"]
     fast = deployment if deployment is not None and deployment.state in DEPLOYMENT_SERVING else None
-    create = {
-        "model": model,
-        "account_id": account_id,
-        "api_key_id": api_key_id,
-        "kind": kind,
-        "params": params,
-        "max_tokens": max_tokens,
-        "stream": stream,
-        "request_id": request_id,
-        "now": now,
-        "job_id": job_id,
-        "hold": hold,
-    }
     # Fast path: a free slot with nobody waiting. Push run_job first, then write the job row,
     # its credit hold and the dispatch in one transaction while the primary evaluates the prompt.
     # If the credits are short, the primary is told to cancel before any token reaches anyone.
@@ -178,7 +244,7 @@ def admission_open(
         deployment_id=fast.id, job_id=job_id, cap=fast.n_parallel
     ):
         try:
-            payload = services.job_run_payload(
+            payload = job_run_payload(
                 job_id=job_id,
                 deployment_id=fast.id,
                 kind=kind,
@@ -190,29 +256,31 @@ def admission_open(
             )
             if slot is not None:
                 payload["id_slot"] = slot
-            services.command_send(node_id=fast.primary_id, kind="run_job", payload=payload)
-            services.job_create(**create, dispatched_to=fast)
+            command_send(node_id=fast.primary_id, kind="run_job", payload=payload)
+            job_create(**create, dispatched_to=fast)
         except BaseException:
-            get_redis().set(job_cancel_key(str(job_id), str(fast.primary_id)), 1, ex=3600)
+            job_cancel_flag(job_id=str(job_id), node_id=str(fast.primary_id))
             admission.slot_release(deployment_id=fast.id, job_id=job_id)
             kvcache.slot_release(route=route, job_id=job_id)
             raise
         adm.deployment_id, adm.dispatched, adm.n_parallel = str(fast.id), True, fast.n_parallel
         adm.primary_id = str(fast.primary_id)
-        adm.nodes = [selectors.node_name(n) for n in services.dispatch_node_ids(fast)]
+        adm.nodes = [selectors.node_name(n) for n in dispatch_node_ids(fast)]
         return adm
-    services.job_create(**create)
+    job_create(**create)
     if deployment is None:
-        deployment = services.deployment_ensure(model=model, now=now)
+        deployment = deployment_ensure(model=model, now=now)
     adm.deployment_id = str(deployment.id)
     adm.n_parallel = deployment.n_parallel
     return adm
 
 
 def priority_score(*, queued_at: float, standing: float) -> float:
-    """Lower is served first: arrival time minus a standing bonus capped at the max wait (bounded starvation)."""
-    bonus = min(float(settings.PRIORITY_MAX_WAIT_SECONDS), max(0.0, float(standing)) / 1_000_000.0)
-    return queued_at - bonus
+    """Lower is served first: arrival time minus the standing bonus (admission.priority_bonus). A request's
+    priority grows with its wait, and the bonus is below PRIORITY_MAX_WAIT_SECONDS: one that has
+    waited that long is ahead of every request that arrives after it, whatever their standing
+    (bounded starvation)."""
+    return queued_at - admission.priority_bonus(standing)
 
 
 async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> None:
@@ -339,7 +407,7 @@ def capacity_step(*, model_id: Any, tried: set[str], now: datetime) -> Deploymen
     if since is not None and arrived.exists():
         # A node turned placeable after the refused placement was planned: place again now
         # (deployment_ensure makes one deployment between concurrent waiters).
-        ensured = services.deployment_ensure(model=Model.objects.get(pk=model_id), now=now)
+        ensured = deployment_ensure(model=Model.objects.get(pk=model_id), now=now)
         return None if str(ensured.id) in tried else ensured
     return WAIT if nodes_coming(now=now) else None
 
@@ -374,7 +442,7 @@ def admission_dispatch(*, adm: Admission) -> None:
         n_parallel=deployment.n_parallel,
     )
     try:
-        out = services.job_dispatch(
+        out = job_dispatch(
             job_id=adm.job_id, deployment=deployment, now=timezone.now(), id_slot=slot
         )
     except BaseException:
@@ -389,7 +457,8 @@ def admission_dispatch(*, adm: Admission) -> None:
 def admission_give_up(*, adm: Admission, reason: str) -> None:
     """Record the job FAILED before it ran (no capacity, no deployment)."""
     adm.finished = True
-    services.job_fail(job_id=adm.job_id, now=timezone.now(), error=reason, during_execution=False)
+    admission_released(adm=adm)
+    job_fail(job_id=adm.job_id, now=timezone.now(), error=reason, during_execution=False)
 
 
 # --- the stream -----------------------------------------------------------------------------------
@@ -525,7 +594,7 @@ async def job_failover(
                     now=timezone.now(),
                     id_slot=slot,
                 )
-            except services.DeploymentError:
+            except DeploymentError:
                 await pooled(kvcache.slot_release)(route=adm.kv, job_id=adm.job_id)
                 return None
             adm.deployment_id, adm.primary_id = str(dep.id), out["primary"]
@@ -573,11 +642,12 @@ def admission_finish(
 ) -> None:
     """Record the job's end with the controller's own counts (streams.StreamFollower)."""
     adm.finished = True
+    admission_released(adm=adm)
     kv_finish(adm=adm, outcome=outcome, entry=entry)
     now = timezone.now()
     chunks = adm.follower.chunks if adm.follower is not None else 0
     if outcome == "completed":
-        services.job_complete(
+        job_complete(
             job_id=adm.job_id,
             usage=admission_usage(adm=adm, entry=entry),
             finish_reason=finish_reason,
@@ -585,7 +655,7 @@ def admission_finish(
             now=now,
         )
     elif outcome == "cancelled":
-        services.job_cancel(
+        job_cancel(
             job_id=adm.job_id,
             now=now,
             reason=error or "client disconnected",
@@ -593,7 +663,7 @@ def admission_finish(
             chunks=chunks,
         )
     else:
-        services.job_fail(
+        job_fail(
             job_id=adm.job_id,
             now=now,
             error=error,
@@ -653,7 +723,7 @@ def admission_cancel(*, adm: Admission) -> None:
         return
     try:
         if adm.primary_id:
-            get_redis().set(job_cancel_key(adm.job_id, adm.primary_id), 1, ex=3600)
+            job_cancel_flag(job_id=adm.job_id, node_id=adm.primary_id)
     except Exception:  # noqa: BLE001
         log.warning("could not set the cancel flag", exc_info=True)
     admission_finish_in_background(adm=adm, outcome="cancelled", error="client disconnected")

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +22,12 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from agent.protocol import job_stream_key
+from agent.protocol import job_cancel_key, job_stream_key
 from apps.nodes.states import LOST
 from racon.redis import CONNECTION_ERRORS, get_async_redis, get_redis
 
 from . import admission
-from .models import Deployment
+from .models import Deployment, Job
 from .states import DEPLOYMENT_ENDED
 
 log = logging.getLogger("racon.jobs.streams")
@@ -38,6 +39,8 @@ CHAT_TEMPLATE_TOKENS = 64
 CHAT_MESSAGE_TOKENS = 8
 COMPLETION_TEMPLATE_TOKENS = 4  # BOS and the like
 TOOLS_TEMPLATE_TOKENS = 256  # the words that introduce tools (agent/runtime/prompting.py)
+# How long a cut job's cancel flag lives (apps/nodes/commands.py keeps its own the same).
+CANCEL_FLAG_TTL_SECONDS = 3600
 # Between a follower's reads while Redis is unreachable (past the client's own retries).
 RECONNECT_PAUSE_SECONDS = 0.5
 
@@ -55,22 +58,74 @@ class StreamFailure(Exception):
 
 
 def entry_tokens(fields: dict[str, str]) -> int:
-    """Tokens a chunk entry carries: its ``n``, else its ``ids``, else 1."""
-    raw = fields.get("n")
-    if raw:
-        try:
-            return max(0, int(raw))
-        except ValueError:
-            pass
-    ids = fields.get("ids")
+    """Tokens a chunk entry carries: ``len(ids)``, never the node's own ``n`` (a claim). A chunk
+    with text and no ids (an engine event with text alone) counts one, so text is never free."""
+    ids = entry_ids(fields)
     if ids:
+        return len(ids)
+    return 1 if fields.get("text") else 0
+
+
+def entry_lens(fields: dict[str, str], n: int) -> list[int]:
+    """Each token's characters of a chunk's text (``lens``, written for coalesced chunks); when
+    absent or not consistent with the text, the whole text is the last token's."""
+    text = fields.get("text") or ""
+    raw = fields.get("lens")
+    if raw and n > 1:
         try:
-            got = json.loads(ids)
-            if isinstance(got, list):
-                return len(got)
+            got = json.loads(raw)
         except ValueError:
-            pass
-    return 1
+            got = None
+        if (
+            isinstance(got, list)
+            and len(got) == n
+            and all(isinstance(x, int) and x >= 0 for x in got)
+            and sum(got) == len(text)
+        ):
+            return got
+    return [0] * (n - 1) + [len(text)] if n else []
+
+
+def chunk_cut(fields: dict[str, str], ids: list[int], keep: int) -> dict[str, str]:
+    """A chunk entry cut to its first ``keep`` tokens, on a token boundary (text by ``lens``)."""
+    lens = entry_lens(fields, len(ids))
+    out = dict(fields)
+    out["ids"] = json.dumps(ids[:keep])
+    out["text"] = (fields.get("text") or "")[: sum(lens[:keep])]
+    out["lens"] = json.dumps(lens[:keep])
+    out.pop("n", None)
+    if fields.get("probs"):
+        try:
+            probs = json.loads(fields["probs"])
+        except ValueError:
+            probs = []
+        out["probs"] = json.dumps(probs[:keep] if isinstance(probs, list) else [])
+    return out
+
+
+def chunks_merge(chunks: list[dict[str, str]]) -> dict[str, str]:
+    """Chunk entries read together, as one (one SSE chunk for the client): text joined, ids and
+    logprobs concatenated; the last one's seq and attempt."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    out = {
+        "seq": last.get("seq", ""),
+        "attempt": last.get("attempt", ""),
+        "type": "chunk",
+        "text": "".join(c.get("text") or "" for c in chunks),
+        "ids": json.dumps([t for c in chunks for t in entry_ids(c)]),
+    }
+    if any(c.get("probs") for c in chunks):
+        probs: list[Any] = []
+        for c in chunks:
+            try:
+                got = json.loads(c.get("probs") or "[]")
+            except ValueError:
+                got = []
+            probs += got if isinstance(got, list) else []
+        out["probs"] = json.dumps(probs)
+    return out
 
 
 def entry_usage(fields: dict[str, str]) -> dict[str, Any]:
@@ -104,16 +159,14 @@ FAILOVER_CODES = frozenset(
     # node_paused: the owner paused lending with the failover handoff (agent/lending.py)
     {"primary_died", "primary_lost", "primary_timeout", "deployment_not_loaded", "node_paused"}
 )
-# Agents from before the `primary_died` code end such a job with a bare error whose text says so.
-_DEATH_PREFIXES = ("the primary process", "rpc worker disconnected")
 
 
 def failover_cause(*, code: str, text: str = "") -> str | None:
-    """The failover cause of a failure or an error entry, or None when a retry would not help."""
+    """The failover cause of a failure or an error entry, or None when a retry would not help.
+
+    Only the code decides (node protocol 2); ``text`` is kept for the callers' logs."""
     if code in FAILOVER_CODES:
         return code
-    if code in ("", "runtime_error") and text.lower().startswith(_DEATH_PREFIXES):
-        return "primary_died"
     return None
 
 
@@ -213,6 +266,16 @@ def billed_usage(
     return out
 
 
+def job_max_tokens(job_id: str) -> int | None:
+    """The job's max_tokens (None for an id that names no job)."""
+    try:
+        pk = uuid.UUID(job_id)
+    except ValueError:
+        return None
+    got = Job.objects.filter(pk=pk).values_list("max_tokens", flat=True).first()
+    return int(got) if got is not None else None
+
+
 class StreamFollower:
     """Reads one job's stream for the view; counts chunks and tokens as it yields them."""
 
@@ -225,6 +288,7 @@ class StreamFollower:
         prompt_bound: int | None = None,
         idle_timeout: float | None = None,
         failover: Failover | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.job_id = str(job_id)
         self.node_id = str(
@@ -244,6 +308,11 @@ class StreamFollower:
         self.ids: list[int] = []  # every token id relayed: a failover's resume_tokens
         self.failovers: list[dict[str, Any]] = []  # {from_node, to_node, attempt, tokens, gap_s}
         self.last_chunk_at: float | None = None  # monotonic time of the newest relayed chunk
+        # The job's max_tokens (read from the job when not given): the stream ends there with
+        # finish_reason "length", whatever the primary sends (it is cut on a token boundary).
+        self.max_tokens = max_tokens
+        self._max_tokens_known = max_tokens is not None
+        self.cut = False  # the primary streamed past max_tokens: cut, and its job cancelled
 
     def usage(self, entry: dict[str, str] | None = None, *, check: bool = True) -> dict[str, Any]:
         """What to record for the job so far (``entry``: the final done or error entry, if any)."""
@@ -263,7 +332,13 @@ class StreamFollower:
         from the token ids relayed so far) and the entries go on from that attempt's stream,
         so the reader sees one stream with every token once. Only when the hook gives up does
         the failure (or the error entry) reach the reader.
+
+        Chunk entries read together are yielded as one (chunks_merge), so a client gets one SSE
+        chunk for what arrived at once.
         """
+        if not self._max_tokens_known:
+            self.max_tokens = await sync_to_async(job_max_tokens)(self.job_id)
+            self._max_tokens_known = True
         while True:
             failure: StreamFailure | None = None
             error_entry: dict[str, str] | None = None
@@ -376,6 +451,7 @@ class StreamFollower:
                     )
                 continue
             idle_since = now_m
+            pending: list[dict[str, str]] = []  # chunks read together: yielded as one
             for entry_id, fields in got[0][1]:
                 last_id = entry_id
                 try:
@@ -385,6 +461,9 @@ class StreamFollower:
                     seq, attempt = -1, self.attempt
                 if attempt < self.attempt:
                     continue  # a superseded attempt's late entry (two attempts on one node share the key)
+                if pending and (attempt != self.attempt or seq != expected):
+                    yield chunks_merge(pending)  # what was relayed before the change
+                    pending = []
                 if attempt > self.attempt and seq == 0:
                     # A later attempt in the same key: it starts over.
                     self.attempt, expected = attempt, 0
@@ -394,17 +473,72 @@ class StreamFollower:
                         f"token stream gap: expected chunk {expected}, got {seq}", code="stream_gap"
                     )
                 expected += 1
-                if fields.get("type") == "chunk":
-                    n = entry_tokens(fields)
-                    self.chunks += 1
-                    self.completion_tokens += n
-                    self.attempt_chunks += 1
-                    self.attempt_tokens += n
-                    self.ids.extend(entry_ids(fields))
-                    self.last_chunk_at = now_m
+                etype = fields.get("type")
+                if etype == "chunk":
+                    ids = entry_ids(fields)
+                    n = len(ids) if ids else (1 if fields.get("text") else 0)
+                    over = self.max_tokens is not None and (
+                        self.completion_tokens + n > self.max_tokens
+                    )
+                    if over:
+                        # Past max_tokens: keep what fits, on a token boundary, and end here.
+                        keep = max(0, int(self.max_tokens or 0) - self.completion_tokens)
+                        fields = chunk_cut(fields, ids, keep)
+                        ids, n = ids[:keep], keep
+                    if n or fields.get("text"):
+                        self.chunks += 1
+                        self.completion_tokens += n
+                        self.attempt_chunks += 1
+                        self.attempt_tokens += n
+                        self.ids.extend(ids)
+                        self.last_chunk_at = now_m
+                        pending.append(fields)
+                    if over:
+                        if pending:
+                            yield chunks_merge(pending)
+                        yield await self._cut_end(expected)
+                        return
+                    continue
+                if pending:
+                    yield chunks_merge(pending)
+                    pending = []
+                if (
+                    etype == "done"
+                    and self.max_tokens is not None
+                    and self.completion_tokens >= self.max_tokens
+                    and fields.get("finish_reason") != "cancelled"
+                ):
+                    fields = {**fields, "finish_reason": "length"}
                 yield fields
-                if fields.get("type") in ("done", "error"):
+                if etype in ("done", "error"):
                     return
+            if pending:
+                yield chunks_merge(pending)
+
+    async def _cut_end(self, seq: int) -> dict[str, str]:
+        """The end of a stream cut at max_tokens: a done entry of our own, finish_reason
+        "length", and the primary asked to stop (its job's cancel flag)."""
+        self.cut = True
+        log.warning(
+            "job %s: node %s streamed past max_tokens (%s); the stream is cut there",
+            self.job_id,
+            self.node_id,
+            self.max_tokens,
+        )
+        try:
+            await get_async_redis().set(
+                job_cancel_key(self.job_id, self.node_id), 1, ex=CANCEL_FLAG_TTL_SECONDS
+            )
+        except CONNECTION_ERRORS as exc:
+            log.warning("job %s: cannot flag the cut job cancelled: %s", self.job_id, exc)
+        return {
+            "seq": str(seq),
+            "attempt": str(self.attempt),
+            "type": "done",
+            "text": "",
+            "finish_reason": "length",
+            "usage": "",
+        }
 
     async def _primary_gone(self) -> bool:
         dep_id = self.deployment_id

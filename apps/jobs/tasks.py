@@ -7,18 +7,23 @@ from typing import Any
 from celery import shared_task
 from django.utils import timezone
 
-from . import admission, kvtransfer, placement, services
+from apps.nodes import links
+
+from . import admission, kvtransfer, placement
 from .autoscale import replicas_autoscale
 from .challenges import node_speed_challenge, speed_challenge_due
+from .deployments import deployments_on_node_state
+from .params_retention import job_params_sweep
 from .rollup import rollup_write
+from .stale import jobs_fail_stale
 
 
 @shared_task(name="racon.jobs.node_state_changed", ignore_result=True)
 def node_state_changed(*, node_id: str, state: str, **kwargs: Any) -> None:
     """React to a member node's health change (deployments degrade, fail and get replaced)."""
-    services.deployments_on_node_state(node_id=node_id, state=state, now=timezone.now())
+    deployments_on_node_state(node_id=node_id, state=state, now=timezone.now())
     if state == "READY":
-        services.links_probe_request(node_id=node_id)
+        links.links_probe_request(node_id=node_id)
         if speed_challenge_due(node_id=node_id):
             # Its own task (the placement queue): the challenge waits on the agent's answer.
             speed_challenge.delay(node_id=node_id)
@@ -39,7 +44,7 @@ def speed_challenge(*, node_id: str, **kwargs: Any) -> str:
 @shared_task(name="racon.jobs.stale_jobs_sweep", ignore_result=True)
 def stale_jobs_sweep(**kwargs: Any) -> dict[str, int]:
     """Fail or finish jobs left non-terminal (beat: every 30 s)."""
-    return services.jobs_fail_stale(now=timezone.now())
+    return jobs_fail_stale(now=timezone.now())
 
 
 @shared_task(name="racon.jobs.autoscale", ignore_result=True)
@@ -52,7 +57,7 @@ def autoscale(**kwargs: Any) -> dict[str, Any]:
 def links_reprobe(**kwargs: Any) -> dict[str, int]:
     """Expire stale link measurements and have READY nodes re-probe their stalest peers (beat:
     every LINK_PROBE_INTERVAL_SECONDS)."""
-    return services.links_reprobe(now=timezone.now())
+    return links.links_reprobe(now=timezone.now())
 
 
 @shared_task(name="racon.jobs.admission_sweep", ignore_result=True)
@@ -74,3 +79,9 @@ def rollup(**kwargs: Any) -> dict[str, int]:
     """Roll jobs and node telemetry into per-minute rows for the charts, and sweep old rows (beat:
     every ROLLUP_PERIOD_SECONDS)."""
     return rollup_write(now=timezone.now())
+
+
+@shared_task(name="racon.jobs.params_retention_sweep", ignore_result=True)
+def params_retention_sweep(**kwargs: Any) -> int:
+    """Remove finished jobs' prompts past JOB_PARAMS_RETENTION_DAYS (beat: hourly; issue 28)."""
+    return job_params_sweep(now=timezone.now())

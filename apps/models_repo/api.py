@@ -17,7 +17,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.nodes.api import parse_node_auth
-from apps.nodes.services import NodeAuthError, node_authenticate
+from apps.nodes.enrollment import NodeAuthError, node_authenticate
 
 from . import services
 from .models import Model, ModelFile
@@ -174,10 +174,11 @@ def model_file_download(request: HttpRequest, sha256: str) -> HttpResponseBase:
     creds = parse_node_auth(request.headers.get("Authorization", ""))
     try:
         if creds is None:
-            raise NodeAuthError("missing node credential")
+            raise NodeAuthError("missing node credential", code="missing_credential")
         node_authenticate(node_id=creds[0], credential=creds[1])
     except (NodeAuthError, ValueError) as exc:
-        return JsonResponse({"error": {"message": str(exc)}}, status=401)
+        code = getattr(exc, "code", "invalid_credential")
+        return JsonResponse({"error": {"message": str(exc), "code": code}}, status=401)
     mf = ModelFile.objects.filter(sha256=sha256).first()
     if mf is None or not mf.store_path or not os.path.isfile(mf.store_path):
         return JsonResponse(

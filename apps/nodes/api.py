@@ -28,11 +28,25 @@ from racon.net import client_address
 from racon.pagination import LimitPagination
 from racon.redis_acl import AclUnavailable, node_redis_url
 
-from . import join, selectors, services
+from . import join, selectors
+from .enrollment import (
+    EnrollmentConflict,
+    EnrollmentError,
+    NodeAuthError,
+    enrollment_token_issue,
+    enrollment_token_revoke,
+    hardware_bounds_errors,
+    node_enroll,
+    node_id_valid,
+    node_reenroll_allow,
+    node_revoke,
+)
 from .filters import EventFilter, NodeFilter
+from .heartbeats import node_heartbeat, telemetry_clean
 from .lending import PolicyError, node_lending_claim
 from .links import link_matrix
 from .models import EnrollmentToken, Event, Node
+from .services import node_drain, node_undrain
 from .states import NodeState
 
 # --- wire serializers (checked against agent/protocol.py by a contract test) ---------------------
@@ -77,7 +91,7 @@ class HardwareSerializer(serializers.Serializer):
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         # A node's figures are claims; past these bounds they are not plausible (compute-plane trust).
-        errors = services.hardware_bounds_errors(attrs)
+        errors = hardware_bounds_errors(attrs)
         if errors:
             raise serializers.ValidationError(errors)
         return attrs
@@ -216,7 +230,7 @@ class AgentEnrollApi(APIView):
                 status=status.HTTP_409_CONFLICT,
             )
         try:
-            enrollment = services.node_enroll(
+            enrollment = node_enroll(
                 token=v["token"],
                 node_name=v["node_name"],
                 machine_id=v["machine_id"],
@@ -229,11 +243,11 @@ class AgentEnrollApi(APIView):
                 presented=node_credentials(request),
                 source_address=client_address(request),
             )
-        except services.EnrollmentConflict as exc:
+        except EnrollmentConflict as exc:
             return Response(
                 {"error": {"message": str(exc), "code": exc.code}}, status=status.HTTP_409_CONFLICT
             )
-        except services.EnrollmentError as exc:
+        except EnrollmentError as exc:
             return Response(
                 {"error": {"message": str(exc), "code": "enrollment_refused"}},
                 status=status.HTTP_401_UNAUTHORIZED,
@@ -299,7 +313,7 @@ async def heartbeat_handle(
             "error": {"message": "missing or malformed 'Authorization: Node <id>:<credential>'"}
         }
     node_id, credential = creds
-    if not services.node_id_valid(node_id):
+    if not node_id_valid(node_id):
         return 401, {
             "error": {
                 "message": "malformed node id in 'Authorization: Node <id>:<credential>': expected a UUID",
@@ -349,7 +363,7 @@ async def heartbeat_handle(
             }
         }
     try:
-        payload = {**payload, "telemetry": services.telemetry_clean(payload.get("telemetry") or {})}
+        payload = {**payload, "telemetry": telemetry_clean(payload.get("telemetry") or {})}
     except ValueError as exc:
         return 400, {
             "error": {
@@ -359,12 +373,11 @@ async def heartbeat_handle(
             }
         }
     try:
-        state = await services.node_heartbeat(
+        state = await node_heartbeat(
             node_id=node_id, credential=credential, payload=payload, now=timezone.now()
         )
-    except services.NodeAuthError as exc:
-        code = "node_revoked" if "revoked" in str(exc) else "invalid_credential"
-        return 401, {"error": {"message": str(exc), "code": code}}
+    except NodeAuthError as exc:
+        return 401, {"error": {"message": str(exc), "code": exc.code}}
     return 200, {
         "state": state,
         "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
@@ -545,7 +558,7 @@ class NodeDrainApi(APIView):
     @extend_schema(request=None, responses=NodeOut)
     def post(self, request: Request, node_id: str) -> Response:
         get_object_or_404(Node, pk=node_id)
-        node = services.node_drain(node_id=node_id, now=timezone.now())
+        node = node_drain(node_id=node_id, now=timezone.now())
         return Response(NodeOut(node).data)
 
 
@@ -553,7 +566,7 @@ class NodeUndrainApi(APIView):
     @extend_schema(request=None, responses=NodeOut)
     def post(self, request: Request, node_id: str) -> Response:
         get_object_or_404(Node, pk=node_id)
-        node = services.node_undrain(node_id=node_id, now=timezone.now())
+        node = node_undrain(node_id=node_id, now=timezone.now())
         return Response(NodeOut(node).data)
 
 
@@ -561,7 +574,7 @@ class NodeRevokeApi(APIView):
     @extend_schema(request=None, responses=NodeOut)
     def post(self, request: Request, node_id: str) -> Response:
         get_object_or_404(Node, pk=node_id)
-        services.node_revoke(node_id=node_id, now=timezone.now())
+        node_revoke(node_id=node_id, now=timezone.now())
         return Response(NodeOut(Node.objects.get(pk=node_id)).data)
 
 
@@ -576,7 +589,7 @@ class NodeAllowReenrollApi(APIView):
     @extend_schema(request=None, responses={200: Out, 404: AgentErrorSerializer})
     def post(self, request: Request, node_id: str) -> Response:
         get_object_or_404(Node, pk=node_id)
-        window = services.node_reenroll_allow(node_id=node_id, now=timezone.now())
+        window = node_reenroll_allow(node_id=node_id, now=timezone.now())
         return Response({"node_id": str(node_id), "window_seconds": window})
 
 
@@ -643,7 +656,7 @@ class TokenListCreateApi(APIView):
             )
         user = getattr(request.user, "_user", request.user)
         try:
-            token, plaintext = services.enrollment_token_issue(
+            token, plaintext = enrollment_token_issue(
                 account_id=account_id,
                 label=v["label"],
                 ttl_hours=v.get("ttl_hours"),
@@ -651,7 +664,7 @@ class TokenListCreateApi(APIView):
                 created_by_id=getattr(user, "pk", None),
                 now=timezone.now(),
             )
-        except services.EnrollmentError as exc:
+        except EnrollmentError as exc:
             return Response(
                 {"error": {"message": str(exc), "code": "enrollment_disabled"}}, status=409
             )
@@ -668,7 +681,7 @@ class TokenRevokeApi(APIView):
     def post(self, request: Request, token_id: str) -> Response:
         get_object_or_404(EnrollmentToken, pk=token_id)
         return Response(
-            TokenOut(services.enrollment_token_revoke(token_id=token_id, now=timezone.now())).data
+            TokenOut(enrollment_token_revoke(token_id=token_id, now=timezone.now())).data
         )
 
 

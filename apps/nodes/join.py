@@ -1,4 +1,12 @@
-"""Joining in one command: `curl -fsSL CONTROLLER/join/<token> | sh`.
+"""Joining in one command: `curl -fsSLk --pinnedpubkey sha256//<pin> CONTROLLER/join/<token> | sh`.
+
+A LAN controller (`BIND=<address> make run`) serves HTTPS with a certificate from its own CA
+(racon/tls.py): the line pins the server key, join.sh fetches the join program with the same
+pin, and the join program carries the CA, against which it checks every later fetch (the
+manifest, the files) and which the agent keeps for every https and rediss connection. A
+controller on loopback, or behind a proxy with a public certificate, gives `curl -fsSL URL | sh`.
+A non-loopback plain-http controller gives no line unless RACON_INSECURE_LAN=1
+(docs/design/serving.md, "LAN and trust").
 
 GET /join/<token>                 a POSIX sh script (finds Python 3.12+, runs the program below)
 GET /join/<token>.py              the join program (packaging/join/join.py) for this token
@@ -18,6 +26,7 @@ failed run can be retried, and the join URL dies with the token (expired, revoke
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -30,6 +39,7 @@ import threading
 from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
@@ -37,8 +47,9 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from agent.protocol import PROTOCOL_VERSION
+from racon.lan import is_loopback_host
 
-from . import services
+from .enrollment import EnrollmentError, NodeAuthError, enrollment_token_hash, node_authenticate
 from .models import EnrollmentToken
 
 log = logging.getLogger("racon.nodes.join")
@@ -66,12 +77,68 @@ def join_url(*, token: str) -> str:
     return f"{settings.CONTROLLER_PUBLIC_URL}/join/{token}"
 
 
+# On a failed fetch curl writes this to the pipe instead of a script (`-w '%{onerror}…'`), so
+# `| sh` says why in one line and exits non-zero rather than running an empty script with 0.
+PIN_MISMATCH = "the controller's certificate does not match the pin in this line"
+_ON_ERROR = (
+    '%{onerror}[ %{exitcode} = 90 ] && echo "racon join: error: ' + PIN_MISMATCH + '" >&2 || '
+    'echo "racon join: error: curl: %{errormsg}" >&2; exit 1'
+)
+
+
+def insecure_problem() -> str | None:
+    """Why this controller gives no join line (plain http on a non-loopback address), or None."""
+    url = settings.CONTROLLER_PUBLIC_URL
+    if not url.startswith("http://") or settings.INSECURE_LAN:
+        return None
+    if is_loopback_host(urlsplit(url).hostname or ""):
+        return None
+    return (
+        f"this controller's URL {url} is plain http on a network: the join would send the token "
+        "and install software over an unauthenticated channel. Start it with `BIND=<LAN address> "
+        "make run` (HTTPS with a pinned join line), or set RACON_INSECURE_LAN=1 to accept that risk"
+    )
+
+
 def join_command_line(*, token: str) -> str:
-    return f"curl -fsSL {shlex.quote(join_url(token=token))} | sh"
+    problem = insecure_problem()
+    if problem:
+        return f"# no join line: {problem}"
+    url = shlex.quote(join_url(token=token))
+    pin = settings.TLS_PIN
+    if pin and url.startswith("https://"):
+        return f"curl -fsSLk --pinnedpubkey {pin} {url} -w {shlex.quote(_ON_ERROR)} | sh"
+    return f"curl -fsSL {url} | sh"
+
+
+# The Python route's bootstrap: connect without CA checks, take the server's certificate, find its
+# SubjectPublicKeyInfo in the DER (a few TLV steps), and compare its sha256 with the pin before
+# a single byte of the program is run. Sent base64-encoded; URL and PIN stay readable in the line.
+_PY_PINNED = (
+    "import ssl,sys,hashlib,base64,http.client as h,urllib.parse as p\n"
+    "def L(d,i):\n n=d[i+1];i+=2\n if n>127:k=n-128;n=int.from_bytes(d[i:i+k],'big');i+=k\n return i,n\n"
+    "def S(d):\n i,_=L(d,0);i,_=L(d,i)\n if d[i]==160:j,n=L(d,i);i=j+n\n"
+    " for _ in range(5):j,n=L(d,i);i=j+n\n j,n=L(d,i);return d[i:j+n]\n"
+    "U=p.urlsplit(URL);c=ssl.create_default_context();c.check_hostname=False;c.verify_mode=ssl.CERT_NONE\n"
+    "C=h.HTTPSConnection(U.hostname,U.port or 443,context=c,timeout=60);C.connect()\n"
+    "if 'sha256//'+base64.b64encode(hashlib.sha256(S(C.sock.getpeercert(True))).digest()).decode()!=PIN:"
+    "sys.exit('racon join: error: " + PIN_MISMATCH.replace("'", "\\'") + "')\n"
+    "C.request('GET',U.path);R=C.getresponse()\n"
+    "if R.status!=200:sys.exit('racon join: error: HTTP %d' % R.status)\n"
+    "exec(R.read())"
+)
 
 
 def join_python_line(*, token: str) -> str:
     url = join_url(token=token) + ".py"
+    pin = settings.TLS_PIN
+    if insecure_problem():
+        return join_command_line(token=token)
+    if pin and url.startswith("https://"):
+        boot = base64.b64encode(_PY_PINNED.encode()).decode()
+        return (
+            f"python3 -c \"URL='{url}';PIN='{pin}';import base64;exec(base64.b64decode('{boot}'))\""
+        )
     return f"python3 -c \"import urllib.request as u; exec(u.urlopen('{url}').read())\""
 
 
@@ -81,8 +148,8 @@ def join_python_line(*, token: str) -> str:
 def token_problem(*, token: str) -> str | None:
     """Why this join link no longer works, or None. Reads the token; never consumes it."""
     try:
-        digest = services.enrollment_token_hash(token)
-    except services.EnrollmentError as exc:
+        digest = enrollment_token_hash(token)
+    except EnrollmentError as exc:
         return str(exc)
     tok = EnrollmentToken.objects.filter(token_hash=digest).first()
     again = "ask the controller's administrator for a new join line"
@@ -112,8 +179,8 @@ def _authorized(request: HttpRequest) -> str | None:
     if scheme == "Node" and ":" in value:
         node_id, _, credential = value.strip().partition(":")
         try:
-            services.node_authenticate(node_id=node_id, credential=credential)
-        except services.NodeAuthError as exc:
+            node_authenticate(node_id=node_id, credential=credential)
+        except NodeAuthError as exc:
             return str(exc)
         return None
     return "missing 'Authorization: Join <token>' or 'Authorization: Node <id>:<credential>'"
@@ -138,17 +205,32 @@ def _script(body: str, *, python: bool) -> HttpResponse:
     return resp
 
 
+def controller_ca_pem() -> str:
+    """The CA certificate the join program and the agents check this controller against ("" when
+    the controller has none: loopback, or a public certificate behind a proxy)."""
+    path = settings.TLS_CA_FILE
+    if not path:
+        return ""
+    try:
+        return Path(path).read_text()
+    except OSError:
+        log.error("RACON_TLS_CA_FILE %s cannot be read; joins get no CA", path)
+        return ""
+
+
 @require_GET
 def join_sh(request: HttpRequest, token: str) -> HttpResponse:
-    problem = token_problem(token=token)
+    problem = insecure_problem() or token_problem(token=token)
     if problem:
         return _script(_sh_error(problem), python=False)
     url = settings.CONTROLLER_PUBLIC_URL
+    pin = settings.TLS_PIN if url.startswith("https://") else ""
     body = (
         (JOIN_DIR / "join.sh")
         .read_text()
         .replace("@@CONTROLLER_URL_SH@@", shlex.quote(url))
         .replace("@@TOKEN_SH@@", shlex.quote(token))
+        .replace("@@PIN_SH@@", shlex.quote(pin))
         .replace("@@CONTROLLER_URL@@", url)
     )
     return _script(body, python=False)
@@ -156,7 +238,7 @@ def join_sh(request: HttpRequest, token: str) -> HttpResponse:
 
 @require_GET
 def join_py(request: HttpRequest, token: str) -> HttpResponse:
-    problem = token_problem(token=token)
+    problem = insecure_problem() or token_problem(token=token)
     if problem:
         return _script(_py_error(problem), python=True)
     body = (
@@ -164,6 +246,7 @@ def join_py(request: HttpRequest, token: str) -> HttpResponse:
         .read_text()
         .replace('"@@CONTROLLER_URL@@"', json.dumps(settings.CONTROLLER_PUBLIC_URL))
         .replace('"@@TOKEN@@"', json.dumps(token))
+        .replace('"@@CA_PEM@@"', json.dumps(controller_ca_pem()))
     )
     return _script(body, python=True)
 
@@ -294,6 +377,8 @@ def manifest_for(*, platform: str, abi: str, files_url: str) -> JsonResponse:
             "abi": abi,
             "protocol_version": PROTOCOL_VERSION,
             "controller_url": settings.CONTROLLER_PUBLIC_URL,
+            # `node-agent upgrade` re-pins with it (the channel it comes over is already checked).
+            "ca_pem": controller_ca_pem(),
             "files": files,
         }
     )

@@ -1,7 +1,7 @@
 """The owner's lending terms on the controller: the claim the agent reports, the owner's own
 setting from the UI, pause and resume (a drain), and what the scheduler reads (open, closes in,
-caps). Its own module next to services.py/selectors.py: one concern, and the policy logic itself
-is agent/lending.py (pure, shared with the agent).
+caps). Its own module next to services.py, enrollment.py, heartbeats.py and selectors.py: one
+concern, and the policy logic itself is agent/lending.py (pure, shared with the agent).
 
 An owner's policy (``node_lending_owner_set``) applies on the controller at once and is pushed to
 the agent as a ``set_lending`` command on the node's own queue (the caller sends it: jobs owns

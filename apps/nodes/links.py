@@ -22,10 +22,13 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
+from django.utils import timezone
 
 from racon.redis import get_redis
 
+from .commands import command_send
 from .models import Node
+from .states import ONLINE, NodeState
 
 LINKS_KEY = "racon:links"
 MEASURED = "measured"  # bandwidth_method of a timed bulk transfer
@@ -191,3 +194,52 @@ def _is_uuid(value: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def links_probe_request(
+    *, node_id: Any, max_peers: int = 32, measured_at: dict[str, float] | None = None
+) -> str | None:
+    """Ask a node to measure its links to at most ``max_peers`` other live nodes, those it has
+    never measured first, then the stalest (``measured_at``: peer → when, from this node)."""
+    if measured_at is None:
+        measured_at = {
+            m.target: m.measured_at
+            for m in link_measurements(now=timezone.now(), include_expired=True)
+            if m.source == str(node_id)
+        }
+    candidates = list(
+        Node.objects.filter(state__in=ONLINE, revoked_at__isnull=True)
+        .exclude(pk=node_id)
+        .only("id", "address", "rpc_port")
+    )
+    candidates.sort(key=lambda n: (measured_at.get(str(n.id), 0.0), str(n.id)))
+    peers = [
+        {"node_id": str(n.id), "address": n.address, "rpc_port": n.rpc_port}
+        for n in candidates[:max_peers]
+    ]
+    if not peers:
+        return None
+    return command_send(node_id=node_id, kind="probe_links", payload={"peers": peers})
+
+
+def links_reprobe(*, now: datetime) -> dict[str, int]:
+    """One periodic round: drop expired links (and those of revoked or deleted nodes), then ask
+    every READY node to re-measure at most LINK_PROBE_MAX_PEERS peers, the stalest first."""
+    live = {
+        str(n) for n in Node.objects.filter(revoked_at__isnull=True).values_list("id", flat=True)
+    }
+    pruned = link_prune(now=now, node_ids=live)
+    by_source: dict[str, dict[str, float]] = {}
+    for m in link_measurements(now=now, include_expired=True):
+        by_source.setdefault(m.source, {})[m.target] = m.measured_at
+    sent = 0
+    for nid in Node.objects.filter(state=NodeState.READY, revoked_at__isnull=True).values_list(
+        "id", flat=True
+    ):
+        if links_probe_request(
+            node_id=nid,
+            max_peers=int(settings.LINK_PROBE_MAX_PEERS),
+            measured_at=by_source.get(str(nid), {}),
+        ):
+            sent += 1
+    return {"pruned": pruned, "requested": sent}

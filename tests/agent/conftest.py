@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from agent.protocol import PROTOCOL_PATH, PROTOCOL_VERSION, SUPPORTED_PROTOCOL_VERSIONS
 from tests.agent.harness import (  # noqa: F401 - free_port and co. are re-exported for the tests
     Harness,
     fake_profile,
@@ -106,6 +108,8 @@ class FakeController:
         self.fail_all = False  # answer everything with 503
         self.revoked: set[str] = set()
         self.credentials: dict[str, str] = {}
+        self.command_keys: dict[str, str] = {}  # node id → hex key its commands are signed with
+        self.give_command_key = True  # False: an older controller's enrollment answer
         self.node_ids: list[str] = []
         self.files: dict[str, bytes] = {}
         self.lock = threading.Lock()
@@ -127,6 +131,14 @@ class FakeController:
             def do_GET(self) -> None:  # noqa: N802
                 if self.path == "/health":
                     self._send(200, {"status": "ok"})
+                elif self.path == PROTOCOL_PATH:
+                    self._send(
+                        200,
+                        {
+                            "protocol_version": PROTOCOL_VERSION,
+                            "supported_protocol_versions": list(SUPPORTED_PROTOCOL_VERSIONS),
+                        },
+                    )
                 elif self.path.startswith("/files/") and self.path[7:] in outer.files:
                     data = outer.files[self.path[7:]]
                     self.send_response(200)
@@ -157,7 +169,9 @@ class FakeController:
             return 401, {"error": {"message": "missing node credential"}}
         node_id, _, cred = header[5:].partition(":")
         if node_id in self.revoked:
-            return 401, {"error": {"message": f"node {node_id} has been revoked"}}
+            return 401, {
+                "error": {"message": f"node {node_id} has been revoked", "code": "node_revoked"}
+            }
         if self.credentials.get(node_id) != cred:
             return 401, {"error": {"message": "unknown node credential"}}
         return node_id
@@ -173,24 +187,33 @@ class FakeController:
                     node_id = "node-" + uuid.uuid4().hex[:12]
                     cred = uuid.uuid4().hex
                     self.credentials[node_id] = cred
+                    self.command_keys[node_id] = secrets.token_hex(32)
                     self.node_ids.append(node_id)
                     self.enrolls.append(body)
-                    return 201, {
+                    answer = {
                         "node_id": node_id,
                         "credential": cred,
                         "redis_url": self.redis_url,
                         "heartbeat_interval": self.heartbeat_interval,
                         "state": "REGISTERING",
+                        "protocol_version": PROTOCOL_VERSION,
                     }
+                    if self.give_command_key:
+                        answer["command_key"] = self.command_keys[node_id]
+                    return 201, answer
                 who = self._auth(auth)
                 if not isinstance(who, str):
                     return who
                 if path == "/api/agent/heartbeat":
                     self.heartbeats.append({"node_id": who, **body})
-                    return 200, {
+                    beat = {
                         "state": body.get("state", "READY"),
                         "heartbeat_interval": self.heartbeat_interval,
+                        "protocol_version": PROTOCOL_VERSION,
                     }
+                    if body.get("want_command_key") and self.give_command_key:
+                        beat["command_key"] = self.command_keys[who]
+                    return 200, beat
                 if path == "/api/agent/reports":
                     kind_matches = self.fail_report_kind in (None, body.get("kind"))
                     if self.fail_reports > 0 and kind_matches:

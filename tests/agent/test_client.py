@@ -117,13 +117,24 @@ def test_a_stored_credential_is_presented_on_re_enrollment() -> None:
     assert seen["/api/agent/enroll"] == "Node node-7:abc"
 
 
-def test_401_saying_revoked_raises_node_revoked() -> None:
+def test_401_coded_node_revoked_raises_node_revoked() -> None:
     client, sleeps = make(
-        lambda r: httpx.Response(401, json={"error": {"message": "node was revoked by admin"}})
+        lambda r: httpx.Response(
+            401, json={"error": {"message": "node was revoked by admin", "code": "node_revoked"}}
+        )
     )
     with pytest.raises(NodeRevoked, match="revoked"):
         client.heartbeat({"telemetry": {}})
     assert sleeps == []  # a final answer is never retried
+
+
+def test_a_401_whose_words_say_revoked_without_the_code_is_not_a_revocation() -> None:
+    client, _ = make(
+        lambda r: httpx.Response(401, json={"error": {"message": "node was revoked by admin"}})
+    )
+    with pytest.raises(Unauthorized) as got:
+        client.heartbeat({"telemetry": {}})
+    assert not isinstance(got.value, NodeRevoked)
 
 
 def test_other_401_and_4xx_are_final_errors() -> None:

@@ -15,7 +15,8 @@ from django.utils import timezone
 
 from apps.api.auth import api_key_create, api_key_revoke, principal_for_key
 from apps.credits.ledger import account_create
-from apps.jobs import selectors, services
+from apps.jobs import selectors
+from apps.jobs.deployments import deployment_stop
 from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
 from apps.models_repo.models import Model, ModelFile
@@ -108,7 +109,7 @@ def test_a_stopped_deployment_leaves_another_processs_route_within_a_bound(
         time.sleep(0.05)
     else:
         raise AssertionError("the other process never served the route from its cache")
-    services.deployment_stop(deployment_id=dep.id, now=timezone.now())
+    deployment_stop(deployment_id=dep.id, now=timezone.now())
     # Its TTL is 300 s: only the broadcast can make it see the stop this soon.
     t0 = time.monotonic()
     while other_process.ask(f"route {dep.model_id}") != "-":

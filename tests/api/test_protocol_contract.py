@@ -7,6 +7,7 @@ from typing import Any, get_type_hints
 import pytest
 
 from agent import protocol
+from agent.protocol import PROTOCOL_VERSION
 from apps.nodes import api as nodes_api
 
 
@@ -98,6 +99,7 @@ def test_a_sample_enrollment_from_the_agent_validates(tmp_path: Any) -> None:
         "node_name": "n1",
         "machine_id": "m",
         "agent_version": "0.1.0",
+        "protocol_version": PROTOCOL_VERSION,
         "advertise_address": "10.1.2.3",
         "rpc_port": 50052,
         "hardware": __import__("json").loads(profile.read_text()),

@@ -13,7 +13,8 @@ from apps.accounts.models import Account
 from apps.credits.ledger import account_system, ledger_verify
 from apps.credits.models import Receipt
 from apps.credits.settlement import attempts_split, credit_reserve, credit_settle_job
-from apps.jobs import admission, selectors, services
+from apps.jobs import admission, selectors
+from apps.jobs.jobs import job_finish_from_report
 from apps.jobs.models import JobAttempt
 from apps.jobs.states import JobState
 from tests.credits.factories import (
@@ -129,7 +130,7 @@ def test_job_finished_of_a_superseded_attempt_is_stale(caplog: pytest.LogCapture
         job=job, number=2, deployment=s["deps"][1], primary=s["nodes"][1], started_at=now
     )
     with caplog.at_level(logging.INFO, logger="racon.jobs"):
-        services.job_finish_from_report(
+        job_finish_from_report(
             node_id=s["nodes"][0].pk,
             payload={
                 "job_id": str(job.pk),

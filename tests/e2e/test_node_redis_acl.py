@@ -18,7 +18,7 @@ import openai
 import pytest
 import redis
 
-from agent.protocol import job_stream_key, node_queue_key
+from agent.protocol import PROTOCOL_VERSION, job_stream_key, node_queue_key
 from racon.embedded import EmbeddedRedis, start_redis
 
 from .harness import free_port, run_controller, start_agent, stop_agent, wait_for
@@ -46,7 +46,7 @@ def _enroll(ctl: Any, name: str) -> dict[str, Any]:
           "disk": {"path": "/", "total": 100 << 30, "free": 50 << 30}, "network": [], "gpus": []}  # fmt: skip
     body = {"token": tok, "node_name": name, "machine_id": name + "-machine", "hardware": hw,
             "advertise_address": "127.0.0.1", "rpc_port": free_port(), "agent_version": "test",
-            "protocol_version": 1, "models": []}  # fmt: skip
+            "protocol_version": PROTOCOL_VERSION, "models": []}  # fmt: skip
     resp = httpx.post(ctl.url + "/api/agent/enroll", json=body, timeout=30)
     assert resp.status_code in (200, 201), resp.text
     return dict(resp.json())

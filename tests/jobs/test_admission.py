@@ -11,7 +11,8 @@ import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from django.utils import timezone
 
-from apps.jobs import admission, services
+from apps.jobs import admission
+from apps.jobs.jobs import job_complete
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DeploymentState, JobState
 from apps.models_repo.models import Model, ModelFile
@@ -185,9 +186,7 @@ def test_a_finished_job_gives_its_slot_back(model: Model) -> None:
         model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now()
     )
     assert admission.slot_try(deployment_id=dep.id, job_id=job.id, cap=1)
-    assert services.job_complete(
-        job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now()
-    )
+    assert job_complete(job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now())
     assert admission.slots_in_use([dep.id]) == {str(dep.id): 0}
     assert admission_keys() == []
 

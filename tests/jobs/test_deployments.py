@@ -15,9 +15,16 @@ import pytest
 from django.utils import timezone
 
 from agent.protocol import job_stream_key, node_queue_key
-from apps.jobs import placement, services
+from apps.jobs import placement
+from apps.jobs.deployments import (
+    deployment_preview,
+    deployments_on_node_state,
+    placement_request_from,
+)
+from apps.jobs.jobs import job_complete, job_fail
 from apps.jobs.models import Deployment, Job
 from apps.jobs.reports import report_accept
+from apps.jobs.stale import jobs_fail_stale
 from apps.jobs.states import DeploymentState, JobState
 from apps.models_repo.models import Model, ModelFile
 from apps.models_repo.profile import read_gguf_profile
@@ -152,8 +159,8 @@ def test_node_lost_before_execution_triggers_a_revised_plan(model: Model, settin
     dep = Deployment.objects.create(
         model=model, model_file=model.files.get(), request={"n_ctx": 512}
     )
-    first_choice = services.deployment_preview(
-        model_file=model.files.get(), request=services.placement_request_from({"n_ctx": 512})
+    first_choice = deployment_preview(
+        model_file=model.files.get(), request=placement_request_from({"n_ctx": 512})
     ).primary_node_id
     with FakeAgents([str(a.id), str(b.id)], fail_load_on={first_choice}):
         result = placement.deployment_place(deployment_id=dep.id)
@@ -216,9 +223,7 @@ def test_member_lost_after_ready_fails_the_deployment_its_jobs_and_replaces_it(
     job = Job.objects.create(
         model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now()
     )
-    services.deployments_on_node_state(
-        node_id=str(node.id), state=NodeState.OFFLINE, now=timezone.now()
-    )
+    deployments_on_node_state(node_id=str(node.id), state=NodeState.OFFLINE, now=timezone.now())
     dep.refresh_from_db()
     job.refresh_from_db()
     assert dep.state == DeploymentState.FAILED
@@ -230,13 +235,9 @@ def test_member_lost_after_ready_fails_the_deployment_its_jobs_and_replaces_it(
 def test_member_degraded_then_recovered_moves_the_deployment_with_it(model: Model) -> None:
     node = NodeFactory(state=NodeState.READY)
     dep = ready_deployment(model, node)
-    services.deployments_on_node_state(
-        node_id=str(node.id), state=NodeState.DEGRADED, now=timezone.now()
-    )
+    deployments_on_node_state(node_id=str(node.id), state=NodeState.DEGRADED, now=timezone.now())
     assert Deployment.objects.get(pk=dep.pk).state == DeploymentState.DEGRADED
-    services.deployments_on_node_state(
-        node_id=str(node.id), state=NodeState.READY, now=timezone.now()
-    )
+    deployments_on_node_state(node_id=str(node.id), state=NodeState.READY, now=timezone.now())
     assert Deployment.objects.get(pk=dep.pk).state == DeploymentState.READY
 
 
@@ -299,7 +300,7 @@ def test_a_stream_that_ended_finishes_its_job_and_a_silent_one_fails(
             "usage": json.dumps({"prompt_tokens": 3, "completion_tokens": 70}),
         },
     )
-    counts = services.jobs_fail_stale(now=now + timedelta(seconds=30))
+    counts = jobs_fail_stale(now=now + timedelta(seconds=30))
     assert counts["finished_from_stream"] == 1 and counts["silent"] == 1
     ended.refresh_from_db()
     silent.refresh_from_db()
@@ -339,8 +340,8 @@ def test_malformed_reports_are_refused_and_leave_nothing() -> None:
 
 def test_job_terminal_states_are_final(model: Model) -> None:
     job = Job.objects.create(model=model, state=JobState.QUEUED, queued_at=timezone.now())
-    assert services.job_fail(job_id=job.id, now=timezone.now(), error="x")
-    assert not services.job_complete(
+    assert job_fail(job_id=job.id, now=timezone.now(), error="x")
+    assert not job_complete(
         job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now()
     )
     assert Job.objects.get(pk=job.id).state == JobState.FAILED

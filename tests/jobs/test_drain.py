@@ -7,13 +7,16 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from apps.jobs import failover, services
+from apps.jobs import failover
+from apps.jobs.deployments import deployment_ensure
+from apps.jobs.jobs import job_complete
 from apps.jobs.models import Deployment, Job
 from apps.jobs.selectors import deployment_route
 from apps.jobs.states import DeploymentState, JobState
 from apps.models_repo.models import Model
+from apps.nodes.heartbeats import heartbeat_target
 from apps.nodes.models import Event, Node
-from apps.nodes.services import heartbeat_target, node_drain, node_undrain
+from apps.nodes.services import node_drain, node_undrain
 from apps.nodes.states import TRANSITIONS, NodeState
 from tests.factories import NodeFactory
 from tests.jobs.test_deployments import (
@@ -77,12 +80,12 @@ def test_a_draining_node_moves_its_deployment_first_and_is_drained_after_its_las
     assert replacement.state == DeploymentState.READY and str(replacement.primary_id) == str(b.id)
     # New work goes to the replacement; the old deployment still serves the job it has.
     assert deployment_route(model_id=model.id) == replacement
-    assert services.deployment_ensure(model=model, now=timezone.now()) == replacement
+    assert deployment_ensure(model=model, now=timezone.now()) == replacement
     assert Deployment.objects.get(pk=old.pk).state == DeploymentState.READY
     assert Node.objects.get(pk=a.pk).state == S.DRAINING
     assert not Event.objects.filter(node=a, kind="NODE_DRAINED").exists()
 
-    services.job_complete(
+    job_complete(
         job_id=job.id,
         usage={"completion_tokens": 3},
         finish_reason="stop",
@@ -114,11 +117,11 @@ def test_without_capacity_elsewhere_running_jobs_finish_and_the_deployment_stops
     assert replacement.state == DeploymentState.FAILED  # nowhere to go
     assert deployment_route(model_id=model.id) is None  # no new job for the draining node
     # A new request waits on the failed replacement, so it fails with the placement's reason.
-    assert services.deployment_ensure(model=model, now=timezone.now()) == replacement
+    assert deployment_ensure(model=model, now=timezone.now()) == replacement
     assert Deployment.objects.get(pk=old.pk).state == DeploymentState.READY
     assert Node.objects.get(pk=a.pk).state == S.DRAINING
 
-    services.job_complete(
+    job_complete(
         job_id=job.id,
         usage={"completion_tokens": 3},
         finish_reason="stop",

@@ -13,8 +13,9 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from apps.jobs import admission, placement, services
+from apps.jobs import admission, placement
 from apps.jobs.autoscale import autoscale_key, replicas_autoscale
+from apps.jobs.deployments import deployment_ensure, deployment_stop, placement_request_from
 from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
 from apps.models_repo.models import Model
@@ -57,7 +58,7 @@ def test_a_placed_deployment_records_the_slots_memory_allows_and_the_agent_gets_
     dep = Deployment.objects.create(
         model=model,
         model_file=model.files.get(),
-        request=services.placement_request_from({"n_ctx": 512}).to_dict(),
+        request=placement_request_from({"n_ctx": 512}).to_dict(),
     )
     with RecordingAgents([str(a.id)]) as agents:
         result = placement.deployment_place(deployment_id=dep.id)
@@ -71,9 +72,9 @@ def test_a_placed_deployment_records_the_slots_memory_allows_and_the_agent_gets_
 
 
 def test_placement_request_keeps_a_bad_slot_count_for_the_scheduler_to_refuse() -> None:
-    assert services.placement_request_from({}).n_parallel is None
-    assert services.placement_request_from({"n_parallel": 0}).n_parallel == 0
-    assert services.placement_request_from({"n_parallel": 3}).n_parallel == 3
+    assert placement_request_from({}).n_parallel is None
+    assert placement_request_from({"n_parallel": 0}).n_parallel == 0
+    assert placement_request_from({"n_parallel": 3}).n_parallel == 3
 
 
 def test_deploy_api_refuses_zero_slots_with_400_naming_the_limit(
@@ -148,7 +149,7 @@ def test_concurrent_first_requests_create_one_deployment_between_them(
 
         try:
             barrier.wait()
-            got.append(services.deployment_ensure(model=model, now=timezone.now()).id)
+            got.append(deployment_ensure(model=model, now=timezone.now()).id)
         finally:
             connection.close()
 
@@ -169,7 +170,7 @@ def test_two_placements_at_once_put_their_replicas_on_different_nodes(model: Mod
         Deployment.objects.create(
             model=model,
             model_file=model.files.get(),
-            request=services.placement_request_from({"n_ctx": 512}).to_dict(),
+            request=placement_request_from({"n_ctx": 512}).to_dict(),
         )
         for _ in range(2)
     ]
@@ -277,7 +278,7 @@ def test_a_busy_replica_and_the_last_one_are_never_removed(model: Model, thresho
             assert replicas_autoscale(now=t1 + timedelta(seconds=s)).removed == []
         admission.slot_release(deployment_id=added_id, job_id="job-running")
         # The operator stops the first replica: the added one is now the last, and it stays.
-        services.deployment_stop(deployment_id=first.id, now=t1)
+        deployment_stop(deployment_id=first.id, now=t1)
         for s in (100, 131, 162):
             assert replicas_autoscale(now=t1 + timedelta(seconds=s)).removed == []
     assert Deployment.objects.get(pk=added_id).state == D.READY

@@ -16,8 +16,8 @@ from apps.accounts.models import Account
 from apps.credits.models import EntryKind
 from apps.credits.settlement import credit_reserve, credit_settle_job
 from apps.jobs.models import Deployment, Job
-from apps.jobs.services import command_send, command_wait
 from apps.jobs.states import DeploymentState, JobState
+from apps.nodes.commands import command_send, command_wait
 from apps.nodes.models import Event
 from racon.redis import get_redis
 from tests.credits.factories import deployment_for, funded_account, job_for

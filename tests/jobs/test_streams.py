@@ -55,20 +55,22 @@ def follow(f: StreamFollower) -> list[dict[str, str]]:
     return async_to_sync(run)()
 
 
-def test_completion_tokens_are_the_sum_of_n_over_relayed_chunks_not_the_nodes_claim(
+def test_completion_tokens_are_the_ids_relayed_not_the_nodes_claim(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     write(
         "j1",
         chunk(0, "Hello", [1]),
-        chunk(1, " wide world", [2, 3, 4]),
+        {**chunk(1, " wide world", [2, 3, 4]), "n": 1000},  # a forged n is not counted
         chunk(2, "!", None),
         done(3, {"prompt_tokens": 5, "completion_tokens": 500, "ttft_ms": 12.5}),
     )
     f = StreamFollower(node_id=NODE, job_id="j1", deployment_id=None, prompt_bound=100)
     got = follow(f)
-    assert [e["type"] for e in got] == ["chunk", "chunk", "chunk", "done"]
-    assert f.chunks == 3 and f.completion_tokens == 1 + 3 + 1  # a chunk without n counts one
+    # Chunks read together are relayed as one (coalescing); each entry is still counted.
+    assert [e["type"] for e in got] == ["chunk", "done"]
+    assert got[0]["text"] == "Hello wide world!" and json.loads(got[0]["ids"]) == [1, 2, 3, 4]
+    assert f.chunks == 3 and f.completion_tokens == 1 + 3 + 1  # text without ids counts one
     with caplog.at_level("WARNING", logger="racon.jobs.streams"):
         usage = f.usage(got[-1])
     assert (
@@ -175,7 +177,7 @@ def test_the_sweeps_tally_counts_like_the_follower() -> None:
 
 
 def test_a_nodes_finished_report_is_billed_on_the_controllers_count_of_its_stream(now: Any) -> None:
-    from apps.jobs import services
+    from apps.jobs.jobs import job_finish_from_report
     from apps.jobs.models import Job
     from apps.jobs.states import JobState
     from apps.models_repo.models import Model
@@ -196,7 +198,7 @@ def test_a_nodes_finished_report_is_billed_on_the_controllers_count_of_its_strea
             key,
             {k: (json.dumps(v) if isinstance(v, list | dict) else str(v)) for k, v in e.items()},
         )
-    services.job_finish_from_report(
+    job_finish_from_report(
         node_id=primary.id,
         payload={
             "job_id": str(job.id),

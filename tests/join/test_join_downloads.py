@@ -18,7 +18,7 @@ import pytest
 from django.utils import timezone
 
 from apps.nodes import join
-from apps.nodes.services import enrollment_token_issue
+from apps.nodes.enrollment import enrollment_token_issue
 from tests.factories import AccountFactory
 
 from .conftest import clean_env, system_python312

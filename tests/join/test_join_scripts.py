@@ -15,9 +15,9 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
+from apps.nodes.enrollment import enrollment_token_issue, enrollment_token_revoke
 from apps.nodes.join import join_command_line, join_python_line
 from apps.nodes.models import EnrollmentToken
-from apps.nodes.services import enrollment_token_issue, enrollment_token_revoke
 from tests.factories import AccountFactory
 
 from .conftest import ROOT, clean_env, system_python312
@@ -87,7 +87,8 @@ def test_an_unusable_token_gets_a_script_that_refuses_before_installing(
 def test_no_python_312_is_one_line_naming_what_to_install(machine: Path) -> None:
     _, plaintext = issue()
     script = Client().get(f"/join/{plaintext}").content.decode()
-    proc = run_sh(script, machine, with_python=False)
+    # The Python route (the line's default, the standalone bundle, needs no Python at all).
+    proc = run_sh(script, machine, with_python=False, RACON_JOIN_ROUTE="python")
     assert proc.returncode == 3
     assert_refused(proc, machine, "Python 3.12", "install python3.12")
 

@@ -50,13 +50,18 @@ def test_the_controller_refuses_an_agent_of_another_protocol(client: Client) -> 
 
 
 @pytest.mark.django_db
-def test_the_controller_answers_with_its_protocol_and_accepts_an_agent_without_one(
+def test_the_controller_answers_with_its_protocol_and_refuses_an_agent_without_one(
     client: Client,
 ) -> None:
+    resp = client.post("/api/agent/enroll", enroll_body(issue()), content_type="application/json")
+    assert resp.status_code == 201 and resp.json()["protocol_version"] == PROTOCOL_VERSION
+    # An agent from before the field existed speaks protocol 1, whose errors were told apart by
+    # their words: refused, naming the upgrade.
     body = enroll_body(issue())
     body.pop("protocol_version", None)
     resp = client.post("/api/agent/enroll", body, content_type="application/json")
-    assert resp.status_code == 201 and resp.json()["protocol_version"] == PROTOCOL_VERSION
+    assert resp.status_code == 409, resp.content
+    assert "speaks protocol 1" in resp.json()["error"]["message"]
 
 
 class InProcess(httpx.BaseTransport):
@@ -176,11 +181,15 @@ def test_the_agent_refuses_a_controller_of_another_protocol_before_using_the_tok
 
 
 @pytest.mark.django_db
-def test_the_agent_treats_a_controller_without_the_protocol_endpoint_as_protocol_1(
+def test_the_agent_refuses_a_controller_without_the_protocol_endpoint_as_protocol_1(
     tmp_path: Path,
 ) -> None:
-    enrolled = agent_enroll(tmp_path, issue(), without=PROTOCOL_PATH)
-    assert enrolled is not None and Node.objects.filter(pk=enrolled[0].node_id).exists()
+    # A controller from before the endpoint speaks 1, which told errors apart by their words:
+    # this agent (protocol 2) refuses it before the token is used.
+    nodes = Node.objects.count()
+    with pytest.raises(FatalAgentError, match="speaks node protocol 1"):
+        agent_enroll(tmp_path, issue(), without=PROTOCOL_PATH)
+    assert Node.objects.count() == nodes
 
 
 # --- the heartbeat -------------------------------------------------------------------------------
@@ -225,8 +234,8 @@ def test_the_controller_refuses_a_heartbeat_of_another_protocol_and_changes_noth
     ok = beat(client, node_id, credential, state="READY", protocol_version=PROTOCOL_VERSION)
     assert ok.status_code == 200 and ok.json()["protocol_version"] == PROTOCOL_VERSION
     assert ok.json()["state"] == NodeState.READY
-    # An agent from before the field existed speaks 1.
-    assert beat(client, node_id, credential).status_code == 200
+    # An agent from before the field existed speaks 1: refused.
+    assert beat(client, node_id, credential).status_code == 409
 
 
 def heartbeating_agent(tmp_path: Path, client: Client) -> Agent:

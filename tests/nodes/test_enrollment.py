@@ -7,8 +7,9 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
+from agent.protocol import PROTOCOL_VERSION
+from apps.nodes.enrollment import enrollment_token_issue, enrollment_token_revoke
 from apps.nodes.models import EnrollmentToken, Event, Node
-from apps.nodes.services import enrollment_token_issue, enrollment_token_revoke
 from apps.nodes.states import NodeState
 from tests.factories import AccountFactory, hardware_profile
 
@@ -21,6 +22,7 @@ def enroll_body(token: str, **over: Any) -> dict[str, Any]:
         "node_name": "box-1",
         "machine_id": "machine-aaa",
         "agent_version": "0.1.0",
+        "protocol_version": PROTOCOL_VERSION,
         "advertise_address": "10.0.0.5",
         "rpc_port": 50052,
         "hardware": hardware_profile(

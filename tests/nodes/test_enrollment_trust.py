@@ -9,7 +9,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from agent.protocol import heartbeat_key
+from agent.protocol import PROTOCOL_VERSION, heartbeat_key
 from apps.nodes.models import Event, Node
 from tests.factories import AccountFactory
 from tests.nodes.test_enrollment import enroll_body, issue, post
@@ -21,7 +21,7 @@ GIB = 1024**3
 def heartbeat(client: Client, node_id: str, cred: str, telemetry: Any, state: str = "READY") -> Any:
     return client.post(
         "/api/agent/heartbeat",
-        {"state": state, "telemetry": telemetry},
+        {"state": state, "telemetry": telemetry, "protocol_version": PROTOCOL_VERSION},
         content_type="application/json",
         headers={"Authorization": f"Node {node_id}:{cred}"},
     )
@@ -200,7 +200,7 @@ def test_malformed_telemetry_gets_400_naming_the_field_not_500(
 def test_heartbeat_with_a_malformed_node_id_gets_401_not_500(client: Client, header: str) -> None:
     resp = client.post(
         "/api/agent/heartbeat",
-        {"telemetry": {}},
+        {"telemetry": {}, "protocol_version": PROTOCOL_VERSION},
         content_type="application/json",
         headers={"Authorization": header},
     )

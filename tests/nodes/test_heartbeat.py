@@ -8,8 +8,10 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
+from agent.protocol import PROTOCOL_VERSION
+from apps.nodes.enrollment import enrollment_token_issue, node_revoke
 from apps.nodes.models import Event, Node
-from apps.nodes.services import enrollment_token_issue, node_drain, node_health_sweep, node_revoke
+from apps.nodes.services import node_drain, node_health_sweep
 from apps.nodes.states import NodeState
 from racon.redis import get_redis
 from tests.factories import AccountFactory, hardware_profile
@@ -32,6 +34,7 @@ def enroll(client: Client, name: str = "box", machine: str | None = None) -> tup
             "node_name": name,
             "machine_id": machine or name,
             "agent_version": "0.1.0",
+            "protocol_version": PROTOCOL_VERSION,
             "advertise_address": "127.0.0.1",
             "rpc_port": next(_PORTS),
             "hardware": hardware_profile(),
@@ -44,6 +47,7 @@ def enroll(client: Client, name: str = "box", machine: str | None = None) -> tup
 
 def beat(client: Client, node_id: str, cred: str, **body: Any) -> Any:
     body.setdefault("telemetry", {"cpu_percent": 5.0, "mem_available": 1024})
+    body.setdefault("protocol_version", PROTOCOL_VERSION)
     return client.post(
         "/api/agent/heartbeat",
         body,

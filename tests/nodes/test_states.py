@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from apps.nodes.heartbeats import heartbeat_target
 from apps.nodes.models import Event, Node
-from apps.nodes.services import heartbeat_target, node_transition
+from apps.nodes.services import node_transition
 from apps.nodes.states import TRANSITIONS, NodeState, can_transition, health_state
 from tests.factories import NodeFactory
 

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.metrics import MetricsServer, render, start_metrics_server
+from agent.protocol import PROTOCOL_VERSION
 from tests.agent.conftest import controller, free_port, h, redis_client  # noqa: F401 - fixtures of the real-Agent harness
 
 SNAPSHOT: dict[str, Any] = {
@@ -20,6 +21,7 @@ SNAPSHOT: dict[str, Any] = {
     "node_id": "node-1",
     "node_name": "box",
     "agent_version": "0.1.0",
+    "protocol_version": PROTOCOL_VERSION,
     "controller_reachable": True,
     "primaries": ["dep-1"],
     "loading": [],

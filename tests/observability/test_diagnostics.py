@@ -24,9 +24,10 @@ from apps.jobs.diagnostics import (
     scrub,
 )
 from apps.models_repo.models import ModelFile
+from apps.nodes.enrollment import enrollment_token_issue, node_enroll
 from apps.nodes.events import event_record
 from apps.nodes.models import EnrollmentToken, EventCategory, Node
-from apps.nodes.services import enrollment_token_issue, node_enroll, node_report_fault
+from apps.nodes.services import node_report_fault
 from racon.redis import get_redis
 from tests.factories import AccountFactory, NodeFactory, hardware_profile
 

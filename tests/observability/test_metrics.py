@@ -17,7 +17,7 @@ from apps.api.auth import api_key_create
 from apps.api.metrics import FAMILIES, job_finished_observe, metrics_render
 from apps.credits.ledger import account_for_user, credit_adjust
 from apps.credits.settlement import credit_reserve, credit_settle_job
-from apps.jobs import services as job_services
+from apps.jobs.jobs import job_complete, job_create, job_fail
 from apps.jobs.models import Deployment, Job
 from apps.models_repo.models import ModelFile
 from apps.nodes.states import NodeState
@@ -194,7 +194,7 @@ def test_a_finished_job_feeds_counters_and_histograms(model_file: ModelFile, now
         queued_at=now - timedelta(seconds=3),
         dispatched_at=now - timedelta(seconds=1),
     )
-    assert job_services.job_complete(
+    assert job_complete(
         job_id=job.id,
         usage={"prompt_tokens": 5, "completion_tokens": 40, "ttft_ms": 120.0, "tokens_per_s": 33.0},
         finish_reason="stop",
@@ -202,7 +202,7 @@ def test_a_finished_job_feeds_counters_and_histograms(model_file: ModelFile, now
         now=now,
     )
     failed = make_job(model_file, state="QUEUED", now=now)
-    job_services.job_fail(job_id=failed.id, now=now, error="no capacity", during_execution=False)
+    job_fail(job_id=failed.id, now=now, error="no capacity", during_execution=False)
     got = scrape()
     m = "tiny-model"
     assert v(got, "racon_jobs", state="COMPLETED", model=m) == 1
@@ -233,7 +233,7 @@ def test_credits_minted_spent_and_burned_follow_the_ledger(
     settings.CREDITS_MICRO_PER_TOKEN = 1_000
     account = account_for_user(user=UserFactory())
     credit_adjust(account_id=account.id, amount=-1_000_000, reason="correction", now=now)
-    job = job_services.job_create(
+    job = job_create(
         model=model_file.model,
         account_id=account.id,
         api_key_id=None,
@@ -252,7 +252,7 @@ def test_credits_minted_spent_and_burned_follow_the_ledger(
         ),
     )
     Job.objects.filter(pk=job.id).update(state="RUNNING", dispatched_at=now)
-    job_services.job_complete(
+    job_complete(
         job_id=job.id,
         usage={"prompt_tokens": 10, "completion_tokens": 20},
         finish_reason="stop",
@@ -341,7 +341,7 @@ def test_replicas_slots_queue_and_tokens_per_second_per_replica(
     )
     admission.queue_wait_record(model_id=model_file.model_id, seconds=3.0, now=t)
     done = make_job(model_file, state="RUNNING", now=now, deployment=one)
-    job_services.job_complete(
+    job_complete(
         job_id=done.id,
         usage={"completion_tokens": 120},
         finish_reason="stop",

@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.http import (
     HttpRequest,
     HttpResponse,
@@ -27,18 +28,20 @@ from django.http import (
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
-from apps.accounts.models import ApiKey
+from apps.accounts.models import Account, ApiKey
 from apps.credits.ledger import InsufficientCredits
+from apps.credits.rules import token_cost
 from apps.credits.selectors import account_standing
 from apps.credits.settlement import credit_reserve
 from apps.jobs import admission, serving
-from apps.jobs import services as job_services
+from apps.jobs.jobs import job_mark_running
 from apps.jobs.models import Job
 from apps.jobs.serving import Admission, pooled
 from apps.jobs.streams import StreamFailure, error_for_entry
 from apps.models_repo.models import Model
 from racon.logging import log_context
 
+from .. import quotas
 from ..auth import KeyPrincipal, bearer_from_header, principal_for_key
 from ..errors import ApiError
 from . import responses as shape
@@ -85,16 +88,53 @@ def _principal(header: str) -> KeyPrincipal:
     return principal
 
 
-def _credit_hold(job: Job) -> None:
-    """Hold the job's worst case on its account, in the job's own transaction (none without one)."""
+def _credit_hold(job: Job, prompt_tokens: int) -> None:
+    """Hold the job's worst case (its prompt's bound and max_tokens) on its account, in the job's
+    own transaction (none without one)."""
     if job.account_id is not None:
         credit_reserve(
             account_id=job.account_id,
             job_id=job.id,
             max_tokens=job.max_tokens,
+            prompt_tokens=prompt_tokens,
             model_price_permille=job.model.price_weight_permille,
             now=job.queued_at,
         )
+
+
+def _gate(principal: KeyPrincipal) -> serving.Gate:
+    """What must pass before the prompt leaves the controller: the account's balance covers the
+    request's hold (a key without credits never pushes its prompt to a node), and the key's and
+    the account's limits have room (apps.api.quotas). Returns the quota's release."""
+
+    def gate(job_id: str, model: Model, prompt_tokens: int, max_tokens: int) -> Any:
+        if principal.account_id is not None:
+            funds_check(
+                account_id=principal.account_id,
+                tokens=prompt_tokens + max_tokens,
+                price_permille=model.price_weight_permille,
+            )
+        return quotas.quota_take(
+            principal=principal, job_id=job_id, tokens=prompt_tokens + max_tokens
+        )
+
+    return gate
+
+
+def funds_check(*, account_id: Any, tokens: int, price_permille: int) -> None:
+    """InsufficientCredits when the account cannot cover ``tokens`` at the model's price (the
+    hold itself is taken, under the account's lock, when the job is written)."""
+    cost = token_cost(
+        tokens=tokens,
+        price_permille=price_permille,
+        micro_per_token=settings.CREDITS_MICRO_PER_TOKEN,
+    )
+    row = Account.objects.filter(pk=account_id).values("balance", "floor").first()
+    if cost <= 0 or row is None or row["floor"] is None:
+        return
+    available = int(row["balance"]) - int(row["floor"])
+    if available < cost:
+        raise InsufficientCredits(account_id=account_id, needed=cost, available=available)
 
 
 def _standing(account_id: Any) -> float:
@@ -127,6 +167,7 @@ def _authorize_and_admit(
             request_id=request_id,
             hold=_credit_hold,
             now=timezone.now(),
+            gate=_gate(principal),
         )
     except serving.ModelNotFound as exc:
         raise ApiError(
@@ -149,6 +190,14 @@ def _authorize_and_admit(
             status_code=429,
             type_="insufficient_quota",
             code="insufficient_quota",
+        ) from exc
+    except quotas.QuotaExceeded as exc:
+        raise ApiError(
+            str(exc),
+            status_code=429,
+            type_=exc.type,
+            code=exc.code,
+            headers={"Retry-After": str(exc.retry_after)},
         ) from exc
     return v, adm
 
@@ -242,7 +291,7 @@ async def _completion(request: HttpRequest, *, kind: str) -> HttpResponseBase:
                 resp["X-Accel-Buffering"] = "no"
                 adm.handed_off = True
                 return shape.with_job_headers(resp, adm)
-            await pooled(job_services.job_mark_running)(job_id=adm.job_id, now=first_at)
+            await pooled(job_mark_running)(job_id=adm.job_id, now=first_at)
             return shape.with_job_headers(await _collect(adm, kind, first, entries, shaping), adm)
     except ApiError as exc:
         if adm is not None and exc.status_code >= 500 and not adm.finished:
@@ -370,7 +419,7 @@ async def _sse_body(
                 if not marked_running:
                     # Recorded after the first token is on the wire, not in front of it.
                     marked_running = True
-                    await pooled(job_services.job_mark_running)(job_id=adm.job_id, now=first_at)
+                    await pooled(job_mark_running)(job_id=adm.job_id, now=first_at)
             elif etype == "done":
                 fr = entry.get("finish_reason") or "stop"
                 if fr == "cancelled":

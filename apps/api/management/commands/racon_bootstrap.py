@@ -19,7 +19,7 @@ from apps.models_repo.services import (
     model_register_file,
     model_register_from_pypi,
 )
-from apps.nodes.services import enrollment_token_issue
+from apps.nodes.enrollment import enrollment_token_issue
 
 
 class Command(BaseCommand):
