@@ -27,6 +27,7 @@ from agent.client import ControllerClient
 from agent.commands import Commands
 from agent.config import AgentConfig
 from agent.dispatcher import Dispatcher
+from agent.envelope import CommandGuard
 from agent.hardware import HardwareSource, hardware_source
 from agent.heartbeat import HeartbeatLoop
 from agent.identity import Identity, ensure_private_dir, load_identity
@@ -130,6 +131,7 @@ class Agent:
             stop=self._stop,
             wake_heartbeat=self.heartbeat.wake,
             on_rpc_worker_started=self._on_rpc_worker_started,
+            command_key=lambda: self.identity.command_key_bytes() if self.identity else None,
             adopt_lending=self._adopt_policy,
         )
         self.lending = LendingMonitor(
@@ -150,6 +152,12 @@ class Agent:
         )
 
     # --- state --------------------------------------------------------------------------------
+            guard=CommandGuard(
+                node_id=lambda: self.node_id,
+                key=lambda: self.identity.command_key_bytes() if self.identity else None,
+                max_age=config.command_max_age,
+                state_dir=config.state_dir,
+            ),
 
     @property
     def state(self) -> AgentState:
@@ -233,6 +241,9 @@ class Agent:
         if resumable:
             self.heartbeat.start()  # the controller sees UNINITIALIZED → REGISTERING → READY
         self.hardware = self.hw.inventory(benchmark=self.config.run_benchmarks)
+        if resumable and self.identity is not None and not self.identity.command_key:
+            # Stored before commands were signed: ask for the key before any command is taken.
+            self._adopt(lifecycle.command_key_fetch(self.client, self.identity, self.config))
         try:
             self.config.lending, saved = owner_policy_at_start(
                 self.config.state_dir, self.config.lending, hardware=dict(self.hardware)

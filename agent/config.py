@@ -13,6 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from agent.lending import LendingPolicy, PolicyError, load_policy_file, policy_with_flags
+from agent.protocol import COMMAND_MAX_AGE_SECONDS
 
 DEFAULT_RPC_PORT = 50052
 DEFAULT_DRAIN_SECONDS = 10.0
@@ -44,6 +45,8 @@ class AgentConfig:
     log_level: str = "INFO"
     # The owner's lending terms (agent/lending.py): --policy FILE, then the lending flags.
     lending: LendingPolicy = field(default_factory=LendingPolicy)
+    # A command issued longer ago than this is refused (agent/envelope.py, the replay window).
+    command_max_age: float = COMMAND_MAX_AGE_SECONDS
 
     @property
     def rpc_endpoint(self) -> str:
@@ -100,6 +103,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--drain-seconds", help="SIGTERM: bound on finishing current work (RACON_DRAIN_SECONDS)"
     )
     parser.add_argument("--redis-url", help="override the Redis URL given at enrollment")
+    parser.add_argument(
+        "--command-max-age",
+        help="refuse a command issued longer ago than this, seconds, default 600 "
+        "(RACON_COMMAND_MAX_AGE)",
+    )
     parser.add_argument("--no-benchmark", action="store_true", help="skip compute benchmarks")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING (RACON_LOG_LEVEL)")
     lend = parser.add_argument_group("lending (agent/lending.py; flags override --policy)")
@@ -217,6 +225,18 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         if not 0 <= drain <= 3600:
             raise ConfigError(f"--drain-seconds must be between 0 and 3600, got {drain}")
 
+    max_age_raw = _pick(args, env, "command_max_age")
+    max_age = COMMAND_MAX_AGE_SECONDS
+    if max_age_raw:
+        try:
+            max_age = float(max_age_raw)
+        except ValueError:
+            raise ConfigError(
+                f"--command-max-age must be a number of seconds, got {max_age_raw!r}"
+            ) from None
+        if not 5 <= max_age <= 86400:
+            raise ConfigError(f"--command-max-age must be between 5 and 86400, got {max_age:g}")
+
     redis_url = _pick(args, env, "redis_url")
     if redis_url and urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"--redis-url must be a redis:// URL, got {redis_url!r}")
@@ -264,6 +284,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         run_benchmarks=not getattr(args, "no_benchmark", False),
         log_level=level,
         lending=lending,
+        command_max_age=max_age,
     )
 
 

@@ -1,4 +1,4 @@
-"""The stored node credential (mode 0600) and a stable machine id, both in the state dir."""
+"""The stored node credential and command key (mode 0600) and a stable machine id, in the state dir."""
 
 from __future__ import annotations
 
@@ -23,9 +23,19 @@ class Identity:
     redis_url: str
     node_name: str = ""
     enrolled_at: float = field(default_factory=time.time)
+    # Hex; the key the controller signs this node's commands with (agent/protocol.py). Empty in an
+    # identity stored before commands were signed, until a heartbeat answer brings it.
+    command_key: str = ""
 
     def auth_header(self) -> str:
         return f"Node {self.node_id}:{self.credential}"
+
+    def command_key_bytes(self) -> bytes | None:
+        try:
+            key = bytes.fromhex(self.command_key)
+        except ValueError:
+            return None
+        return key if len(key) >= 16 else None
 
 
 class IdentityError(ValueError):
@@ -81,6 +91,7 @@ def load_identity(state_dir: Path) -> Identity | None:
             redis_url=str(raw["redis_url"]),
             node_name=str(raw.get("node_name", "")),
             enrolled_at=float(raw.get("enrolled_at", 0.0)),
+            command_key=str(raw.get("command_key", "")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise IdentityError(f"{path} is missing field {exc}") from exc

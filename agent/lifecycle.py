@@ -5,6 +5,7 @@ These are steps the Agent runs in order (agent/agent.py); each takes only the pa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -71,6 +72,30 @@ def credential_still_valid(client: ControllerClient, config: AgentConfig) -> boo
     except (ControllerUnavailable, ControllerError):
         pass
     return True
+
+
+def command_key_fetch(
+    client: ControllerClient, identity: Identity, config: AgentConfig
+) -> Identity:
+    """An identity stored before commands were signed gets its command key from one heartbeat
+    answer (asked with the node's credential) and keeps it. Without one every command is
+    refused; the agent says so and runs on, and asks again at its next start."""
+    hb = Heartbeat(
+        state=AgentState.UNINITIALIZED.value, sent_at=time.time(), telemetry={},
+        want_command_key=True,
+    )  # fmt: skip
+    try:
+        key = str(client.heartbeat(hb).get("command_key") or "")
+    except (ControllerUnavailable, ControllerError) as exc:
+        log.warning("could not fetch this node's command key (%s): commands are refused", exc)
+        return identity
+    updated = dataclasses.replace(identity, command_key=key)
+    if updated.command_key_bytes() is None:
+        log.warning("the controller gave no command key: every command will be refused")
+        return identity
+    save_identity(config.state_dir, updated)
+    log.info("fetched this node's command key (kept in %s)", config.identity_path)
+    return updated
 
 
 def controller_protocol_accepted(client: ControllerClient, *, stop: threading.Event) -> bool:
@@ -178,7 +203,10 @@ def enroll(
         controller_url=config.controller_url,
         redis_url=str(resp["redis_url"]),
         node_name=config.node_name,
+        command_key=str(resp.get("command_key") or ""),
     )
+    if identity.command_key_bytes() is None:
+        log.warning("the controller gave no command key: every command will be refused")
     save_identity(config.state_dir, identity)
     log.info("enrolled as node %s (%s)", identity.node_id, config.node_name)
     return identity, resp

@@ -95,13 +95,17 @@ def probe_peer(
         out["public"] = True
         return out
     try:
-        measured = tunnel_probe(host, port, pings=samples, bulk_bytes=bulk_bytes)
+        # The peer's tunnel answers probes only with its probe key (from the controller).
+        key = bytes.fromhex(str(peer.get("probe_key") or ""))
+        if len(key) < 16:
+            raise ConnectionError("the controller gave no probe key for this peer")
+        measured = tunnel_probe(host, port, key=key, pings=samples, bulk_bytes=bulk_bytes)
         out.update(measured)
         out["rtt_method"] = "tunnel-echo"
         out["bandwidth_method"] = "measured"
         out["bulk_bytes"] = bulk_bytes
         return out
-    except (OSError, ConnectionError) as exc:
+    except (OSError, ConnectionError, ValueError) as exc:
         # An older agent's port has no probe mode (or the probe broke): say so, then fall back.
         log.info(
             "link probe to %s:%s: tunnel probe failed (%s); using TCP connect time", host, port, exc

@@ -88,14 +88,33 @@ def scan_models(models_dir: Path, cache: ShaCache) -> list[ModelFileInfo]:
     return out
 
 
+class OutsideModelsDir(ValueError):
+    """A command named a path that does not resolve inside the models directory."""
+
+
+def confined_model_path(models_dir: Path, model_path: str) -> Path:
+    """``model_path`` (absolute, or relative to models_dir) resolved, if it lies inside the models
+    directory; a symlink the owner put there may name a file elsewhere, and that file is allowed.
+    Raises OutsideModelsDir otherwise: a command never reads a file the owner did not offer."""
+    root = models_dir.resolve()
+    p = Path(model_path)
+    real = (p if p.is_absolute() else models_dir / p).resolve()
+    if real.is_relative_to(root):
+        return real
+    if models_dir.is_dir():
+        for link in models_dir.rglob("*.gguf"):
+            if link.is_symlink() and link.resolve() == real:
+                return real
+    raise OutsideModelsDir(f"{model_path!r} is outside the models directory {root}")
+
+
 def resolve_model(
     models_dir: Path, cache: ShaCache, *, sha256: str, model_path: str | None
 ) -> Path | None:
-    """The local file for a plan: its explicit path, else a file in models_dir with that sha."""
+    """The local file for a plan: its explicit path (confined to models_dir: OutsideModelsDir),
+    else a file in models_dir with that sha."""
     if model_path:
-        p = Path(model_path)
-        if not p.is_absolute():
-            p = models_dir / p
+        p = confined_model_path(models_dir, model_path)
         return p if p.is_file() else None
     for info in scan_models(models_dir, cache):
         if info["sha256"] == sha256:

@@ -35,6 +35,7 @@ class QueueItem:
     raw: str  # the exact bytes in the processing list: LREM needs them
     command: dict[str, Any] | None  # None when malformed
     error: str | None = None  # why it is malformed
+    accepted: bool = False  # passed the envelope's checks (agent/envelope.py) and ran here
 
     @property
     def id(self) -> str | None:

@@ -32,4 +32,9 @@ class FatalAgentError(Exception):
 
 
 class CommandError(Exception):
-    """A command this node refuses; becomes command_result {ok: false, error}."""
+    """A command this node refuses; becomes command_result {ok: false, error} (and ``code``,
+    machine-readable, when set)."""
+
+    def __init__(self, message: str, *, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,4 +1,5 @@
-"""RPC tunnel benchmark: a split plan's decode speed through the authenticated tunnel vs direct.
+"""RPC tunnel benchmark: a split plan's decode speed through the tunnel (mutual TLS with a
+per-deployment certificate from a controller CA, agent/tunnel.py) vs direct.
 
 Run: ``python bench/rpc_tunnel.py [--pairs 8] [--max-tokens 64]``; across two network-namespace
 hosts (tests/cluster/harness.py, needs root): ``.venv/bin/python bench/rpc_tunnel.py --netns``.
@@ -46,8 +47,10 @@ import redis  # noqa: E402
 from agent.protocol import job_stream_key  # noqa: E402
 from agent.runtime.rpc_worker import RpcWorker  # noqa: E402
 from agent.runtime.server import ServerPrimary  # noqa: E402
+from agent.tunnel import TunnelTls  # noqa: E402
 from bench.common import load_average  # noqa: E402
 from racon.embedded import start_redis  # noqa: E402
+from racon.tls import ca_load_or_create, issue_leaf  # noqa: E402
 from tests.cluster.harness import LinkSpec, namespace_hosts, skip_reason, stop_process  # noqa: E402
 from tests.e2e.harness import free_port  # noqa: E402
 from tests.smollm2 import smollm2_path  # noqa: E402
@@ -64,6 +67,14 @@ PROMPTS = [
 ARMS = ("tunnel", "direct")
 KEY_ENV = "RACON_BENCH_TUNNEL_KEY"
 NODE_ID = "node-rt"
+TLS_FILE = "tunnel-tls.json"
+
+
+def deployment_tls(var_dir: Path, deployment_id: str) -> TunnelTls:
+    """As the controller issues it (apps/jobs/placement.py): a leaf from its CA per deployment."""
+    ca, _ = ca_load_or_create(var_dir=var_dir)
+    leaf = issue_leaf(ca, common_name=f"racon-tunnel {deployment_id}", server=True, client=True)
+    return TunnelTls(cert=leaf.cert_pem.decode(), key=leaf.key_pem.decode(), ca=ca.pem().decode())
 
 
 def measure(
@@ -175,8 +186,10 @@ def loopback(args: argparse.Namespace) -> int:
             plan = _plan(arm, [w.endpoint for w in ws], n_gpu_layers=-1)
             if tunnel:
                 plan["rpc_tunnel_key"] = key = secrets.token_hex(32)
+                tls = deployment_tls(tmp / "var", f"dep-{arm}")
+                plan["rpc_tunnel_tls"] = tls.to_wire()
                 for w in ws:
-                    w.authorize(f"dep-{arm}", key, "127.0.0.1")
+                    w.authorize(f"dep-{arm}", key, "127.0.0.1", tls)
             primaries[arm] = _primary(arm, plan, tmp, rs.url, r, events, finished)
         for line in measure(
             primaries, r, finished, events, pairs=args.pairs, max_tokens=args.max_tokens
@@ -218,7 +231,8 @@ def worker_role(args: argparse.Namespace) -> int:
                 tunnel=arm == "tunnel",
             )  # fmt: skip
             ws[arm].start()
-        ws["tunnel"].authorize("dep-tunnel", os.environ[KEY_ENV], args.peer)
+        tls = TunnelTls(**json.loads((wd / TLS_FILE).read_text()))
+        ws["tunnel"].authorize("dep-tunnel", os.environ[KEY_ENV], args.peer, tls)
         tmp = wd / "workers.tmp"
         tmp.write_text(json.dumps({arm: w.endpoint for arm, w in ws.items()}))
         tmp.replace(wd / "workers.json")
@@ -249,6 +263,7 @@ def primary_role(args: argparse.Namespace) -> int:
             plan = _plan(arm, [eps[arm]], n_gpu_layers=args.remote_layers)
             if arm == "tunnel":
                 plan["rpc_tunnel_key"] = os.environ[KEY_ENV]
+                plan["rpc_tunnel_tls"] = json.loads((wd / TLS_FILE).read_text())
             t0 = time.monotonic()
             primaries[arm] = _primary(arm, plan, wd, rs.url, r, events, finished)
             where = ", ".join(
@@ -278,6 +293,10 @@ def across_hosts(args: argparse.Namespace) -> int:
         return 0
     wd = Path(tempfile.mkdtemp(prefix="racon-tunnel-netns-"))
     os.chmod(wd, 0o755)
+    tls = deployment_tls(wd / "var", "dep-tunnel")
+    fd = os.open(wd / TLS_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(tls.to_wire(), f)
     link = LinkSpec(delay_ms=args.delay_ms, rate_mbit=args.rate_mbit)
     env = {
         **os.environ,

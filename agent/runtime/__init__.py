@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
 from agent.protocol import JobFinishedPayload, LoadPrimaryPayload
+
+if TYPE_CHECKING:
+    from agent.tunnel import TunnelTls
 
 # (event name, human message, data) → reported to the controller as a kind="event" report.
 EventSink = Callable[[str, str, dict[str, Any]], None]
@@ -47,7 +50,13 @@ class RpcWorkerHandle(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
-    def authorize(self, deployment_id: str, key_hex: str, peer_host: str | None) -> None: ...
+    def authorize(
+        self, deployment_id: str, key_hex: str, peer_host: str | None, tls: TunnelTls
+    ) -> None: ...
+
+    def allow_probes(self, probe_key: bytes) -> None:
+        """Link probes with this node's probe key are answered from now on."""
+        ...
 
 
 class PrimaryHandle(Protocol):

@@ -25,7 +25,7 @@ from agent.protocol import (
 from agent.runtime import EventSink, JobFinishedSink, LoadFailed, PortInUse, RuntimeErrorReport
 from agent.runtime.rpc_worker import check_port_free, format_endpoint
 from agent.runtime.stream import StreamWriter, append_error
-from agent.tunnel import TunnelServer
+from agent.tunnel import TunnelServer, TunnelTls
 
 FAKE_TOKENS = ("Hello", " from", " the", " fake", " runtime", ".")
 
@@ -39,15 +39,23 @@ class FakeRpcWorker:
         self.endpoint = format_endpoint(host, port)
         self.on_event = on_event
         self._sock: TunnelServer | None = None
+        self.probe_key: bytes | None = None
 
     @property
     def running(self) -> bool:
         return self._sock is not None
 
-    def authorize(self, deployment_id: str, key_hex: str, peer_host: str | None) -> None:
+    def authorize(
+        self, deployment_id: str, key_hex: str, peer_host: str | None, tls: TunnelTls
+    ) -> None:
         if self._sock is None:
             raise ValueError("the RPC worker is not running behind its tunnel")
-        self._sock.authorize(deployment_id, key_hex, peer_host)
+        self._sock.authorize(deployment_id, key_hex, peer_host, tls)
+
+    def allow_probes(self, probe_key: bytes) -> None:
+        self.probe_key = probe_key
+        if self._sock is not None:
+            self._sock.probe_key = probe_key
 
     def status(self) -> dict[str, Any]:
         return {"running": self.running, "endpoint": self.endpoint, "devices": [], "restarts": 0}
@@ -66,7 +74,7 @@ class FakeRpcWorker:
         except PortInUse as exc:
             self.on_event("RPC_WORKER_FAILED", str(exc), {"endpoint": self.endpoint, **exc.data})
             raise
-        s = TunnelServer(host=self.host, port=self.port, target_port=0)
+        s = TunnelServer(host=self.host, port=self.port, target_port=0, probe_key=self.probe_key)
         s.start()
         self._sock = s
         devices = [{"name": "CPU", "type": "cpu", "memory_total": 8 << 30, "memory_free": 6 << 30}]

@@ -22,7 +22,7 @@ from agent.protocol import PublicAddressError, is_private_address
 from agent.retry import RetryStopped, backoff_delay, retry_call
 from agent.runtime import EventSink, PortInUse, RuntimeErrorReport
 from agent.runtime.child import log_tail, readline_timeout, spawn, stop_process
-from agent.tunnel import TunnelServer
+from agent.tunnel import TunnelServer, TunnelTls
 
 log = logging.getLogger("agent.runtime.rpc_worker")
 
@@ -115,6 +115,7 @@ class RpcWorker:
         # tunnel=False binds ggml-rpc itself to host:port (only bench/rpc_tunnel.py's direct arm).
         self.tunnel: TunnelServer | None = None
         self._use_tunnel = tunnel
+        self.probe_key: bytes | None = None  # link probes are refused until allow_probes
         self.listen_port = port
 
     # --- public -------------------------------------------------------------------------------
@@ -137,11 +138,19 @@ class RpcWorker:
             "tunnel": self._use_tunnel,
         }
 
-    def authorize(self, deployment_id: str, key_hex: str, peer_host: str | None) -> None:
-        """Let that deployment's primary (from peer_host) through the tunnel; ValueError if the key is bad."""
+    def authorize(
+        self, deployment_id: str, key_hex: str, peer_host: str | None, tls: TunnelTls
+    ) -> None:
+        """Let that deployment's primary (from peer_host, with the deployment's certificate)
+        through the tunnel; ValueError if the key or certificate is bad."""
         if self.tunnel is None:
             raise ValueError("the RPC worker is not running behind its tunnel")
-        self.tunnel.authorize(deployment_id, key_hex, peer_host)
+        self.tunnel.authorize(deployment_id, key_hex, peer_host, tls)
+
+    def allow_probes(self, probe_key: bytes) -> None:
+        self.probe_key = probe_key
+        if self.tunnel is not None:
+            self.tunnel.probe_key = probe_key
 
     def start(self) -> dict[str, Any]:
         """Start and wait until it listens. Reports RPC_WORKER_STARTED or a failure event.
@@ -239,6 +248,7 @@ class RpcWorker:
                     port=self.port,
                     target_port=self.listen_port,
                     on_refused=lambda msg, data: self.on_event("RPC_TUNNEL_REFUSED", msg, data),
+                    probe_key=self.probe_key,
                 )
                 try:
                     self.tunnel.start()

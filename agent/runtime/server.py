@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shlex
 import shutil
 import socket
@@ -55,7 +56,7 @@ from agent.runtime.primary import (
 from agent.runtime.prompting import template_request, token_probs
 from agent.runtime.stream import DirectStreamWriter, append_error, last_seq
 from agent.runtime.template import RENDER_ERRORS, LocalTemplate, plain_messages
-from agent.tunnel import TunnelClient
+from agent.tunnel import TunnelClient, TunnelTls
 from agent.tunnel import reachable as tunnel_reachable
 
 log = logging.getLogger("agent.runtime.server")
@@ -203,6 +204,9 @@ class ServerPrimary:
         # Whether the model's chat template renders tools itself (/props); else the agent does.
         self.template_has_tools = False
         # The chat template rendered here when it matches llama-server's (agent/runtime/template.py).
+        # llama-server's --api-key for this load, in its environment (never argv): another local
+        # user of this machine cannot use the primary's engine.
+        self.api_key = secrets.token_urlsafe(32)
         self.local_template: LocalTemplate | None = None
         # llama-server's --slot-save-path: slot state files of a KV transfer pass through here.
         self.slot_dir: Path | None = None
@@ -267,6 +271,7 @@ class ServerPrimary:
             self._proc = subprocess.Popen(
                 die_with_parent(
                     [
+                    tls=TunnelTls.from_wire(self.plan.get("rpc_tunnel_tls")),
                         str(exe),
                         *server_args(
                             self._engine_plan(), self.model_path, self.port, self.slot_dir
@@ -276,7 +281,7 @@ class ServerPrimary:
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
-                env=child_env(),
+                env={**child_env(), "LLAMA_API_KEY": self.api_key},
                 close_fds=True,
             )
         deadline = time.monotonic() + self.load_timeout
@@ -399,7 +404,7 @@ class ServerPrimary:
                 "POST",
                 f"/slots/{int(slot)}?action={action}",
                 json.dumps({"filename": filename}),
-                {"Content-Type": "application/json"},
+                self._headers(),
             )
             resp = conn.getresponse()
             data = resp.read()
@@ -586,7 +591,7 @@ class ServerPrimary:
     def _post(self, j: _Job, path: str, body: dict[str, Any]) -> dict[str, Any]:
         conn = self._connect(j)
         try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            conn.request("POST", path, json.dumps(body), self._headers())
             resp = conn.getresponse()
             data = resp.read()
             if resp.status != 200:
@@ -599,9 +604,7 @@ class ServerPrimary:
     def _stream(self, j: _Job, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         conn = self._connect(j)
         try:
-            conn.request(
-                "POST", "/completion", json.dumps(body), {"Content-Type": "application/json"}
-            )
+            conn.request("POST", "/completion", json.dumps(body), self._headers())
             resp = conn.getresponse()
             if resp.status != 200:
                 raise _error_from(resp.status, resp.read())
@@ -644,7 +647,7 @@ class ServerPrimary:
     def _health_ok(self) -> bool:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-            conn.request("GET", "/health")
+            conn.request("GET", "/health", headers=self._headers())
             ok = conn.getresponse().status == 200
             conn.close()
             return ok
@@ -668,9 +671,12 @@ class ServerPrimary:
         """llama-server's /props ({} when unreadable: no tools in the template, no local template)."""
         try:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-            conn.request("GET", "/props")
+            conn.request("GET", "/props", headers=self._headers())
             props = json.loads(conn.getresponse().read())
             conn.close()
+    def _headers(self) -> dict[str, str]:
+        return {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"}
+
         except (OSError, http.client.HTTPException, ValueError) as exc:
             log.warning("deployment %s: /props unreadable: %s", self.deployment_id, exc)
             return {}
@@ -682,7 +688,7 @@ class ServerPrimary:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
             body = json.dumps({"messages": messages})
-            conn.request("POST", "/apply-template", body, {"Content-Type": "application/json"})
+            conn.request("POST", "/apply-template", body, self._headers())
             resp = conn.getresponse()
             data = resp.read()
             return str(json.loads(data)["prompt"]) if resp.status == 200 else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -13,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from agent.agent import Agent
 from agent.config import AgentConfig
-from agent.protocol import node_queue_key
+from agent.protocol import command_signature, node_queue_key
 from agent.runtime.fake import FakeRuntime
+from agent.tunnel import TunnelTls
+from racon.tls import ca_load_or_create, issue_leaf
 
 if TYPE_CHECKING:
     from tests.agent.conftest import FakeController
@@ -76,12 +79,31 @@ class Harness:
         raise AssertionError("unknown agent")
 
     def send(self, agent: Agent, kind: str, payload: Any = None, *, cid: str | None = None) -> str:
+        """Push a command signed as the controller signs it (apps/nodes/commands.py)."""
         cid = cid or uuid.uuid4().hex
-        raw = json.dumps(
-            {"id": cid, "kind": kind, "payload": payload or {}, "issued_at": time.time()}
-        )
-        self.r.rpush(node_queue_key(agent.node_id), raw)  # type: ignore[arg-type]
+        assert agent.node_id is not None
+        raw = self.signed(agent.node_id, kind, payload or {}, cid=cid)
+        self.r.rpush(node_queue_key(agent.node_id), raw)
         return cid
+
+    def signed(
+        self,
+        node_id: str,
+        kind: str,
+        payload: dict[str, Any],
+        *,
+        cid: str | None = None,
+        issued_at: float | None = None,
+    ) -> str:
+        """The queue item of a command for node_id, signed with that node's command key."""
+        cid = cid or uuid.uuid4().hex
+        issued = time.time() if issued_at is None else issued_at
+        key = bytes.fromhex(self.controller.command_keys[node_id])
+        sig = command_signature(
+            key, node_id=node_id, command_id=cid, kind=kind, payload=payload, issued_at=issued
+        )
+        body = {"id": cid, "kind": kind, "payload": payload, "issued_at": issued}
+        return json.dumps({**body, "node_id": node_id, "sig": sig})
 
     def plan(self, **kw: Any) -> dict[str, Any]:
         plan: dict[str, Any] = {
@@ -124,6 +146,17 @@ class Harness:
         for a, t, _ in self.agents:
             a.request_stop("teardown")
             t.join(20)
+
+
+_CA_DIR = Path(tempfile.mkdtemp(prefix="racon-test-ca-"))
+
+
+def deployment_tls(deployment_id: str) -> TunnelTls:
+    """A deployment's tunnel certificate as the controller issues it (apps/jobs/placement.py):
+    one leaf from a CA (one per test process), for server and client use."""
+    ca, _ = ca_load_or_create(var_dir=_CA_DIR)
+    leaf = issue_leaf(ca, common_name=f"racon-tunnel {deployment_id}", server=True, client=True)
+    return TunnelTls(cert=leaf.cert_pem.decode(), key=leaf.key_pem.decode(), ca=ca.pem().decode())
 
 
 def wait(predicate: Any, timeout: float = 30.0) -> Any:

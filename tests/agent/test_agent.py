@@ -389,7 +389,10 @@ def test_a_duplicate_command_id_runs_once(h: Harness) -> None:
     h.send(agent, "rescan_models", cid=cid)  # re-delivered
     marker = h.send(agent, "rpc_start")
     h.controller.result(marker)  # commands run in order, so the duplicate was seen by now
-    assert len(h.controller.results_for(cid)) == 1
+    # The controller never sends an id twice: the copy is refused as a replay, not run.
+    first, again = (r["payload"] for r in h.controller.results_for(cid))
+    assert first["ok"] and again["ok"] is False and again["code"] == "command_replayed"
+    assert len([r for r in h.controller.reports if r["kind"] == "models"]) == 1
     wait(lambda: h.r.llen(node_processing_key(agent.node_id)) == 0)
 
 
@@ -399,8 +402,9 @@ def test_a_command_left_in_processing_by_a_crash_runs_after_restart(h: Harness) 
     node = agent.node_id
     assert h.stop(agent) == 0
     cid = uuid.uuid4().hex
-    raw = json.dumps({"id": cid, "kind": "rescan_models", "payload": {}, "issued_at": 0})
-    h.r.rpush(node_processing_key(node), raw)  # type: ignore[arg-type] # taken, then crashed
+    assert node is not None
+    raw = h.signed(node, "rescan_models", {}, cid=cid)
+    h.r.rpush(node_processing_key(node), raw)  # taken, then crashed
     h.start(cfg)
     assert h.controller.result(cid)["ok"]
     wait(lambda: h.r.llen(node_processing_key(node)) == 0)  # type: ignore[arg-type]
@@ -506,15 +510,19 @@ def test_stop_lets_short_work_finish_within_the_bound(h: Harness) -> None:
 def test_a_hash_challenge_is_answered_from_the_file_itself(h: Harness) -> None:
     agent = h.start()
     nonce = "ab" * 16
-    res = h.controller.result(
+    # The file is under 64 KiB: only the whole of it can be asked for.
+    whole = {"sha256": MODEL_SHA, "offset": 0, "length": len(MODEL_BYTES), "nonce": nonce}
+    res = h.controller.result(h.send(agent, "hash_challenge", whole))
+    assert (
+        res["ok"]
+        and res["digest"] == hashlib.sha256(bytes.fromhex(nonce) + MODEL_BYTES).hexdigest()
+    )
+    short = h.controller.result(
         h.send(
             agent, "hash_challenge", {"sha256": MODEL_SHA, "offset": 2, "length": 5, "nonce": nonce}
         )
     )
-    assert (
-        res["ok"]
-        and res["digest"] == hashlib.sha256(bytes.fromhex(nonce) + MODEL_BYTES[2:7]).hexdigest()
-    )
+    assert not short["ok"] and short["code"] == "challenge_range" and "digest" not in short
     missing = h.controller.result(
         h.send(
             agent, "hash_challenge", {"sha256": "0" * 64, "offset": 0, "length": 5, "nonce": nonce}

@@ -17,7 +17,7 @@ import pytest
 from agent.agent import AgentState
 from agent.runtime.llama import LlamaRuntime
 from tests.agent.conftest import MODEL, read_stream
-from tests.agent.harness import Harness, wait
+from tests.agent.harness import Harness, deployment_tls, wait
 
 pytestmark = pytest.mark.e2e
 
@@ -58,11 +58,14 @@ def test_three_agents_split_a_model_and_survive_a_worker_dying_mid_generation(h:
         rpc_endpoints=[a.config.rpc_endpoint, b.config.rpc_endpoint],
         rpc_tunnel_key=secrets.token_hex(32),
     )
+    tls = deployment_tls(plan["deployment_id"]).to_wire()
+    plan["rpc_tunnel_tls"] = tls
     # As the controller does: each worker lets this deployment's primary through its tunnel.
     for worker in (a, b):
         grant = {
             "deployment_id": plan["deployment_id"],
             "tunnel_key": plan["rpc_tunnel_key"],
+            "tunnel_tls": tls,
             "primary_address": "127.0.0.1",
         }
         assert h.controller.result(h.send(worker, "rpc_start", grant))["ok"]

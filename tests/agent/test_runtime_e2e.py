@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
@@ -19,6 +20,7 @@ from agent.runtime import LoadFailed
 from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.server import ServerPrimary
 from tests.agent.conftest import MODEL, REDIS_URL, REPO, free_port, new_job_id, read_stream
+from tests.agent.harness import deployment_tls
 
 pytestmark = pytest.mark.e2e
 
@@ -70,12 +72,13 @@ def workers(tmp_path: Path) -> Iterator[tuple[list[RpcWorker], Events]]:
             w.stop()
 
 
-def _grant(ws: list[RpcWorker], deployment_id: str) -> str:
-    """What the controller does at placement: a fresh key, accepted by every worker of the plan."""
-    key = secrets.token_hex(32)
+def _grant(ws: list[RpcWorker], deployment_id: str) -> dict[str, Any]:
+    """What the controller does at placement: a fresh key and certificate, accepted by every
+    worker of the plan; the plan's fields for the primary."""
+    key, tls = secrets.token_hex(32), deployment_tls(deployment_id)
     for w in ws:
-        w.authorize(deployment_id, key, "127.0.0.1")
-    return key
+        w.authorize(deployment_id, key, "127.0.0.1", tls)
+    return {"rpc_tunnel_key": key, "rpc_tunnel_tls": tls.to_wire()}
 
 
 def local_reference() -> str:
@@ -118,7 +121,7 @@ def test_a_split_across_two_rpc_workers_generates_what_a_local_run_does(
         "n_ctx": 512,
         "n_parallel": 1,
         "n_threads": 1,
-        "rpc_tunnel_key": _grant(ws, "dep-split"),
+        **_grant(ws, "dep-split"),
     }
     plan["deployment_id"] = "dep-split"
     primary = ServerPrimary(
@@ -307,6 +310,33 @@ def test_two_sequences_at_once_give_the_text_each_gives_alone_on_one_node(
         primary.stop()
 
 
+def test_the_primarys_llama_server_answers_only_with_its_api_key_which_is_not_in_argv(
+    redis_client: Any, tmp_path: Path
+) -> None:
+    _need_llama()
+    finished: list[dict[str, Any]] = []
+    primary = _batching_primary({"n_parallel": 1}, redis_client, tmp_path, finished)
+    try:
+        primary.load()  # its own requests (health, props, warm-up) carry the key
+        assert primary.pid is not None
+        argv = Path(f"/proc/{primary.pid}/cmdline").read_bytes()
+        assert primary.api_key.encode() not in argv
+        body = json.dumps({"prompt": "Hi", "n_predict": 1})
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            conn = http.client.HTTPConnection("127.0.0.1", primary.port, timeout=30)
+            conn.request(
+                "POST", "/completion", body, {"Content-Type": "application/json", **headers}
+            )
+            assert conn.getresponse().status == 401
+            conn.close()
+        job = _job(STORY, redis_client, max_tokens=4)
+        primary.submit(job)
+        _wait_finished(finished, {job["job_id"]})
+        assert finished[-1]["status"] == "completed"
+    finally:
+        primary.stop()
+
+
 def test_two_sequences_at_once_give_the_text_each_gives_alone_on_a_split_plan(
     workers: tuple[list[RpcWorker], Events], redis_client: Any, tmp_path: Path
 ) -> None:
@@ -314,7 +344,7 @@ def test_two_sequences_at_once_give_the_text_each_gives_alone_on_a_split_plan(
     finished: list[dict[str, Any]] = []
     split = {
         "rpc_endpoints": [w.endpoint for w in ws], "tensor_split": [1.0, 1.0], "n_gpu_layers": -1, "n_parallel": 2,
-        "rpc_tunnel_key": _grant(ws, "dep-batch"),
+        **_grant(ws, "dep-batch"),
     }  # fmt: skip
     primary = _batching_primary(split, redis_client, tmp_path, finished)
     try:

@@ -1,4 +1,5 @@
-"""The RPC tunnel: only the holder of a deployment's key, from the plan's primary, reaches ggml-rpc."""
+"""The RPC tunnel: only the holder of a deployment's key and certificate, from the plan's primary,
+reaches ggml-rpc, and every byte after the handshake travels inside TLS."""
 
 from __future__ import annotations
 
@@ -11,8 +12,30 @@ from typing import Any
 
 import pytest
 
-from agent.tunnel import MAGIC_RPC, TunnelClient, TunnelServer, dial, probe
+from agent.protocol import probe_key
+from agent.tunnel import (
+    MAGIC_RPC,
+    NONCE_BYTES,
+    TunnelClient,
+    TunnelServer,
+    TunnelTls,
+    probe,
+    reachable,
+)
 from tests.agent.conftest import free_port
+
+tls_mod = pytest.importorskip("racon.tls", reason="the controller's CA needs cryptography")
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return tls_mod.ca_load_or_create(var_dir=tmp_path_factory.mktemp("var"))[0]
+
+
+def deployment_tls(ca: Any, dep: str) -> TunnelTls:
+    """As the controller issues it: one leaf per deployment, server and client use."""
+    leaf = tls_mod.issue_leaf(ca, common_name=f"racon-tunnel {dep}", server=True, client=True)
+    return TunnelTls(cert=leaf.cert_pem.decode(), key=leaf.key_pem.decode(), ca=ca.pem().decode())
 
 
 class Upstream:
@@ -46,6 +69,9 @@ class Upstream:
         self.sock.close()
 
 
+NODE_KEY = secrets.token_bytes(32)  # the worker node's command key
+
+
 @pytest.fixture
 def tunnel() -> Iterator[tuple[TunnelServer, Upstream, list[tuple[str, dict[str, Any]]]]]:
     up = Upstream()
@@ -55,6 +81,7 @@ def tunnel() -> Iterator[tuple[TunnelServer, Upstream, list[tuple[str, dict[str,
         port=free_port(),
         target_port=up.port,
         on_refused=lambda m, d: refused.append((m, d)),
+        probe_key=probe_key(NODE_KEY),
     )
     server.start()
     try:
@@ -70,76 +97,216 @@ def _wait(pred: Any, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_the_deployments_key_from_its_primary_relays_bytes_both_ways(tunnel: Any) -> None:
-    server, up, refused = tunnel
-    key = secrets.token_hex(32)
-    server.authorize("dep-1", key, "127.0.0.1")
-    sock = dial("127.0.0.1", server.port, deployment_id="dep-1", key=bytes.fromhex(key))
-    with sock:
-        sock.sendall(b"ggml hello")
-        assert sock.recv(100) == b"ggml hello"
-    assert bytes(up.received) == b"ggml hello" and refused == []
+def _client(server: TunnelServer, dep: str, key: str, tls: TunnelTls) -> TunnelClient:
+    return TunnelClient(
+        remote_host="127.0.0.1", remote_port=server.port, deployment_id=dep, key_hex=key, tls=tls
+    )
 
 
-@pytest.mark.parametrize("case", ["no handshake", "wrong key", "other deployment", "other host"])
-def test_a_connection_without_the_deployments_key_gets_no_byte_through(
-    tunnel: Any, case: str
+def _local(client: TunnelClient) -> socket.socket:
+    host, port = client.local_endpoint.split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _echo(sock: socket.socket, data: bytes) -> bytes:
+    sock.sendall(data)
+    got = b""
+    while len(got) < len(data):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.settimeout(10)
+    try:
+        return sock.recv(100) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_the_deployments_key_and_certificate_from_its_primary_relay_bytes_both_ways(
+    tunnel: Any, ca: Any
 ) -> None:
     server, up, refused = tunnel
-    key = secrets.token_hex(32)
-    server.authorize("dep-1", key, "10.9.9.9" if case == "other host" else "127.0.0.1")
-    if case == "no handshake":
-        # A raw ggml-rpc client (or an attacker) speaking straight to the port.
-        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
-            s.recv(16)  # the nonce
-            s.sendall(b"\x00" * 64 + b"RPC_CMD_HELLO")
-            s.settimeout(5)
-            try:
-                assert s.recv(10) == b""  # closed on us...
-            except ConnectionResetError:
-                pass  # ...or reset, since it never read what we sent
-    else:
-        dep = "dep-2" if case == "other deployment" else "dep-1"
-        use = secrets.token_hex(32) if case == "wrong key" else key
-        with pytest.raises(PermissionError, match="refused"):
-            dial("127.0.0.1", server.port, deployment_id=dep, key=bytes.fromhex(use))
+    key, tls = secrets.token_hex(32), deployment_tls(ca, "dep-1")
+    server.authorize("dep-1", key, "127.0.0.1", tls)
+    client = _client(server, "dep-1", key, tls)
+    try:
+        with _local(client) as s:
+            assert _echo(s, MAGIC_RPC + b" ggml hello") == MAGIC_RPC + b" ggml hello"
+            big = secrets.token_bytes(3 * 2**20)  # a tensor upload's worth, through TLS records
+            assert _echo(s, big) == big
+    finally:
+        client.close()
+    assert bytes(up.received) == MAGIC_RPC + b" ggml hello" + big and refused == []
+
+
+@pytest.mark.parametrize(
+    "case", ["wrong key", "other deployment", "other certificate", "other host"]
+)
+def test_a_connection_without_the_deployments_key_and_certificate_gets_no_byte_through(
+    tunnel: Any, ca: Any, case: str
+) -> None:
+    server, up, refused = tunnel
+    key, tls = secrets.token_hex(32), deployment_tls(ca, "dep-1")
+    server.authorize("dep-1", key, "10.9.9.9" if case == "other host" else "127.0.0.1", tls)
+    dep = "dep-2" if case == "other deployment" else "dep-1"
+    use_key = secrets.token_hex(32) if case == "wrong key" else key
+    # Another deployment's certificate from the very same CA is not this deployment's.
+    use_tls = deployment_tls(ca, "dep-9") if case == "other certificate" else tls
+    client = _client(server, dep, use_key, use_tls)
+    try:
+        with _local(client) as s:
+            s.sendall(b"RPC_CMD_HELLO")
+            assert _closed(s)
+    finally:
+        client.close()
     _wait(lambda: refused)
     assert up.connections == 0 and bytes(up.received) == b""
     assert refused and refused[0][1]["peer"] == "127.0.0.1"
+    assert client.failures, "the primary's side says why"
 
 
-def test_a_new_deployments_key_replaces_the_old_one(tunnel: Any) -> None:
+def test_a_raw_client_speaking_ggml_rpc_to_the_port_gets_nothing(tunnel: Any, ca: Any) -> None:
+    server, up, refused = tunnel
+    server.authorize("dep-1", secrets.token_hex(32), None, deployment_tls(ca, "dep-1"))
+    for junk in (b"\x00" * 64 + b"RPC_CMD_HELLO", b"RCN1\x05dep-1" + b"\x00" * 32):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.recv(NONCE_BYTES)
+            s.sendall(junk)
+            assert _closed(s)
+    _wait(lambda: len(refused) >= 2)
+    assert up.connections == 0 and bytes(up.received) == b""
+
+
+def test_a_new_deployments_key_replaces_the_old_one(tunnel: Any, ca: Any) -> None:
     server, up, _ = tunnel
     old, new = secrets.token_hex(32), secrets.token_hex(32)
-    server.authorize("dep-old", old, None)
-    server.authorize("dep-new", new, None)
-    with pytest.raises(PermissionError):
-        dial("127.0.0.1", server.port, deployment_id="dep-old", key=bytes.fromhex(old))
-    dial("127.0.0.1", server.port, deployment_id="dep-new", key=bytes.fromhex(new)).close()
+    old_tls, new_tls = deployment_tls(ca, "dep-old"), deployment_tls(ca, "dep-new")
+    server.authorize("dep-old", old, None, old_tls)
+    server.authorize("dep-new", new, None, new_tls)
     assert server.authorized() == ["dep-new"]
-
-
-def test_the_primarys_tunnel_client_gives_llama_server_a_plain_local_endpoint(tunnel: Any) -> None:
-    server, up, _ = tunnel
-    key = secrets.token_hex(32)
-    server.authorize("dep-1", key, "127.0.0.1")
-    client = TunnelClient(
-        remote_host="127.0.0.1", remote_port=server.port, deployment_id="dep-1", key_hex=key
-    )
+    gone, fresh = _client(server, "dep-old", old, old_tls), _client(server, "dep-new", new, new_tls)
     try:
-        host, port = client.local_endpoint.split(":")
-        with socket.create_connection((host, int(port)), timeout=5) as s:
-            s.sendall(MAGIC_RPC + b" is just bytes here")
-            got = b""
-            while len(got) < 23:
-                got += s.recv(100)
-        assert got == MAGIC_RPC + b" is just bytes here"
+        with _local(gone) as s:
+            s.sendall(b"x")
+            assert _closed(s)
+        with _local(fresh) as s:
+            assert _echo(s, b"still here") == b"still here"
+    finally:
+        gone.close()
+        fresh.close()
+
+
+class FlippingRelay:
+    """An on-path host between the primary and the worker: forwards both ways and, once told,
+    flips one bit of the next chunk going to the worker."""
+
+    def __init__(self, target_port: int) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.port = self.sock.getsockname()[1]
+        self.target = target_port
+        self.flip = threading.Event()
+        self.flipped = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                a, _ = self.sock.accept()
+            except OSError:
+                return
+            b = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(a, b, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(b, a, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, to_worker: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if to_worker and self.flip.is_set() and not self.flipped.is_set():
+                    data = data[:-1] + bytes([data[-1] ^ 0x01])  # in the record's tag
+                    self.flipped.set()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_byte_flipped_on_the_path_after_the_handshake_breaks_that_connection(
+    tunnel: Any, ca: Any
+) -> None:
+    server, up, _ = tunnel
+    key, tls = secrets.token_hex(32), deployment_tls(ca, "dep-1")
+    server.authorize("dep-1", key, "127.0.0.1", tls)
+    relay = FlippingRelay(server.port)
+    client = TunnelClient(
+        remote_host="127.0.0.1", remote_port=relay.port, deployment_id="dep-1", key_hex=key,
+        tls=tls,
+    )  # fmt: skip
+    try:
+        with _local(client) as s:
+            assert _echo(s, b"before the flip") == b"before the flip"
+            relay.flip.set()
+            s.sendall(b"after the flip: set_tensor to a chosen address")
+            assert _closed(s), "the connection must end, not carry a changed byte"
+        assert relay.flipped.is_set()
+        # ggml-rpc saw the bytes before the flip and nothing after it, changed or not.
+        assert bytes(up.received) == b"before the flip"
+        with _local(client) as s:  # a fresh connection works again
+            assert _echo(s, b"again") == b"again"
     finally:
         client.close()
+        relay.close()
 
 
-def test_probe_mode_measures_rtt_and_bandwidth_without_touching_ggml_rpc(tunnel: Any) -> None:
-    server, up, _ = tunnel
-    out = probe("127.0.0.1", server.port, pings=3, bulk_bytes=1 << 20)
+def test_connections_over_the_cap_are_closed_at_once(ca: Any) -> None:
+    up = Upstream()
+    refused: list[tuple[str, dict[str, Any]]] = []
+    server = TunnelServer(
+        host="127.0.0.1", port=free_port(), target_port=up.port,
+        on_refused=lambda m, d: refused.append((m, d)), max_connections=3,
+    )  # fmt: skip
+    server.start()
+    held = []
+    try:
+        for _ in range(3):  # three idle handshakes hold every slot
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            assert len(s.recv(NONCE_BYTES)) == NONCE_BYTES
+            held.append(s)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as extra:
+            assert _closed(extra)
+        _wait(lambda: any("cap" in d["reason"] for _, d in refused))
+        assert any("over the cap of 3" in d["reason"] for _, d in refused)
+    finally:
+        for s in held:
+            s.close()
+        server.stop()
+        up.close()
+
+
+def test_probe_mode_needs_the_nodes_probe_key_and_never_touches_ggml_rpc(tunnel: Any) -> None:
+    server, up, refused = tunnel
+    out = probe("127.0.0.1", server.port, key=probe_key(NODE_KEY), pings=3, bulk_bytes=1 << 20)
     assert out["rtt_ms"] > 0 and out["bandwidth_mbps"] > 0
-    assert up.connections == 0
+    with pytest.raises((ConnectionError, OSError)):
+        probe("127.0.0.1", server.port, key=secrets.token_bytes(32), pings=3, bulk_bytes=1 << 20)
+    _wait(lambda: refused)
+    assert "probe key" in refused[0][1]["reason"]
+    reachable("127.0.0.1", server.port)  # the primary's check before a load: no refusal
+    time.sleep(0.2)
+    assert len(refused) == 1 and up.connections == 0
