@@ -128,10 +128,10 @@ class Agent:
             sha_cache=self.sha_cache,
             redis_link=self.redis,
             node_id=lambda: str(self.node_id),
+            command_key=lambda: self.identity.command_key_bytes() if self.identity else None,
             stop=self._stop,
             wake_heartbeat=self.heartbeat.wake,
             on_rpc_worker_started=self._on_rpc_worker_started,
-            command_key=lambda: self.identity.command_key_bytes() if self.identity else None,
             adopt_lending=self._adopt_policy,
         )
         self.lending = LendingMonitor(
@@ -149,15 +149,15 @@ class Agent:
             redis_link=self.redis,
             registry=self.registry,
             stop=self._stop,
-        )
-
-    # --- state --------------------------------------------------------------------------------
             guard=CommandGuard(
                 node_id=lambda: self.node_id,
                 key=lambda: self.identity.command_key_bytes() if self.identity else None,
                 max_age=config.command_max_age,
                 state_dir=config.state_dir,
             ),
+        )
+
+    # --- state --------------------------------------------------------------------------------
 
     @property
     def state(self) -> AgentState:
@@ -238,12 +238,12 @@ class Agent:
             resumable = lifecycle.credential_still_valid(self.client, self.config)
             if not resumable:
                 self.identity = None
-        if resumable:
-            self.heartbeat.start()  # the controller sees UNINITIALIZED → REGISTERING → READY
-        self.hardware = self.hw.inventory(benchmark=self.config.run_benchmarks)
         if resumable and self.identity is not None and not self.identity.command_key:
             # Stored before commands were signed: ask for the key before any command is taken.
             self._adopt(lifecycle.command_key_fetch(self.client, self.identity, self.config))
+        if resumable:
+            self.heartbeat.start()  # the controller sees UNINITIALIZED → REGISTERING → READY
+        self.hardware = self.hw.inventory(benchmark=self.config.run_benchmarks)
         try:
             self.config.lending, saved = owner_policy_at_start(
                 self.config.state_dir, self.config.lending, hardware=dict(self.hardware)

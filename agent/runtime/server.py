@@ -193,6 +193,9 @@ class ServerPrimary:
         self.n_parallel = max(1, int(plan.get("n_parallel") or 1))
         self.slot_ctx = int(plan.get("n_ctx") or 0) or 2048
         self.port = 0
+        # llama-server's --api-key for this load, in its environment (never argv): another local
+        # user of this machine cannot use the primary's engine.
+        self.api_key = secrets.token_urlsafe(32)
         self.loaded: dict[str, Any] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
@@ -204,9 +207,6 @@ class ServerPrimary:
         # Whether the model's chat template renders tools itself (/props); else the agent does.
         self.template_has_tools = False
         # The chat template rendered here when it matches llama-server's (agent/runtime/template.py).
-        # llama-server's --api-key for this load, in its environment (never argv): another local
-        # user of this machine cannot use the primary's engine.
-        self.api_key = secrets.token_urlsafe(32)
         self.local_template: LocalTemplate | None = None
         # llama-server's --slot-save-path: slot state files of a KV transfer pass through here.
         self.slot_dir: Path | None = None
@@ -260,6 +260,7 @@ class ServerPrimary:
                     remote_port=int(port),
                     deployment_id=self.deployment_id,
                     key_hex=str(key),
+                    tls=TunnelTls.from_wire(self.plan.get("rpc_tunnel_tls")),
                 )
                 self._tunnels.append(client)
                 self._local_endpoints[client.local_endpoint] = ep
@@ -271,7 +272,6 @@ class ServerPrimary:
             self._proc = subprocess.Popen(
                 die_with_parent(
                     [
-                    tls=TunnelTls.from_wire(self.plan.get("rpc_tunnel_tls")),
                         str(exe),
                         *server_args(
                             self._engine_plan(), self.model_path, self.port, self.slot_dir
@@ -644,6 +644,9 @@ class ServerPrimary:
 
     # --- load helpers ---------------------------------------------------------------------------
 
+    def _headers(self) -> dict[str, str]:
+        return {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"}
+
     def _health_ok(self) -> bool:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
@@ -674,9 +677,6 @@ class ServerPrimary:
             conn.request("GET", "/props", headers=self._headers())
             props = json.loads(conn.getresponse().read())
             conn.close()
-    def _headers(self) -> dict[str, str]:
-        return {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"}
-
         except (OSError, http.client.HTTPException, ValueError) as exc:
             log.warning("deployment %s: /props unreadable: %s", self.deployment_id, exc)
             return {}
