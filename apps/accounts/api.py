@@ -238,6 +238,10 @@ class ApiKeyOut(serializers.ModelSerializer):
             "expires_at",
             "last_used_at",
             "revoked_at",
+            "parent",
+            "requests_per_minute",
+            "tokens_per_minute",
+            "max_concurrent",
         ]
 
     def get_status(self, obj: ApiKey) -> str:
@@ -360,6 +364,9 @@ class KeyListCreateApi(APIView):
         expires_at = v.get("expires_at")
         if v.get("expires_in_days"):
             expires_at = now + timedelta(days=v["expires_in_days"])
+        # A key made with a key is that key's child: it expires no later (a `keys`-scope key
+        # cannot mint a never-expiring one) and is revoked with it.
+        parent_id = principal.key_id if principal is not None else None
         try:
             key, plaintext = services.key_create(
                 name=v["name"],
@@ -368,6 +375,7 @@ class KeyListCreateApi(APIView):
                 user_id=user_id,
                 expires_at=expires_at,
                 now=now,
+                parent_id=parent_id,
             )
         except ValueError as exc:
             raise _bad_request(exc) from exc
@@ -408,3 +416,97 @@ class KeyRevokeApi(APIView):
         except ApiKey.DoesNotExist as exc:
             raise exceptions.NotFound("no such key") from exc
         return Response(ApiKeyOut(services.key_revoke(key_id=key_id, now=timezone.now())).data)
+
+
+# --- limits (operators) ---------------------------------------------------------------------------
+
+
+class LimitsIn(serializers.Serializer):
+    """A key's or an account's limits on /v1; a field left out stays, null takes the setting's
+    default (RATE_KEY_* / RATE_ACCOUNT_*), 0 is no limit."""
+
+    requests_per_minute = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=10**9
+    )
+    tokens_per_minute = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=2 * 10**9
+    )
+    max_concurrent = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=10**6
+    )
+
+
+class LimitsOut(serializers.Serializer):
+    requests_per_minute = serializers.IntegerField(allow_null=True)
+    tokens_per_minute = serializers.IntegerField(allow_null=True)
+    max_concurrent = serializers.IntegerField(allow_null=True)
+    effective = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text="what applies now: the own figure, else the setting's default (0: no limit)",
+    )
+
+
+LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+
+
+def _limits_out(obj: Account | ApiKey, defaults: dict[str, int]) -> dict[str, Any]:
+    own = {f: getattr(obj, f) for f in LIMIT_FIELDS}
+    return {
+        **own,
+        "effective": {f: (defaults[f] if own[f] is None else own[f]) for f in LIMIT_FIELDS},
+    }
+
+
+def key_limit_defaults() -> dict[str, int]:
+    return {
+        "requests_per_minute": settings.RATE_KEY_REQUESTS_PER_MINUTE,
+        "tokens_per_minute": settings.RATE_KEY_TOKENS_PER_MINUTE,
+        "max_concurrent": settings.RATE_KEY_MAX_CONCURRENT,
+    }
+
+
+def account_limit_defaults() -> dict[str, int]:
+    return {
+        "requests_per_minute": settings.RATE_ACCOUNT_REQUESTS_PER_MINUTE,
+        "tokens_per_minute": settings.RATE_ACCOUNT_TOKENS_PER_MINUTE,
+        "max_concurrent": settings.RATE_ACCOUNT_MAX_CONCURRENT,
+    }
+
+
+class KeyLimitsApi(APIView):
+    """GET: a key's limits on /v1 (its own figures and what applies). POST: set them (operators).
+    Every process applies a change within moments (the key cache is cleared)."""
+
+    permission_classes = [IsStaff]
+
+    @extend_schema(responses=LimitsOut)
+    def get(self, request: Request, key_id: str) -> Response:
+        key = get_object_or_404(ApiKey, pk=key_id)
+        return Response(_limits_out(key, key_limit_defaults()))
+
+    @extend_schema(request=LimitsIn, responses=LimitsOut)
+    def post(self, request: Request, key_id: str) -> Response:
+        key = get_object_or_404(ApiKey, pk=key_id)
+        data = LimitsIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        services.limits_set(obj=key, limits=dict(data.validated_data))
+        return Response(_limits_out(key, key_limit_defaults()))
+
+
+class AccountLimitsApi(APIView):
+    """GET: an account's limits on /v1 over all its keys. POST: set them (operators)."""
+
+    permission_classes = [IsStaff]
+
+    @extend_schema(responses=LimitsOut)
+    def get(self, request: Request, account_id: str) -> Response:
+        account = get_object_or_404(Account, pk=account_id)
+        return Response(_limits_out(account, account_limit_defaults()))
+
+    @extend_schema(request=LimitsIn, responses=LimitsOut)
+    def post(self, request: Request, account_id: str) -> Response:
+        account = get_object_or_404(Account, pk=account_id)
+        data = LimitsIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        services.limits_set(obj=account, limits=dict(data.validated_data))
+        return Response(_limits_out(account, account_limit_defaults()))

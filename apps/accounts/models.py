@@ -37,6 +37,11 @@ class Account(models.Model):
     # The lowest balance spending may reach. None means unbounded (system accounts like mint).
     floor = models.BigIntegerField(null=True, blank=True, default=0)
     created_at = models.DateTimeField(auto_now_add=True)
+    # Limits over all the account's keys together (apps.api.quotas), set by the operator.
+    # None: the RATE_ACCOUNT_* setting; 0: no limit.
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "credits_account"
@@ -76,6 +81,16 @@ class ApiKey(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
     # Written at most once a minute per key (apps.accounts.services.key_touch), never per request.
     last_used_at = models.DateTimeField(null=True, blank=True)
+    # The key that created this one (a `keys`-scope key): a child never outlives its parent, and
+    # revoking the parent revokes its children.
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children"
+    )
+    # Per-key limits (apps.api.quotas), set by the operator. None: the RATE_KEY_* setting; 0: no
+    # limit.
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "api_apikey"

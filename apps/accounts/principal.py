@@ -32,6 +32,10 @@ class KeyPrincipal:
     # its key's expiry by up to API_CACHE_SECONDS.
     expires_at: datetime | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # The operator's limits (apps.api.quotas): requests_per_minute, tokens_per_minute,
+    # max_concurrent; a value None takes the RATE_KEY_* / RATE_ACCOUNT_* setting, 0 is no limit.
+    key_limits: dict[str, int | None] = field(default_factory=dict)
+    account_limits: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def is_staff(self) -> bool:

@@ -80,8 +80,12 @@ def key_create(
     user_id: Any = None,
     expires_at: datetime | None = None,
     now: datetime | None = None,
+    parent_id: Any = None,
 ) -> tuple[ApiKey, str]:
-    """Create a key and return it with its plaintext, which is shown once and never stored."""
+    """Create a key and return it with its plaintext, which is shown once and never stored.
+
+    ``parent_id`` is the key that asked for this one: the new key expires no later than it, and
+    is revoked with it (ValueError for an expiry past the parent's)."""
     unknown = set(scopes) - set(ApiKey.SCOPES)
     if unknown or not scopes:
         raise ValueError(
@@ -93,6 +97,16 @@ def key_create(
             raise ValueError("only an operator (a staff user) may hold an admin-scoped key")
     if expires_at is not None and now is not None and expires_at <= now:
         raise ValueError("expires_at must be in the future")
+    if parent_id is not None:
+        parent = ApiKey.objects.get(pk=parent_id)
+        if parent.expires_at is not None:
+            if expires_at is None:
+                expires_at = parent.expires_at  # never-expiring from an expiring key: its expiry
+            elif expires_at > parent.expires_at:
+                raise ValueError(
+                    "a key cannot outlive the key that creates it: expires_at must be at or "
+                    f"before {parent.expires_at.isoformat()}"
+                )
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     key = ApiKey.objects.create(
         name=name[:120],
@@ -102,15 +116,40 @@ def key_create(
         scopes=sorted(set(scopes)),
         user_id=user_id,
         expires_at=expires_at,
+        parent_id=parent_id,
     )
     return key, plaintext  # the post_save signal (apps.api.signals) clears the principal cache
 
 
 def key_revoke(*, key_id: Any, now: datetime) -> ApiKey:
-    """Revoke a key (idempotent); every process refuses it once this commits."""
-    ApiKey.objects.filter(pk=key_id, revoked_at__isnull=True).update(revoked_at=now)
+    """Revoke a key and the keys it made, theirs too (idempotent); every process refuses them
+    once this commits."""
+    ids = {key_id}
+    frontier = [key_id]
+    while frontier:
+        frontier = [
+            k
+            for k in ApiKey.objects.filter(parent_id__in=frontier).values_list("pk", flat=True)
+            if k not in ids
+        ]
+        ids.update(frontier)
+    ApiKey.objects.filter(pk__in=ids, revoked_at__isnull=True).update(revoked_at=now)
     cache.invalidate(PRINCIPAL_CACHE)  # .update() sends no signal
     return ApiKey.objects.get(pk=key_id)
+
+
+def limits_set(*, obj: Account | ApiKey, limits: dict[str, int | None]) -> None:
+    """Set a key's or an account's /v1 limits (the fields given; None: the setting's default,
+    0: none); every process applies them within moments (the principal cache is cleared)."""
+    fields = [
+        f for f in ("requests_per_minute", "tokens_per_minute", "max_concurrent") if f in limits
+    ]
+    if not fields:
+        return
+    for f in fields:
+        setattr(obj, f, limits[f])
+    obj.save(update_fields=fields)
+    cache.invalidate(PRINCIPAL_CACHE)
 
 
 def key_touch(*, key_id: Any, now: datetime) -> bool:

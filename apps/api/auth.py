@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from django.conf import settings
 from django.utils import timezone
@@ -76,19 +76,55 @@ def _principal_load(raw: str) -> KeyPrincipal | None:
             is_operator_key=True,
         )
     key = (
-        ApiKey.objects.select_related("user")
+        ApiKey.objects.select_related("user", "account__user")
         .filter(key_hash=key_hash(raw), revoked_at__isnull=True)
         .first()
     )
     if key is None:
+        return None
+    # A deactivated user's keys stop working: the key's own user's, and the account's user's.
+    for user in (key.user, key.account.user):
+        if user is not None and not user.is_active:
+            return None
+    expires_at = key_expiry_through_parents(key)
+    if expires_at is False:
         return None
     return KeyPrincipal(
         key_id=key.id,
         account_id=key.account_id,
         scopes=frozenset(key.scopes),
         user=key.user,
-        expires_at=key.expires_at,
+        expires_at=expires_at,
+        key_limits={f: getattr(key, f) for f in LIMIT_FIELDS},
+        account_limits={f: getattr(key.account, f) for f in LIMIT_FIELDS},
     )
+
+
+LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+PARENT_DEPTH_MAX = 32
+
+
+def key_expiry_through_parents(key: ApiKey) -> datetime | None | Literal[False]:
+    """The key's expiry, never later than any of its ancestors' (a child cannot outlive the key
+    that made it); False when an ancestor is revoked or the chain is longer than any real one."""
+    expires = key.expires_at
+    parent_id = key.parent_id
+    for _ in range(PARENT_DEPTH_MAX):
+        if parent_id is None:
+            return expires
+        row = (
+            ApiKey.objects.filter(pk=parent_id)
+            .values("revoked_at", "expires_at", "parent_id")
+            .first()
+        )
+        if row is None:
+            return expires  # the parent was deleted: its limits went with it
+        if row["revoked_at"] is not None:
+            return False
+        if row["expires_at"] is not None:
+            expires = row["expires_at"] if expires is None else min(expires, row["expires_at"])
+        parent_id = row["parent_id"]
+    return False
 
 
 def bearer_from_header(header: str) -> str:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.contrib.auth import get_user_model
 from django.db.models.signals import post_delete, post_save
 
-from apps.accounts.models import ApiKey
+from apps.accounts.models import Account, ApiKey
 from apps.jobs.hooks import job_finished
 from apps.jobs.serving import MODEL_CACHE
 from apps.models_repo.models import Model, ModelFile
@@ -35,6 +36,9 @@ def _job_finished(*, job_id: Any, state: str, fields: dict[str, Any], **kwargs: 
 
 def connect() -> None:
     job_finished.connect(_job_finished, dispatch_uid="racon-metrics-job-finished")
+    # A deactivated user's keys and an account's changed limits act at once in every process.
+    for sender, name in ((get_user_model(), "user"), (Account, "account")):
+        post_save.connect(_principal_changed, sender=sender, dispatch_uid=f"racon-cache-{name}")
     for signal in (post_save, post_delete):
         signal.connect(
             _principal_changed,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse
@@ -16,10 +17,10 @@ from django.views.decorators.http import require_POST
 
 from apps.accounts import selectors as account_selectors
 from apps.accounts import services as account_services
-from apps.accounts.api import invite_url
+from apps.accounts.api import account_limit_defaults, invite_url, key_limit_defaults
 from apps.accounts.models import ApiKey
 from apps.credits.ledger import account_for_user
-from apps.credits.selectors import key_usage
+from apps.credits.selectors import account_summary, key_usage
 
 from .ui_views import render_ui, staff_required
 
@@ -44,6 +45,13 @@ def _keys_page(*, user: Any, now: Any) -> dict[str, Any]:
             "credits": sum(u["credits"] for u in usage.values()),
         },
         "scopes": [s for s in ApiKey.SCOPES if s != ApiKey.SCOPE_ADMIN or user.is_staff],
+        "limits": key_limit_defaults(),
+        "account_limits": {
+            f: (d if getattr(account, f) is None else getattr(account, f))
+            for f, d in account_limit_defaults().items()
+        },
+        "standing": account_summary(account_id=account.id, now=now),
+        "prompt_retention_days": settings.JOB_PARAMS_RETENTION_DAYS,
     }
 
 

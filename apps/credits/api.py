@@ -89,7 +89,13 @@ class BalanceApi(APIView):
         earned_recent = serializers.IntegerField()
         escrow_held = serializers.IntegerField()
         standing = serializers.IntegerField(
-            help_text="queue priority: balance + recent contribution"
+            help_text=(
+                "queue priority: what the account earned lending over "
+                "CREDITS_STANDING_WINDOW_SECONDS (the balance does not count)"
+            )
+        )
+        priority_seconds = serializers.FloatField(
+            help_text="seconds a waiting request of this account is moved ahead for its standing"
         )
 
     @extend_schema(

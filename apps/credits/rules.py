@@ -76,6 +76,41 @@ def plan_work(
     ]
 
 
+def device_seconds_clamped(
+    device_seconds: Mapping[str, Any] | None, *, plan: Mapping[str, Any], wall_seconds: float
+) -> dict[str, float]:
+    """A primary's device_seconds claim, each node's figure at most the attempt's wall time (as
+    the controller saw it, dispatch to finish) × the node's devices in the plan.
+
+    The figures weigh the split between the primary and its RPC workers, and the primary reports
+    them all: unbounded, ``{self: 1e9}`` would leave the workers almost nothing. No device can have
+    computed longer than the attempt ran. Nodes outside the plan and figures that are not positive
+    numbers are dropped.
+    """
+    devices: dict[str, int] = {}
+    for d in plan.get("devices") or []:
+        node_id = str(d.get("node_id") or "")
+        if node_id:
+            devices[node_id] = devices.get(node_id, 0) + 1
+    primary = str(plan.get("primary_node_id") or "")
+    if primary and primary not in devices:
+        devices[primary] = 1
+    wall = max(float(wall_seconds), 0.0)
+    out: dict[str, float] = {}
+    for node_id, seconds in (device_seconds or {}).items():
+        n = devices.get(str(node_id))
+        if n is None:
+            continue
+        try:
+            value = float(seconds)
+        except (TypeError, ValueError):
+            continue
+        if value != value or value <= 0:  # NaN or nothing measured
+            continue
+        out[str(node_id)] = min(value, wall * n)
+    return out
+
+
 def settlement_split(
     *,
     value: int,

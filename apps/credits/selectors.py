@@ -12,6 +12,7 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from apps.accounts.models import Account, AccountKind, ApiKey
+from apps.jobs.admission import priority_bonus
 from apps.jobs.models import Job
 
 from .models import EARNING_KINDS, Entry, EntryKind, Posting, Receipt
@@ -107,10 +108,12 @@ def open_holds(*, account_id: Any) -> int:
 
 
 def account_standing(*, account_ids: list[Any], now: datetime | None = None) -> dict[Any, int]:
-    """Queue standing per account: balance plus recent contribution (system accounts first).
+    """Queue standing per account: what it earned lending (job shares, standby pay) over the
+    last CREDITS_STANDING_WINDOW_SECONDS (default a day), × CREDITS_STANDING_EARN_WEIGHT; system
+    accounts (the operator's key) first. The balance does not count: a starting grant or a
+    purchase buys no priority, lending does (README, "Priority").
 
-    Keys are the ids as passed; an unknown id stands at 0. Recent means the last
-    CREDITS_STANDING_WINDOW_SECONDS (default a day), weighted by CREDITS_STANDING_EARN_WEIGHT.
+    Keys are the ids as passed; an unknown id stands at 0.
     """
     now = now or timezone.now()
     keys = {a: account_key(a) for a in account_ids}
@@ -129,7 +132,7 @@ def account_standing(*, account_ids: list[Any], now: datetime | None = None) -> 
         elif row["kind"] == AccountKind.SYSTEM:
             out[original] = SYSTEM_STANDING
         else:
-            out[original] = int(row["balance"]) + weight * recent.get(key, 0)
+            out[original] = weight * max(recent.get(key, 0), 0)
     return out
 
 
@@ -149,7 +152,9 @@ def account_summary(*, account_id: Any, now: datetime) -> dict[str, Any]:
             account_ids=[acct.pk], since=now - timedelta(seconds=window)
         ).get(account_key(acct.pk), 0),
         "escrow_held": escrow_held(account_id=acct.pk),
-        "standing": account_standing(account_ids=[acct.pk], now=now)[acct.pk],
+        "standing": (standing := account_standing(account_ids=[acct.pk], now=now)[acct.pk]),
+        # Seconds a waiting request of this account is moved ahead (README, "Priority").
+        "priority_seconds": round(priority_bonus(standing), 1),
     }
 
 

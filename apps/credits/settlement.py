@@ -29,6 +29,7 @@ from .receipts import Payout, receipts_issue
 from .rules import (
     NodeWork,
     amount_check,
+    device_seconds_clamped,
     plan_work,
     seen_worker_bytes,
     settlement_split,
@@ -47,15 +48,28 @@ class JobNotTerminal(ValueError):
 
 
 def credit_reserve(
-    *, account_id: Any, job_id: Any, max_tokens: int, model_price_permille: int, now: datetime
+    *,
+    account_id: Any,
+    job_id: Any,
+    max_tokens: int,
+    model_price_permille: int,
+    now: datetime,
+    prompt_tokens: int = 0,
 ) -> int:
-    """Hold max_tokens' worth of credits for the job (once per job); InsufficientCredits if short.
+    """Hold (prompt bound + max_tokens)' worth of credits for the job (once per job);
+    InsufficientCredits if short.
 
-    Call it in the transaction that creates the Job (the entry references it). The operator's
-    system account has no floor, so it is never refused. Returns the micro-credits held.
+    ``prompt_tokens`` is the most prompt tokens the job can be charged for: the caller bounds it
+    by the prompt's bytes and by the slot's context less max_tokens (prompt_hold_tokens), so a
+    2 MB prompt never holds 2 million tokens. Settlement charges the prompt and the completion,
+    at most this hold. Call it in the transaction that creates the Job (the entry references it).
+    The operator's system account has no floor, so it is never refused. Returns the micro-credits
+    held.
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
+        raise ValueError(f"prompt_tokens must be a non-negative integer, got {prompt_tokens!r}")
     if (
         isinstance(model_price_permille, bool)
         or not isinstance(model_price_permille, int)
@@ -66,7 +80,9 @@ def credit_reserve(
         )
     micro = settings.CREDITS_MICRO_PER_TOKEN
     amount = token_cost(
-        tokens=max_tokens, price_permille=model_price_permille, micro_per_token=micro
+        tokens=prompt_tokens + max_tokens,
+        price_permille=model_price_permille,
+        micro_per_token=micro,
     )
     if amount == 0:
         return 0  # a free model: nothing to hold
@@ -76,10 +92,11 @@ def credit_reserve(
         key=f"reserve:{job_id}",
         kind=EntryKind.RESERVE,
         postings=[(account_id, -amount), (holds.pk, amount)],
-        memo=f"hold for job {job_id}: {max_tokens} tokens",
+        memo=f"hold for job {job_id}: {prompt_tokens} prompt + {max_tokens} completion tokens",
         now=now,
         job_id=job_id,
         data={
+            "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens,
             "price_permille": model_price_permille,
             "micro_per_token": micro,
@@ -319,12 +336,15 @@ def _attempt_parts(job: Job) -> list[_AttemptPart]:
     for tokens another produced. The weights only divide the pool; what is charged is the job's
     own count, bounded by the hold, so a failover never charges the same tokens twice.
     """
-    device_seconds = job.device_seconds if isinstance(job.device_seconds, dict) else None
+    claimed = job.device_seconds if isinstance(job.device_seconds, dict) else None
     attempts = list(
         JobAttempt.objects.filter(job=job).select_related("deployment").order_by("number")
     )
     if len(attempts) <= 1:
         plan = (job.deployment.plan if job.deployment is not None else None) or {}
+        device_seconds = device_seconds_clamped(
+            claimed, plan=plan, wall_seconds=_wall_seconds(job.dispatched_at, job)
+        )
         primary, work = plan_work(plan, device_seconds)
         return [
             _AttemptPart(
@@ -335,10 +355,27 @@ def _attempt_parts(job: Job) -> list[_AttemptPart]:
     for i, a in enumerate(attempts):
         plan = a.plan or (a.deployment.plan if a.deployment is not None else None) or {}
         last = i == len(attempts) - 1
-        primary, work = plan_work(plan, device_seconds if last else None)
+        attempt_seconds = (
+            device_seconds_clamped(
+                claimed, plan=plan, wall_seconds=_wall_seconds(a.started_at, job, a.ended_at)
+            )
+            if last
+            else None
+        )
+        primary, work = plan_work(plan, attempt_seconds)
         weight = int(a.completion_tokens) + (job.prompt_tokens if i == 0 else 0)
         parts.append(_AttemptPart(primary=primary, work=work, weight=weight))
     return parts
+
+
+def _wall_seconds(start: datetime | None, job: Job, end: datetime | None = None) -> float:
+    """An attempt's wall time as the controller saw it: from its dispatch (the job's queueing
+    when none was recorded) to its end (the job's finish), never negative."""
+    begin = start or job.dispatched_at or job.queued_at
+    finish = end or job.finished_at
+    if begin is None or finish is None:
+        return 0.0
+    return max((finish - begin).total_seconds(), 0.0)
 
 
 def _work_merged(parts: list[_AttemptPart]) -> list[NodeWork]:

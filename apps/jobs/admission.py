@@ -352,6 +352,16 @@ def deployments_dead(deployment_ids: Iterable[Any]) -> set[str]:
 # --- the waiting queue -----------------------------------------------------------------------------
 
 
+def priority_bonus(standing: float) -> float:
+    """Seconds a waiting request is moved ahead for its account's standing (what it lent
+    recently, README "Priority"): PRIORITY_MAX_WAIT_SECONDS × s / (s + PRIORITY_STANDING_HALF).
+    More lending always buys more, never the whole cap: a request that has waited
+    PRIORITY_MAX_WAIT_SECONDS is ahead of every later one, whatever their standing."""
+    s = max(0.0, float(standing))
+    half = max(1.0, float(settings.PRIORITY_STANDING_HALF))
+    return float(settings.PRIORITY_MAX_WAIT_SECONDS) * s / (s + half)
+
+
 def _join_call(
     *,
     deployment_id: Any,

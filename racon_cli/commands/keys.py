@@ -127,3 +127,60 @@ def keys_revoke(
     if as_json:
         return render.emit_json(after)
     out().print(f"Revoked key {after['name']!r} ({after['prefix']}…).")
+
+
+@app.command("limits")
+@handled
+def keys_limits(
+    ref: Annotated[
+        str,
+        typer.Argument(help="Key id (or a unique prefix of it); with --account, an account id."),
+    ],
+    account: Annotated[
+        bool, typer.Option("--account", help="REF is an account: limits over all its keys.")
+    ] = False,
+    rpm: Annotated[
+        int | None, typer.Option("--rpm", help="Requests per minute (0: no limit).")
+    ] = None,
+    tpm: Annotated[
+        int | None, typer.Option("--tpm", help="Tokens per minute, prompt bound + max_tokens.")
+    ] = None,
+    concurrent: Annotated[
+        int | None, typer.Option("--concurrent", help="Requests at once, queued or running.")
+    ] = None,
+    default: Annotated[
+        bool, typer.Option("--default", help="Clear the figures: the settings' defaults apply.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show or set (operators) a key's or an account's limits on /v1."""
+    body: dict[str, Any] = {}
+    if default:
+        body = {"requests_per_minute": None, "tokens_per_minute": None, "max_concurrent": None}
+    for field, value in (
+        ("requests_per_minute", rpm),
+        ("tokens_per_minute", tpm),
+        ("max_concurrent", concurrent),
+    ):
+        if value is not None:
+            body[field] = value
+    with client() as c:
+        if account:
+            path = f"/api/admin/accounts/{ref}/limits"
+        else:
+            keys = c.get("/api/keys", params={"all": "true"})
+            path = f"/api/admin/keys/{c.by_prefix(keys, ref, 'key')['id']}/limits"
+        got = c.post(path, body) if body else c.get(path)
+    if as_json:
+        return render.emit_json(got)
+    eff = got["effective"]
+
+    def shown(field: str) -> str:
+        value = eff[field]
+        text = "no limit" if value == 0 else str(value)
+        return text if got[field] is not None else f"{text} (default)"
+
+    out().print(
+        f"requests/min {shown('requests_per_minute')}, tokens/min {shown('tokens_per_minute')}, "
+        f"at once {shown('max_concurrent')}"
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import factory
@@ -104,13 +104,21 @@ def job_finish(
     completion: int = 0,
     device_seconds: dict[str, float] | None = None,
 ) -> Job:
-    """Move a job to a terminal state with usage, as the jobs app does before settlement."""
+    """Move a job to a terminal state with usage, as the jobs app does before settlement.
+
+    With device_seconds, the job was dispatched that long before it finished (settlement bounds
+    each device's figure by the attempt's wall time as the controller saw it)."""
+    now = timezone.now()
+    longest = max((float(v) for v in (device_seconds or {}).values()), default=0.0)
+    dispatched = now - timedelta(seconds=max(longest, 0.0) + 1.0)
     Job.objects.filter(pk=job.pk).update(
         state=state,
         prompt_tokens=prompt,
         completion_tokens=completion,
         device_seconds=device_seconds or {},
-        finished_at=timezone.now(),
+        dispatched_at=dispatched,
+        queued_at=min(job.queued_at, dispatched),
+        finished_at=now,
     )
     job.refresh_from_db()
     return job

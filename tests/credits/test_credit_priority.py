@@ -42,7 +42,7 @@ def test_a_job_that_waited_past_the_cap_goes_first_whatever_its_standing() -> No
 
 
 @pytest.mark.django_db
-def test_standing_is_balance_plus_recent_contribution(price: Any, now: Any) -> None:
+def test_standing_is_what_the_account_lent_recently_not_its_balance(price: Any, now: Any) -> None:
     contributor = funded_account(100_000)
     idle = funded_account(100_000)
     node = NodeFactory(account=contributor)
@@ -64,8 +64,9 @@ def test_standing_is_balance_plus_recent_contribution(price: Any, now: Any) -> N
         account_ids=[contributor.pk, idle.pk, str(operator.pk), AccountFactory.build().pk], now=now
     )
     values = list(standing.values())
-    assert values[0] == 150_000 + 50_000  # balance (100k + 50k earned) plus the 50k earned recently
-    assert values[1] == 100_000
+    # Issue 28: what it earned lending in the window; the balance buys no priority.
+    assert values[0] == 50_000
+    assert values[1] == 0
     assert values[2] == SYSTEM_STANDING and values[3] == 0
     later = account_standing(account_ids=[contributor.pk], now=now + timedelta(days=2))
-    assert later[contributor.pk] == 150_000  # the contribution is no longer recent
+    assert later[contributor.pk] == 0  # the contribution is no longer recent

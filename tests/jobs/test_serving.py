@@ -77,7 +77,7 @@ def test_a_free_slot_dispatches_at_once_with_the_hold_in_the_jobs_transaction(mo
     dep = deployment(model)
     held: list[tuple[str, str]] = []
 
-    def hold(job: Job) -> None:
+    def hold(job: Job, prompt_tokens: int) -> None:
         held.append((str(job.id), job.state))
 
     adm = open_(model, hold=hold)
@@ -97,7 +97,7 @@ def test_a_free_slot_dispatches_at_once_with_the_hold_in_the_jobs_transaction(mo
 def test_a_refused_hold_leaves_no_job_no_slot_and_tells_the_primary_to_cancel(model: Model) -> None:
     dep = deployment(model)
 
-    def hold(job: Job) -> None:
+    def hold(job: Job, prompt_tokens: int) -> None:
         raise Short("not enough credits")
 
     with pytest.raises(Short):
@@ -113,7 +113,7 @@ def test_without_a_free_slot_the_job_stays_queued_on_the_deployment(model: Model
     dep = deployment(model)
     assert admission.slot_try(deployment_id=dep.id, job_id="running", cap=1)
 
-    def hold(job: Job) -> None:
+    def hold(job: Job, prompt_tokens: int) -> None:
         raise Short("not enough credits")
 
     with pytest.raises(Short):
@@ -140,8 +140,10 @@ def test_the_standing_bonus_moves_a_request_ahead_but_no_further_than_the_max_wa
     settings.PRIORITY_MAX_WAIT_SECONDS = 30
     assert serving.priority_score(queued_at=1000.0, standing=0) == 1000.0
     assert serving.priority_score(queued_at=1000.0, standing=-5_000_000) == 1000.0
-    assert serving.priority_score(queued_at=1000.0, standing=10_000_000) == 990.0
-    assert serving.priority_score(queued_at=1000.0, standing=10**12) == 970.0
+    settings.PRIORITY_STANDING_HALF = 1_000_000
+    assert serving.priority_score(queued_at=1000.0, standing=1_000_000) == 985.0
+    # More lending always buys more, and never the whole cap.
+    assert 970.0 < serving.priority_score(queued_at=1000.0, standing=10**12) < 970.001
 
 
 @pytest.mark.django_db(transaction=True)  # the step runs on the thread pool
