@@ -6,6 +6,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.api.diagnostics_api import NodeDiagnosticsApi
 from apps.api.health import health
+from apps.api.login import admin_login_throttled
 from apps.api.metrics_view import metrics
 from apps.api.v1 import views as v1
 from apps.jobs import api as jobs_api
@@ -91,6 +92,8 @@ urlpatterns = [
     path("v1/", include(v1_urls)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    # The admin's sign-in is throttled like /login/ (issue 28); this route comes first.
+    path("django-admin/login/", admin_login_throttled(admin.site.login), name="admin-login"),
     path("django-admin/", admin.site.urls),
     path("api/credits/", include("apps.credits.urls")),
     path("", include("apps.accounts.urls")),
