@@ -295,6 +295,12 @@ class Agent:
         self.redis.connect(self.identity.node_id, self._stop)
         self.outbox.start()
         self._metrics = lifecycle.start_metrics(self.config, self.heartbeat.snapshot, self.outbox)
+        for left in self.hw.devices_left_out:
+            self.outbox.event(
+                "GPU_DEVICE_LEFT_OUT",
+                f"{left.name} ({left.description}) is not lent: it {left.reason}",
+                {"device": left.name, "description": left.description, "reason": left.reason},
+            )
         self.lending.start()
         self.set_state(
             *lifecycle.runtime_checks(self.runtime, self.config, self.commands, self.outbox)

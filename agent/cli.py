@@ -39,6 +39,7 @@ from agent.config import (
     default_state_dir,
 )
 from agent.hardware import hardware_source
+from agent.hardware.devices import describe as describe_devices
 from agent.hardware.gpu_benchmark import doctor_check
 from agent.identity import IdentityError, load_identity, write_private_file
 from agent.lending import HANDOFFS, lending_status_path, pause_path, read_json
@@ -469,6 +470,8 @@ def run_doctor(
         report["hardware"] = src.inventory(benchmark=benchmark)
         check("hardware", True, "detected")
         check("gpu benchmark", *doctor_check(report["hardware"]["gpus"], src.gpu_benchmark_detail))
+        # The build's backends and every device llama.cpp lists, with its memory (ggml's API).
+        report["llama_devices"] = describe_devices(src.device_scan())
     except Exception as exc:
         check("hardware", False, f"{type(exc).__name__}: {exc}")
 
@@ -546,9 +549,11 @@ def cmd_doctor(argv: Sequence[str]) -> int:
             f"{hw['memory']['available'] / 2**30:.1f} GiB available; swap {hw['swap']['total'] / 2**30:.1f} GiB"
         )
         print(f"disk ({hw['disk']['path']}): {hw['disk']['free'] / 2**30:.1f} GiB free")
+        for line in report.get("llama_devices") or []:
+            print(f"llama.cpp {line}")
         for g in hw["gpus"]:
             print(
-                f"gpu {g['index']}: {g['name']} {g['vram_total'] / 2**30:.1f} GiB "
+                f"gpu {g['index']} ({g.get('device', '?')}): {g['name']} {g['vram_total'] / 2**30:.1f} GiB "
                 f"({g['vram_free'] / 2**30:.1f} free), driver {g['driver']}; benchmark "
                 + (
                     f"{g['gflops']} GFLOPS, {g['mem_bandwidth_gbps']} GB/s"

@@ -7,7 +7,9 @@ Run it with the controller's venv python (`make install` does; the controller al
 itself, once, when a join asks for a wheelhouse that is missing or stale). Everything is cached
 under ~/.cache/racon/wheelhouse (RACON_CACHE overrides ~/.cache/racon):
 
-    <platform key>/<python abi>/   for machines like this one (key: scripts/platform-key.sh)
+    <platform key>/<python abi>/   for machines like this one (key: scripts/platform-key.sh, which
+                                  names the GPU backends: ...-cpu-rpc-vulkan is served only to
+                                  machines that detect Vulkan too, ...-cpu-rpc to those with none)
         racon_agent-<v>-py3-none-any.whl          the agent, built from this checkout's agent/
         llama_cpp_python-<v>+rpc-py3-none-<plat>.whl  llama-cpp-python with the cached ggml-rpc
                                                   build's libraries inside (no compiler needed)
@@ -15,7 +17,8 @@ under ~/.cache/racon/wheelhouse (RACON_CACHE overrides ~/.cache/racon):
         every dependency wheel (pip download --only-binary :all:)
         manifest.json                             name, size, sha256 and kind of each file
     source/                                       for machines of another platform or Python
-        the agent wheel, the llama-cpp-python sdist, build-llama.sh, platform-key.sh
+        the agent wheel, the llama-cpp-python sdist, build-llama.sh, platform-key.sh, the
+        patches build-llama.sh applies
         manifest.json
 
 Only the standard library is used; pip is run as `<this python> -m pip`. Cheap when cached: the
@@ -174,6 +177,14 @@ def build_server_tarball(dest: Path, *, prefix: Path, key: str) -> Path:
     with tarfile.open(tmp, "w:gz") as tar:
         for exe in ("llama-server", "ggml-rpc-server"):
             tar.add(prefix / "bin" / exe, arcname=f"bin/{exe}")
+        # A GPU build (GGML_BACKEND_DL): bin/libggml-<backend>.so -> ../lib/, where ggml looks
+        # for its backend modules beside the executable (scripts/build-llama.sh).
+        for link in sorted((prefix / "bin").glob("libggml-*.so")):
+            if link.is_symlink():
+                ti = tarfile.TarInfo(f"bin/{link.name}")
+                ti.type = tarfile.SYMTYPE
+                ti.linkname = os.readlink(link)
+                tar.addfile(ti)
         data = (key + "\n").encode()
         ti = tarfile.TarInfo("PLATFORM")
         ti.size = len(data)
@@ -307,6 +318,10 @@ def build(*, force: bool = False) -> Path:
         shutil.copy(sdist, source / sdist.name)
         for script in ("build-llama.sh", "platform-key.sh"):
             shutil.copy(SCRIPTS / script, source / script)
+        # build-llama.sh applies the patches found beside it (the Vulkan-header guard).
+        patches = {p.name: "patch" for p in sorted((SCRIPTS / "patches").glob("*.patch"))}
+        for name in patches:
+            shutil.copy(SCRIPTS / "patches" / name, source / name)
         write_manifest(
             source,
             {
@@ -319,6 +334,7 @@ def build(*, force: bool = False) -> Path:
                 sdist.name: "llama-cpp-python-sdist",
                 "build-llama.sh": "script",
                 "platform-key.sh": "script",
+                **patches,
             },
         )
         total = sum(f["size"] for f in read_manifest(house / "manifest.json")["files"])  # type: ignore[index,union-attr]

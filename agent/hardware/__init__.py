@@ -10,8 +10,9 @@ from typing import Any, Protocol
 
 from agent.hardware import benchmark as _bench
 from agent.hardware import gpu_benchmark, nvml, psutil_detector
+from agent.hardware.devices import DeviceScan, DeviceScanner, LeftOut, gpu_infos
 from agent.hardware.fake import ProfileError, load_profile
-from agent.protocol import Hardware
+from agent.protocol import GpuInfo, Hardware
 
 __all__ = [
     "FakeHardware",
@@ -37,6 +38,10 @@ def fingerprint(hw: Hardware) -> str:
 class HardwareSource(Protocol):
     # How the GPUs' gflops and mem_bandwidth_gbps came about (measured, or why not): doctor.
     gpu_benchmark_detail: str
+    # Devices llama.cpp listed that are not lent (nonsense figures): one event each at start.
+    devices_left_out: list[LeftOut]
+
+    def device_scan(self) -> DeviceScan: ...
 
     def inventory(self, *, benchmark: bool = True) -> Hardware: ...
 
@@ -46,22 +51,34 @@ class HardwareSource(Protocol):
 
 
 class HostHardware:
-    """The real machine: psutil + /proc + NVML."""
+    """The real machine: psutil + /proc, GPUs through ggml's device API (agent/hardware/devices.py),
+    NVML for NVIDIA's live figures."""
 
-    def __init__(self, models_dir: Path, state_dir: Path) -> None:
+    def __init__(
+        self, models_dir: Path, state_dir: Path, scanner: DeviceScanner | None = None
+    ) -> None:
         self.models_dir = models_dir
         self.state_dir = state_dir
         self._memory_total: int | None = None
         self.gpu_benchmark_detail = "not run"
+        self.scanner = scanner or DeviceScanner()
+        self.devices_left_out: list[LeftOut] = []
+        self._gpus: list[GpuInfo] = []
+
+    def device_scan(self) -> DeviceScan:
+        return self.scanner.scan()
 
     def inventory(self, *, benchmark: bool = True) -> Hardware:
+        scan = self.scanner.scan(fresh=True)
+        self.devices_left_out = list(scan.left_out)
+        self._gpus = gpu_infos(scan, nvml.detect_gpus())
         hw = Hardware(
             cpu=psutil_detector.detect_cpu(),
             memory=psutil_detector.detect_memory(),
             swap=psutil_detector.detect_swap(),
             disk=psutil_detector.detect_disk(self.models_dir),
             network=psutil_detector.detect_network(),
-            gpus=nvml.detect_gpus(),
+            gpus=copy.deepcopy(self._gpus),
         )
         self._memory_total = hw["memory"]["total"]
         hw["fingerprint"] = fingerprint(hw)
@@ -78,8 +95,25 @@ class HostHardware:
         return {
             "cpu_percent": psutil_detector.cpu_percent(),
             "mem_available": psutil_detector.mem_available(),
-            "gpu_free": nvml.gpu_free(),
+            "gpu_free": self.gpu_free(),
         }
+
+    def gpu_free(self) -> list[int]:
+        """Each inventory GPU's free memory: NVML's live figure on NVIDIA (no context needed),
+        else the backend's from the cached child scan (at most every SCAN_TTL_S)."""
+        if not self._gpus:
+            return []
+        live = {g["index"]: g["vram_free"] for g in nvml.detect_gpus()}
+        by_name: dict[str, int] | None = None
+        out = []
+        for g in self._gpus:
+            if "nvml_index" in g and g["nvml_index"] in live:
+                out.append(min(live[g["nvml_index"]], g["vram_total"]))
+                continue
+            if by_name is None:
+                by_name = {str(d["name"]): int(d["memory_free"]) for d in self.scanner.scan().gpus}
+            out.append(by_name.get(g.get("device", ""), g["vram_free"]))
+        return out
 
     def memory_total(self) -> int:
         if self._memory_total is None:
@@ -94,6 +128,21 @@ class FakeHardware:
         self.profile = profile
         self.state_dir = state_dir
         self.gpu_benchmark_detail = "a hardware profile: its GPUs' figures, if any, as written"
+        self.devices_left_out: list[LeftOut] = []
+
+    def device_scan(self) -> DeviceScan:
+        return DeviceScan(
+            gpus=[
+                {
+                    "name": g.get("device", f"GPU{g['index']}"),
+                    "description": g["name"],
+                    "memory_free": g["vram_free"],
+                    "memory_total": g["vram_total"],
+                }
+                for g in self.profile["gpus"]
+            ],
+            backends=["a hardware profile"],
+        )
 
     @classmethod
     def from_file(cls, path: Path, state_dir: Path | None = None) -> FakeHardware:

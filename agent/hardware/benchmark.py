@@ -87,13 +87,22 @@ def speed_challenge_flops(*, n: int, reps: int) -> float:
     return 2.0 * n * n * n * reps
 
 
+# The chain's non-linear step: each product reduced mod 5, then mod 3. Over the integers the
+# products are exact in float32 (|value| <= n), but the two moduli do not compose into one
+# linear map, so X(reps) has no closed form in B's powers.
+CHALLENGE_MOD = 5.0
+
+
 def speed_challenge_digest(*, seed: int, n: int, reps: int) -> str:
     """The answer to a speed challenge: sha256 of the last matrix of a chain of ``reps`` matmuls.
 
-    X0 and B hold entries in {-1, 0, 1} drawn from ``seed``; X(i+1) = (Xi @ B) mod 3 - 1. Every
-    product is an integer of magnitude at most n, which float32 holds exactly, so any BLAS gives
-    the same bits, and each step needs the one before it: the chain cannot be skipped or split.
-    The controller times the round trip and recomputes the chain to check the answer.
+    X0 and B hold entries in {-1, 0, 1} drawn from ``seed``; X(i+1) = ((Xi @ B) mod 5) mod 3 - 1.
+    Every product is an integer of magnitude at most n, which float32 holds exactly, so any BLAS
+    gives the same bits, and each step needs the one before it. The step is deliberately not
+    affine: the earlier (Xi @ B) mod 3 - 1 was affine over GF(3), so X(reps) followed from about
+    2·log2(reps) products by powering B (13x faster than the chain, reproduced outside the
+    project; tests/agent/test_speed_challenge.py shows that shortcut now misses). The controller
+    times the round trip and recomputes the chain to check the answer.
     """
     # The agent's llama.cpp extra brings numpy; only a challenged node needs it.
     import numpy as np  # noqa: PLC0415 - optional: the [agent] extra (llama-cpp-python) brings it
@@ -102,7 +111,7 @@ def speed_challenge_digest(*, seed: int, n: int, reps: int) -> str:
     x = rng.integers(-1, 2, size=(n, n)).astype(np.float32)
     b = rng.integers(-1, 2, size=(n, n)).astype(np.float32)
     for _ in range(reps):
-        x = np.remainder(x @ b, 3.0) - 1.0
+        x = np.remainder(np.remainder(x @ b, CHALLENGE_MOD), 3.0) - 1.0
     return hashlib.sha256(x.astype(np.int8).tobytes()).hexdigest()
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.protocol import GpuInfo
-from agent.runtime.ggml import DeviceInfo, Ggml, GgmlUnavailable
+from agent.runtime.ggml import DeviceInfo, Ggml, GgmlUnavailable, load_llama_cpp_backends
 
 log = logging.getLogger("agent.hardware.gpu_benchmark")
 
@@ -144,6 +144,7 @@ def device_order(gpus: Sequence[GpuInfo], devices: Sequence[str]) -> list[int | 
 
 def measure(model: Path, main_gpu: int) -> dict[str, Any]:
     """One GPU, in this process: load with every layer on it, time a prompt and a decode."""
+    load_llama_cpp_backends()  # a GPU build's backends are modules in llama_cpp/lib
     import llama_cpp  # noqa: PLC0415 - optional (the [agent] extra)
 
     llm = llama_cpp.Llama(
@@ -249,6 +250,11 @@ def gpu_benchmarks(
     out = GpuBenchmarks(list(none))
     notes = []
     for pos, main_gpu in enumerate(device_order(gpus, found.devices)):
+        if gpus[pos].get("software"):
+            # lavapipe: the CPU again, about 36x slower than the CPU build; a minute of shader
+            # compiling and decode for a figure the floor already stands for.
+            notes.append(f"gpu {gpus[pos]['index']}: a software device, not timed")
+            continue
         if main_gpu is None:
             notes.append(f"gpu {gpus[pos]['index']}: no llama.cpp device for it")
             continue

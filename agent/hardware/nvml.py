@@ -49,17 +49,20 @@ def detect_gpus() -> list[GpuInfo]:
         for i in range(nv.nvmlDeviceGetCount()):
             h = nv.nvmlDeviceGetHandleByIndex(i)
             mem = nv.nvmlDeviceGetMemoryInfo(h)
-            gpus.append(
-                GpuInfo(
-                    index=i,
-                    vendor="nvidia",
-                    name=_text(nv.nvmlDeviceGetName(h)),
-                    uuid=_text(nv.nvmlDeviceGetUUID(h)),
-                    vram_total=int(mem.total),
-                    vram_free=int(mem.free),
-                    driver=driver,
-                )
+            info = GpuInfo(
+                index=i,
+                vendor="nvidia",
+                name=_text(nv.nvmlDeviceGetName(h)),
+                uuid=_text(nv.nvmlDeviceGetUUID(h)),
+                vram_total=int(mem.total),
+                vram_free=int(mem.free),
+                driver=driver,
             )
+            try:
+                info["pci_bus_id"] = _text(nv.nvmlDeviceGetPciInfo(h).busId).lower()
+            except Exception:  # an older driver: matched by name instead
+                pass
+            gpus.append(info)
     except Exception as exc:
         log.warning("NVML query failed: %s", exc)
         return []
@@ -68,3 +71,25 @@ def detect_gpus() -> list[GpuInfo]:
 
 def gpu_free() -> list[int]:
     return [g["vram_free"] for g in detect_gpus()]
+
+
+def gpu_stats() -> list[dict[str, float]]:
+    """What only NVML gives: utilisation (%), power (W) and temperature (C) per NVML index."""
+    nv = _nvml()
+    if nv is None:
+        return []
+    out: list[dict[str, float]] = []
+    try:
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            row: dict[str, float] = {"index": float(i)}
+            try:
+                row["util_percent"] = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+                row["power_w"] = nv.nvmlDeviceGetPowerUsage(h) / 1000.0
+                row["temperature_c"] = float(nv.nvmlDeviceGetTemperature(h, 0))
+            except Exception:  # a field this card does not report
+                pass
+            out.append(row)
+    except Exception as exc:
+        log.warning("NVML query failed: %s", exc)
+    return out

@@ -64,7 +64,7 @@ log = logging.getLogger("agent.runtime.server")
 # llama-server's stop_type → OpenAI's finish_reason.
 FINISH = {"eos": "stop", "word": "stop", "limit": "length", "none": "stop"}
 DEVICE_RE = re.compile(
-    r"^\s*(RPC\d+|CPU\d*|CUDA\d+|Vulkan\d+|Metal\d*):\s*(.*?)(?:\s*\((\d+) MiB, (\d+) MiB free\))?\s*$"
+    r"^\s*(RPC\d+|CPU\d*|CUDA\d+|Vulkan\d+|ROCm\d+|Metal\d*):\s*(.*?)(?:\s*\((\d+) MiB, (\d+) MiB free\))?\s*$"
 )
 CONTEXT_WORDS = ("exceeds the available context", "context size", "context length", "too long")
 
@@ -133,6 +133,11 @@ def server_args(
     endpoints = list(plan.get("rpc_endpoints") or [])
     if endpoints:
         args += ["--rpc", ",".join(endpoints)]
+    names = plan_device_names(plan)
+    if names is not None:
+        # Exactly the plan's devices, in its order (after --rpc, which names the RPC devices): a
+        # GPU of this machine that the plan left out must not take layers, nor shift the split.
+        args += ["--device", ",".join(names) or "none"]
     # The operator's extra engine flags (e.g. "--poll 0"), appended last so they win.
     args += shlex.split(os.environ.get("RACON_LLAMA_SERVER_ARGS", ""))
     split = [float(x) for x in plan.get("tensor_split") or []]
@@ -892,14 +897,29 @@ def _shutdown(conn: http.client.HTTPConnection | None) -> None:
             pass
 
 
+def plan_device_names(plan: LoadPrimaryPayload) -> list[str] | None:
+    """llama.cpp's offload devices for the plan, in tensor_split order, as the controller named
+    them (RPC<k> for a worker's device, Vulkan0/CUDA0 for the primary's own); None from an older
+    controller (the build's devices, as before)."""
+    if "offload_devices" not in plan:
+        return None
+    return [str(d) for d in plan.get("offload_devices") or []]
+
+
 def _replay_layers(n_layer: int, plan: LoadPrimaryPayload) -> dict[int, str]:
     """Each layer's device by llama.cpp's own rule (agent/layers.py); index n_layer is the output.
     llama-server logs the per-layer lines only at debug verbosity, which also logs every token."""
     endpoints = list(plan.get("rpc_endpoints") or [])
     split = [float(x) for x in plan.get("tensor_split") or []]
-    names = [
-        f"RPC{i}" if i < len(endpoints) else f"GPU{i - len(endpoints)}" for i in range(len(split))
-    ]
+    named = plan_device_names(plan)
+    names = (
+        named
+        if named is not None and len(named) == len(split)
+        else [
+            f"RPC{i}" if i < len(endpoints) else f"GPU{i - len(endpoints)}"
+            for i in range(len(split))
+        ]
+    )
     ngl = int(plan.get("n_gpu_layers", -1))
     per_layer, output = llama_layer_assignment(n_layer, n_layer + 1 if ngl < 0 else ngl, split)
     return {

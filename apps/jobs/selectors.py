@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -155,8 +156,10 @@ def cluster_snapshot(
             )
         ]
         gpus = (n.hardware or {}).get("gpus") or []
+        unverified = False
         for pos, gpu in enumerate(gpus):
-            name = f"GPU{gpu.get('index', pos)}"
+            name = gpu_device_name(gpu, pos)
+            unverified = unverified or not gpu_verified(gpu)
             devices.append(
                 DeviceSnapshot(
                     node_id=nid,
@@ -169,7 +172,7 @@ def cluster_snapshot(
                         else None,
                         reserved=reserved_dev.get((nid, name), 0),
                     ),
-                    **_gpu_speed(gpu, cpu_gflops=gflops),
+                    **_gpu_speed(gpu, cpu_gflops=gflops, cpu_bandwidth=bw),
                 )
             )
         devices = _vram_capped(devices, lend=lend, reserved_dev=reserved_dev)
@@ -186,6 +189,7 @@ def cluster_snapshot(
                 serves_model=nid in serving,
                 window_open=lend.open,
                 window_closes_in=lend.closes_in,
+                may_be_primary=not unverified,
             )
         )
     return ClusterSnapshot(
@@ -214,19 +218,37 @@ def _vram_capped(
     return out
 
 
-# Without a benchmark figure from the agent (agent/hardware/gpu_benchmark.py reports gflops and
-# mem_bandwidth_gbps per GPU when it measured them), a GPU is assumed to be this many times the
-# node's CPU, with this memory bandwidth: a mid-range discrete GPU.
-GPU_ASSUMED_CPU_MULTIPLE = 20.0
-GPU_ASSUMED_BANDWIDTH_GBPS = 300.0
+def gpu_device_name(gpu: dict[str, Any], pos: int) -> str:
+    """A GPU's name in plans: llama.cpp's (CUDA0, Vulkan0) as the agent read it from ggml; an
+    older agent's inventory has none, and its GPU is GPU<index>."""
+    return str(gpu.get("device") or f"GPU{gpu.get('index', pos)}")
 
 
-def _gpu_speed(gpu: dict[str, Any], *, cpu_gflops: float) -> dict[str, float]:
-    """The GPU's measured figures (bounded at enrollment, hardware_bounds_errors), else the
-    assumption above."""
+def gpu_verified(gpu: dict[str, Any]) -> bool:
+    """Whether a GPU challenge confirmed this GPU's speed claim (apps/jobs/challenges.py writes
+    verified_gflops into the inventory entry; a new inventory is a new, unverified claim)."""
+    return float(gpu.get("verified_gflops") or 0) > 0
+
+
+# An unverified GPU is planned at most at this share of its own node's CPU figures: its memory is
+# still lent (a plan short of RAM uses it), but a claim alone never outbids a measured CPU, so a
+# fake "900 TFLOPS" GPU takes layers only when nothing else holds them, and is never the primary.
+GPU_UNVERIFIED_CPU_SHARE = 0.5
+
+
+def _gpu_speed(gpu: dict[str, Any], *, cpu_gflops: float, cpu_bandwidth: float) -> dict[str, float]:
+    """The GPU's figures: as measured by the agent's benchmark (bounded at enrollment,
+    hardware_bounds_errors) once a challenge verified them; else the floor, never above the claim."""
+    claimed_gflops = float(gpu.get("gflops") or 0) or math.inf
+    claimed_bw = float(gpu.get("mem_bandwidth_gbps") or 0) or math.inf
+    if gpu_verified(gpu):
+        return {
+            "gflops": min(claimed_gflops, float(gpu["verified_gflops"])),
+            "mem_bandwidth_gbps": claimed_bw if claimed_bw != math.inf else cpu_bandwidth,
+        }
     return {
-        "gflops": float(gpu.get("gflops") or cpu_gflops * GPU_ASSUMED_CPU_MULTIPLE),
-        "mem_bandwidth_gbps": float(gpu.get("mem_bandwidth_gbps") or GPU_ASSUMED_BANDWIDTH_GBPS),
+        "gflops": min(claimed_gflops, cpu_gflops * GPU_UNVERIFIED_CPU_SHARE),
+        "mem_bandwidth_gbps": min(claimed_bw, cpu_bandwidth * GPU_UNVERIFIED_CPU_SHARE),
     }
 
 

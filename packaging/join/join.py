@@ -9,6 +9,7 @@
 # much disk is free: for tests of the disk-space check).
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -64,11 +65,41 @@ def platform_key():
         pass
     wanted = X86_FEATURES if arch == "x86_64" and flags else ARM_FEATURES
     feats = "".join("-" + f for f in wanted if f in flags)
-    backends = "cpu-rpc"
+    backends = "-".join(["cpu-rpc", *gpu_backends(osname)])
     extra = os.environ.get("RACON_CMAKE_ARGS", "")
     if extra:
         backends += "-" + hashlib.sha256(extra.encode()).hexdigest()[:8]
     return f"{osname}-{arch}{feats}-{backends}"
+
+
+def gpu_backends(osname):
+    """The GPU backends a build here gets, as scripts/platform-key.sh detects them (the
+    controller serves a build only to machines with the same backends): RACON_LLAMA_BACKENDS
+    overrides ("cpu": none)."""
+    want = os.environ.get("RACON_LLAMA_BACKENDS", "auto").strip()
+    if want and want != "auto":
+        names = want.replace(",", " ").split()
+        unknown = [n for n in names if n not in ("cpu", "rpc", "cuda", "vulkan", "metal", "hip")]
+        if unknown:
+            raise JoinError(
+                f"RACON_LLAMA_BACKENDS names an unknown backend {unknown[0]!r} "
+                "(known: cpu, cuda, vulkan, metal, hip, auto)"
+            )
+        return sorted({n for n in names if n not in ("cpu", "rpc")})
+    found = set()
+    if osname == "darwin":
+        found.add("metal")
+    if shutil.which("nvcc") and (
+        os.path.exists("/proc/driver/nvidia/version") or shutil.which("nvidia-smi")
+    ):
+        found.add("cuda")
+    if (shutil.which("hipcc") or shutil.which("hipconfig")) and os.path.exists("/dev/kfd"):
+        found.add("hip")
+    loader = glob.glob("/usr/lib/*/libvulkan.so") + glob.glob("/usr/lib*/libvulkan.so")
+    loader += glob.glob("/usr/local/lib/libvulkan.so")
+    if shutil.which("glslc") and os.path.isfile("/usr/include/vulkan/vulkan.h") and loader:
+        found.add("vulkan")
+    return sorted(found)
 
 
 def find_python():
@@ -197,7 +228,14 @@ def run(cmd, what, env=None, hint="", **kw):
 def site_llama(venv):
     out = run(
         [os.path.join(venv, "bin", "python"), "-c",
-         ("import llama_cpp, os, sys; print(os.path.dirname(llama_cpp.__file__)); "
+         # A GPU build's backends are modules in llama_cpp/lib, loaded from there first
+         # (agent/runtime/ggml.py, load_backends).
+         ("import ctypes, importlib.util as u, os, sys; "
+          "lib = os.path.join(os.path.dirname(u.find_spec('llama_cpp').origin), 'lib'); "
+          "g = ctypes.CDLL(os.path.join(lib, 'libggml.so.0'), mode=ctypes.RTLD_GLOBAL); "
+          "g.ggml_backend_reg_count.restype = ctypes.c_size_t; "
+          "g.ggml_backend_reg_count() or g.ggml_backend_load_all_from_path(lib.encode()); "
+          "import llama_cpp; print(os.path.dirname(llama_cpp.__file__)); "
           "sys.exit(0 if llama_cpp.llama_supports_rpc() else 7)")],
         "checking llama-cpp-python's RPC support",
     )  # fmt: skip

@@ -156,19 +156,25 @@ def test_a_stale_heartbeat_falls_back_to_the_stored_figures(settings: Any) -> No
     assert _device(snap, node.id, "GPU0").free_bytes == 23 * GiB
 
 
-def test_a_gpu_benchmark_figure_is_used_and_the_assumption_is_the_fallback() -> None:
-    measured = {"index": 0, "name": "H200", "vram_total": 80 * GiB, "vram_free": 80 * GiB,
-                "gflops": 40_000.0, "mem_bandwidth_gbps": 3_000.0}  # fmt: skip
+def test_a_verified_gpu_plans_at_its_measured_figures_an_unverified_one_at_the_floor() -> None:
+    verified = {"index": 0, "name": "H200", "vram_total": 80 * GiB, "vram_free": 80 * GiB,
+                "device": "CUDA0", "gflops": 40_000.0, "mem_bandwidth_gbps": 3_000.0,
+                "verified_gflops": 38_000.0}  # fmt: skip
+    claimed = {"index": 0, "name": "H200", "vram_total": 80 * GiB, "vram_free": 80 * GiB,
+               "device": "CUDA0", "gflops": 900_000.0, "mem_bandwidth_gbps": 5_000.0}  # fmt: skip
     plain = {"index": 0, "name": "RTX", "vram_total": 24 * GiB, "vram_free": 24 * GiB}
-    fast = NodeFactory(hardware=hardware_profile(gpus=[measured]))
-    assumed = NodeFactory(hardware=hardware_profile(gpus=[plain]), gflops=50.0)
+    fast = NodeFactory(hardware=hardware_profile(gpus=[verified]))
+    fake = NodeFactory(hardware=hardware_profile(gpus=[claimed]), gflops=50.0)
+    old = NodeFactory(hardware=hardware_profile(gpus=[plain]), gflops=50.0)
     snap = selectors.cluster_snapshot(now=timezone.now())
-    dev = _device(snap, fast.id, "GPU0")
-    assert (dev.gflops, dev.mem_bandwidth_gbps) == (40_000.0, 3_000.0)
-    dev = _device(snap, assumed.id, "GPU0")
-    cpu = _device(snap, assumed.id, "CPU")
-    assert dev.gflops == cpu.gflops * selectors.GPU_ASSUMED_CPU_MULTIPLE
-    assert dev.mem_bandwidth_gbps == selectors.GPU_ASSUMED_BANDWIDTH_GBPS
+    dev = _device(snap, fast.id, "CUDA0")
+    assert (dev.gflops, dev.mem_bandwidth_gbps) == (38_000.0, 3_000.0)
+    for node, name in ((fake, "CUDA0"), (old, "GPU0")):  # an older agent's GPU has no device name
+        dev, cpu = _device(snap, node.id, name), _device(snap, node.id, "CPU")
+        assert dev.gflops == cpu.gflops * selectors.GPU_UNVERIFIED_CPU_SHARE
+        assert dev.mem_bandwidth_gbps == cpu.mem_bandwidth_gbps * selectors.GPU_UNVERIFIED_CPU_SHARE
+    may_be_primary = {n.node_id: n.may_be_primary for n in snap.nodes}
+    assert may_be_primary[str(fast.id)] and not may_be_primary[str(fake.id)]
 
 
 def _commands(node_id: Any) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ import dataclasses
 from apps.models_repo.profile import ModelProfile
 from apps.nodes.states import FALLBACK, PLACEABLE, SCHEDULABLE
 
-from .inputs import ClusterSnapshot, NodeSnapshot, PlacementRequest
+from .inputs import ClusterSnapshot, DeviceSnapshot, NodeSnapshot, PlacementRequest
 from .plan import PlacementRefused
 
 
@@ -135,3 +135,73 @@ def _check_request(profile: ModelProfile, request: PlacementRequest) -> None:
         raise PlacementRefused("; ".join(bad), 0, (), code="invalid_request")
     if profile.n_layer <= 0:
         raise PlacementRefused("the model has no layers", 0, ())
+
+
+# An unpinned CPU on a node whose GPU is pinned: this much slower, so the fastest-first fill puts
+# the layers on the pinned devices and the CPU keeps only what llama.cpp always keeps there.
+_UNPINNED_CPU_SLOWDOWN = 1e-6
+
+
+def pin_devices_apply(
+    cluster: ClusterSnapshot, request: PlacementRequest
+) -> tuple[ClusterSnapshot, PlacementRequest]:
+    """The cluster and request a device pin leaves: only the named devices' nodes (pinned, and
+    spread over when several), on each only its named devices (its CPU kept, since llama.cpp
+    always holds the embeddings and host buffers there, but planned on only when named)."""
+    if not request.pin_devices:
+        return cluster, request
+    by_key = {}
+    for n in cluster.nodes:
+        by_key[n.node_id] = n
+        if n.name:
+            by_key.setdefault(n.name, n)
+    wanted: dict[str, set[str]] = {}
+    for entry in request.pin_devices:
+        node_part, sep, dev = str(entry).rpartition(":")
+        if sep:
+            node = by_key.get(node_part)
+            if node is None:
+                raise PlacementRefused(
+                    f"device pin {entry!r}: no node {node_part!r}", 0, (), code="invalid_request"
+                )
+            nodes = [node]
+        else:
+            nodes = [n for n in cluster.nodes if any(d.device == dev for d in n.devices)]
+        found = [n for n in nodes if any(d.device == dev for d in n.devices)]
+        if not found:
+            raise PlacementRefused(
+                f"device pin {entry!r}: no such device"
+                + (f" on {nodes[0].name or nodes[0].node_id}" if sep else " on any node")
+                + " (names as llama.cpp gives them: CPU, CUDA0, Vulkan0, ...)",
+                0,
+                (),
+                code="invalid_request",
+            )
+        for n in found:
+            wanted.setdefault(n.node_id, set()).add(dev)
+    nodes = []
+    for n in cluster.nodes:
+        if n.node_id not in wanted:
+            continue
+        devs: list[DeviceSnapshot] = []
+        for d in n.devices:
+            if d.device in wanted[n.node_id]:
+                devs.append(d)
+            elif d.kind == "cpu":
+                devs.append(
+                    dataclasses.replace(
+                        d,
+                        gflops=d.gflops * _UNPINNED_CPU_SLOWDOWN,
+                        mem_bandwidth_gbps=d.mem_bandwidth_gbps * _UNPINNED_CPU_SLOWDOWN,
+                    )
+                )
+        # The operator chose these devices: an unverified GPU's node may then be the primary.
+        nodes.append(dataclasses.replace(n, devices=tuple(devs), may_be_primary=True))
+    pinned = tuple(n.node_id for n in nodes)
+    request = dataclasses.replace(
+        request,
+        pin_nodes=pinned,
+        spread=request.spread or len(pinned) > 1,
+        exclude_nodes=tuple(x for x in request.exclude_nodes if x not in pinned),
+    )
+    return dataclasses.replace(cluster, nodes=tuple(nodes)), request

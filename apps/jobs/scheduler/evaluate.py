@@ -189,7 +189,7 @@ class _Ctx:
                     if t < node.best_t:
                         node.best_t = t
             if cpu_free >= host_idle:
-                node.primary_ok = True
+                node.primary_ok = ns.may_be_primary
                 cp = int((cpu_free - host_layers) // per_layer) if cpu_free >= host_layers else -1
                 cp = node.cap_primary = cp if cp < n_layer else n_layer
                 ca = int((cpu_free - alone_fixed) // per_layer) if cpu_free >= alone_fixed else -1

@@ -16,7 +16,7 @@ class DeviceSnapshot:
     """One memory pool a node can give to a model: its CPU (system RAM) or one GPU."""
 
     node_id: str
-    device: str  # "CPU", "GPU0", "GPU1"...
+    device: str  # "CPU", or llama.cpp's GPU name: "CUDA0", "Vulkan0", "ROCm0", "Metal"
     kind: str  # "cpu" | "gpu"
     free_bytes: int
     gflops: float  # measured compute rate
@@ -45,6 +45,10 @@ class NodeSnapshot:
     # ClusterSnapshot.min_window_seconds → only a fallback (long-lived deployments avoid it).
     window_open: bool = True
     window_closes_in: float | None = None
+    # False while the node holds a GPU claim no challenge has verified: it may lend memory, at
+    # the floor figures, but never becomes the primary (which reads every prompt) unless the
+    # operator pinned its devices.
+    may_be_primary: bool = True
 
     @property
     def endpoint(self) -> str:
@@ -123,6 +127,9 @@ class PlacementRequest:
     flash_attn: bool = False
     # Place on nodes that already serve this model (another replica on the same node).
     allow_same_node: bool = False
+    # The operator's device pin, by llama.cpp name ("Vulkan0", "CPU") or "node:device" (node id
+    # or name): the plan's layers go on exactly these devices (eligibility.pin_devices_apply).
+    pin_devices: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -90,6 +90,31 @@ class Plan:
             w["devices"].append(d.device)
         return list(out.values())
 
+    def offload_device_names(self, exposed: Mapping[str, Sequence[str]] | None = None) -> list[str]:
+        """llama.cpp's names for the offload devices (every device after the primary's CPU), in
+        tensor_split order: llama-server's --device. A worker's device is RPC<k>, with k counting
+        every device the workers expose, endpoint by endpoint in --rpc order (ggml-rpc numbers
+        them so); the primary's own GPUs keep their names (Vulkan0, CUDA0). ``exposed`` is each
+        worker's device list as it reported it (rpc_start); unknown, its plan devices in order."""
+        base: dict[str, tuple[int, list[str]]] = {}
+        k = 0
+        for w in self.rpc_workers():
+            names = list((exposed or {}).get(w["node_id"]) or w["devices"])
+            base[w["node_id"]] = (k, names)
+            k += len(names)
+        out = []
+        for d in self.devices[1:]:
+            if d.endpoint is None:
+                out.append(d.device)
+                continue
+            start, names = base[d.node_id]
+            if d.device not in names:
+                raise ValueError(
+                    f"the RPC worker on {d.node_id} does not expose {d.device} (it has {names})"
+                )
+            out.append(f"RPC{start + names.index(d.device)}")
+        return out
+
     def memory_by_node(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for d in self.devices:

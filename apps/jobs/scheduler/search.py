@@ -11,7 +11,13 @@ from apps.models_repo.profile import ModelProfile
 
 from .assemble import _finish_plan
 from .cost import DEFAULT_COST, CostModel
-from .eligibility import _check_request, _search_request, _select_nodes, _tiers
+from .eligibility import (
+    _check_request,
+    _search_request,
+    _select_nodes,
+    _tiers,
+    pin_devices_apply,
+)
 from .evaluate import _Ctx, _Eval, _evaluate, _Node
 from .inputs import ClusterSnapshot, PlacementRequest
 from .plan import PlacementRefused, Plan, PlanDevice, fmt_bytes
@@ -256,7 +262,8 @@ def plan_placement(
     """
     asked = request or PlacementRequest()
     _check_request(profile, asked)
-    request = _search_request(asked)
+    cluster, pinned = pin_devices_apply(cluster, asked)
+    request = _search_request(pinned)
     ready, degraded, notes = _select_nodes(cluster, request)
     tiers = _tiers(request, ready, degraded)
     if not tiers or not any(t[0] for t in tiers):
