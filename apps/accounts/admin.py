@@ -19,6 +19,10 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "created_at",
         "revoked_at",
         "last_used_at",
+        "requests_per_minute",
+        "tokens_per_minute",
+        "max_concurrent",
     )
     list_filter = ("revoked_at",)
-    readonly_fields = ("prefix", "key_hash")
+    # Limits: empty takes the RATE_KEY_* setting, 0 is no limit (apps/api/quotas.py).
+    readonly_fields = ("prefix", "key_hash", "parent")
