@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from agent.bundle import stable_executable
+
 UNIT_NAME = "racon-agent.service"
 
 
@@ -29,8 +31,12 @@ def unit_text(
     *, flags: Sequence[str], user: bool, python: str | None = None, drain_seconds: float = 10.0
 ) -> str:
     """The unit file's content: ExecStart runs the agent in the foreground with ``flags``."""
-    exe = python or sys.executable
-    argv = [exe, "-m", "agent.cli", "--foreground", *[f for f in flags if f != "--foreground"]]
+    run = ["--foreground", *[f for f in flags if f != "--foreground"]]
+    if python is None and getattr(sys, "frozen", False):
+        # The standalone bundle: the link `node-agent upgrade` switches, not this bundle's path.
+        argv = [stable_executable(), *run]
+    else:
+        argv = [python or sys.executable, "-m", "agent.cli", *run]
     exec_start = " ".join(shlex.quote(a) for a in argv).replace("%", "%%")
     wanted = "default.target" if user else "multi-user.target"
     return (

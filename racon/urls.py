@@ -13,6 +13,7 @@ from apps.jobs import api as jobs_api
 from apps.jobs import kvtransfer_api
 from apps.models_repo import api as models_api
 from apps.nodes import api as nodes_api
+from apps.nodes import bundles as nodes_bundles
 
 agent_urls = [
     path("enroll", nodes_api.AgentEnrollApi.as_view(), name="agent-enroll"),
@@ -52,6 +53,7 @@ admin_urls = [
         name="admin-token-revoke",
     ),
     path("events", nodes_api.EventListApi.as_view(), name="admin-events"),
+    path("bundles", nodes_bundles.BundleApi.as_view(), name="admin-bundles"),
     path("models", models_api.ModelListCreateApi.as_view(), name="admin-models"),
     path("models/<str:name>", models_api.ModelDetailApi.as_view(), name="admin-model"),
     path("deployments", jobs_api.DeploymentListCreateApi.as_view(), name="admin-deployments"),
