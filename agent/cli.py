@@ -30,6 +30,7 @@ import redis
 
 from agent import __version__
 from agent.agent import Agent
+from agent.bundle import BundleError, bundle_home, restart_service, upgrade_bundle
 from agent.client import ControllerClient
 from agent.config import (
     AgentConfig,
@@ -45,7 +46,7 @@ from agent.identity import IdentityError, load_identity, write_private_file
 from agent.lending import HANDOFFS, lending_status_path, pause_path, read_json
 from agent.models import ShaCache, scan_models
 from agent.runtime.llama import llama_rpc_support
-from agent.service import install_service, uninstall_service
+from agent.service import UNIT_NAME, install_service, uninstall_service, unit_path
 from agent.upgrade import UpgradeError, upgrade
 
 # (command, one line for `node-agent --help`, an example for its own --help), in that order.
@@ -341,12 +342,23 @@ def cmd_upgrade(argv: Sequence[str]) -> int:
         return _error(str(exc))
     if ident is None:
         return _error(f"not enrolled (no identity in {state_dir}): run the join line instead")
+    home = bundle_home()
     try:
-        version = upgrade(ident)
-    except (UpgradeError, httpx.HTTPError, OSError) as exc:
+        if home is not None:  # the standalone bundle: a new one beside it, the link switched
+            version = upgrade_bundle(ident, home, ca_file=state_dir / "controller-ca.pem")
+        else:
+            version = upgrade(ident)
+    except (UpgradeError, BundleError, httpx.HTTPError, OSError) as exc:
         return _error(str(exc), 1)
-    running = read_pid(state_dir / "agent.pid")
+    if not version:
+        print(f"node-agent: already the controller's agent ({__version__})")
+        return 0
     print(f"node-agent: upgraded {__version__} -> {version} from {ident.controller_url}")
+    for user in (True, False):
+        if unit_path(user=user).exists():
+            print(f"node-agent: {restart_service(UNIT_NAME, user=user)}")
+            return 0
+    running = read_pid(state_dir / "agent.pid")
     if running:
         print(f"node-agent: the running agent (pid {running}) runs the old code until restarted")
     return 0

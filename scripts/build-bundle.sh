@@ -181,6 +181,10 @@ cat >"$tmp/manifest.json" <<EOF
 EOF
 rm -rf "$out" && mv "$tmp" "$out"
 rm -rf "$work"
+# Older builds for this platform (an earlier agent/): only the newest is served.
+for old in "$CACHE"/bundle/*-"$platform"; do
+  [ "$old" = "$out" ] || rm -rf "$old"
+done
 publish
 say "bundle for $platform ready in $(( $(date +%s) - started )) s: $(( size / 1048576 )) MiB download, $(( unpacked / 1048576 )) MiB unpacked, glibc >= $glibc"
 echo "$out/$name"
