@@ -23,7 +23,7 @@ import threading
 from typing import Any
 
 from agent import __version__, lifecycle
-from agent.client import ControllerClient
+from agent.client import ControllerClient, controller_ca, trust_controller_ca
 from agent.commands import Commands
 from agent.config import AgentConfig
 from agent.dispatcher import Dispatcher
@@ -86,7 +86,10 @@ class Agent:
         self.hw: HardwareSource = hardware or hardware_source(
             config.models_dir, config.state_dir, config.hardware_profile
         )
-        self.client = client or ControllerClient(config.controller_url)
+        # The controller's own CA (a LAN controller's, racon/tls.py), kept in the state dir.
+        ca = controller_ca(config.state_dir, config.ca_file)
+        trust_controller_ca(ca, config.state_dir)
+        self.client = client or ControllerClient(config.controller_url, ca_file=ca)
         self.install_signals = install_signals
         self.identity: Identity | None = None
         self.hardware: Hardware | None = None
@@ -99,7 +102,7 @@ class Agent:
         self._metrics: MetricsServer | None = None
         self.sha_cache = ShaCache(config.state_dir)
         self.registry = DeploymentRegistry()
-        self.redis = RedisLink()
+        self.redis = RedisLink(ca_file=ca)
         self.outbox = Outbox(
             self.client,
             on_revoked=self._on_revoked,

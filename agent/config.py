@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import re
 import socket
@@ -39,6 +40,9 @@ class AgentConfig:
     drain_seconds: float = DEFAULT_DRAIN_SECONDS
     # Overrides the Redis URL the controller hands out at enrollment (useful behind NAT/tunnels).
     redis_url: str | None = None
+    # The controller's own CA (--ca-file, RACON_CA_FILE; the join line passes it): copied into the
+    # state dir, where a restarted agent finds it (agent/client.py controller_ca).
+    ca_file: Path | None = None
     # Threads for the RPC worker; 0 means "all logical cores".
     rpc_threads: int = 0
     run_benchmarks: bool = True
@@ -103,6 +107,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--drain-seconds", help="SIGTERM: bound on finishing current work (RACON_DRAIN_SECONDS)"
     )
     parser.add_argument("--redis-url", help="override the Redis URL given at enrollment")
+    parser.add_argument(
+        "--ca-file",
+        help="the controller's CA certificate (PEM) to check https and rediss against; kept in "
+        "the state dir (RACON_CA_FILE)",
+    )
     parser.add_argument(
         "--command-max-age",
         help="refuse a command issued longer ago than this, seconds, default 600 "
@@ -178,12 +187,30 @@ def guess_advertise_address(controller_url: str) -> str:
         return "127.0.0.1"
 
 
+def stored_controller_url(state_dir: Path) -> str | None:
+    """The controller URL the node in state_dir enrolled with (identity.json), or None."""
+    try:
+        raw = json.loads((state_dir / "identity.json").read_text())
+    except (OSError, ValueError):
+        return None
+    url = raw.get("controller_url") if isinstance(raw, dict) else None
+    return url if isinstance(url, str) and url else None
+
+
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> AgentConfig:
     """Build and validate the config. Raises ConfigError with a one-line message."""
     env = os.environ if env is None else env
     controller_url = _pick(args, env, "controller_url")
     if not controller_url:
-        raise ConfigError("--controller-url (or RACON_CONTROLLER_URL) is required")
+        # A restarted agent knows where it enrolled: the URL is stored with its credential.
+        controller_url = stored_controller_url(
+            Path(_pick(args, env, "state_dir") or default_state_dir(env)).expanduser()
+        )
+    if not controller_url:
+        raise ConfigError(
+            "--controller-url (or RACON_CONTROLLER_URL) is required: this state dir holds no "
+            "enrolled node"
+        )
     controller_url = _validate_url(controller_url, "--controller-url")
 
     node_name = _pick(args, env, "node_name") or socket.gethostname().split(".")[0]
@@ -237,6 +264,16 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         if not 5 <= max_age <= 86400:
             raise ConfigError(f"--command-max-age must be between 5 and 86400, got {max_age:g}")
 
+    ca_raw = _pick(args, env, "ca_file")
+    ca_file = Path(ca_raw).expanduser() if ca_raw else None
+    if ca_file is not None:
+        try:
+            pem = ca_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--ca-file {ca_file} cannot be read: {exc}") from None
+        if "-----BEGIN CERTIFICATE-----" not in pem:
+            raise ConfigError(f"--ca-file {ca_file} holds no PEM certificate")
+
     redis_url = _pick(args, env, "redis_url")
     if redis_url and urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"--redis-url must be a redis:// URL, got {redis_url!r}")
@@ -281,6 +318,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         rpc_worker=rpc_worker,
         drain_seconds=drain,
         redis_url=redis_url,
+        ca_file=ca_file,
         run_benchmarks=not getattr(args, "no_benchmark", False),
         log_level=level,
         lending=lending,

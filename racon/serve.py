@@ -1,8 +1,22 @@
-"""Start daphne as one or more processes accepting on one listening socket (pre-fork style).
+"""The controller's HTTP server layer: daphne, pre-forked, plain on loopback and TLS on the LAN.
 
-daphne runs one event loop in one process. Binding the socket here and handing it to several
-daphne processes with --fd lets the kernel spread connections across them, so the controller uses
-more than one core without a separate load balancer.
+daphne runs one event loop in one process. Binding the sockets here and handing them to several
+daphne processes (`--fd`) lets the kernel spread connections across them, so the controller uses
+more than one core without a separate load balancer. A loopback-only controller runs daphne's
+own script; a LAN one runs `python -m racon.daphne_tls` in each process, daphne's own command
+line plus what daphne's endpoint strings cannot say (docs/design/serving.md, "Server layer"):
+
+- `--tls-fd N --tls-cert C --tls-key K`: HTTPS on an inherited listening socket. Twisted's `ssl:`
+  endpoint binds its own port, which several processes cannot share; here the adopted socket's
+  connections are wrapped in Twisted's TLS (TLSMemoryBIOFactory, pyOpenSSL), so `BIND=<LAN
+  address> make run` serves HTTPS on the LAN from every daphne process while the plain `--fd`
+  listener stays on loopback.
+- RACON_HTTP_MAX_BODY (bytes, 0 = no limit; setting it runs racon.daphne_tls on loopback too):
+  a request whose Content-Length is larger gets 413
+  and the connection closes before its body is read (Twisted would otherwise buffer it whole
+  before daphne calls the application); a chunked body is cut off at the limit the same way.
+- RACON_HTTP_IDLE_TIMEOUT (seconds, default 120): a connection that sends nothing for this long
+  (headers included) is closed (Twisted's own default is 12 hours).
 """
 
 from __future__ import annotations
@@ -13,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+SERVE_MODULE = "racon.daphne_tls"  # what runs in each daphne process
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -25,10 +41,28 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def daphne_argv(fd: int, access_log: str | None = None) -> list[str]:
-    """daphne on an inherited socket; without access_log, no per-request access line at all
-    (thousands of heartbeats a second would otherwise each cost a formatted write)."""
-    argv = [str(Path(sys.executable).parent / "daphne"), "--fd", str(fd)]
+def daphne_argv(
+    fd: int | None,
+    access_log: str | None = None,
+    *,
+    tls_fd: int | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+) -> list[str]:
+    """daphne on inherited sockets: `fd` plain, `tls_fd` HTTPS with tls_cert/tls_key. Without
+    access_log, no per-request access line at all (thousands of heartbeats a second would
+    otherwise each cost a formatted write)."""
+    # A loopback-only controller runs daphne's own script as before; HTTPS needs this module.
+    if tls_fd is None and not os.environ.get("RACON_HTTP_MAX_BODY"):
+        argv = [str(Path(sys.executable).parent / "daphne")]
+    else:
+        argv = [sys.executable, "-m", SERVE_MODULE]
+    if fd is not None:
+        argv += ["--fd", str(fd)]
+    if tls_fd is not None:
+        if tls_cert is None or tls_key is None:
+            raise ValueError("tls_fd needs tls_cert and tls_key")
+        argv += ["--tls-fd", str(tls_fd), "--tls-cert", str(tls_cert), "--tls-key", str(tls_key)]
     argv += ["--access-log", access_log] if access_log else ["-v", "0"]
     return [*argv, "racon.asgi:application"]
 

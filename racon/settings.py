@@ -120,6 +120,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "racon.context_processors.lan",  # the RACON_INSECURE_LAN banner
             ],
         },
     },

@@ -177,9 +177,15 @@ def _ca_cert(key: PrivateKey, now: dt.datetime) -> x509.Certificate:
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )  # fmt: skip
@@ -191,9 +197,7 @@ def _ca_cert(key: PrivateKey, now: dt.datetime) -> x509.Certificate:
     )
 
 
-def ca_load_or_create(
-    *, var_dir: Path, now: dt.datetime | None = None
-) -> tuple[CA, str | None]:
+def ca_load_or_create(*, var_dir: Path, now: dt.datetime | None = None) -> tuple[CA, str | None]:
     """The CA in var_dir/tls, created on first use. A CA certificate that expired (or expires
     within RENEW_BEFORE) is renewed with the same key. The message says what was done (None when
     nothing was)."""
@@ -261,9 +265,15 @@ def issue_leaf(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=True, key_cert_sign=False, crl_sign=False,
-                encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=True,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )  # fmt: skip
@@ -326,7 +336,9 @@ def server_cert_ensure(
         reason = "issued again for " + ", ".join(sorted(want_ips))
     if reason:
         ips_all = sorted(want_ips | (_names_of(cert)[0] if cert is not None else set()))
-        leaf = issue_leaf(ca, common_name="racon-controller", ips=ips_all, dns=dns, key=key, now=now)
+        leaf = issue_leaf(
+            ca, common_name="racon-controller", ips=ips_all, dns=dns, key=key, now=now
+        )
         cert = leaf.cert
         _write_public(cert_path, leaf.cert_pem)
         if reason != "issued" or message is None:

@@ -219,6 +219,31 @@ class Client:
             )
         return found[0]
 
+    def by_ref(
+        self, items: list[dict[str, Any]], ref: str, kind: str, names: tuple[str, ...] = ("name",)
+    ) -> dict[str, Any]:
+        """An item by its name (the `names` fields, case-insensitive, e.g. an account's name or
+        username, a token's label), else by full id or a unique id prefix."""
+        ref_l = ref.lower()
+        named = [i for i in items if any(str(i.get(n) or "").lower() == ref_l for n in names)]
+        if len(named) == 1:
+            return named[0]
+        if len(named) > 1:
+            raise ApiError(
+                f"{len(named)} {kind}s are named {ref!r}; give the id (or a unique id prefix)",
+                status=409,
+            )
+        return self.by_prefix(items, ref, kind)
+
+    def account_id(self, ref: str) -> str:
+        """An account's id from its name, its username, its id or a unique id prefix."""
+        try:
+            return str(uuid.UUID(ref))  # a full id needs no listing (which only operators see)
+        except ValueError:
+            pass
+        accounts = self.get("/api/admin/accounts")
+        return str(self.by_ref(accounts, ref, "account", ("name", "username"))["id"])
+
     # --- streaming --------------------------------------------------------------------------------
 
     def stream_chat(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:

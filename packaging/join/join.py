@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -24,6 +25,10 @@ import urllib.request
 
 CONTROLLER_URL = "@@CONTROLLER_URL@@"
 TOKEN = "@@TOKEN@@"
+# The controller's own CA (PEM), when it has one: this program came over the pinned channel, so
+# the CA in it is the controller's; every later fetch is checked against it, and the agent keeps
+# it for every https and rediss connection (RACON_CA_FILE).
+CA_PEM = "@@CA_PEM@@"
 MIB = 1 << 20
 # What an install takes beyond the downloads themselves (unpacked wheels, the venv's own pip).
 INSTALL_FACTOR = 3
@@ -136,9 +141,34 @@ def find_python():
 # --- the controller ------------------------------------------------------------------------------
 
 
+def tls_context():
+    """Checks the controller against its own CA (None: the system's CAs, or plain http)."""
+    if not CA_PEM or not CONTROLLER_URL.startswith("https://"):
+        return None
+    return ssl.create_default_context(cadata=CA_PEM)
+
+
 def http_get(path, *, timeout=60):
     req = urllib.request.Request(CONTROLLER_URL + path, headers={"Authorization": "Join " + TOKEN})
-    return urllib.request.urlopen(req, timeout=timeout)
+    try:
+        return urllib.request.urlopen(req, timeout=timeout, context=tls_context())
+    except urllib.error.URLError as exc:
+        if isinstance(getattr(exc, "reason", None), ssl.SSLCertVerificationError):
+            raise JoinError(
+                f"the controller at {CONTROLLER_URL} presented a certificate its own CA did not "
+                f"issue ({exc.reason.verify_message}); nothing was installed"
+            ) from None
+        raise
+
+
+def keep_ca(home):
+    """The CA, next to the agent: RACON_CA_FILE for the agent, which copies it into its state."""
+    if not CA_PEM:
+        return None
+    path = os.path.join(home, "controller-ca.pem")
+    with open(path, "w") as f:
+        f.write(CA_PEM)
+    return path
 
 
 def error_message(exc):
@@ -428,6 +458,9 @@ def main(argv):
         f"`{agent}` detaches and `{agent} status` / `stop` manage it)"
     )
     env = dict(os.environ, RACON_ENROLLMENT_TOKEN=TOKEN, RACON_CONTROLLER_URL=CONTROLLER_URL)
+    ca = keep_ca(home)
+    if ca:
+        env["RACON_CA_FILE"] = ca
     env.pop("RACON_JOIN_PYTHON", None)
     sys.stdout.flush()
     # exec: the agent takes this process's place; the token travels in its environment only.

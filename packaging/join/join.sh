@@ -1,6 +1,7 @@
 #!/bin/sh
 # RACoN: join this machine to the controller at @@CONTROLLER_URL@@ as a node.
 #   curl -fsSL @@CONTROLLER_URL@@/join/<token> | sh            (arguments: | sh -s -- --node-name NAME)
+#   (a LAN controller's line adds -k --pinnedpubkey sha256//<pin>: the same pin fetches the program)
 # It finds Python 3.12+, then fetches and runs the join program (/join/<token>.py) with it, which
 # installs the agent into ~/.racon-agent/venv from files the controller serves (sha256-checked),
 # and starts `node-agent --foreground`. The token is never written to disk: the program reaches
@@ -130,7 +131,13 @@ main() {
     echo "racon join: error: the RACoN agent needs Python 3.12 or newer with its venv module: install python3.12 and python3.12-venv (or set RACON_PYTHON=/path/to/python3.12), then run this line again" >&2
     exit 3
   fi
-  if command -v curl >/dev/null 2>&1; then
+  if [ -n "$pin" ]; then
+    # The controller's own CA: the pin checks its key (the program then carries the CA).
+    program=$(curl -fsSLk --pinnedpubkey "$pin" "$controller/join/$token.py") || {
+      [ $? = 90 ] && echo "racon join: error: the controller's certificate does not match the pin in this line" >&2 && exit 1
+      program=""
+    }
+  elif command -v curl >/dev/null 2>&1; then
     program=$(curl -fsSL "$controller/join/$token.py") || program=""
   elif command -v wget >/dev/null 2>&1; then
     program=$(wget -qO- "$controller/join/$token.py") || program=""

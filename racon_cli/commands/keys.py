@@ -27,7 +27,10 @@ def keys_create(
         int | None, typer.Option(help="Days until it expires (default: never).")
     ] = None,
     account: Annotated[
-        str | None, typer.Option(help="Account id to make it for (operators; default: yours).")
+        str | None,
+        typer.Option(
+            help="Account to make it for: name, username or id (operators; default: yours)."
+        ),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -35,9 +38,9 @@ def keys_create(
     body: dict[str, Any] = {"name": name, "scopes": scope or ["inference"]}
     if expires_in_days is not None:
         body["expires_in_days"] = expires_in_days
-    if account:
-        body["account"] = account
     with client() as c:
+        if account:
+            body["account"] = c.account_id(account)
         key = c.post("/api/keys", body)
     if as_json:
         return render.emit_json(key)

@@ -22,7 +22,10 @@ def tokens_create(
     ] = None,
     max_uses: Annotated[int, typer.Option(help="Machines that may enroll with it.")] = 1,
     account: Annotated[
-        str | None, typer.Option(help="Account that will own the nodes (default: yours).")
+        str | None,
+        typer.Option(
+            help="Account that will own the nodes: name, username or id (default: yours)."
+        ),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -30,9 +33,9 @@ def tokens_create(
     body: dict[str, Any] = {"label": label, "max_uses": max_uses}
     if ttl_hours is not None:
         body["ttl_hours"] = ttl_hours
-    if account:
-        body["account"] = account
     with client() as c:
+        if account:
+            body["account"] = c.account_id(account)
         tok = c.post("/api/admin/tokens", body)
     if as_json:
         return render.emit_json(tok)
@@ -80,7 +83,7 @@ def tokens_revoke(
     token: Annotated[
         str,
         typer.Argument(
-            help="Token id (or a unique prefix of it), or the token's own prefix (rcn_…)."
+            help="Token label, id (or a unique prefix of it), or the token's own prefix (rcn_…)."
         ),
     ],
     as_json: JsonOpt = False,
@@ -95,7 +98,9 @@ def tokens_revoke(
             and (t["prefix"].startswith(token) or token.startswith(t["prefix"]))
         ]
         tok = (
-            by_secret_prefix[0] if len(by_secret_prefix) == 1 else c.by_prefix(toks, token, "token")
+            by_secret_prefix[0]
+            if len(by_secret_prefix) == 1
+            else c.by_ref(toks, token, "token", ("label",))
         )
         after = c.post(f"/api/admin/tokens/{tok['id']}/revoke")
     if as_json:

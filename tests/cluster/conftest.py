@@ -23,6 +23,8 @@ from .harness import (
     skip_reason,
     wait_for,
 )
+from .household import HouseholdLan, household, join_env, run_line, start_make_run, token_line
+from .join_host import build_wheelhouse
 
 # Each host lends 200 MiB: SmolLM2 at n_ctx 512 needs about 300 MiB, so every plan is a split.
 HOST_RAM = 200 << 20
@@ -104,3 +106,63 @@ def cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             raise
         print(f"\ncluster up in {time.monotonic() - t0:.1f} s; benchmark {bench}")
         yield cl
+
+
+@pytest.fixture(scope="session")
+def household_lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HouseholdLan]:
+    """The README's household (issue 24): `BIND=<address> make run` in `controller`, and
+    `gpu-desktop` and `ram-box` joined with the line `racon tokens create` prints, both READY;
+    `intruder` is on the same switch. Shared by the session (it takes minutes to build)."""
+    build_wheelhouse()
+    workdir = tmp_path_factory.mktemp("household")
+    with household(workdir, ["controller", "gpu-desktop", "ram-box", "intruder"]) as hh:
+        ctl = start_make_run(hh, workdir / "var", smollm2_path())
+        t0 = time.monotonic()
+
+        def summary() -> bool:
+            if ctl.proc.poll() is not None:
+                raise AssertionError(
+                    f"make run exited with {ctl.proc.returncode}:\n{ctl.log()[-4000:]}"
+                )
+            return "[racon] ready" in ctl.log() or "NOT ready" in ctl.log()
+
+        wait_for(summary, 900, "make run's ready summary", interval=1)
+        print(f"\nhousehold: make run ready in {time.monotonic() - t0:.0f} s")
+        line = token_line(ctl, "household", 2)
+        joins, homes = {}, {}
+        for host in ("gpu-desktop", "ram-box"):
+            homes[host] = workdir / "homes" / host
+            env = join_env(hh, host, homes[host])
+            joins[host] = run_line(
+                hh, host, line, home=homes[host], env=env, log=workdir / f"join-{host}.log"
+            )
+
+        def both_ready() -> bool:
+            for host, proc in joins.items():
+                if proc.poll() is not None:
+                    raise AssertionError(
+                        f"{host}'s join line exited {proc.returncode}:\n"
+                        + (workdir / f"join-{host}.log").read_text(errors="replace")[-4000:]
+                    )
+            rows = ctl.api("GET", "/api/admin/nodes").json()
+            rows = rows.get("results", rows) if isinstance(rows, dict) else rows
+            states = {n["name"]: n["state"] for n in rows}
+            return all(states.get(h) == "READY" for h in joins)
+
+        try:
+            wait_for(both_ready, 900, "gpu-desktop and ram-box READY", interval=2)
+        except AssertionError:
+            for host in joins:
+                print(
+                    f"--- join-{host}.log\n"
+                    + (workdir / f"join-{host}.log").read_text(errors="replace")[-3000:]
+                )
+            print("--- make run\n" + ctl.log()[-4000:])
+            raise
+        print(
+            f"household: both joined and READY {time.monotonic() - t0:.0f} s after make run started"
+        )
+        try:
+            yield HouseholdLan(hh=hh, ctl=ctl, line=line, joins=joins, homes=homes)
+        finally:
+            print("--- make run (tail)\n" + ctl.log()[-2500:])
