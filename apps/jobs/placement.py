@@ -30,6 +30,7 @@ from apps.nodes.commands import command_send, command_wait
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory, Node
 from apps.nodes.states import LOADABLE
+from racon import tls
 from racon.locks import redis_lock
 from racon.logging import log_context
 
@@ -246,6 +247,7 @@ def _deployment_load(
     # their tunnels: a fresh key per deployment (and placement attempt), never stored, sent only
     # in the commands of the plan's members.
     tunnel_key = secrets.token_hex(32)
+    tunnel_tls = tunnel_certificate(deployment_id=dep.id)
     primary_address = (
         Node.objects.filter(pk=plan.primary_node_id).values_list("address", flat=True).first()
     )
@@ -256,6 +258,7 @@ def _deployment_load(
         grant = {
             "deployment_id": str(dep.id),
             "tunnel_key": tunnel_key,
+            "tunnel_tls": tunnel_tls,
             "primary_address": primary_address,
         }
         worker_name = f"RPC worker on {selectors.node_name(node_id)}"
@@ -302,6 +305,7 @@ def _deployment_load(
         "flash_attn": plan.flash_attn,
         "memory_bytes": plan.memory_by_node().get(primary, 0),
         "rpc_tunnel_key": tunnel_key,
+        "rpc_tunnel_tls": tunnel_tls,
     }
     result = _ask(
         node_id=primary,
@@ -328,6 +332,15 @@ def _deployment_load(
     for node_id in plan.node_ids:
         _require_live(node_id)
     return result
+
+
+def tunnel_certificate(*, deployment_id: Any) -> dict[str, str]:
+    """A deployment's RPC-tunnel certificate (server and client use) from the controller's CA,
+    with its key and the CA certificate, in PEM: sent in the plan's rpc_start and load_primary,
+    never stored (agent/tunnel.py pins both ends to exactly this certificate)."""
+    ca, _ = tls.ca_load_or_create(var_dir=settings.VAR_DIR)
+    leaf = tls.issue_leaf(ca, common_name=f"racon-tunnel {deployment_id}", server=True, client=True)
+    return {"cert": leaf.cert_pem.decode(), "key": leaf.key_pem.decode(), "ca": ca.pem().decode()}
 
 
 def _require_live(node_id: str) -> None:

@@ -29,10 +29,12 @@ from racon.pagination import LimitPagination
 from racon.redis_acl import AclUnavailable, node_redis_url
 
 from . import join, selectors
+from .commands import node_command_key
 from .enrollment import (
     EnrollmentConflict,
     EnrollmentError,
     NodeAuthError,
+    credential_hash,
     enrollment_token_issue,
     enrollment_token_revoke,
     hardware_bounds_errors,
@@ -133,6 +135,9 @@ class EnrollResponseSerializer(serializers.Serializer):
     node_id = serializers.CharField()
     credential = serializers.CharField()
     redis_url = serializers.CharField()
+    command_key = serializers.CharField(
+        required=False, help_text="hex: the key this node's commands are signed with"
+    )
     heartbeat_interval = serializers.FloatField()
     state = serializers.CharField()
     protocol_version = serializers.IntegerField(required=False)
@@ -142,6 +147,7 @@ class HeartbeatSerializer(serializers.Serializer):
     state = serializers.ChoiceField(choices=NodeState.choices, required=False)
     sent_at = serializers.FloatField(required=False)
     protocol_version = serializers.IntegerField(min_value=0, required=False)
+    want_command_key = serializers.BooleanField(required=False)
     telemetry = serializers.DictField()
 
 
@@ -149,6 +155,7 @@ class HeartbeatResponseSerializer(serializers.Serializer):
     state = serializers.CharField()
     heartbeat_interval = serializers.FloatField()
     protocol_version = serializers.IntegerField(required=False)
+    command_key = serializers.CharField(required=False)
 
 
 class ProtocolInfoSerializer(serializers.Serializer):
@@ -275,6 +282,7 @@ class AgentEnrollApi(APIView):
             "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
             "state": node.state,
             "protocol_version": PROTOCOL_VERSION,
+            "command_key": enrollment.command_key,
         }
         return Response(
             body, status=status.HTTP_201_CREATED if enrollment.created else status.HTTP_200_OK
@@ -378,11 +386,16 @@ async def heartbeat_handle(
         )
     except NodeAuthError as exc:
         return 401, {"error": {"message": str(exc), "code": exc.code}}
-    return 200, {
+    beat: dict[str, Any] = {
         "state": state,
         "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
         "protocol_version": PROTOCOL_VERSION,
     }
+    if payload.get("want_command_key") is True:
+        # An agent enrolled before commands were signed; the credential was just checked.
+        key = node_command_key(node_id=node_id, credential_hash=credential_hash(credential))
+        beat["command_key"] = key.hex()
+    return 200, beat
 
 
 @csrf_exempt

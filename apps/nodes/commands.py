@@ -11,12 +11,21 @@ import time
 from datetime import datetime
 from typing import Any
 
-from agent.protocol import job_cancel_key, new_id, node_queue_key
+from django.utils.crypto import salted_hmac
+
+from agent.protocol import (
+    COMMAND_REFUSALS,
+    command_signature,
+    job_cancel_key,
+    new_id,
+    node_queue_key,
+)
 from racon.redis import get_redis, get_redis_blocking
 
 from .errors import ReportRefused
 from .events import event_record
-from .models import EventCategory
+from .models import EventCategory, Node
+from .services import _meta_key
 
 # How long a cancel flag outlives the job it stops: longer than any stream.
 CANCEL_FLAG_TTL_SECONDS = 3600
@@ -45,13 +54,44 @@ def _command_node_key(command_id: str) -> str:
 COMMAND_NODE_TTL_SECONDS = 2 * 3600
 
 
+def node_command_key(*, node_id: Any, credential_hash: str) -> bytes:
+    """The key a node's commands are signed with (docs/design/serving.md, "The command
+    envelope"): derived from SECRET_KEY, the node id and its current credential's hash, so nothing
+    new is stored and a re-enrollment (a new credential) gives a new key."""
+    value = f"{node_id}:{credential_hash}"
+    return salted_hmac("racon.nodes.command_key", value, algorithm="sha256").digest()
+
+
+def _credential_hash_of(node_id: str) -> str:
+    # The heartbeat mirror first (no query on the run_job path); the database when it is cold.
+    cached = get_redis().hget(_meta_key(node_id), "cred")
+    if cached:
+        return str(cached)
+    found = Node.objects.filter(pk=node_id).values_list("credential_hash", flat=True).first()
+    return str(found or "")
+
+
 def command_send(*, node_id: Any, kind: str, payload: dict[str, Any]) -> str:
-    """Append a command to the node's own queue and remember which node it went to.
+    """Append a command, signed with the node's command key, to the node's own queue and
+    remember which node it went to.
 
     The two writes are one MULTI: a result can never arrive for a command whose node is unknown.
     """
     command_id = new_id()
-    body = {"id": command_id, "kind": kind, "payload": payload, "issued_at": time.time()}
+    issued_at = time.time()
+    node = str(node_id)
+    key = node_command_key(node_id=node, credential_hash=_credential_hash_of(node))
+    body = {
+        "id": command_id,
+        "kind": kind,
+        "payload": payload,
+        "issued_at": issued_at,
+        "node_id": node,
+        "sig": command_signature(
+            key, node_id=node, command_id=command_id, kind=kind, payload=payload,
+            issued_at=issued_at,
+        ),
+    }  # fmt: skip
     with get_redis().pipeline(transaction=True) as pipe:
         pipe.set(_command_node_key(command_id), str(node_id), ex=COMMAND_NODE_TTL_SECONDS)
         pipe.rpush(node_queue_key(str(node_id)), json.dumps(body, separators=(",", ":")))
@@ -82,6 +122,8 @@ def command_result_accept(
             code="unknown_command",
         )
     if sent_to != str(node_id):
+        if payload.get("code") in COMMAND_REFUSALS:
+            _refusal_event(node_id=node_id, command_id=command_id, payload=payload, now=now)
         raise ReportRefused(
             f"command_result refused: command {command_id} was sent to another node, not to node {node_id}",
             code="not_command_node",
@@ -91,7 +133,9 @@ def command_result_accept(
         pipe.rpush(key, json.dumps({**payload, "node_id": str(node_id)}, default=str))
         pipe.expire(key, 600)
         pipe.execute()
-    if not payload.get("ok", False):
+    if payload.get("code") in COMMAND_REFUSALS:
+        _refusal_event(node_id=node_id, command_id=command_id, payload=payload, now=now)
+    elif not payload.get("ok", False):
         event_record(
             kind="COMMAND_FAILED",
             category=EventCategory.RUNTIME,
@@ -101,3 +145,18 @@ def command_result_accept(
             message=str(payload.get("error", "command failed"))[:500],
             data={"command_id": command_id, "command": payload.get("kind", "")},
         )
+
+
+def _refusal_event(
+    *, node_id: Any, command_id: str, payload: dict[str, Any], now: datetime
+) -> None:
+    # Someone wrote to this node's queue without the controller's signature, replayed a signed
+    # command, or moved one from another node's queue: the node refused it.
+    event_record(
+        kind="COMMAND_REFUSED",
+        category=EventCategory.SECURITY,
+        now=now,
+        node_id=node_id,
+        message=str(payload.get("error", "command refused"))[:500],
+        data={"command_id": command_id, "code": payload["code"]},
+    )

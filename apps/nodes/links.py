@@ -24,9 +24,10 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
+from agent.protocol import probe_key
 from racon.redis import get_redis
 
-from .commands import command_send
+from .commands import command_send, node_command_key
 from .models import Node
 from .states import ONLINE, NodeState
 
@@ -210,13 +211,19 @@ def links_probe_request(
     candidates = list(
         Node.objects.filter(state__in=ONLINE, revoked_at__isnull=True)
         .exclude(pk=node_id)
-        .only("id", "address", "rpc_port")
+        .only("id", "address", "rpc_port", "credential_hash")
     )
     candidates.sort(key=lambda n: (measured_at.get(str(n.id), 0.0), str(n.id)))
+    # Each peer's tunnel answers probes only with that peer's probe key.
     peers = [
-        {"node_id": str(n.id), "address": n.address, "rpc_port": n.rpc_port}
+        {
+            "node_id": str(n.id), "address": n.address, "rpc_port": n.rpc_port,
+            "probe_key": probe_key(
+                node_command_key(node_id=n.id, credential_hash=n.credential_hash)
+            ).hex(),
+        }
         for n in candidates[:max_peers]
-    ]
+    ]  # fmt: skip
     if not peers:
         return None
     return command_send(node_id=node_id, kind="probe_links", payload={"peers": peers})

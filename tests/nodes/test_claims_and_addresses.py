@@ -215,8 +215,9 @@ def test_an_enrollment_from_a_public_source_address_is_refused_and_recorded(clie
 def test_a_forwarded_address_counts_only_through_a_trusted_proxy(
     client: Client, settings: Any
 ) -> None:
-    body = enroll_body(issue())
-    # Not through a trusted proxy: the header is the client's own claim, and is ignored.
+    body = enroll_body(issue(), advertise_address="10.0.0.1")
+    # Not through a trusted proxy: the header is the client's own claim, and is ignored (it
+    # would not match the advertise address, which must be where the enrollment came from).
     forged = client.post(
         "/api/agent/enroll",
         body,
