@@ -619,3 +619,36 @@ def test_plan_is_never_faster_than_exhaustive_search_nor_far_behind(
     plan = plan_placement(profile, snap, request)
     assert plan.predicted_tokens_per_s <= best.predicted_tokens_per_s * 1.0001
     assert plan.predicted_tokens_per_s >= best.predicted_tokens_per_s * 0.9
+
+
+def test_a_loopback_node_is_never_an_rpc_worker_for_a_primary_elsewhere() -> None:
+    """Issue 24: make run's own node advertised 127.0.0.1 and was planned as the RPC worker of
+    another machine's primary, which then dialled its own loopback. A worker a primary cannot
+    reach is never planned: here the model needs two nodes, and the loopback one (with the most
+    memory and the fastest GPU) is used only with a primary on its own machine."""
+    snap = cluster(
+        node("local", cpu("local", 8), gpu("local", 0, 26), address="127.0.0.1"),
+        node("b", cpu("b", 8), gpu("b", 0, 20), address="10.0.0.2"),
+        node("c", cpu("c", 8), gpu("c", 0, 20), address="10.0.0.3"),
+        links={("b", "c"): Link(0.2, 9000)},
+    )
+    plan = plan_placement(LLAMA_70B, snap, PlacementRequest(n_ctx=4096))
+    check_plan(plan, LLAMA_70B, snap)
+    workers = {d.node_id for d in plan.layer_devices} - {plan.primary_node_id}
+    if "local" in workers:
+        assert plan.primary_node_id == "local", plan
+    assert plan.primary_node_id == "local" or "local" not in plan.node_ids
+
+
+def test_reaches_refuses_a_loopback_worker_to_a_primary_on_another_machine() -> None:
+    from apps.jobs.scheduler.search import reaches
+
+    lo, lan, other = (
+        node("lo", address="127.0.0.1"),
+        node("x", address="10.0.0.2"),
+        node("y", address="10.0.0.3"),
+    )
+    assert not reaches(lan, lo)
+    assert (
+        reaches(lo, lan) and reaches(lan, other) and reaches(lo, node("lo2", address="127.0.0.1"))
+    )

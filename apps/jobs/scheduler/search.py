@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import ipaddress
 import math
 from collections.abc import Iterable, Sequence
 
@@ -19,7 +20,7 @@ from .eligibility import (
     pin_devices_apply,
 )
 from .evaluate import _Ctx, _Eval, _evaluate, _Node
-from .inputs import ClusterSnapshot, PlacementRequest
+from .inputs import ClusterSnapshot, NodeSnapshot, PlacementRequest
 from .plan import PlacementRefused, Plan, PlanDevice, fmt_bytes
 
 _PRIMARY_CANDIDATES = 6
@@ -48,6 +49,18 @@ def _prefer(ctx: _Ctx, evals: Iterable[_Eval]) -> _Eval | None:
     return near[0]
 
 
+def reaches(primary: NodeSnapshot, worker: NodeSnapshot) -> bool:
+    """Whether the primary can reach the worker's advertised address at all: a node that
+    advertises loopback (a loopback-only `make run`'s own) serves only primaries that advertise
+    loopback too, i.e. on its own machine; a primary elsewhere would dial its own loopback."""
+    try:
+        worker_lo = ipaddress.ip_address(worker.address.strip("[]")).is_loopback
+        primary_lo = ipaddress.ip_address(primary.address.strip("[]")).is_loopback
+    except ValueError:
+        return True  # a name: the links' probes judge it
+    return primary_lo or not worker_lo
+
+
 def _remote_pool(ctx: _Ctx, primary: _Node, nodes: Sequence[_Node], size: int) -> list[_Node]:
     """Remote nodes worth trying with this primary: cheapest per layer once the hop is shared.
 
@@ -58,7 +71,7 @@ def _remote_pool(ctx: _Ctx, primary: _Node, nodes: Sequence[_Node], size: int) -
     ranking = ctx.remote_ranking()
     head: list[_Node] = []
     for node in ranking:
-        if node is not primary:
+        if node is not primary and reaches(primary.snap, node.snap):
             head.append(node)
             if len(head) >= 4 * size:
                 break
@@ -78,7 +91,7 @@ def _remote_pool(ctx: _Ctx, primary: _Node, nodes: Sequence[_Node], size: int) -
         for node in ranking:
             if cap_total >= 2 * n_layer:
                 break
-            if node is primary or id(node) in chosen:
+            if node is primary or id(node) in chosen or not reaches(primary.snap, node.snap):
                 continue
             pool.append(node)
             cap_total += node.total_cap
