@@ -36,8 +36,9 @@ CA_FILE_NAME = "controller-ca.pem"
 BUNDLE_FILE_NAME = "ca-bundle.pem"
 REPIN_HINT = (
     "the controller's certificate does not verify against the CA this agent keeps ({detail}). "
-    "If the controller's CA was renewed or rotated, re-pin: run the controller's new join line "
-    "on this machine (it keeps the node), or `node-agent upgrade` with the node's credential"
+    "If the controller's CA was renewed or rotated, re-pin: run a new join line from the "
+    "controller (`racon tokens create <name>`) on this machine; it keeps the node and hands "
+    "this agent the new CA"
 )
 
 

@@ -216,7 +216,7 @@ def ca_load_or_create(*, var_dir: Path, now: dt.datetime | None = None) -> tuple
                 f"renewed the controller's CA certificate {cert_path} with the same key"
                 + (f" (the old one ended {old:%Y-%m-%d})" if old else "")
                 + f"; valid until {cert.not_valid_after_utc:%Y-%m-%d}. Agents that keep the old "
-                "CA certificate re-pin with `node-agent upgrade`"
+                "CA certificate re-pin by running a new join line on their machine"
             )
     else:
         d.mkdir(parents=True, exist_ok=True)

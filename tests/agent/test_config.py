@@ -87,6 +87,30 @@ def test_missing_controller_url_is_an_error(tmp_path: Path) -> None:
         parse_run_args(["--state-dir", str(tmp_path)], {})
 
 
+def test_a_restarted_agent_uses_its_stored_controller_url_and_ca(tmp_path: Path) -> None:
+    """Issue 24: a joined agent restarted by hand needs neither --controller-url nor --ca-file."""
+    import json
+
+    from agent.client import controller_ca
+
+    (tmp_path / "identity.json").write_text(
+        json.dumps({"node_id": "n", "credential": "c", "controller_url": "https://10.0.0.5:8000",
+                    "redis_url": "rediss://10.0.0.5:6380/0"})
+    )  # fmt: skip
+    config = parse_run_args(["--state-dir", str(tmp_path)], {})
+    assert config.controller_url == "https://10.0.0.5:8000"
+    pem = tmp_path / "given-ca.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    given = parse_run_args(["--state-dir", str(tmp_path), "--ca-file", str(pem)], {})
+    kept = controller_ca(tmp_path, given.ca_file)
+    assert kept == tmp_path / "controller-ca.pem" and kept.read_text() == pem.read_text()
+    assert controller_ca(tmp_path, None) == kept  # the next start finds it without the flag
+    with pytest.raises(ConfigError, match="no PEM certificate"):
+        parse_run_args(
+            ["--state-dir", str(tmp_path), "--ca-file", str(tmp_path / "identity.json")], {}
+        )
+
+
 def test_cli_exits_2_with_a_single_error_line_on_bad_config(tmp_path: Path) -> None:
     out = subprocess.run(
         [
