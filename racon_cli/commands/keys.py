@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any
 
 import typer
@@ -170,6 +171,8 @@ def keys_limits(
     with client() as c:
         if account:
             path = f"/api/admin/accounts/{ref}/limits"
+        elif _is_uuid(ref):
+            path = f"/api/admin/keys/{ref}/limits"  # any account's key, by its full id
         else:
             keys = c.get("/api/keys", params={"all": "true"})
             path = f"/api/admin/keys/{c.by_prefix(keys, ref, 'key')['id']}/limits"
@@ -187,3 +190,11 @@ def keys_limits(
         f"requests/min {shown('requests_per_minute')}, tokens/min {shown('tokens_per_minute')}, "
         f"at once {shown('max_concurrent')}"
     )
+
+
+def _is_uuid(ref: str) -> bool:
+    try:
+        uuid.UUID(ref)
+    except ValueError:
+        return False
+    return True

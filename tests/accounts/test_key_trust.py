@@ -166,3 +166,21 @@ def test_finished_jobs_prompts_are_removed_after_the_retention(settings: Any) ->
         j.refresh_from_db()
         assert j.params == params
     assert params_retention_sweep() == 0  # once
+
+
+def test_the_keys_page_says_who_sees_prompts_and_shows_limits_and_standing(
+    client: Client,
+) -> None:
+    user = UserFactory()
+    client.force_login(user)
+    page = client.get("/keys/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert 'id="prompt-privacy"' in text and "the operator" in text and "activations" in text
+    assert "30 days after a job ends" in text and "moves to another machine" in text
+    assert 'id="key-limits"' in text and "8 at once" in text
+    assert "your waiting requests go 0.0 s ahead" in text
+    # The API says the same standing.
+    key = key_of(user, "read")
+    balance = client.get("/api/credits/balance", **bearer(key)).json()
+    assert balance["standing"] == 0 and balance["priority_seconds"] == 0.0

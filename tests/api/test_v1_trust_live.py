@@ -359,3 +359,33 @@ def test_the_lender_is_served_first_under_contention_and_the_other_within_the_bo
     assert all(r.status_code == 200 for r in results.values()), {
         k: r.text for k, r in results.items()
     }
+
+
+def test_an_accounts_limit_holds_over_all_its_keys(daphne: Daphne, dep: Deployment) -> None:
+    account, first_key = key_for("many-keys")
+    _, other = api_key_create(name="second", account_id=account, scopes=["inference"])
+    second_key = {"Authorization": f"Bearer {other}"}
+    resp = httpx.post(
+        f"{daphne.url}/api/admin/accounts/{account}/limits",
+        json={"max_concurrent": 1},
+        headers={"Authorization": "Bearer test-operator-key"},
+        timeout=30,
+    )
+    assert resp.status_code == 200 and resp.json()["effective"]["max_concurrent"] == 1, resp.text
+    results: dict[str, Any] = {}
+    with PromptPrimary(str(dep.primary_id), prompt=3, hold=1) as primary:
+
+        def first() -> None:
+            results["first"] = chat(daphne.url, first_key, "one", max_tokens=4)
+
+        t = threading.Thread(target=first, daemon=True)
+        t.start()
+        (job,) = primary.wait_started(1)
+        over = chat(daphne.url, second_key, "two", max_tokens=4)
+        primary.release(job)
+        t.join(timeout=60)
+    assert results["first"].status_code == 200, results["first"].text
+    assert over.status_code == 429, over.text
+    assert over.json()["error"]["code"] == "concurrency_limit_exceeded"
+    assert "for this account" in over.json()["error"]["message"]
+    assert int(over.headers["Retry-After"]) >= 1

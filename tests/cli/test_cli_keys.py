@@ -74,3 +74,26 @@ def test_a_contributor_manages_their_keys_with_the_cli(racon: Run) -> None:
     assert res.exit_code == EXIT_API and "403" in one_error_line(res)
     res = racon("accounts", "ls", key=own)
     assert res.exit_code == EXIT_API and "403" in one_error_line(res)
+
+
+def test_an_operator_sets_a_keys_and_an_accounts_limits_with_the_cli(racon: Run) -> None:
+    acct = json.loads(
+        racon(
+            "accounts", "create", "hal", "--password", "a long enough passphrase", "--json"
+        ).stdout
+    )
+    made = json.loads(
+        racon("keys", "create", "hal-agent", "--account", acct["id"], "--json").stdout
+    )
+    res = racon("keys", "limits", made["id"], "--rpm", "60", "--concurrent", "2")
+    assert res.exit_code == 0, res.output
+    assert "requests/min 60," in res.stdout and "at once 2" in res.stdout
+    assert "tokens/min 1000000 (default)" in res.stdout
+    key = ApiKey.objects.get(pk=made["id"])
+    assert (key.requests_per_minute, key.max_concurrent) == (60, 2)
+    got = json.loads(racon("keys", "limits", made["id"], "--json").stdout)
+    assert got["effective"]["max_concurrent"] == 2 and got["tokens_per_minute"] is None
+    res = racon("keys", "limits", acct["id"], "--account", "--concurrent", "0")
+    assert res.exit_code == 0 and "at once no limit" in res.stdout, res.output
+    res = racon("keys", "limits", made["id"], "--default")
+    assert "requests/min 300 (default)" in res.stdout, res.output
