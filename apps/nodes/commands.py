@@ -80,6 +80,8 @@ def command_send(*, node_id: Any, kind: str, payload: dict[str, Any]) -> str:
     command_id = new_id()
     issued_at = time.time()
     node = str(node_id)
+    # Signed as the agent will read it back (int keys become strings, tuples lists).
+    payload = json.loads(json.dumps(payload))
     key = node_command_key(node_id=node, credential_hash=_credential_hash_of(node))
     body = {
         "id": command_id,

@@ -42,7 +42,8 @@ def enroll(
     presented: tuple[str, str] | None = None,
     machine: str | None = None,
 ) -> Any:
-    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="t", now=timezone.now())
+    account: Any = AccountFactory()
+    _, token = enrollment_token_issue(account_id=account.id, label="t", now=timezone.now())
     n = next(_MACHINES)
     body = {
         "token": token, "node_name": f"box-{n}", "machine_id": machine or f"machine-{n}",
@@ -79,7 +80,9 @@ def test_commands_are_signed_with_the_key_the_node_got_at_enrollment(client: Cli
     assert resp.status_code == 201, resp.content
     node_id, cred, key = (resp.json()[k] for k in ("node_id", "credential", "command_key"))
     assert len(bytes.fromhex(key)) == 32
-    command_send(node_id=node_id, kind="rescan_models", payload={"x": [1.5, "é"]})
+    # What the agent reads back is what was signed: floats, non-ASCII, int keys, tuples.
+    payload = {"x": [1.5, "é", 1e-7], "slots": {10: "a", 2: (1, 2)}}
+    command_send(node_id=node_id, kind="rescan_models", payload=payload)
     (cmd,) = queued(node_id)
     assert cmd["node_id"] == node_id and verifies(cmd, key)
     # Another node's key does not verify it.
