@@ -19,7 +19,7 @@ from daphne.cli import CommandLineInterface
 from twisted.internet import defer, fdesc, ssl
 from twisted.internet.interfaces import IStreamServerEndpoint
 from twisted.protocols.tls import TLSMemoryBIOFactory
-from zope.interface import implementer
+from zope.interface import implementer  # type: ignore[import-untyped]
 
 TLS_PREFIX = "racon-tls:"
 
@@ -75,7 +75,7 @@ def _install_limits(max_body: int, idle_timeout: float) -> None:
         def close(self) -> None:
             pass
 
-    class LimitedRequest(http_protocol.WebRequest):  # type: ignore[misc,name-defined]
+    class LimitedRequest(http_protocol.WebRequest):
         _refused = False
         _body_seen = 0
 
@@ -119,7 +119,7 @@ def _install_limits(max_body: int, idle_timeout: float) -> None:
             protocol.timeOut = idle_timeout
         return protocol
 
-    http_protocol.HTTPFactory.buildProtocol = build_protocol  # type: ignore[method-assign]
+    http_protocol.HTTPFactory.buildProtocol = build_protocol
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,6 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
 
@@ -99,7 +98,9 @@ def test_a_model_placed_across_both_joined_hosts_streams_a_chat_over_https(
         client = openai.OpenAI(
             base_url=f"{lan.ctl.public_url}/v1",
             api_key=key,
-            http_client=httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=300),
+            http_client=openai.DefaultHttpxClient(
+                verify=ssl.create_default_context(cafile=ca), timeout=300
+            ),
         )
         stream = client.chat.completions.create(
             model=model,
