@@ -54,7 +54,13 @@ from agent.runtime.primary import (
     summarize_assignment,
 )
 from agent.runtime.prompting import template_request, token_probs
-from agent.runtime.stream import DirectStreamWriter, append_error, last_seq
+from agent.runtime.stream import (
+    DirectStreamWriter,
+    EngineError,
+    EventReader,
+    append_error,
+    last_seq,
+)
 from agent.runtime.template import RENDER_ERRORS, LocalTemplate, plain_messages
 from agent.tunnel import TunnelClient, TunnelTls
 from agent.tunnel import reachable as tunnel_reachable
@@ -449,11 +455,15 @@ class ServerPrimary:
                 resumed = self._post(j, "/detokenize", {"tokens": list(job["resume_tokens"])})
                 body["generation_prompt"] = str(resumed.get("content") or "")
             top = int(job.get("top_logprobs") or 0)
-            for event in self._stream(j, body):
+            logprobs = bool(job.get("logprobs"))
+            # Each batch is every event llama-server had sent when the agent read (coalesced
+            # within STREAM_COALESCE_SECONDS): one stream entry for all its tokens, with each
+            # token's share of the text (``lens``), so the controller can still cut on a token.
+            for events in self._stream(j, body):
                 if first_chunk is None:
                     # The first event carries the prompt's length: refuse, never truncate, a
                     # request that cannot fit the slot (before any of its tokens is relayed).
-                    n_prompt = int(event.get("tokens_evaluated") or 0)
+                    n_prompt = int(events[0].get("tokens_evaluated") or 0)
                     if max_tokens > 0 and n_prompt + max_tokens > self.slot_ctx:
                         raise _RequestError(
                             f"This model's context length is {self.slot_ctx} tokens per request, "
@@ -462,24 +472,35 @@ class ServerPrimary:
                             "max_tokens.",
                             code="context_length_exceeded",
                         )
-                ids = [int(t) for t in event.get("tokens") or []]
-                text = event.get("content") or ""
-                if first_chunk is None:
                     first_chunk = time.time()
-                if ids or text:
+                texts: list[str] = []
+                ids: list[int] = []
+                lens: list[int] = []
+                probs: list[dict[str, Any]] | None = [] if logprobs else None
+                for event in events:
+                    toks = event.get("tokens") or ()
+                    text = event.get("content") or ""
+                    if toks:
+                        ids += toks
+                        # An event's text belongs to its last token (earlier ones of the same
+                        # event completed no character yet).
+                        lens += [0] * (len(toks) - 1)
+                        lens.append(len(text))
+                    elif text and lens:
+                        lens[-1] += len(text)  # text alone (a held stop-string prefix let go)
+                    if text:
+                        texts.append(text)
+                    if probs is not None:
+                        probs += token_probs(event.get("completion_probabilities") or [], top)
+                    if event.get("id_slot") is not None:
+                        served_slot = int(event["id_slot"])
+                    if event.get("stop"):
+                        finish = FINISH.get(str(event.get("stop_type") or "eos"), "stop")
+                        timings = event.get("timings") or {}
+                        n_prompt = int(event.get("tokens_evaluated") or n_prompt)
+                if ids or texts:
                     n_tokens += len(ids)
-                    probs = (
-                        token_probs(event.get("completion_probabilities") or [], top)
-                        if job.get("logprobs")
-                        else None
-                    )
-                    writer.chunk(text, ids, probs)
-                if event.get("id_slot") is not None:
-                    served_slot = int(event["id_slot"])
-                if event.get("stop"):
-                    finish = FINISH.get(str(event.get("stop_type") or "eos"), "stop")
-                    timings = event.get("timings") or {}
-                    n_prompt = int(event.get("tokens_evaluated") or n_prompt)
+                    writer.chunk("".join(texts), ids, probs, lens)
                 if j.cancel.is_set():
                     raise _Cancelled
         except _Cancelled:
@@ -606,29 +627,33 @@ class ServerPrimary:
         finally:
             conn.close()
 
-    def _stream(self, j: _Job, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def _stream(self, j: _Job, body: dict[str, Any]) -> Iterator[list[dict[str, Any]]]:
+        """/completion's events, in batches of what had arrived (stream.EventReader)."""
         conn = self._connect(j)
         try:
             conn.request("POST", "/completion", json.dumps(body), self._headers())
             resp = conn.getresponse()
             if resp.status != 200:
                 raise _error_from(resp.status, resp.read())
+            reader = EventReader(resp)
             while True:
-                line = resp.readline()
-                if not line:
+                try:
+                    events = reader.batch()
+                except EngineError as exc:
+                    raise _error_from(500, str(exc).encode()) from None
+                if events is None:
                     if j.cancel.is_set():
                         raise _Cancelled
                     raise ConnectionError("llama-server closed the stream before its last event")
-                if line.startswith(b"data: "):
-                    event = json.loads(line[6:])
+                for k, event in enumerate(events):
                     if "error" in event:
+                        if k:
+                            yield events[:k]
                         err = event["error"]
                         raise _error_from(int(err.get("code") or 500), json.dumps(event).encode())
-                    yield event
-                    if event.get("stop"):
-                        return
-                elif line.startswith(b"error: "):
-                    raise _error_from(500, line[7:])
+                yield events
+                if events[-1].get("stop"):
+                    return
         finally:
             conn.close()
 

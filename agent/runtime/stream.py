@@ -7,22 +7,28 @@ costs the generator a queue put and the cancel check rides along with writes tha
 A write that fails on the connection (Redis restarting) is retried with capped backoff for
 WRITE_RETRY_SECONDS, past the ~17 s the controller's clients retry (racon/redis.py), so a restart
 costs the job a pause, not its stream. Retries never duplicate an entry or change the order: a
-batch goes in one MULTI/EXEC under WATCH (all of it lands or none, and redis-py never re-sends a
-watched transaction on its own, it raises WatchError), and before each retry the stream is read
+batch goes in one MULTI/EXEC, one round trip, on a client that never re-sends on its own
+(no_retry_client: all of it lands or none), and before each retry the stream is read
 back to drop what did land (a reply lost after EXEC ran). Only the missing tail is sent again,
 before any later entry.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import os
 import queue
+import select
 import threading
 import time
+import weakref
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from agent.protocol import (
     STREAM_MAXLEN,
@@ -44,8 +50,7 @@ WRITE_RETRY_SECONDS = 20.0
 WRITE_RETRY_BASE = 0.05
 WRITE_RETRY_CAP = 1.0
 # What a second try can fix: the connection (a restart, LOADING while the appendonly file is read
-# back, the node's ACL user not restored yet) and a WATCH that fired (the connection died under the
-# watched transaction, or another writer of the key, such as append_error, got in between).
+# back, the node's ACL user not restored yet); WatchError stays for writers that WATCH.
 RETRYABLE: tuple[type[redis.RedisError], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
@@ -67,21 +72,23 @@ def entry(
     attempt: int = 1,
     code: str = "",
     probs: list[dict[str, Any]] | None = None,
+    lens: list[int] | None = None,
 ) -> dict[str, str]:
-    """One stream entry (protocol.StreamEntry; docs/design/serving.md, the stream protocol)."""
-    out = {
-        "seq": str(seq),
-        "attempt": str(attempt),
-        "type": type_,
-        "text": text,
-        "finish_reason": finish_reason,
-        "usage": json.dumps(usage) if usage is not None else "",
-    }
+    """One stream entry (protocol.StreamEntry; docs/design/serving.md, the stream protocol).
+
+    A chunk may carry several tokens (coalesced): ``lens`` gives each token's share of ``text``
+    in characters, so a reader can cut the chunk on a token boundary; written only for more than
+    one token (one token owns the whole text). A chunk has no ``finish_reason`` or ``usage``."""
+    out = {"seq": str(seq), "attempt": str(attempt), "type": type_, "text": text}
     if type_ == "chunk":
-        out["ids"] = json.dumps(ids or [])
-        out["n"] = str(len(ids) if ids is not None else 1)
+        out["ids"] = json.dumps(ids or [], separators=(",", ":"))
+        if lens is not None and len(lens) > 1:
+            out["lens"] = json.dumps(lens, separators=(",", ":"))
         if probs is not None:
             out["probs"] = json.dumps(probs, separators=(",", ":"))
+    else:
+        out["finish_reason"] = finish_reason
+        out["usage"] = json.dumps(usage) if usage is not None else ""
     if code:
         out["code"] = code
     return out
@@ -121,14 +128,27 @@ class StreamWriter:
     # --- generator side -----------------------------------------------------------------------
 
     def chunk(
-        self, text: str, ids: list[int] | None = None, probs: list[dict[str, Any]] | None = None
+        self,
+        text: str,
+        ids: list[int] | None = None,
+        probs: list[dict[str, Any]] | None = None,
+        lens: list[int] | None = None,
     ) -> None:
         """Text and the token ids it came from; a chunk with ids but no text yet (an incomplete
         UTF-8 sequence) is still written, so every token is counted and kept for failover.
-        ``probs``: the tokens' logprobs, when the job asked for them."""
+        ``probs``: the tokens' logprobs, when the job asked for them; ``lens``: each token's
+        characters of ``text`` when the chunk carries several (coalesced)."""
         if text or ids:
             self._q.put(
-                entry(self._next(), "chunk", text, ids=ids, attempt=self.attempt, probs=probs)
+                entry(
+                    self._next(),
+                    "chunk",
+                    text,
+                    ids=ids,
+                    attempt=self.attempt,
+                    probs=probs,
+                    lens=lens,
+                )  # fmt: skip
             )
 
     def done(self, finish_reason: str, usage: StreamUsage) -> None:
@@ -173,6 +193,27 @@ class StreamWriter:
         pending = entries
         tries = 0
         last: list[BaseException] = []
+        if self.error is None:
+            # The common case costs one transaction and nothing else; a failure goes on to the
+            # retries below (which read back first: the failed try may have landed).
+            tries = 1
+            try:
+                cancelled = self._send(entries, final)
+            except RETRYABLE as exc:
+                last[:] = [exc]
+                log.warning(
+                    "job %s: stream write failed (%s); retrying for up to %.0f s",
+                    self.job_id,
+                    exc,
+                    self.retry_seconds,
+                )
+            except redis.RedisError as exc:
+                self._failed(exc)
+                return
+            else:
+                if cancelled:
+                    self.cancel.set()
+                return
 
         def attempt() -> bool:
             nonlocal pending, tries
@@ -185,7 +226,7 @@ class StreamWriter:
 
         def retrying(exc: BaseException, failures: int, delay: float) -> None:
             last[:] = [exc]
-            if failures == 1:
+            if failures == 1 and tries == 1:
                 log.warning(
                     "job %s: stream write failed (%s); retrying for up to %.0f s",
                     self.job_id,
@@ -216,10 +257,11 @@ class StreamWriter:
             self.cancel.set()
 
     def _send(self, entries: list[dict[str, str]], final: bool) -> bool:
-        """One batch in one transaction; returns whether the cancel key is set."""
-        with self.r.pipeline(transaction=True) as pipe:
-            pipe.watch(self.key)  # so that a lost connection raises, never re-sends (see above)
-            pipe.multi()
+        """One batch in one transaction, one round trip; returns whether the cancel key is set.
+
+        Sent on a client that never retries by itself (``no_retry_client``): a lost connection
+        raises, and _write's own retry reads back what landed before sending the rest."""
+        with no_retry_client(self.r).pipeline(transaction=True) as pipe:
             for e in entries:
                 pipe.xadd(self.key, e, maxlen=STREAM_MAXLEN, approximate=True)
             if not self._expire_set or final:
@@ -250,9 +292,146 @@ class StreamWriter:
         self.cancel.set()
 
 
+def _coalesce_seconds() -> float:
+    raw = os.environ.get("RACON_STREAM_COALESCE_SECONDS", "")
+    try:
+        return max(0.0, float(raw)) if raw else 0.02
+    except ValueError:
+        log.warning("RACON_STREAM_COALESCE_SECONDS=%r is not a number; using 0.02", raw)
+        return 0.02
+
+
+# The relay's coalescing (docs/design/serving.md, "The stream protocol"): the longest a token
+# waits in the agent while more keep arriving, and the most tokens in one entry. A token that
+# arrives alone (nothing more readable) is written at once, whatever the window.
+STREAM_COALESCE_SECONDS = _coalesce_seconds()
+STREAM_COALESCE_MAX_EVENTS = 256
+
+
+class EngineError(Exception):
+    """llama-server reported an error inside its stream (an ``error:`` line)."""
+
+
+class EventReader:
+    """llama-server's streamed ``/completion`` answer, read in batches straight off its socket.
+
+    ``batch()`` returns every ``data:`` event already received, and goes on reading while more
+    is readable at once, for at most ``window`` seconds or ``max_events`` events: under load one
+    recv, one parse pass and one Redis entry carry many tokens; a lone token is returned at once.
+    Chunked transfer coding (cpp-httplib's, one chunk per event) is decoded here, and a ``data:``
+    line split across chunks or reads is joined. Returns None at the end of the body.
+    """
+
+    def __init__(
+        self,
+        resp: http.client.HTTPResponse,
+        *,
+        window: float = STREAM_COALESCE_SECONDS,
+        max_events: int = STREAM_COALESCE_MAX_EVENTS,
+    ) -> None:
+        self.fp = resp.fp  # headers were read through it: what it buffered is the body's start
+        self.chunked = bool(resp.chunked)
+        self.window = window
+        self.max_events = max_events
+        self.raw = bytearray()  # undecoded chunked bytes
+        self.body = bytearray()  # decoded bytes not yet split into lines
+        self.left = 0  # chunk bytes still to come (-1: the CRLF after a chunk)
+        self.eof = False
+        self._poll = select.poll()
+        self._poll.register(resp.fp.fileno(), select.POLLIN)  # the socket under the reader
+
+    def batch(self) -> list[dict[str, Any]] | None:
+        events: list[dict[str, Any]] = []
+        first = 0.0
+        while not self.eof:
+            data = self.fp.read1(1 << 16)  # what is buffered, else one recv (blocking)
+            if not data:
+                self.eof = True
+                break
+            self._decode(data)
+            events += self._events()
+            if not events:
+                continue
+            if events[-1].get("stop") or len(events) >= self.max_events:
+                return events
+            now = time.monotonic()
+            first = first or now
+            if now - first >= self.window or not self._poll.poll(0):
+                return events
+        return events or None
+
+    def _decode(self, data: bytes) -> None:
+        if not self.chunked:
+            self.body += data
+            return
+        raw = self.raw
+        raw += data
+        i, n = 0, len(raw)
+        while i < n:
+            if self.left > 0:
+                take = min(self.left, n - i)
+                self.body += raw[i : i + take]
+                i += take
+                self.left -= take
+                if self.left == 0:
+                    self.left = -1
+            elif self.left < 0:
+                if n - i < 2:
+                    break
+                i += 2
+                self.left = 0
+            else:
+                j = raw.find(b"\r\n", i)
+                if j < 0:
+                    break
+                size = int(bytes(raw[i:j]).split(b";", 1)[0] or b"0", 16)
+                i = j + 2
+                if size == 0:
+                    self.eof = True
+                    break
+                self.left = size
+        del raw[:i]
+
+    def _events(self) -> list[dict[str, Any]]:
+        body = self.body
+        cut = body.rfind(b"\n")
+        if cut < 0:
+            return []
+        lines = bytes(body[:cut]).split(b"\n")
+        del body[: cut + 1]
+        out: list[dict[str, Any]] = []
+        for line in lines:
+            if line.startswith(b"data: "):
+                out.append(json.loads(line[6:]))
+            elif line.startswith(b"error: "):
+                raise EngineError(line[7:].decode("utf-8", errors="replace"))
+        return out
+
+
 def _field(fields: dict[Any, Any], name: str) -> str:
     raw = fields.get(name, fields.get(name.encode(), ""))
     return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+_NO_RETRY: weakref.WeakKeyDictionary[redis.ConnectionPool, redis.Redis] = (
+    weakref.WeakKeyDictionary()
+)
+_NO_RETRY_LOCK = threading.Lock()
+
+
+def no_retry_client(client: redis.Redis) -> redis.Redis:
+    """A client on the same server, credentials and TLS as ``client`` (its own pool, made once
+    per pool) whose commands are never re-sent by redis-py on a connection error. A re-sent
+    MULTI/EXEC whose reply was lost would write its entries twice; a WATCH would prevent that
+    too, at the price of a second round trip for every entry."""
+    pool = client.connection_pool
+    with _NO_RETRY_LOCK:
+        got = _NO_RETRY.get(pool)
+        if got is None:
+            kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
+            own = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+            got = _NO_RETRY[pool] = redis.Redis(connection_pool=own)
+        return got
 
 
 class DirectStreamWriter(StreamWriter):
@@ -266,12 +445,17 @@ class DirectStreamWriter(StreamWriter):
         super().__init__(client, job_id, cancel, start=False, **kw)
 
     def chunk(
-        self, text: str, ids: list[int] | None = None, probs: list[dict[str, Any]] | None = None
+        self,
+        text: str,
+        ids: list[int] | None = None,
+        probs: list[dict[str, Any]] | None = None,
+        lens: list[int] | None = None,
     ) -> None:
         if text or ids:
-            self._write(
-                [entry(self._next(), "chunk", text, ids=ids, attempt=self.attempt, probs=probs)]
+            e = entry(
+                self._next(), "chunk", text, ids=ids, attempt=self.attempt, probs=probs, lens=lens
             )
+            self._write([e])
 
     def done(self, finish_reason: str, usage: StreamUsage) -> None:
         self._write([entry(self._next(), "done", "", finish_reason, usage, attempt=self.attempt)])

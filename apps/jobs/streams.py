@@ -336,9 +336,10 @@ class StreamFollower:
         Chunk entries read together are yielded as one (chunks_merge), so a client gets one SSE
         chunk for what arrived at once.
         """
-        if not self._max_tokens_known:
+        if not self._max_tokens_known and self.deployment_id:
+            # A dispatched job (it has a deployment): its max_tokens, read once.
             self.max_tokens = await sync_to_async(job_max_tokens)(self.job_id)
-            self._max_tokens_known = True
+        self._max_tokens_known = True
         while True:
             failure: StreamFailure | None = None
             error_entry: dict[str, str] | None = None

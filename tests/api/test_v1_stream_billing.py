@@ -1,0 +1,183 @@
+"""A primary cannot set its own bill through its stream (trust, second round: billing).
+
+The controller is real (daphne, the /v1 view, admission, the stream follower, settlement); the
+hostile node writes its job streams through the agent's own stream writer
+(agent/runtime/stream.DirectStreamWriter, the same transaction the real agent uses), with the
+entries it chooses: a forged ``n``, or more tokens than the job's ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agent.protocol import job_cancel_key, node_queue_key
+from agent.runtime.stream import DirectStreamWriter, entry
+from apps.jobs.models import Deployment, Job
+from apps.jobs.states import DeploymentState, JobState
+from apps.models_repo.models import Model, ModelFile
+from racon.redis import get_redis
+from tests.factories import NodeFactory
+
+from .live import Daphne, run_daphne
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+OPERATOR = {"Authorization": "Bearer test-operator-key"}
+
+# What the hostile primary writes for a job: a function of its writer.
+Script = Callable[[DirectStreamWriter], None]
+
+
+@pytest.fixture
+def daphne(tmp_path: Path) -> Iterator[Daphne]:
+    with run_daphne(tmp_path, API_CACHE_SECONDS="300") as d:
+        yield d
+
+
+@pytest.fixture
+def dep() -> Deployment:
+    m = Model.objects.create(name="live-model")
+    mf = ModelFile.objects.create(model=m, file_name="live.gguf", sha256="d" * 64, size=1000)
+    node = NodeFactory()
+    d = Deployment.objects.create(
+        model=m,
+        model_file=mf,
+        state=DeploymentState.READY,
+        primary=node,
+        n_parallel=1,
+        n_ctx=512,
+        plan={
+            "primary_node_id": str(node.id),
+            "devices": [
+                {"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30}
+            ],
+        },
+    )
+    d.nodes.set([node])
+    return d
+
+
+class HostilePrimary:
+    """Takes the node's run_job commands and writes each job's stream by ``script``."""
+
+    def __init__(self, node_id: str, script: Script) -> None:
+        self.node_id, self.script = node_id, script
+        self.jobs: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HostilePrimary:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        r = get_redis()
+        while not self._stop.is_set():
+            got = r.blpop([node_queue_key(self.node_id)], timeout=1)
+            if got is None:
+                continue
+            cmd = json.loads(got[1])
+            if cmd["kind"] != "run_job":
+                continue
+            job_id = cmd["payload"]["job_id"]
+            self.jobs.append(job_id)
+            w = DirectStreamWriter(r, job_id, threading.Event(), node_id=self.node_id, attempt=1)
+            self.script(w)
+
+
+def forged(w: DirectStreamWriter, text: str, ids: list[int], **fields: str) -> None:
+    """One chunk entry as the agent writes it, with fields the node chose over it."""
+    w._write([{**entry(w._next(), "chunk", text, ids=ids, attempt=w.attempt), **fields}])
+
+
+def done(w: DirectStreamWriter, finish: str, completion_tokens: int) -> None:
+    w.done(finish, {"prompt_tokens": 5, "completion_tokens": completion_tokens})  # type: ignore[typeddict-item]
+
+
+def post(daphne: Daphne, **body: Any) -> httpx.Response:
+    return httpx.post(
+        daphne.url + "/v1/completions",
+        json={"model": "live-model", "prompt": "Say hello.", **body},
+        headers=OPERATOR,
+        timeout=60,
+    )
+
+
+def sse_events(resp: httpx.Response) -> list[dict[str, Any]]:
+    out = []
+    for block in resp.text.split("\n\n"):
+        if block.startswith("data: ") and block != "data: [DONE]":
+            out.append(json.loads(block[6:]))
+    return out
+
+
+def test_a_chunks_count_is_its_ids_not_the_n_the_node_claims(
+    daphne: Daphne, dep: Deployment
+) -> None:
+    def script(w: DirectStreamWriter) -> None:
+        forged(w, "Hello", [9906], n="1000000")
+        forged(w, " there", [1080], n="1000000")
+        done(w, "stop", 2000000)
+
+    with HostilePrimary(str(dep.primary_id), script):
+        resp = post(daphne, max_tokens=16)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["choices"][0]["text"] == "Hello there"
+    assert body["usage"]["completion_tokens"] == 2, body["usage"]
+    job = Job.objects.get()
+    assert job.state == JobState.COMPLETED
+    assert job.completion_tokens == 2
+
+
+def test_a_stream_ends_at_max_tokens_with_length_whatever_the_primary_sends(
+    daphne: Daphne, dep: Deployment
+) -> None:
+    def script(w: DirectStreamWriter) -> None:
+        # Coalesced chunks with each token's share of the text; 7 tokens for a job of 4.
+        forged(w, "Hello wor", [1, 2, 3], lens="[3,2,4]")
+        forged(w, "ld! More", [4, 5, 6], lens="[2,1,5]")
+        forged(w, " text", [7])
+        done(w, "stop", 7)
+
+    with HostilePrimary(str(dep.primary_id), script) as primary:
+        resp = post(daphne, max_tokens=4, stream=True, stream_options={"include_usage": True})
+        assert resp.status_code == 200, resp.text
+        events = sse_events(resp)
+        text = "".join(c["text"] for e in events for c in e.get("choices") or [])
+        finishes = [
+            c["finish_reason"] for e in events for c in e.get("choices") or [] if c["finish_reason"]
+        ]
+        assert text == "Hello world"  # cut on the fourth token's boundary
+        assert finishes == ["length"]
+        assert events[-1]["usage"]["completion_tokens"] == 4
+        job = Job.objects.get()
+        assert job.completion_tokens == 4
+        # The primary is told to stop.
+        assert get_redis().exists(job_cancel_key(primary.jobs[0], str(dep.primary_id)))
+
+    # An honest primary that stops at max_tokens is not cut, and its end reads length.
+    def honest(w: DirectStreamWriter) -> None:
+        forged(w, "Hello wor", [1, 2, 3], lens="[3,2,4]")
+        forged(w, "ld", [4])
+        done(w, "stop", 4)
+
+    with HostilePrimary(str(dep.primary_id), honest) as primary:
+        resp = post(daphne, max_tokens=4)
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["choices"][0]["text"] == "Hello world"
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 4
+        assert not get_redis().exists(job_cancel_key(primary.jobs[0], str(dep.primary_id)))
