@@ -44,7 +44,7 @@ def tokens_create(
         f"Token {tok['label']!r} ({tok['prefix']}…) expires {render.when(tok['expires_at'])}, {tok['max_uses']} use(s)."
     )
     con.print(
-        "Paste this one line on the machine to enroll it (it needs only Python 3.12+; the token "
+        "Paste this one line on the machine to enroll it (it needs only sh and curl; the token "
         "is not shown again):"
     )
     # Printed raw (no markup, no wrapping) so each copies as one line.
