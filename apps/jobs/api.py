@@ -43,7 +43,7 @@ from .deployments import (
 from .filters import DeploymentFilter, JobFilter
 from .jobs import job_cancel
 from .models import Deployment, Job
-from .reports import report_accept
+from .reports import ReportRateLimited, report_accept
 from .scheduler import PlacementRefused
 from .states import JOB_IN_FLIGHT
 
@@ -464,10 +464,13 @@ class AgentReportsApi(APIView):
             401: AgentErrorSerializer,
             409: AgentErrorSerializer,
             413: AgentErrorSerializer,
+            429: AgentErrorSerializer,
         },
         description=(
             "409: the report is not from the node the controller's record names (not a member of"
-            " the job's or deployment's plan, or not the node the command was sent to)."
+            " the job's or deployment's plan, or not the node the command was sent to). 429: more"
+            " than NODE_REPORT_RATE_PER_MINUTE reports from this node within a minute"
+            " (Retry-After)."
         ),
     )
     def post(self, request: Request) -> Response:
@@ -502,6 +505,13 @@ class AgentReportsApi(APIView):
                 # 409, not 403: the agent takes 401/403 as "my credential is gone" and stops, and an
                 # honest node can send a late report (it was dropped from a revised plan).
                 return Response({"error": {"message": str(exc), "code": exc.code}}, status=409)
+            except ReportRateLimited as exc:
+                # 429: the agent's outbox retries it with backoff, in order.
+                return Response(
+                    {"error": {"message": str(exc), "code": "rate_limited"}},
+                    status=429,
+                    headers={"Retry-After": str(exc.retry_after)},
+                )
             except ValueError as exc:
                 return Response(
                     {"error": {"message": str(exc), "code": "invalid_report"}}, status=400

@@ -1,10 +1,19 @@
-"""Accept an agent's report and hand it to the one service that owns it."""
+"""Accept an agent's report and hand it to the one service that owns it.
+
+A node is untrusted (issue 28): its reports are counted per minute (NODE_REPORT_RATE_PER_MINUTE,
+over → ReportRateLimited, 429), an event must be one of the kinds an agent sends (AGENT_EVENTS:
+a node cannot write NODE_REVOKED or SPEED_VERIFIED into the log) with at most
+AGENT_EVENT_DATA_MAX_BYTES of data, and a links report keeps only links to live nodes.
+"""
 
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import datetime
 from typing import Any
+
+from django.conf import settings
 
 from apps.models_repo.services import replicas_sync
 from apps.nodes.commands import command_result_accept
@@ -17,7 +26,7 @@ from apps.nodes.lending import (
     node_lending_resumed,
 )
 from apps.nodes.links import link_record
-from apps.nodes.models import EventCategory
+from apps.nodes.models import EventCategory, Node
 from apps.nodes.services import node_report_fault
 from racon.redis import get_redis
 
@@ -28,7 +37,9 @@ from .deployments import (
 )
 from .jobs import job_finish_from_report
 
-_EVENT_CATEGORIES = {
+# Every event kind an agent sends (agent/: outbox.event and the runtimes' on_event), and its
+# category; any other name is refused. The controller's own kinds are never a node's to write.
+AGENT_EVENTS = {
     "RPC_WORKER_STARTED": EventCategory.RUNTIME,
     "RPC_WORKER_FAILED": EventCategory.RUNTIME,
     "RPC_WORKER_STOPPED": EventCategory.RUNTIME,
@@ -42,11 +53,54 @@ _EVENT_CATEGORIES = {
     "COMMAND_REJECTED": EventCategory.RUNTIME,
     "AGENT_DRAINING": EventCategory.LIFECYCLE,
     "AGENT_STARTED": EventCategory.LIFECYCLE,
+    "RPC_TUNNEL_REFUSED": EventCategory.SECURITY,
+    "HARDWARE_UPDATED": EventCategory.MANAGEMENT,
+    "METRICS_UNAVAILABLE": EventCategory.RUNTIME,
+    "NODE_DRAINED": EventCategory.LIFECYCLE,  # the agent's own: "agent drained and stopping"
+    "LENDING_POLICY": EventCategory.MANAGEMENT,
+    "LENDING_POLICY_REFUSED": EventCategory.MANAGEMENT,
+    "LENDING_PAUSED": EventCategory.MANAGEMENT,
+    "LENDING_RESUMED": EventCategory.MANAGEMENT,
+    "LENDING_HANDOFF": EventCategory.MANAGEMENT,
 }
+_MAX_LINKS = 1024  # peers in one links report
+
+
+class ReportRateLimited(Exception):
+    """More than NODE_REPORT_RATE_PER_MINUTE reports from one node this minute (429); the report
+    was not applied, and ``retry_after`` is the seconds until the window ends."""
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+# A fixed one-minute window per node: count, and start the window's clock on its first report
+# (or on a counter that lost its TTL). One script, so the count and its expiry never part.
+_RATE_LUA = """
+local n = redis.call('INCR', KEYS[1])
+if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], 60) end
+return {n, redis.call('TTL', KEYS[1])}
+"""
+
+
+def _rate_check(node_id: Any) -> None:
+    limit = int(settings.NODE_REPORT_RATE_PER_MINUTE)
+    if limit <= 0:
+        return
+    count, ttl = get_redis().eval(_RATE_LUA, 1, f"racon:node:{node_id}:report-rate")
+    if int(count) > limit:
+        raise ReportRateLimited(
+            f"more than NODE_REPORT_RATE_PER_MINUTE ({limit}) reports from this node within a "
+            "minute",
+            retry_after=max(1, int(ttl)),
+        )
 
 
 def report_accept(*, node_id: Any, report: dict[str, Any], now: datetime) -> dict[str, Any] | None:
-    """Apply one report exactly once (duplicates by report id are acknowledged and ignored)."""
+    """Apply one report exactly once (duplicates by report id are acknowledged and ignored);
+    ReportRateLimited past the node's rate, before anything is read or written."""
+    _rate_check(node_id)
     r = get_redis()
     if not r.set(f"racon:report:{report['id']}", 1, nx=True, ex=86400):
         return {"duplicate": True}
@@ -120,6 +174,9 @@ def _dispatch(
         name = str(payload.get("event", "")).upper()[:40]
         if not name:
             raise ValueError("event report needs payload.event")
+        if name not in AGENT_EVENTS:
+            raise ValueError(f"event {name!r} is not an event an agent sends")
+        _data_check(payload.get("data"))
         if name == "MODEL_FETCH_PROGRESS":
             # Progress is frequent: keep the latest in Redis, not one row per step.
             get_redis().hset(
@@ -146,7 +203,7 @@ def _dispatch(
                 dep_id = None
         event_record(
             kind=name,
-            category=_EVENT_CATEGORIES.get(name, EventCategory.RUNTIME),
+            category=AGENT_EVENTS[name],
             now=now,
             node_id=node_id,
             deployment_id=dep_id,
@@ -195,9 +252,9 @@ def _dispatch(
         return {"matched": replicas_sync(node_id=node_id, files=files, now=now)}
     if kind == "links":
         links = payload.get("links")
-        if not isinstance(links, list):
-            raise ValueError("links report needs payload.links as a list")
-        return {"stored": link_record(node_id=node_id, links=links, now=now)}
+        if not isinstance(links, list) or len(links) > _MAX_LINKS:
+            raise ValueError(f"links report needs payload.links as a list of at most {_MAX_LINKS}")
+        return {"stored": link_record(node_id=node_id, links=_to_live_nodes(links), now=now)}
     if kind == "job_finished":
         job_finish_from_report(node_id=node_id, payload=payload, now=now)
         return None
@@ -205,3 +262,35 @@ def _dispatch(
         command_result_accept(node_id=node_id, command_id=command_id, payload=payload, now=now)
         return None
     raise ValueError(f"unknown report kind {kind!r}")
+
+
+def _data_check(data: Any) -> None:
+    cap = int(settings.AGENT_EVENT_DATA_MAX_BYTES)
+    size = len(json.dumps(data or {}, default=str, separators=(",", ":")))
+    if size > cap:
+        raise ValueError(
+            f"event data is {size} bytes as JSON, over AGENT_EVENT_DATA_MAX_BYTES ({cap})"
+        )
+
+
+def _to_live_nodes(links: list[Any]) -> list[Any]:
+    """The links whose peer is an enrolled, unrevoked node (others are left out, as a failed probe
+    is: a node may not name any string as its peer in racon:links)."""
+    named: set[str] = set()
+    for link in links:
+        if isinstance(link, dict):
+            try:
+                named.add(str(uuid.UUID(str(link.get("node_id")))))
+            except ValueError:
+                continue
+    live = {
+        str(pk)
+        for pk in Node.objects.filter(pk__in=named, revoked_at__isnull=True).values_list(
+            "pk", flat=True
+        )
+    }
+    return [
+        link
+        for link in links
+        if not isinstance(link, dict) or "node_id" not in link or str(link["node_id"]) in live
+    ]
