@@ -37,6 +37,7 @@ from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DEPLOYMENT_ACTIVE, JOB_OPEN, JOB_TERMINAL, DeploymentState, JobState
 from apps.models_repo.models import Model
 from apps.nodes.models import Node
+from apps.nodes.services import BUSY_FLIPS_KEY
 from apps.nodes.states import HEALTH_WATCHED, POOL, NodeState
 from racon import __version__
 from racon.redis import get_redis
@@ -148,6 +149,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "racon_credits_burned": ("counter", ()),
     "racon_credits_spent": ("counter", ()),
     "racon_placement_decisions": ("counter", ()),
+    "racon_node_busy_flips": ("counter", ()),
     "racon_placement_latency_seconds": ("summary", ()),
     "racon_kv_prefix_hits": ("counter", ()),
     "racon_kv_prefix_misses": ("counter", ()),
@@ -321,6 +323,12 @@ def _collect(*, now: float) -> Iterator[Metric]:
     )
     decisions.add_metric([], int(rd["placements"] or 0))
     yield decisions
+    flips = CounterMetricFamily(
+        "racon_node_busy_flips",
+        "Nodes' BUSY/READY moves: counted here, not written as events (a node may flip each beat).",
+    )
+    flips.add_metric([], int(rd["busy_flips"] or 0))
+    yield flips
     latency = SummaryMetricFamily(
         "racon_placement_latency_seconds", "Time the scheduler spent planning."
     )
@@ -611,7 +619,9 @@ def _read_redis(
             pipe.zcount(admission.waitlease_key(dep_id), live, "+inf")
         for model_id in model_ids:
             pipe.hmget(admission.model_wait_key(model_id), ["ewma", "updated"])
+        pipe.get(BUSY_FLIPS_KEY)
         got = pipe.execute()
+    busy_flips = got.pop()
     lag, jobs_finished, tokens, placements, placement_seconds = got[:5]
     n = len(_HIST_BUCKETS)
     hists = dict(zip(_HIST_BUCKETS, got[5 : 5 + n], strict=True))
@@ -630,6 +640,7 @@ def _read_redis(
         "tokens": tokens,
         "placements": placements,
         "placement_seconds": placement_seconds,
+        "busy_flips": busy_flips,
         "hist": hists,
         "live_free": (int(ram), int(vram), {node_ids[int(i)] for i in missing}),
         "waiting": got[6 + n : k],

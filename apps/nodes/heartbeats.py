@@ -30,6 +30,19 @@ S = NodeState
 _scripts: dict[int, Any] = {}
 
 
+class NodeRateLimited(Exception):
+    """A node sent more heartbeats this minute than NODE_HEARTBEAT_RATE_PER_MINUTE (429): the
+    refused beat changed nothing; ``retry_after`` is the seconds until the window ends."""
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def _rate_key(node_id: Any) -> str:
+    return f"racon:node:{node_id}:hb-rate"
+
+
 def _num(value: Any, field: str, *, integer: bool = False) -> float:
     if value is None:
         return 0
@@ -102,8 +115,10 @@ def heartbeat_target(
     return target if target != current else None
 
 
-# One round trip per heartbeat: check the credential hash against the mirror, record the time and
-# telemetry, and return the mirrored state. Returns {} when the mirror is missing (rebuild it).
+# One round trip per heartbeat: check the credential hash against the mirror, count the node's
+# beats this minute (past NODE_HEARTBEAT_RATE_PER_MINUTE: 'rate' and the seconds left, nothing
+# recorded), record the time and telemetry, and return the mirrored state.
+# Returns {} when the mirror is missing (rebuild it).
 # The hashes compared are SHA-256 of 256-bit random credentials, so a plain comparison leaks nothing useful.
 _HEARTBEAT_LUA = """
 local meta = redis.call('HGETALL', KEYS[1])
@@ -112,6 +127,11 @@ local m = {}
 for i = 1, #meta, 2 do m[meta[i]] = meta[i + 1] end
 if m['cred'] == nil or m['cred'] == '' then return {'revoked'} end
 if m['cred'] ~= ARGV[1] then return {'bad'} end
+if tonumber(ARGV[10]) > 0 then
+  local n = redis.call('INCR', KEYS[4])
+  if redis.call('TTL', KEYS[4]) < 0 then redis.call('EXPIRE', KEYS[4], 60) end
+  if n > tonumber(ARGV[10]) then return {'rate', tostring(redis.call('TTL', KEYS[4]))} end
+end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 redis.call('HSET', KEYS[3], 'at', ARGV[2], 'cpu_percent', ARGV[4], 'mem_available', ARGV[5], 'gpu_free', ARGV[6],
   'rpc_worker', ARGV[7], 'jobs', ARGV[8], 'telemetry', ARGV[9])
@@ -149,8 +169,11 @@ async def node_heartbeat(
         int(bool((telemetry.get("rpc_worker") or {}).get("running"))),
         len(jobs),
         _json_dumps(telemetry),
+        int(settings.NODE_HEARTBEAT_RATE_PER_MINUTE),
     ]
-    keys = [_meta_key(node_id), HEARTBEATS_ZSET, heartbeat_key(node_id)]
+    # The rate is counted after the credential check (a stranger cannot spend a node's budget)
+    # and before anything is recorded (a refused beat changes nothing).
+    keys = [_meta_key(node_id), HEARTBEATS_ZSET, heartbeat_key(node_id), _rate_key(node_id)]
     script = _heartbeat_script(r)
     result = await script(keys=keys, args=args)
     if not result:
@@ -160,6 +183,12 @@ async def node_heartbeat(
         result = await script(keys=keys, args=args)
     if not result or result[0] == "revoked":
         raise NodeAuthError("node has been revoked", code="node_revoked")
+    if result[0] == "rate":
+        raise NodeRateLimited(
+            f"more than NODE_HEARTBEAT_RATE_PER_MINUTE ({settings.NODE_HEARTBEAT_RATE_PER_MINUTE})"
+            " heartbeats from this node within a minute",
+            retry_after=max(1, int(result[1])),
+        )
     if result[0] != "ok":
         raise NodeAuthError("invalid node credential")
     _, current, drain = result[:3]

@@ -29,7 +29,7 @@ from agent.lending import (
 
 from .events import event_record
 from .models import EventCategory, Node
-from .services import node_drain, node_undrain
+from .services import DRAIN_BY_LENDING, node_drain, node_undrain
 
 __all__ = [
     "LendingView",
@@ -112,23 +112,27 @@ def node_lending_owner_set(
 
 def node_lending_paused(*, node_id: Any, handoff: str, reason: str, now: datetime) -> Node:
     """The agent paused lending (``node-agent pause`` or its window closed): DRAINING at once,
-    through the drain's planned handoff; with ``failover`` the agent hands its running jobs over."""
+    through the drain's planned handoff; with ``failover`` the agent hands its running jobs over.
+    The drain is recorded as the pause's own, unless an operator's drain is already in force."""
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_id)
         paused = {"handoff": handoff, "reason": reason[:200], "at": now.isoformat()}
         Node.objects.filter(pk=node_id).update(lending={**(node.lending or {}), "paused": paused})
-    return node_drain(node_id=node_id, now=now)
+    return node_drain(node_id=node_id, now=now, by=DRAIN_BY_LENDING)
 
 
 def node_lending_resumed(*, node_id: Any, now: datetime) -> Node:
-    """Lending resumed: a drain that the pause began is lifted (an operator's stays)."""
+    """Lending resumed: a drain that the pause began is lifted. An operator's stays, whether it
+    came before the pause or during it (``drain_requested_by``, apps/nodes/services.py): a node
+    cannot undo an operator's drain by pausing and resuming (issue 28)."""
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_id)
         lending = dict(node.lending or {})
-        was_paused = lending.pop("paused", None) is not None
+        lending.pop("paused", None)
         Node.objects.filter(pk=node_id).update(lending=lending)
-    if was_paused:
-        return node_undrain(node_id=node_id, now=now)
+        # Under the row lock: an operator's drain arriving now waits, and then stays.
+        if node.drain_requested and node.drain_requested_by == DRAIN_BY_LENDING:
+            return node_undrain(node_id=node_id, now=now)
     return Node.objects.get(pk=node_id)
 
 

@@ -28,6 +28,7 @@ from .states import (
     DRAIN_STATES,
     DRAINABLE,
     HEALTH_WATCHED,
+    ONLINE,
     TRANSITIONS,
     NodeState,
     health_state,
@@ -35,6 +36,13 @@ from .states import (
 
 log = logging.getLogger("racon.nodes")
 S = NodeState
+# BUSY ⇄ READY moves, counted (racon_node_busy_flips in /metrics): a node can flip on every
+# heartbeat by toggling telemetry.jobs, so a flip writes no event row and queues no task (issue 28).
+BUSY_FLIPS_KEY = "racon:metrics:node_busy_flips"
+
+
+def _flip(src: str, to: str) -> bool:
+    return src in ONLINE and to in ONLINE
 
 
 def _meta_key(node_id: Any) -> str:
@@ -71,11 +79,15 @@ def node_transition(
     """Move a node to ``to`` if the table allows it and its state is still ``expected``.
 
     A guarded update (racon.transitions): a stale or duplicate message finds the state already
-    changed and is a no-op. Writes the event in the same transaction and broadcasts after commit.
+    changed and is a no-op. Writes the event in the same transaction and broadcasts after commit;
+    a BUSY ⇄ READY flip is counted instead of written, and sends the apps above nothing.
     ``expected`` may be a named group (states.py). Returns whether it moved.
     """
 
     def record(src: str) -> None:
+        if _flip(src, to):
+            get_redis().incr(BUSY_FLIPS_KEY)
+            return
         event_record(
             kind=kind,
             category=category,
@@ -116,9 +128,13 @@ def _refresh_cache(node_id: Any) -> None:
 def _after_transition(node_id: Any, src: str, to: str) -> None:
     broadcast("nodes.dashboard", {"type": "node.changed", "node_id": str(node_id), "state": to})
     hooks.node_state_moved.send(sender=Node, node_id=str(node_id), old=src, new=to)
-    if to in DEPLOYMENT_SIGNALS:
+    if _flip(src, to):
+        return  # no work for a flip: its deployments' health did not change
+    # Back online straight into BUSY is an arrival as well (a degraded deployment is restored).
+    signal = S.READY if to in ONLINE else to
+    if signal in DEPLOYMENT_SIGNALS:
         task_send(
-            "racon.jobs.node_state_changed", node_id=str(node_id), state=to
+            "racon.jobs.node_state_changed", node_id=str(node_id), state=signal
         )  # jobs' task, by name
 
 
@@ -241,11 +257,20 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
 # drain_requested outlives an OFFLINE spell: the next heartbeat drains the node again.
 
 
-def node_drain(*, node_id: Any, now: datetime) -> Node:
-    """Stop assigning new work to the node; its work moves or finishes, then it is DRAINED."""
-    node = Node.objects.get(pk=node_id)
+DRAIN_BY_OPERATOR = "operator"
+DRAIN_BY_LENDING = "lending"  # the agent's own pause (apps/nodes/lending.py)
+
+
+def node_drain(*, node_id: Any, now: datetime, by: str = DRAIN_BY_OPERATOR) -> Node:
+    """Stop assigning new work to the node; its work moves or finishes, then it is DRAINED.
+
+    ``by`` records who asked: an operator's drain is never turned into a lending one, and an
+    operator draining a paused node takes the drain over (the agent's resume then leaves it)."""
     with transaction.atomic():
-        Node.objects.filter(pk=node_id).update(drain_requested=True)
+        node = Node.objects.select_for_update().get(pk=node_id)
+        if node.drain_requested and node.drain_requested_by == DRAIN_BY_OPERATOR:
+            by = DRAIN_BY_OPERATOR
+        Node.objects.filter(pk=node_id).update(drain_requested=True, drain_requested_by=by)
         # A heartbeat may move BUSY ⇄ READY between our read and the guarded update: re-read and retry.
         for _ in range(3):
             state = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
@@ -293,7 +318,7 @@ def node_drain_advance(*, node_id: Any, now: datetime) -> bool:
 def node_undrain(*, node_id: Any, now: datetime) -> Node:
     """Accept new work again."""
     with transaction.atomic():
-        Node.objects.filter(pk=node_id).update(drain_requested=False)
+        Node.objects.filter(pk=node_id).update(drain_requested=False, drain_requested_by="")
         state = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
         if state in DRAIN_STATES:
             node_transition(
