@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import math
 import secrets
 import uuid
@@ -22,7 +21,6 @@ from racon.redis import get_redis
 from racon.redis_acl import node_acl_revoke
 
 from . import hooks
-from .commands import node_command_key
 from .events import event_record
 from .models import EnrollmentToken, EventCategory, Node
 from .services import _cache_node, _meta_key, node_transition
@@ -242,12 +240,6 @@ class Enrollment:
     credential: str
     created: bool
 
-    @property
-    def command_key(self) -> str:
-        """Hex: the key this node's commands are signed with, sent in the enrollment answer."""
-        cred = credential_hash(self.credential)
-        return node_command_key(node_id=self.node.id, credential_hash=cred).hex()
-
 
 def node_enroll(
     *,
@@ -285,7 +277,6 @@ def node_enroll(
             if tok.expires_at <= now:
                 raise EnrollmentError("enrollment token has expired")
             if public is None:
-                advertise_address_check(address=address, source_address=source_address)
                 enrollment = _enroll_locked(
                     tok=tok,
                     node_name=node_name,
@@ -330,35 +321,6 @@ def node_enroll(
     return enrollment
 
 
-def advertise_address_check(*, address: str, source_address: str | None) -> None:
-    """A node on another machine advertises the address its enrollment came from: its peers'
-    RPC and link probes go there, so any other (a LAN service, a loopback or link-local one that
-    means something else on each host) is refused. A node on the controller's own machine
-    (a loopback source) may advertise any private address. Raises EnrollmentError."""
-    if not source_address:
-        return  # not over HTTP (a management command): nothing was seen to compare with
-    try:
-        src = ipaddress.ip_address(source_address.strip("[]"))
-        adv = ipaddress.ip_address(address.strip("[]"))
-    except ValueError:
-        raise EnrollmentError(f"advertise address {address!r} is not an IP address") from None
-    src = getattr(src, "ipv4_mapped", None) or src
-    adv = getattr(adv, "ipv4_mapped", None) or adv
-    if src.is_loopback or adv == src:
-        return
-    fix = f"start the agent with --advertise-address {src}"
-    if adv.is_loopback or adv.is_link_local:
-        kind = "loopback" if adv.is_loopback else "link-local"
-        raise EnrollmentError(
-            f"advertise address {address} is {kind}, which other machines cannot reach; this "
-            f"enrollment came from {src}: {fix}"
-        )
-    raise EnrollmentError(
-        f"advertise address {address} is not the address this enrollment came from ({src}); "
-        f"peers would be sent to {address}: {fix}"
-    )
-
-
 def _enroll_locked(
     *,
     tok: EnrollmentToken,
@@ -372,8 +334,18 @@ def _enroll_locked(
     models: list[dict[str, Any]] | None,
     presented: tuple[str, str] | None,
 ) -> Enrollment:
-    """node_enroll's writes, under the token's row lock (its caller's transaction)."""
-    existing = Node.objects.select_for_update().filter(machine_id=machine_id).first()
+    """node_enroll's writes, under the token's row lock (its caller's transaction).
+
+    machine_id comes from the world-readable /etc/machine-id, so it names a machine within an
+    account only (issue 28): the node this machine already is, is the one its current credential
+    names (kept in its own account), or else this machine's node in the token's account. Another
+    account's node with the same machine_id is someone else's claim: never handed over, not even
+    with an operator's allow-reenroll, and no obstacle to enrolling here."""
+    existing = _node_presented(machine_id=machine_id, presented=presented) or (
+        Node.objects.select_for_update()
+        .filter(machine_id=machine_id, account_id=tok.account_id)
+        .first()
+    )
     if existing is None and tok.uses >= tok.max_uses:
         raise EnrollmentError("enrollment token has been used up")
     if existing is not None:
@@ -465,6 +437,16 @@ def _speed_fields(*, existing: Node | None, claimed: float) -> dict[str, Any]:
             "speed_verified_at": existing.speed_verified_at,
         }
     return {"gflops": floor, "gflops_claimed": claimed, "speed_verified_at": None}
+
+
+def _node_presented(*, machine_id: str, presented: tuple[str, str] | None) -> Node | None:
+    """The node of this machine whose current credential was presented, locked; else None."""
+    if presented is None or not node_id_valid(presented[0]):
+        return None
+    node = Node.objects.select_for_update().filter(pk=presented[0], machine_id=machine_id).first()
+    if node is None or not hmac.compare_digest(node.credential_hash, credential_hash(presented[1])):
+        return None
+    return node
 
 
 def _reenroll_key(node_id: Any) -> str:

@@ -33,9 +33,12 @@ def heartbeat(client: Client, node_id: str, cred: str, telemetry: Any, state: st
 def test_a_second_token_cannot_take_over_an_enrolled_machine_and_the_real_agent_keeps_working(
     client: Client,
 ) -> None:
-    real = post(client, enroll_body(issue())).json()
+    # Within the account: another account's token makes a node of that account's own instead
+    # (machine_id is unique per account: tests/nodes/test_machine_per_account.py).
+    acct = AccountFactory()
+    real = post(client, enroll_body(issue(account=acct))).json()
     before = Node.objects.get(pk=real["node_id"])
-    resp = post(client, enroll_body(issue(), node_name="hijack"))
+    resp = post(client, enroll_body(issue(account=acct), node_name="hijack"))
     assert resp.status_code == 409, resp.content
     error = resp.json()["error"]
     assert error["code"] == "machine_enrolled"
@@ -51,10 +54,11 @@ def test_a_second_token_cannot_take_over_an_enrolled_machine_and_the_real_agent_
 
 
 def test_re_enrolling_with_a_wrong_credential_is_refused(client: Client) -> None:
-    real = post(client, enroll_body(issue())).json()
+    acct = AccountFactory()
+    real = post(client, enroll_body(issue(account=acct))).json()
     resp = client.post(
         "/api/agent/enroll",
-        enroll_body(issue()),
+        enroll_body(issue(account=acct)),
         content_type="application/json",
         headers={"Authorization": f"Node {real['node_id']}:rnc_guess"},
     )
@@ -63,7 +67,8 @@ def test_re_enrolling_with_a_wrong_credential_is_refused(client: Client) -> None
 
 
 def test_an_operator_can_allow_one_re_enrollment_without_the_credential(client: Client) -> None:
-    real = post(client, enroll_body(issue())).json()
+    acct = AccountFactory()
+    real = post(client, enroll_body(issue(account=acct))).json()
     admin = get_user_model().objects.create_user("op", password="pw-test-123", is_staff=True)
     client.force_login(admin)
     resp = client.post(f"/api/admin/nodes/{real['node_id']}/allow-reenroll")
@@ -71,11 +76,11 @@ def test_an_operator_can_allow_one_re_enrollment_without_the_credential(client: 
     assert resp.json()["window_seconds"] == 3600
     assert Event.objects.filter(kind="NODE_REENROLL_ALLOWED", node_id=real["node_id"]).exists()
     client.logout()
-    again = post(client, enroll_body(issue()))
+    again = post(client, enroll_body(issue(account=acct)))
     assert again.status_code == 200 and again.json()["node_id"] == real["node_id"]
     # The old credential stopped working; the permission was used up.
     assert heartbeat(client, real["node_id"], real["credential"], {}).status_code == 401
-    assert post(client, enroll_body(issue())).status_code == 409
+    assert post(client, enroll_body(issue(account=acct))).status_code == 409
 
 
 def test_node_names_are_unique_within_an_account(client: Client) -> None:
