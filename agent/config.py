@@ -187,6 +187,24 @@ def guess_advertise_address(controller_url: str) -> str:
         return "127.0.0.1"
 
 
+def _check_advertise_reachable(advertise: str, controller_url: str) -> None:
+    """A controller on another machine hands this node's address to primaries elsewhere: a
+    loopback or link-local one would have them dial themselves (or a LAN service)."""
+    host = (urlsplit(controller_url).hostname or "").strip("[]")
+    try:
+        remote = not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        remote = host != "localhost"
+    addr = ipaddress.ip_address(advertise)
+    if remote and (addr.is_loopback or addr.is_link_local):
+        kind = "loopback" if addr.is_loopback else "link-local"
+        raise ConfigError(
+            f"--advertise-address {advertise} is {kind}, but the controller {controller_url} is "
+            "on another machine: peers could never reach this node there; give this machine's "
+            "LAN address (or leave it out: the address that reaches the controller is used)"
+        )
+
+
 def stored_controller_url(state_dir: Path) -> str | None:
     """The controller URL the node in state_dir enrolled with (identity.json), or None."""
     try:
@@ -228,6 +246,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
 
     address = _pick(args, env, "advertise_address")
     advertise = _validate_address(address) if address else guess_advertise_address(controller_url)
+    _check_advertise_reachable(advertise, controller_url)
 
     rpc_port_raw = _pick(args, env, "rpc_port")
     rpc_port = _port(rpc_port_raw, "--rpc-port") if rpc_port_raw else DEFAULT_RPC_PORT

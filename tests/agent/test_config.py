@@ -132,3 +132,22 @@ def test_cli_exits_2_with_a_single_error_line_on_bad_config(tmp_path: Path) -> N
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines == ["node-agent: error: --rpc-port must be between 1 and 65535, got 0"]
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "169.254.10.1", "::1"])
+def test_a_loopback_or_link_local_advertise_is_refused_for_a_remote_controller(
+    address: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match="on another machine"):
+        parse_run_args(
+            ["--controller-url", "https://10.0.0.5:8000", "--advertise-address", address,
+             "--state-dir", str(tmp_path)],
+            {},
+        )  # fmt: skip
+    # The controller's own machine may: make run's loopback node.
+    ok = parse_run_args(
+        ["--controller-url", "http://127.0.0.1:8000", "--advertise-address", address,
+         "--state-dir", str(tmp_path)],
+        {},
+    )  # fmt: skip
+    assert ok.advertise_address == address
