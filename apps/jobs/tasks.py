@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from apps.nodes import links
 
-from . import admission, kvtransfer, placement
+from . import admission, kvtransfer, placement, retention
 from .autoscale import replicas_autoscale
 from .challenges import node_speed_challenge, speed_challenge_due
 from .deployments import deployments_on_node_state
@@ -85,3 +85,10 @@ def rollup(**kwargs: Any) -> dict[str, int]:
 def params_retention_sweep(**kwargs: Any) -> int:
     """Remove finished jobs' prompts past JOB_PARAMS_RETENTION_DAYS (beat: hourly; issue 28)."""
     return job_params_sweep(now=timezone.now())
+
+
+@shared_task(name="racon.jobs.job_streams_prune", ignore_result=True)
+def job_streams_prune(**kwargs: Any) -> int:
+    """Delete the streams of jobs that ended more than JOB_STREAM_KEEP_SECONDS ago (beat: each
+    minute)."""
+    return retention.job_streams_prune(now=timezone.now())

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
+
+from django.conf import settings
 
 from .models import Event
 
@@ -52,3 +54,15 @@ def event_record(
         },
     )
     return event
+
+
+def events_prune(*, now: datetime, batch: int = 5000) -> int:
+    """Delete event rows older than EVENT_RETENTION_DAYS, in batches (a short lock each); returns
+    how many went. The retention is at least the web UI's longest chart (README, Settings)."""
+    cutoff = now - timedelta(days=float(settings.EVENT_RETENTION_DAYS))
+    gone = 0
+    while True:
+        ids = list(Event.objects.filter(created_at__lt=cutoff).values_list("pk", flat=True)[:batch])
+        if not ids:
+            return gone
+        gone += Event.objects.filter(pk__in=ids).delete()[0]
