@@ -10,7 +10,10 @@ For each conversation a slot of the old replica holds (kvcache.slots_held), one 
    primary, at most ``KV_TRANSFER_MAX_BYTES``, and hashes what it received (the agent's own sha256
    in its command result is a claim, compared against it);
 3. the controller reserves a free slot on the new owner (kvcache.slot_reserve) and sends its
-   primary ``kv_restore`` with the URL, size and the controller's sha256; that node alone may
+   primary ``kv_restore`` with the URL, size and the controller's sha256, but only once the file
+   parses as llama.cpp's saved slot and its header matches the model, the bytes per token and
+   the token count of the controller's ownership record (kvstate.py; a node's upload is a claim,
+   never forwarded into another contributor's llama-server unchecked); that node alone may
    download it, checks the sha256, restores the slot (``action=restore``) and reports the tokens
    restored;
 4. ownership moves to that slot (kvcache.conversation_moved: KV_STATE_MOVED with bytes and
@@ -35,11 +38,13 @@ from typing import Any, BinaryIO
 from django.conf import settings
 
 from agent.protocol import new_id
+from apps.models_repo.profile import ModelProfile
 from apps.nodes.commands import command_send, command_wait
 from racon.redis import get_redis
 
 from . import kvcache, selectors
 from .jobs import drains_advance
+from .kvstate import KvStateInvalid, kv_state_check, kv_state_read
 from .models import Deployment, Job
 from .states import DEPLOYMENT_PENDING, JOB_OPEN
 
@@ -304,6 +309,7 @@ def conversation_transfer(
                 f"the old owner's sha256 claim {saved.get('sha256')!r} does not match the "
                 f"{rec['size']} bytes it uploaded ({rec['sha256']})"
             )
+        _state_check(path=Path(path), held=held, target=target)
         slot = kvcache.slot_reserve(
             deployment_id=target.id,
             n_parallel=int(target.n_parallel or 1),
@@ -347,6 +353,28 @@ def conversation_transfer(
         for p in (path, str(blob_dir() / f"{tid}.bin")):
             if p:
                 Path(p).unlink(missing_ok=True)
+
+
+def _state_check(*, path: Path, held: kvcache.Held, target: Deployment) -> None:
+    """The uploaded slot against what the controller knows (TransferFailed names the mismatch)."""
+    model_file = target.model_file
+    n_layer = int(getattr(model_file, "n_layer", 0) or 0)
+    per_token = 0
+    if model_file is not None and model_file.profile:
+        try:
+            profile = ModelProfile.from_dict(model_file.profile)
+            per_token = profile.kv_bytes_per_token_per_layer * profile.n_layer
+            n_layer = n_layer or profile.n_layer
+        except (KeyError, TypeError, ValueError):
+            per_token = 0  # a profile this version cannot read: the layer count still holds
+    try:
+        with open(path, "rb") as fh:
+            header = kv_state_read(fh)
+        kv_state_check(header, tokens=held.tokens, n_layer=n_layer, bytes_per_token=per_token)
+    except KvStateInvalid as exc:
+        raise TransferFailed(
+            f"the old owner's saved state was refused before any restore: {exc}"
+        ) from None
 
 
 def blob_chunks(path: Path) -> Iterator[bytes]:
