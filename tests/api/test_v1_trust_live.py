@@ -239,9 +239,27 @@ def test_a_key_over_its_concurrency_cap_gets_429_with_retry_after_and_frees_at_t
         assert results["first"].status_code == 200, results["first"].text
         # The first one's end gave its place back.
         again = chat(daphne.url, headers, "three", max_tokens=4)
-    assert again.status_code == 200, again.text
+        assert again.status_code == 200, again.text
+        # A streamed answer gives its place back when the stream ends, too.
+        with httpx.stream(
+            "POST",
+            daphne.url + "/v1/chat/completions",
+            json={
+                "model": "live-model",
+                "messages": [{"role": "user", "content": "four"}],
+                "max_tokens": 4,
+                "stream": True,
+            },
+            headers=headers,
+            timeout=120,
+        ) as streamed:
+            assert streamed.status_code == 200
+            body = "".join(streamed.iter_text())
+        assert "[DONE]" in body, body
+        last = chat(daphne.url, headers, "five", max_tokens=4)
+    assert last.status_code == 200, last.text
     # The refused request left nothing behind: no job, no hold.
-    assert Job.objects.filter(account_id=account).count() == 2
+    assert Job.objects.filter(account_id=account).count() == 4
 
 
 def test_a_key_over_its_requests_or_tokens_per_minute_gets_429_rate_limit_exceeded(
