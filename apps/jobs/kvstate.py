@@ -9,7 +9,9 @@ token count of the controller's own ownership record. The format, from the vendo
 ``state_write_meta``, ``state_write_data``), little-endian:
 
     u32 magic 'ggsq' (0x67677371), u32 version (3)
-    u32 n_token, i32 token[n_token]                      the prompt the slot holds
+    u32 n_token, i32 token[n_token]                      the prompt the slot holds; llama-server
+        writes its own packing there (tools/server server-common.cpp, server_tokens::serialize):
+        i32 -1, u32 version (1), u32 n, i32 token[n], u32 m, u32 media key[m], media chunks
     u32 n_stream                                         one per slot (--no-kv-unified)
     per stream: u32 cell_count; when > 0:
         per cell: i32 pos, u32 n_seq_id, [12 bytes ext: M-RoPE/PLE models], i32 seq_id[n_seq_id]
@@ -32,6 +34,8 @@ SEQ_VERSION = 3
 _EXT_BYTES = 12  # llama_kv_cell_ext: x, y, tok
 _MAX_STREAMS = 4096
 _MAX_SEQ_IDS = 4096
+_SERVER_TOKENS = 0xFFFFFFFF  # LLAMA_TOKEN_NULL as u32: llama-server's packed token list
+_SERVER_TOKENS_VERSION = 1
 
 
 class KvStateInvalid(ValueError):
@@ -40,7 +44,7 @@ class KvStateInvalid(ValueError):
 
 @dataclass(frozen=True)
 class KvStateHeader:
-    n_tokens: int
+    n_tokens: int  # the prompt's tokens (inside llama-server's packing when it wrote one)
     n_cells: int
     n_layer: int  # 0 when no stream holds cells
     bytes_per_token: int  # K and V bytes one cell holds over all layers
@@ -96,6 +100,30 @@ def _layers(r: _Reader, cells: int) -> tuple[int, int]:
     return n_layer, per_token
 
 
+def _tokens(r: _Reader, n_words: int) -> int:
+    """The prompt's token count from the token list's ``n_words`` words (the reader moves past them)."""
+    start = r.pos
+    if n_words < 4:
+        r.skip(4 * n_words, "the token list")
+        return n_words
+    marker, version, count = r.take("<III", "the token list")
+    if marker != _SERVER_TOKENS:
+        r.skip(4 * (n_words - 3), "the token list")
+        return n_words
+    if version != _SERVER_TOKENS_VERSION:
+        raise KvStateInvalid(
+            f"llama-server's token list version {version}, this controller reads 1"
+        )
+    if 4 + count > n_words:
+        raise KvStateInvalid(f"the token list claims {count} tokens in {n_words} words")
+    r.skip(4 * count, "the token list")
+    (media,) = r.take("<I", "the token list's media count")
+    if media:
+        raise KvStateInvalid(f"the state holds {media} media chunks: a text slot was expected")
+    r.skip(start + 4 * n_words - r.pos, "the token list")
+    return count
+
+
 def _parse(fh: BinaryIO, size: int, ext: int) -> KvStateHeader:
     r = _Reader(fh, size)
     magic, version = r.take("<II", "the header")
@@ -105,8 +133,8 @@ def _parse(fh: BinaryIO, size: int, ext: int) -> KvStateHeader:
         raise KvStateInvalid(
             f"sequence state version {version}, this controller reads {SEQ_VERSION}"
         )
-    (n_tokens,) = r.take("<I", "the token count")
-    r.skip(4 * n_tokens, "the token list")
+    (n_words,) = r.take("<I", "the token count")
+    n_tokens = _tokens(r, n_words)
     (n_stream,) = r.take("<I", "the stream count")
     if not 1 <= n_stream <= _MAX_STREAMS:
         raise KvStateInvalid(f"{n_stream} streams")

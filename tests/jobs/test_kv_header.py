@@ -67,14 +67,18 @@ def slot_file(
     version: int = 3,
     cells: int | None = None,
     trailing: bytes = b"",
+    packed: bool = True,
 ) -> bytes:
     """A saved slot as llama.cpp writes it: header, the prompt's tokens, then the KV cache of one
     sequence (the streams, one holding the cells; each cell's position and sequence; then per
-    layer the K rows, then per layer the V rows)."""
+    layer the K rows, then per layer the V rows). ``packed``: the token list in llama-server's
+    own packing (server_tokens::serialize: -1, version 1, n, the tokens, no media), as a real
+    slot save has it; else a plain list."""
     cells = n_tokens if cells is None else cells
+    words = [-1, 1, n_tokens, *range(n_tokens), 0] if packed else list(range(n_tokens))
     out = [
-        struct.pack("<III", magic, version, n_tokens),
-        struct.pack(f"<{n_tokens}i", *range(n_tokens)),
+        struct.pack("<III", magic, version, len(words)),
+        struct.pack(f"<{len(words)}i", *words),
     ]
     out.append(struct.pack("<I", n_stream))
     for s in range(n_stream):
@@ -174,12 +178,14 @@ def move(model: Model, blob_for: Any, tmp_path: Any, settings: Any) -> tuple[Any
     return outcome, new
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["llama-server", "plain"])
 def test_a_state_in_llamas_format_matching_the_record_is_restored(
-    model: Model, tmp_path: Any, settings: Any
+    model: Model, tmp_path: Any, settings: Any, packed: bool
 ) -> None:
     k, v = rows(model)
     outcome, new = move(
-        model, lambda h: slot_file(n_tokens=h.tokens - 1, n_layer=N_LAYER, k_row=k, v_row=v),
+        model,
+        lambda h: slot_file(n_tokens=h.tokens - 1, n_layer=N_LAYER, k_row=k, v_row=v, packed=packed),
         tmp_path, settings,
     )  # fmt: skip
     assert isinstance(outcome, tuple), outcome
