@@ -27,6 +27,7 @@ KINDS = {
 _PROBLEM = re.compile(r"FAIL|TIMEOUT|VIOLATION|REFUSED|REVOKED|ERROR|FAULT|LOST|PARTITION|CLAMPED")
 _FLIP = {"BUSY", "READY"}
 _UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
+_DEPLOYMENT_ID = re.compile(r"\b(?:deployment|replacement|replica) (" + _UUID.pattern + ")")
 SCAN = 400  # events read to build one page of the feed
 
 
@@ -85,7 +86,16 @@ def _names_for(ids: set[str]) -> dict[str, str]:
 
 def readable(text: str, names: dict[str, str]) -> str:
     """The message with each id it names replaced by that thing's name (an unknown id is cut short)."""
-    return _UUID.sub(lambda m: names.get(m.group(0), m.group(0)[:8] + "…"), text or "")
+
+    def dep(m: re.Match[str]) -> str:
+        word = m.group(0).split(" ", 1)[0]
+        name = names.get(m.group(1))
+        if name is None:
+            return m.group(0)
+        return name if word == "deployment" else f"{word} {name}"
+
+    text = _DEPLOYMENT_ID.sub(dep, text or "")
+    return _UUID.sub(lambda m: names.get(m.group(0), m.group(0)[:8] + "…"), text)
 
 
 def names_in(text: str) -> str:
@@ -103,14 +113,13 @@ def _tone(e: Event) -> str:
 
 
 def _job_summary(item: FeedItem) -> str:
-    parts = [f"{n} {k.lower()}" for k, n in sorted(item.outcomes.items())]
     jobs = len(item.jobs)
     head = f"{jobs} job{'s' if jobs != 1 else ''}"
-    return (
-        head
-        + (": " + ", ".join(parts) if parts else "")
-        + (f" · {item.tokens:,} tokens" if item.tokens else "")
-    )
+    if len(item.outcomes) == 1:
+        head += " " + next(iter(item.outcomes)).lower()
+    elif item.outcomes:
+        head += ": " + ", ".join(f"{n} {k.lower()}" for k, n in sorted(item.outcomes.items()))
+    return head + (f" · {item.tokens:,} tokens" if item.tokens else "")
 
 
 def event_feed(
@@ -151,13 +160,17 @@ def event_feed(
     mentioned = {m for e in events for m in _UUID.findall(e.message or "")}
     names = {**_names_for(mentioned - set(node_names)), **node_names}
     items: list[FeedItem] = []
+    # An activity run: consecutive job events and BUSY⇄READY flips, however interleaved, make one
+    # jobs line and one flips line per node; any other event ends the run.
+    run_jobs: FeedItem | None = None
+    run_flips: dict[str, FeedItem] = {}
     for e in events:  # newest first
         group = kind_group(e)
-        last = items[-1] if items else None
         if group == "jobs":
             job = jobs.get(e.job_id) if e.job_id else None
-            if last is None or last.group != "jobs":
-                last = FeedItem(
+            last = run_jobs
+            if last is None:
+                last = run_jobs = FeedItem(
                     kind="JOBS", group="jobs", at=e.created_at, first_at=e.created_at, tone="ok"
                 )
                 items.append(last)
@@ -182,19 +195,21 @@ def event_feed(
             continue
         if group == "states" and {e.old_state, e.new_state} <= _FLIP and e.node_id:
             nid = str(e.node_id)
-            if last is not None and last.kind == "FLIPS" and nid in last.nodes:
-                last.count += 1
-                last.first_at = e.created_at
-                last.text = f"went BUSY⇄READY {last.count} times · now {last.state}"
+            flips = run_flips.get(nid)
+            if flips is not None:
+                flips.count += 1
+                flips.first_at = e.created_at
+                flips.text = f"went BUSY⇄READY {flips.count} times · now {flips.state}"
                 continue
-            item = FeedItem(
+            flips = run_flips[nid] = FeedItem(
                 kind="FLIPS", group="states", at=e.created_at, first_at=e.created_at, tone="busy"
             )
-            item.nodes[nid] = names.get(nid, "node")
-            item.state = e.new_state
-            item.text = f"{e.old_state} → {e.new_state}"
-            items.append(item)
+            flips.nodes[nid] = names.get(nid, "node")
+            flips.state = e.new_state
+            flips.text = f"{e.old_state} → {e.new_state}"
+            items.append(flips)
             continue
+        run_jobs, run_flips = None, {}
         item = FeedItem(
             kind=e.kind, group=group, at=e.created_at, first_at=e.created_at, tone=_tone(e)
         )

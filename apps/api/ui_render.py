@@ -189,10 +189,16 @@ def _live_capacity(viewer: Viewer, cap: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tokens_now(viewer: Viewer, *, now: datetime) -> dict[str, Any]:
-    """Throughput over the last minute (finished jobs) and the jobs generating right now."""
+    """Throughput over the last minute (finished jobs) and the jobs generating right now; a
+    contributor's count their own jobs and the jobs their machines served."""
     since = now - timedelta(seconds=TOKENS_WINDOW_SECONDS)
     jobs = (
-        Job.objects.all() if viewer.is_staff else Job.objects.filter(account_id=viewer.account_id)
+        Job.objects.all()
+        if viewer.is_staff
+        else Job.objects.filter(
+            Q(account_id=viewer.account_id)
+            | Q(id__in=Job.objects.filter(nodes__account_id=viewer.account_id).values("id"))
+        )
     )
     done = jobs.filter(state=JobState.COMPLETED, finished_at__gte=since).aggregate(
         tokens=Sum("completion_tokens"), rate=Avg("tokens_per_s")
@@ -426,9 +432,9 @@ def job_list_page(*, user: Any, state: str = "", model: str = "", node: str = ""
     if node:
         found = _visible_nodes(viewer).filter(Q(name=node)).values_list("id", flat=True).first()
         node_id = found if found is not None else "00000000-0000-0000-0000-000000000000"
-    qs = job_selectors.job_list(
-        state=state or None, model=model or None, node_id=node_id, account_id=viewer.scope
-    )
+    qs = job_selectors.job_list(state=state or None, model=model or None, node_id=node_id)
+    if not viewer.is_staff:
+        qs = qs.filter(_served_by(viewer))
     return {
         "jobs": list(qs.prefetch_related("nodes")[:200]),
         "states": JobState.values,
@@ -438,10 +444,20 @@ def job_list_page(*, user: Any, state: str = "", model: str = "", node: str = ""
     }
 
 
-def job_for(viewer: Viewer, job_id: Any) -> Job:
+def _served_by(viewer: Viewer) -> Q:
+    """A contributor's jobs: their own, and those their machines served (they see who asked for
+    nothing, and the prompt only when it is theirs: ``job_detail_page``)."""
+    return Q(account_id=viewer.account_id) | Q(
+        id__in=Job.objects.filter(nodes__account_id=viewer.account_id).values("id")
+    )
+
+
+def job_for(viewer: Viewer, job_id: Any, *, served: bool = False) -> Job:
+    """The job if it is this viewer's (staff: any); ``served`` also admits the jobs the viewer's
+    machines served. 404 otherwise."""
     qs = Job.objects.select_related("model", "deployment")
     if not viewer.is_staff:
-        qs = qs.filter(account_id=viewer.account_id)
+        qs = qs.filter(_served_by(viewer) if served else Q(account_id=viewer.account_id))
     job = qs.filter(pk=job_id).first()
     if job is None:
         raise Http404("no such job")
@@ -450,7 +466,10 @@ def job_for(viewer: Viewer, job_id: Any) -> Job:
 
 def job_detail_page(*, user: Any, job_id: Any) -> dict[str, Any]:
     viewer = viewer_for(user)
-    job = job_for(viewer, job_id)
+    job = job_for(viewer, job_id, served=True)
+    # The prompt and the answer are the requester's (and the operator's): a contributor whose
+    # machine only served the job sees its figures and nodes, not its text.
+    own = viewer.is_staff or job.account_id == viewer.account_id
 
     def ms(a: Any, b: Any) -> float | None:
         return round((b - a).total_seconds() * 1000, 1) if a and b else None
@@ -495,7 +514,10 @@ def job_detail_page(*, user: Any, job_id: Any) -> dict[str, Any]:
         "node_names": [n.name for n in job.nodes.all()],
         "events": node_selectors.event_list(job_id=job.id, limit=100),
         "live": job.state in JOB_OPEN,
-        "messages_json": json.dumps((job.params or {}).get("messages") or [], indent=2)[:4000],
+        "messages_json": json.dumps((job.params or {}).get("messages") or [], indent=2)[:4000]
+        if own
+        else "",
+        "own": own,
         "is_staff": viewer.is_staff,
     }
 
@@ -518,12 +540,22 @@ def credits_page(*, user: Any, account: str | None, now: datetime) -> dict[str, 
     summary = credit_selectors.account_summary(account_id=account_id, now=now)
     # Staff looking at their own account see every receipt; otherwise the account's own.
     receipts_scope = None if (viewer.is_staff and not account) else account_id
+    receipts = list(
+        credit_selectors.receipt_list(account_id=receipts_scope).select_related("node")[:100]
+    )
+    totals: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in receipts:
+        t = totals.setdefault(
+            (r.node.name, r.model_name),
+            {"node": r.node.name, "model": r.model_name, "count": 0, "credits": 0},
+        )
+        t["count"] += 1
+        t["credits"] += int(r.credits)
     return {
         "summary": summary,
         "ledger": list(credit_selectors.ledger_postings(account_id=account_id)[:100]),
-        "receipts": list(
-            credit_selectors.receipt_list(account_id=receipts_scope).select_related("node")[:100]
-        ),
+        "receipts": receipts,
+        "receipt_summary": sorted(totals.values(), key=lambda t: (-t["credits"], t["node"])),
         "accounts": list(person_accounts()) if viewer.is_staff else [],
         "selected_account": str(account_id),
         "is_staff": viewer.is_staff,

@@ -277,11 +277,22 @@ def test_a_contributor_cannot_use_operator_pages(contributor_client: Client, wor
     assert 'href="/tokens/"' not in body
 
 
-def test_a_contributor_sees_only_their_own_jobs(contributor_client: Client, world: World) -> None:
+def test_a_contributor_sees_their_jobs_and_the_jobs_their_machines_served(
+    contributor_client: Client, world: World
+) -> None:
+    from tests.credits.factories import job_for
+
+    # The operator's job ran on both nodes (carl's laptop served it); this one on the operator's only.
+    elsewhere = job_for(account=world.staff_job.account, model=world.staff_job.model)
+    elsewhere.nodes.set([world.staff_node])
     body = contributor_client.get("/jobs/").content.decode()
-    assert str(world.own_job.id)[:8] in body and str(world.staff_job.id)[:8] not in body
+    assert str(world.own_job.id)[:8] in body and str(world.staff_job.id)[:8] in body
+    assert str(elsewhere.id)[:8] not in body
     assert contributor_client.get(f"/jobs/{world.own_job.id}/").status_code == 200
-    assert contributor_client.get(f"/jobs/{world.staff_job.id}/").status_code == 404
+    served = contributor_client.get(f"/jobs/{world.staff_job.id}/").content.decode()
+    assert 'id="not-yours"' in served and 'id="token-stream"' not in served  # not its text
+    assert "carls-laptop" in served
+    assert contributor_client.get(f"/jobs/{elsewhere.id}/").status_code == 404
     assert contributor_client.post(f"/jobs/{world.staff_job.id}/cancel").status_code == 404
 
 

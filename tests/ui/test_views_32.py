@@ -66,7 +66,7 @@ def test_the_feed_sums_up_flips_and_job_events_and_names_everything(
         )
     body = staff_client.get("/events/").content.decode()
     assert body.count('data-kind="JOBS"') == 1  # four job events, one line
-    assert "2 jobs: 2 completed · 40 tokens" in body and "tiny-model" in body
+    assert "2 jobs completed · 40 tokens" in body and "tiny-model" in body
     assert body.count('data-kind="FLIPS"') == 1 and "went BUSY⇄READY 6 times · now READY" in body
     assert (
         f'href="/nodes/{world.staff_node.id}/"' in body
@@ -157,3 +157,36 @@ def test_a_contributor_cannot_chart_another_accounts_node(world: World) -> None:
         viewer=viewer, spec={"chart": "throughput", "by": "node", "field": "requests"}, now=now
     )
     assert {ln["label"] for ln in own["lines"]} <= {"carls-laptop"}
+
+
+def test_a_nodes_page_names_the_deployments_its_events_mention(
+    staff_client: Client, world: World
+) -> None:
+    import re
+
+    dep = world.deployment
+    event_record(
+        kind="PRIMARY_LOADED",
+        category=EventCategory.RUNTIME,
+        now=timezone.now(),
+        node_id=world.staff_node.id,
+        deployment_id=dep.id,
+        message=f"deployment {dep.id} loaded (CPU: 31 layers)",
+    )
+    event_record(
+        kind="DEPLOYMENT_READY",
+        category=EventCategory.PLACEMENT,
+        now=timezone.now(),
+        node_id=world.staff_node.id,
+        message=f"deployment {dep.id} is READY",
+    )
+    body = staff_client.get(f"/nodes/{world.staff_node.id}/").content.decode()
+    main = body[body.index("<main") : body.index("</main>")]
+    main = re.sub(
+        r"<script.*?</script>|<dd class=\"mono small\" data-raw-id>.*?</dd>|<[^>]+>",
+        " ",
+        main,
+        flags=re.S,
+    )
+    assert str(dep.id) not in main, [m for m in re.findall(r".{60}" + str(dep.id), main)]
+    assert "tiny-model deployment" in main
