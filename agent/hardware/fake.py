@@ -80,6 +80,9 @@ def profile_from_dict(raw: dict[str, Any], *, source: str = "profile") -> Hardwa
         for key in ("gflops", "mem_bandwidth_gbps"):  # a benchmark's figures, as written
             if key in g:
                 gpus[-1][key] = float(g[key])  # type: ignore[literal-required]  # one of the two keys above
+        for key in ("device", "backend"):  # llama.cpp's names, as the real inventory has them
+            if key in g:
+                gpus[-1][key] = str(g[key])  # type: ignore[literal-required]  # one of the two keys above
     hw["gpus"] = gpus
     if "benchmark" in raw:
         hw["benchmark"] = {k: float(v) for k, v in raw["benchmark"].items()}

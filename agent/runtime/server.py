@@ -757,6 +757,10 @@ class ServerPrimary:
         devices = [
             {"name": f"RPC{i}", "description": ep, "type": "gpu"} for i, ep in enumerate(endpoints)
         ]
+        # The primary's own GPUs of the plan, by llama.cpp name (Vulkan0, CUDA0).
+        for name in plan_device_names(self.plan) or []:
+            if not name.startswith("RPC"):
+                devices.append({"name": name, "description": name, "type": "gpu"})
         devices.append({"name": "CPU", "description": "CPU", "type": "cpu"})
         if not layers and n_layer is not None:
             layers = _replay_layers(n_layer, self.plan)

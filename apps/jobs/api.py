@@ -82,6 +82,16 @@ class PlacementIn(serializers.Serializer):
         default=False,
         help_text="place on nodes that already serve this model (one replica per node otherwise)",
     )
+    devices = serializers.ListField(
+        child=serializers.RegexField(
+            r"^([^:]{1,120}:)?[A-Za-z][A-Za-z_]{0,15}[0-9]{0,3}$",
+            error_messages={"invalid": "a device is a llama.cpp name (Vulkan0) or node:Vulkan0"},
+        ),
+        required=False,
+        max_length=64,
+        help_text="pin the plan's devices by llama.cpp name (CPU, CUDA0, Vulkan0), optionally "
+        "node:device (node id or name): only these take layers",
+    )
 
 
 def _resolve(request_data: dict[str, Any]) -> tuple[Model, dict[str, Any]] | Response:

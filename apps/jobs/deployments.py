@@ -128,6 +128,7 @@ def placement_request_from(data: dict[str, Any]) -> PlacementRequest:
         exclude_nodes=tuple(str(x) for x in data.get("exclude_nodes") or ()),
         spread=bool(data.get("spread", False)),
         allow_same_node=bool(data.get("allow_same_node", False)),
+        pin_devices=tuple(str(d) for d in data["devices"]) if data.get("devices") else None,
     )
 
 
@@ -397,6 +398,7 @@ def deployment_request_of(dep: Deployment) -> dict[str, Any]:
     req = dict(dep.request)
     req["pin_nodes"] = tuple(req["pin_nodes"]) if req.get("pin_nodes") else None
     req["exclude_nodes"] = tuple(req.get("exclude_nodes") or ())
+    req["pin_devices"] = tuple(req["pin_devices"]) if req.get("pin_devices") else None
     return req
 
 

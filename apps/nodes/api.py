@@ -63,6 +63,12 @@ class GpuSerializer(serializers.Serializer):
     # The agent's GPU benchmark (bounded by hardware_bounds_errors); absent: assumed figures.
     gflops = serializers.FloatField(min_value=0, required=False)
     mem_bandwidth_gbps = serializers.FloatField(min_value=0, required=False)
+    # llama.cpp's device name and backend (agent/hardware/devices.py): what plans pin and name.
+    device = serializers.RegexField(r"^[A-Za-z][A-Za-z_]{0,15}[0-9]{0,3}$", required=False)
+    backend = serializers.CharField(max_length=32, required=False)
+    software = serializers.BooleanField(required=False)
+    nvml_index = serializers.IntegerField(min_value=0, required=False)
+    pci_bus_id = serializers.CharField(max_length=32, required=False)
 
 
 class HardwareSerializer(serializers.Serializer):

@@ -96,9 +96,16 @@ def test_a_node_with_an_unverified_gpu_claim_is_never_the_primary() -> None:
     alone = ClusterSnapshot(nodes=(fake,))
     with pytest.raises(PlacementRefused):
         plan_placement(TINY, alone, PlacementRequest())
-    # The operator's device pin is the exception: a choice, not a claim.
+    # The operator's pin of that one node's devices is the exception: a choice, not a claim.
     pinned = plan_placement(TINY, alone, PlacementRequest(pin_devices=("f:CUDA0",)))
     assert pinned.primary_node_id == "f"
+    # Pinned beside a verified node, it lends its GPU at the floor, and the other is the primary.
+    both = ClusterSnapshot(nodes=(fake, honest))
+    split = plan_placement(TINY, both, PlacementRequest(pin_devices=("f:CUDA0", "h:CPU")))
+    assert split.primary_node_id == "h"
+    (row,) = [d for d in split.devices if d.device == "CUDA0"]
+    assert row.n_layers > 0 and (row.gflops, row.mem_bandwidth_gbps) == (50.0, 10.0)
+    assert row.to_dict()["tokens_per_s"] > 0
 
 
 def test_a_gpu_with_too_little_vram_beside_a_ram_node_uses_both_and_never_overfills() -> None:

@@ -195,6 +195,11 @@ def _build_plan(
                 endpoint=None if d.node is primary else node.endpoint,
                 holds_output=holds_output,
                 free_bytes=d.snap.free_bytes,
+                decode_ms=round(
+                    ((end - start) * d.t_tg + (d.out_tg if holds_output else 0.0)) * 1000, 4
+                ),
+                gflops=d.snap.gflops,
+                mem_bandwidth_gbps=d.snap.mem_bandwidth_gbps,
             )
         )
     start = layout[-1][2] if layout else 0

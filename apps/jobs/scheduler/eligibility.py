@@ -195,8 +195,12 @@ def pin_devices_apply(
                         mem_bandwidth_gbps=d.mem_bandwidth_gbps * _UNPINNED_CPU_SLOWDOWN,
                     )
                 )
-        # The operator chose these devices: an unverified GPU's node may then be the primary.
-        nodes.append(dataclasses.replace(n, devices=tuple(devs), may_be_primary=True))
+        # The operator chose this one node's devices: an unverified GPU's node may then be the
+        # primary. With several nodes pinned there is a choice, and the verified one keeps it.
+        alone = len(wanted) == 1
+        nodes.append(
+            dataclasses.replace(n, devices=tuple(devs), may_be_primary=n.may_be_primary or alone)
+        )
     pinned = tuple(n.node_id for n in nodes)
     request = dataclasses.replace(
         request,

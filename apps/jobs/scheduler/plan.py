@@ -22,6 +22,11 @@ class PlanDevice:
     endpoint: str | None
     holds_output: bool = False
     free_bytes: int = 0
+    # The prediction's share of this device: ms per decoded token for its layers (and the output
+    # when it holds it), and the figures it was planned at (an unverified GPU's are the floor).
+    decode_ms: float = 0.0
+    gflops: float = 0.0
+    mem_bandwidth_gbps: float = 0.0
 
     @property
     def n_layers(self) -> int:
@@ -30,6 +35,8 @@ class PlanDevice:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["n_layers"] = self.n_layers
+        # The rate this device would sustain for its share alone (the plan's is the sum of times).
+        d["tokens_per_s"] = round(1000.0 / self.decode_ms, 2) if self.decode_ms > 0 else None
         return d
 
     @classmethod
