@@ -128,8 +128,10 @@ def own_platform_key() -> str:
 
 
 def _stale(bundle: dict[str, Any]) -> bool:
+    """Older than agent/ as it is on disk now (what scripts/build-bundle.sh builds from): not the
+    running controller's own cached hash, or an edit after its start would rebuild in a loop."""
     return getattr(settings, "JOIN_REBUILD", True) and (
-        bundle.get("agent_source") != join.agent_source_hash()
+        bundle.get("agent_source") != join.agent_source_hash.__wrapped__()
     )
 
 
