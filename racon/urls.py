@@ -4,6 +4,7 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from apps.api import agent_self
 from apps.api.diagnostics_api import NodeDiagnosticsApi
 from apps.api.health import health
 from apps.api.login import admin_login_throttled
@@ -21,6 +22,10 @@ agent_urls = [
     path("reports", jobs_api.AgentReportsApi.as_view(), name="agent-reports"),
     path("models/<str:sha256>", models_api.model_file_download, name="agent-model-file"),
     path("kv/<str:transfer_id>", kvtransfer_api.kv_blob, name="agent-kv-blob"),
+    # The node's own view of itself (the desktop app, issue 31): apps/api/agent_self.py.
+    path("self", agent_self.AgentSelfApi.as_view(), name="agent-self"),
+    path("earnings", agent_self.AgentEarningsApi.as_view(), name="agent-earnings"),
+    path("lending", agent_self.AgentLendingApi.as_view(), name="agent-lending"),
 ]
 
 admin_urls = [
