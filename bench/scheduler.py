@@ -490,6 +490,46 @@ def loopback_report() -> None:
 LOOPBACK_RTT_MS = 0.05
 
 
+def gpu_beside_ram_case() -> tuple[str, bool]:
+    """The picture RACoN exists for: a desktop whose GPU has too little VRAM for the model, beside
+    a box with lots of RAM. The plan must use both (GPU layers, RAM for the rest), never ask a
+    device for more than its free memory, and match the exhaustive optimum."""
+    model = synthetic_profile(
+        name="llama-70b", n_layer=80, n_embd=8192, n_head=64, n_head_kv=8, n_ff=28672,
+        n_vocab=128256,
+    )  # fmt: skip
+    desk = NodeSnapshot(
+        node_id="desktop", name="desktop", state="READY", address="10.0.0.2", rpc_port=50052,
+        devices=(
+            DeviceSnapshot("desktop", "CPU", "cpu", 12 * GiB, 300.0, 40.0),
+            DeviceSnapshot("desktop", "CUDA0", "gpu", 22 * GiB, 40_000.0, 900.0),
+        ),
+        threads=8,
+    )  # fmt: skip
+    box = NodeSnapshot(
+        node_id="ram-box", name="ram-box", state="READY", address="10.0.0.3", rpc_port=50052,
+        devices=(DeviceSnapshot("ram-box", "CPU", "cpu", 120 * GiB, 200.0, 30.0),),
+        threads=16,
+    )  # fmt: skip
+    cluster = ClusterSnapshot(nodes=(desk, box), links={("desktop", "ram-box"): Link(0.3, 1000.0)})
+    req = PlacementRequest(n_ctx=2048)
+    plan = plan_placement(model, cluster, req)
+    best = exhaustive_best(model, cluster, req)
+    used = sorted({(d.node_id, d.device) for d in plan.layer_devices})
+    fits = all(d.memory_bytes <= d.free_bytes for d in plan.devices)
+    both = {"desktop", "ram-box"} <= {n for n, _ in used} and ("desktop", "CUDA0") in used
+    ratio = plan.predicted_tokens_per_s / best.predicted_tokens_per_s if best else float("nan")
+    layers = ", ".join(
+        f"{d.node_id}:{d.device} {d.n_layers}" for d in plan.layer_devices
+    )  # fmt: skip
+    ok = both and fits and ratio >= QUALITY_WORST_TARGET
+    return (
+        f"70B (40 GiB) on a 22 GiB GPU desktop + a 120 GiB RAM box: {layers}; "
+        f"plan / exhaustive {ratio:.2%}; within free memory: {fits}  {'PASS' if ok else 'FAIL'}",
+        ok,
+    )
+
+
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     if not s:
@@ -555,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
             f"plan_placement / memory_proportional (exo rule): mean {statistics.fmean(p):.2f}x  "
             f"median {statistics.median(p):.2f}x  worst {min(p):.2f}x  (n={len(p)})"
         )
+
+    print("== a GPU with too little VRAM beside a RAM node ==")
+    print(gpu_beside_ram_case()[0])
 
     wall, cpu = bench_decision_time(args.big_nodes, args.decisions, args.seed)
     p50, p99 = percentile(wall, 50), percentile(wall, 99)
