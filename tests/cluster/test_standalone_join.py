@@ -127,9 +127,9 @@ def test_a_host_without_python_joins_with_the_line_and_serves_a_split(tmp_path: 
             )
             wait_for(
                 lambda: (
-                    node_row(cl.get("/api/admin/nodes").json(), "peer") is not None
-                    and node_row(cl.get("/api/admin/nodes").json(), "peer")["state"] == "READY"
-                ),  # type: ignore[index]
+                    (node_row(cl.get("/api/admin/nodes").json(), "peer") or {}).get("state")
+                    == "READY"
+                ),
                 180,
                 "the peer READY",
             )
