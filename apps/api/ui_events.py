@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.db.models import Q
+
 from apps.jobs.models import Deployment, Job
 from apps.nodes import selectors as node_selectors
 from apps.nodes.models import Event, Node
@@ -139,7 +141,26 @@ def event_feed(
                 "node": node,
                 "nodes": nodes,
             }
-    events = node_selectors.event_list(limit=SCAN, account_id=viewer.scope, node_id=node_id)
+    if node_id is not None:
+        # A node's events, and the job events of the jobs it served (a job's events name no node).
+        served_by_node = Job.objects.filter(nodes=node_id).values("id")
+        events = list(
+            Event.objects.filter(Q(node_id=node_id) | Q(job_id__in=served_by_node)).order_by(
+                "-created_at", "-id"
+            )[:SCAN]
+        )
+    elif viewer.is_staff:
+        events = node_selectors.event_list(limit=SCAN)
+    else:
+        # A contributor's: their nodes' events, and the job events of the jobs those nodes served
+        # (a job's events name no node) or that they asked for.
+        acct = viewer.account_id
+        served = Job.objects.filter(Q(nodes__account_id=acct) | Q(account_id=acct)).values("id")
+        events = list(
+            Event.objects.filter(Q(node__account_id=acct) | Q(job_id__in=served)).order_by(
+                "-created_at", "-id"
+            )[:SCAN]
+        )
     if kind:
         events = [e for e in events if kind_group(e) == kind]
     # Names for every node, job and deployment these events refer to, in a few queries.

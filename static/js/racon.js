@@ -235,7 +235,11 @@
       width: Math.max(240, box.clientWidth || 480),
       height: 170,
       cursor: { drag: { x: false, y: false } },
-      scales: { x: { time: true }, y: { range: function (u, min, max) { return [0, Math.max(max || 0, payload.kind === "bars" ? 1 : 0.1) * 1.1]; } } },
+      scales: {
+        // Bars sit on their step: half a step of room at each end, so the first and the last show whole.
+        x: { time: true, range: function (u, min, max) { return bars ? [min - payload.step / 2, max + payload.step / 2] : [min, max]; } },
+        y: { range: function (u, min, max) { return [0, (max > 0 ? max : (payload.kind === "bars" ? 1 : 0.1)) * 1.15]; } },
+      },
       axes: [
         { stroke: "#6b7280", grid: { stroke: "#eef0f3" } },
         { stroke: "#6b7280", grid: { stroke: "#eef0f3" }, size: 48, values: function (u, vals) { return vals.map(fmt); } },
@@ -247,7 +251,7 @@
           stroke: colour,
           width: 2,
           fill: bars ? colour + "55" : colour + "14",
-          paths: bars ? window.uPlot.paths.bars({ size: [0.7 / Math.max(1, lines.length), 40], align: 0, gap: 1 }) : undefined,
+          paths: bars ? window.uPlot.paths.bars({ size: [0.8 / Math.max(1, lines.length), 48], align: 0, gap: 1 }) : undefined,
           spanGaps: false,
           points: { show: false },
           value: function (u, v) { return v == null ? "—" : fmt(v) + unit; },

@@ -20,7 +20,7 @@ from apps.jobs.rollup import rollup_write
 from apps.jobs.states import DeploymentState
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
-from tests.credits.factories import deployment_for
+from tests.credits.factories import deployment_for, job_for
 from tests.factories import NodeFactory
 
 from .conftest import HTMX, World
@@ -190,3 +190,29 @@ def test_a_nodes_page_names_the_deployments_its_events_mention(
     )
     assert str(dep.id) not in main, [m for m in re.findall(r".{60}" + str(dep.id), main)]
     assert "tiny-model deployment" in main
+
+
+def test_a_contributors_feed_has_the_job_events_of_the_jobs_their_machine_served(
+    contributor_client: Client, world: World
+) -> None:
+    now = timezone.now()
+    # The operator's job, served by carl's laptop (among others): its events name no node.
+    event_record(
+        kind="JOB_COMPLETED",
+        category=EventCategory.EXECUTION,
+        now=now,
+        job_id=world.staff_job.id,
+        message="20 tokens, stop",
+    )
+    elsewhere = job_for(account=world.staff_job.account, model=world.staff_job.model)
+    elsewhere.nodes.set([world.staff_node])
+    event_record(
+        kind="JOB_FAILED",
+        category=EventCategory.EXECUTION,
+        now=now,
+        job_id=elsewhere.id,
+        message="boom",
+    )
+    body = contributor_client.get("/events/").content.decode()
+    assert f'href="/jobs/{world.staff_job.id}/"' in body
+    assert f'href="/jobs/{elsewhere.id}/"' not in body and "ops-box" not in body
