@@ -205,13 +205,14 @@ class Ggml:
         self, endpoint: str, cache_dir: str | None, n_threads: int, devices: list[int]
     ) -> None:
         """Blocks for good while serving; returns only when the server could not start."""
-        argtypes = [
+        argtypes: list[Any] = [
             ctypes.c_char_p,
             ctypes.c_char_p,
             ctypes.c_size_t,
             ctypes.c_size_t,
             ctypes.POINTER(ctypes.c_void_p),
         ]
+        f: Any
         if self.rpc is not None:
             f = self.rpc.ggml_backend_rpc_start_server
             f.restype = None

@@ -130,11 +130,12 @@ def vulkan_node(
     model_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
     django_db_blocker: Any,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[tuple[Controller, dict[str, Any], str, Path]]:
-    """One agent lending lavapipe as Vulkan0, READY, and SmolLM2 registered as a model of its own."""
+    """One agent lending lavapipe as Vulkan0, READY, and SmolLM2 registered as a model of its own
+    (one Vulkan-backed agent per run: the tests below share it inside one test, since the e2e
+    database is flushed between tests)."""
     require_lavapipe()
-    with django_db_blocker.unblock():
+    with django_db_blocker.unblock(), pytest.MonkeyPatch.context() as monkeypatch:
         workdir = tmp_path_factory.mktemp("lavapipe")
         models = _models_dir(workdir, model_path)
         agent = _start(controller, "vk-host", workdir, models, monkeypatch, env=lavapipe_env())
@@ -149,8 +150,35 @@ def vulkan_node(
             stop_agent(agent)
 
 
-def test_a_deployment_pinned_to_vulkan0_loads_there_and_answers_like_the_cpu_backend(
-    vulkan_node: tuple[Controller, dict[str, Any], str, Path], model_path: Path
+def _deploy(ctl: Controller, request: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    dep = ctl.post("/api/admin/deployments", request)
+    assert dep.status_code == 202, dep.text
+    dep_id = dep.json()["id"]
+
+    def loaded() -> dict[str, Any] | None:
+        d = ctl.get(f"/api/admin/deployments/{dep_id}").json()
+        assert d["state"] not in ("FAILED", "STOPPED"), d
+        return d if d["state"] == "READY" else None
+
+    # The first start compiles Mesa's shaders (17-40 s measured here), on a shared machine.
+    return dep_id, wait_for(loaded, 420, "the Vulkan deployment READY")
+
+
+def _complete(ctl: Controller, model: str) -> str:
+    resp = httpx.post(
+        ctl.url + "/v1/completions",
+        json={"model": model, "prompt": PROMPT, "max_tokens": N_TOKENS, "temperature": 0},
+        headers=consumer_headers(f"vk-consumer-{os.urandom(3).hex()}"),
+        timeout=300,
+    )
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["text"])
+
+
+def test_vulkan0_is_lent_runs_a_pinned_deployment_and_a_split_with_an_rpc_worker(
+    vulkan_node: tuple[Controller, dict[str, Any], str, Path],
+    model_path: Path,
+    django_db_blocker: Any,
 ) -> None:
     from apps.nodes.models import Node
 
@@ -172,33 +200,57 @@ def test_a_deployment_pinned_to_vulkan0_loads_there_and_answers_like_the_cpu_bac
     assert rows["Vulkan0"]["n_layers"] == 30 and rows.get("CPU", {}).get("n_layers", 0) == 0
     assert 0 < rows["Vulkan0"]["memory_bytes"] <= rows["Vulkan0"]["free_bytes"]
     assert rows["Vulkan0"]["tokens_per_s"] > 0
-    dep = ctl.post("/api/admin/deployments", pin)
-    assert dep.status_code == 202, dep.text
-    dep_id = dep.json()["id"]
-
-    def loaded() -> dict[str, Any] | None:
-        d = ctl.get(f"/api/admin/deployments/{dep_id}").json()
-        assert d["state"] not in ("FAILED", "STOPPED"), d
-        return d if d["state"] == "READY" else None
-
-    # The first start compiles Mesa's shaders (17-40 s measured here), on a shared machine.
-    detail = wait_for(loaded, 420, "the Vulkan0 deployment READY")
+    dep_id, detail = _deploy(ctl, pin)
     log = detail["load_report"]["load_log"]
     vk_model = [line for line in log if "Vulkan0 model buffer size" in line]
     assert vk_model, log  # llama.cpp's -lv 4 device line: the weights are on the Vulkan device
     assert float(vk_model[0].split("=")[1].split()[0]) > 50, vk_model  # SmolLM2: ~92 MiB there
     assert any("Vulkan0 KV buffer size" in line for line in log), log
-    headers = consumer_headers("vk-consumer")
-    resp = httpx.post(
-        ctl.url + "/v1/completions",
-        json={"model": model, "prompt": PROMPT, "max_tokens": N_TOKENS, "temperature": 0},
-        headers=headers,
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    on_vulkan = resp.json()["choices"][0]["text"]
-    assert on_vulkan and on_vulkan == cpu_backend_tokens(model_path), on_vulkan
-    ctl.post(f"/api/admin/deployments/{dep_id}/stop")
+    try:
+        on_vulkan = _complete(ctl, model)
+        assert on_vulkan and on_vulkan == cpu_backend_tokens(model_path), on_vulkan
+    finally:
+        ctl.post(f"/api/admin/deployments/{dep_id}/stop")
+    # The same Vulkan-backed agent, now as the RPC worker of a split (Mesa's shaders are cached).
+    split_over_vulkan0_and_an_rpc_worker(vulkan_node, model_path, django_db_blocker)
+
+
+def split_over_vulkan0_and_an_rpc_worker(
+    vulkan_node: tuple[Controller, dict[str, Any], str, Path],
+    model_path: Path,
+    django_db_blocker: Any,
+) -> None:
+    """Vulkan0 of the lavapipe host and the CPU of a second agent, pinned: the verified CPU host
+    is the primary and the Vulkan host serves Vulkan0 through its ggml-rpc worker (RPC1, after its
+    CPU), so llama.cpp's load log shows the layers on both RPC devices and nothing on the
+    primary's own CPU beyond the embeddings."""
+    ctl, _, model, workdir = vulkan_node
+    with django_db_blocker.unblock(), pytest.MonkeyPatch.context() as monkeypatch:
+        models = workdir / "models"
+        other = _start(ctl, "rpc-host", workdir, models, monkeypatch)
+        try:
+            wait_for(lambda: _ready(ctl, {"vk-host", "rpc-host"}), 120, "rpc-host READY")
+            pin = {
+                "model": model,
+                "n_ctx": 256,
+                "n_parallel": 1,
+                "devices": ["vk-host:Vulkan0", "rpc-host:CPU"],
+                "allow_same_node": True,
+            }
+            preview = ctl.post("/api/admin/deployments/preview", pin)
+            assert preview.status_code == 200, preview.text
+            plan = preview.json()
+            used = {(d["node_name"], d["device"]) for d in plan["devices"] if d["n_layers"]}
+            assert ("vk-host", "Vulkan0") in used and plan["primary_name"] == "rpc-host", plan
+            dep_id, detail = _deploy(ctl, pin)
+            try:
+                log = detail["load_report"]["load_log"]
+                assert any("RPC" in line and "model buffer size" in line for line in log), log
+                assert _complete(ctl, model) == cpu_backend_tokens(model_path)
+            finally:
+                ctl.post(f"/api/admin/deployments/{dep_id}/stop")
+        finally:
+            stop_agent(other)
 
 
 def test_a_fake_gpu_claim_is_planned_at_the_floor_and_never_the_primary(
