@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from agent.agent import AgentState
+from agent.runtime.ggml import load_llama_cpp_backends
 from agent.runtime.llama import LlamaRuntime
 from tests.agent.conftest import MODEL, read_stream
 from tests.agent.harness import Harness, deployment_tls, wait
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.e2e
 
 def test_three_agents_split_a_model_and_survive_a_worker_dying_mid_generation(h: Harness) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
+    load_llama_cpp_backends()  # a GPU build's (GGML_BACKEND_DL) backends are modules in its lib/
     if not llama_cpp.llama_supports_rpc() or not MODEL.is_file():
         pytest.skip("needs llama-cpp-python with RPC and the SmolLM2 model")
     empty = h.tmp / "no-models"
@@ -132,6 +134,7 @@ def test_three_agents_split_a_model_and_survive_a_worker_dying_mid_generation(h:
 def test_load_primary_result_payload_is_json_for_the_controller(h: Harness) -> None:
     """The command_result of load_primary survives a JSON round trip with its assignment intact."""
     llama_cpp = pytest.importorskip("llama_cpp")
+    load_llama_cpp_backends()  # a GPU build's (GGML_BACKEND_DL) backends are modules in its lib/
     if not MODEL.is_file() or not llama_cpp.llama_supports_rpc():
         pytest.skip("needs the SmolLM2 model")
     c = h.start(

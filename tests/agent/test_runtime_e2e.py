@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from agent.runtime import LoadFailed
+from agent.runtime.ggml import load_llama_cpp_backends
 from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.server import ServerPrimary
 from tests.agent.conftest import MODEL, REDIS_URL, REPO, free_port, new_job_id, read_stream
@@ -30,6 +31,7 @@ MAX_TOKENS = 24
 
 def _need_llama() -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
+    load_llama_cpp_backends()  # a GPU build's (GGML_BACKEND_DL) backends are modules in its lib/
     if not llama_cpp.llama_supports_rpc():
         pytest.skip("llama-cpp-python built without RPC")
     if not MODEL.is_file():
@@ -85,6 +87,7 @@ def local_reference() -> str:
     """The same prompt in one plain process, all layers on the local CPU (flash attention, like
     the primary: llama-server runs with -fa auto, and the CPU backend has it)."""
     code = (
+        "from agent.runtime.ggml import load_llama_cpp_backends; load_llama_cpp_backends()\n"
         "import json, sys, llama_cpp\n"
         f"llm = llama_cpp.Llama(model_path={str(MODEL)!r}, n_gpu_layers=0, n_ctx=512, n_threads=1, "
         "flash_attn=True, verbose=False)\n"
