@@ -21,7 +21,7 @@ $(LLAMA_STAMP): scripts/install-llama.sh scripts/build-llama.sh scripts/platform
 	@rm -f $(VENV)/.racon-llama-* && touch $(LLAMA_STAMP)
 
 $(STAMP): pyproject.toml $(LLAMA_STAMP) | $(PY)
-	$(VENV)/bin/pip install -q -e '.[controller,agent,cli,test]'
+	$(VENV)/bin/pip install -q -e '.[controller,agent,cli,test,desktop]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -35,6 +35,7 @@ test:
 	scripts/install-vulkan.sh
 	$(MAKE) install
 	scripts/install-chromium.sh
+	scripts/install-desktop.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The timing-sensitive tests (e2e, cluster, TUI, reliability) with one core kept busy by a

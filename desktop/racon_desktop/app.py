@@ -1,0 +1,265 @@
+"""``racon-desktop``: the contributor's tray app (Tauri through pytauri-wheel, issue 31).
+
+A window (its own pages in ``frontend/``, nothing else) shows the node's state, what it lends,
+jobs served today, earnings per day over 30 days (uPlot, vendored) and the lending policy; a tray
+icon whose colour follows the node's state, with Pause now, Resume, Open dashboard, Lending
+settings and Quit. Quit closes the app only: the agent keeps running.
+
+Python commands are narrow: none takes a path, a URL or a shell string. The page can only ask
+for a snapshot, the earnings, the lending form (to read or set), pause and resume.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("_PYTAURI_DIST", "pytauri-wheel")  # before any pytauri import
+
+import argparse
+import json
+import logging
+import sys
+import threading
+import time
+import webbrowser
+from pathlib import Path
+from typing import Any
+
+from anyio.from_thread import start_blocking_portal
+from pytauri import BuilderArgs, Manager
+from pytauri.image import Image
+from pytauri.menu import Menu, MenuItem, PredefinedMenuItem
+from pytauri.tray import TrayIcon
+from pytauri_wheel.lib import builder_factory, context_factory
+
+from . import commands as cmds
+from .agent_api import (
+    AgentError,
+    Controller,
+    ControllerError,
+    LocalAgent,
+    controller_for,
+    find_state_dir,
+)
+
+HERE = Path(__file__).resolve().parent
+TITLE = "RACoN: this machine"
+TRAY_ID = "racon-tray"
+MENU_IDS = ("pause", "resume", "dashboard", "lending", "quit")
+COLOURS = {
+    "READY": (46, 160, 67),
+    "BUSY": (31, 111, 235),
+    "DRAINING": (219, 139, 0),
+    "PAUSED": (130, 80, 223),
+    "OFFLINE": (110, 118, 129),
+}
+POLL_SECONDS = 2.0
+BACKOFF_MAX = 60.0
+log = logging.getLogger("racon_desktop")
+
+
+def icon_rgba(state: str, size: int = 32) -> bytes:
+    """A filled circle in the state's colour (transparent outside)."""
+    r, g, b = COLOURS.get(state, COLOURS["OFFLINE"])
+    out = bytearray()
+    c = (size - 1) / 2
+    for y in range(size):
+        for x in range(size):
+            inside = (x - c) ** 2 + (y - c) ** 2 <= (size / 2 - 1) ** 2
+            out += bytes((r, g, b, 255 if inside else 0))
+    return bytes(out)
+
+
+def shown_state(node: dict[str, Any] | None, local: dict[str, Any]) -> str:
+    """The tray's state: the controller's, PAUSED while the owner's pause is in force and the
+    drain is done, OFFLINE when the controller cannot be read."""
+    if node is None:
+        return "OFFLINE"
+    state = str(node.get("state") or "OFFLINE")
+    if state not in COLOURS:
+        state = "DRAINING" if state.startswith("DRAIN") else "OFFLINE"
+    if (node.get("paused") or local.get("paused")) and state not in ("DRAINING", "BUSY"):
+        return "PAUSED"
+    return state
+
+
+class Model:
+    """What the window and the tray show, refreshed by one poller thread with backoff."""
+
+    def __init__(self, agent: LocalAgent, controller: Controller) -> None:
+        self.agent = agent
+        self.controller = controller
+        self.lock = threading.Lock()
+        self.node: dict[str, Any] | None = None
+        self.error = ""
+        self.retry_in = 0.0
+        self.focus = ""  # a section the page should scroll to ("lending")
+        self.message = ""
+        self.listeners: list[Any] = []
+
+    def snapshot(self) -> dict[str, Any]:
+        local = self.agent.lending()
+        with self.lock:
+            node, error, retry = self.node, self.error, self.retry_in
+            focus, self.focus = self.focus, ""
+            message = self.message
+        return {
+            "state": shown_state(node, local),
+            "node": node,
+            "error": error,
+            "retry_in": round(retry),
+            "agent_running": self.agent.pid() is not None,
+            "local_paused": bool(local.get("paused")),
+            "controller": self.controller.base,
+            "focus": focus,
+            "message": message,
+        }
+
+    def poll_forever(self, stop: threading.Event) -> None:
+        delay = POLL_SECONDS
+        while not stop.is_set():
+            try:
+                node = self.controller.node()
+            except ControllerError as exc:
+                delay = min(BACKOFF_MAX, max(POLL_SECONDS, delay * 2))
+                with self.lock:
+                    self.node, self.error, self.retry_in = None, str(exc), delay
+            else:
+                delay = POLL_SECONDS
+                with self.lock:
+                    self.node, self.error, self.retry_in = node, "", 0.0
+            for fn in list(self.listeners):
+                try:
+                    fn(self.snapshot_state())
+                except Exception:  # a listener's failure must not stop the poller
+                    log.exception("tray update failed")
+            stop.wait(delay)
+
+    def snapshot_state(self) -> str:
+        with self.lock:
+            node = self.node
+        return shown_state(node, self.agent.lending())
+
+
+def _status_file() -> Path | None:
+    raw = os.environ.get("RACON_DESKTOP_STATUS_FILE")
+    return Path(raw) if raw else None
+
+
+def run(agent: LocalAgent, controller: Controller) -> int:
+    model = Model(agent, controller)
+    cmds.bind(model, controller)
+    do_pause, do_resume = cmds.do_pause, cmds.do_resume
+
+    tray_ref: dict[str, Any] = {}  # the TrayIcon lives as long as the app: its icon goes with it
+    stop = threading.Event()
+
+    def setup(app_handle: Any) -> None:
+        items = {
+            "pause": MenuItem.with_id(app_handle, "pause", "Pause now", True),
+            "resume": MenuItem.with_id(app_handle, "resume", "Resume", True),
+            "dashboard": MenuItem.with_id(app_handle, "dashboard", "Open dashboard", True),
+            "lending": MenuItem.with_id(app_handle, "lending", "Lending settings", True),
+            "quit": MenuItem.with_id(app_handle, "quit", "Quit", True),
+        }
+        sep = PredefinedMenuItem.separator(app_handle)
+        menu = Menu.with_items(
+            app_handle,
+            [items["pause"], items["resume"], sep, items["dashboard"], items["lending"],
+             PredefinedMenuItem.separator(app_handle), items["quit"]],
+        )  # fmt: skip
+        tray = TrayIcon.with_id(app_handle, TRAY_ID)
+        tray.set_icon(Image(icon_rgba("OFFLINE"), 32, 32))
+        tray.set_tooltip("RACoN: connecting")
+        tray.set_menu(menu)
+        tray_ref["tray"], tray_ref["menu"], tray_ref["items"] = tray, menu, items
+
+        def on_menu(handle: Any, menu_id: str) -> None:
+            log.info("tray menu: %s", menu_id)
+            if menu_id == "pause":
+                threading.Thread(target=do_pause, daemon=True).start()
+            elif menu_id == "resume":
+                threading.Thread(target=do_resume, daemon=True).start()
+            elif menu_id == "dashboard":
+                node = model.node or {}
+                path = f"/nodes/{node['id']}" if node.get("id") else "/"
+                webbrowser.open(controller.base + path)  # the controller's own origin only
+            elif menu_id == "lending":
+                with model.lock:
+                    model.focus = "lending"
+                win = Manager.get_webview_window(handle, "main")
+                if win is not None:
+                    win.show()
+                    win.set_focus()
+            elif menu_id == "quit":
+                stop.set()
+                handle.exit(0)
+
+        tray.on_menu_event(on_menu)
+        last = {"state": ""}
+
+        def on_state(state: str) -> None:
+            if state == last["state"]:
+                return
+            last["state"] = state
+            tray.set_icon(Image(icon_rgba(state), 32, 32))
+            tray.set_tooltip(f"RACoN: {state}")
+            items["pause"].set_enabled(state not in ("DRAINING", "PAUSED"))
+            status = _status_file()
+            if status is not None:  # for tests and scripts: what the tray shows now
+                status.write_text(json.dumps({"state": state, "at": time.time()}))
+
+        model.listeners.append(on_state)
+        threading.Thread(target=model.poll_forever, args=(stop,), daemon=True).start()
+
+    config = {
+        "productName": "racon-desktop",
+        "identifier": "net.racon.desktop",
+        "build": {"frontendDist": str(HERE / "frontend")},
+        "app": {
+            "withGlobalTauri": True,
+            # The CSP is the page's own <meta> (pytauri-wheel's assets cannot hash a config CSP).
+            "windows": [{"label": "main", "title": TITLE, "width": 980, "height": 760}],
+        },
+    }
+    with start_blocking_portal("asyncio") as portal:
+        args = BuilderArgs(
+            context=context_factory(HERE, tauri_config=json.dumps(config)),
+            invoke_handler=cmds.commands.generate_handler(portal),
+            setup=setup,
+        )
+        app = builder_factory().build(**args)
+        code = app.run_return()
+    stop.set()
+    return int(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="racon-desktop", description="RACoN's tray app: this machine's node, lending, pay."
+    )
+    p.add_argument("--controller-url", help="the controller (default: the agent's own)")
+    p.add_argument("--state-dir", help="the agent's state dir (default: found, see --help)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "WARNING"))
+    if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+        print(
+            "racon-desktop: no display (DISPLAY is unset); headless: xvfb-run -a dbus-run-session -- racon-desktop",
+            file=sys.stderr,
+        )
+        return 2
+    state_dir = find_state_dir(os.environ, Path(args.state_dir) if args.state_dir else None)
+    if state_dir is None:
+        print(
+            "racon-desktop: no agent on this machine (no identity.json in RACON_STATE_DIR, "
+            "~/.local/state/racon-agent or var/agents/local-*): join first (the join line)",
+            file=sys.stderr,
+        )
+        return 1
+    agent = LocalAgent(state_dir)
+    try:
+        controller = controller_for(agent, args.controller_url)
+    except (AgentError, ControllerError) as exc:
+        print(f"racon-desktop: {exc}", file=sys.stderr)
+        return 1
+    return run(agent, controller)
