@@ -68,30 +68,12 @@ def key_features(platform: str) -> tuple[str, str, set[str]]:
 
 def bundles() -> list[dict[str, Any]]:
     """Every bundle this controller can serve: its manifest plus the platform directory."""
-    out = []
-    root = bundles_root()
-    for d in sorted(root.glob("*/manifest.json")) if root.is_dir() else []:
-        try:
-            m = json.loads(d.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(m, dict) and m.get("files") and (d.parent / m["files"][0]["name"]).is_file():
-            out.append({**m, "dir": d.parent.name})
-    return out
+    return join.bundle_manifests()
 
 
 def summaries() -> list[dict[str, Any]]:
-    """What the wheelhouse manifest lists of each bundle."""
-    keys = ("platform", "machine", "glibc", "agent_version", "agent_source")
-    return [
-        {
-            **{k: b.get(k) for k in keys},
-            "name": b["files"][0]["name"],
-            "size": b["files"][0]["size"],
-            "sha256": b["files"][0]["sha256"],
-        }
-        for b in bundles()
-    ]
+    """What the wheelhouse manifest and GET /api/admin/bundles list of each bundle."""
+    return join.bundle_summaries()
 
 
 def pick(machine: str, flags: set[str]) -> tuple[dict[str, Any] | None, str]:

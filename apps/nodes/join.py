@@ -70,6 +70,33 @@ def wheelhouse_root() -> Path:
     return Path(cache_dir) / "wheelhouse"
 
 
+def bundle_manifests() -> list[dict[str, Any]]:
+    """The standalone agent bundles beside the wheelhouse (bundles/<platform>/manifest.json, by
+    scripts/build-bundle.sh or an upload; apps/nodes/bundles.py serves them), each with its dir."""
+    out = []
+    root = wheelhouse_root() / "bundles"
+    for path in sorted(root.glob("*/manifest.json")) if root.is_dir() else []:
+        m = _read_manifest(path.parent)
+        files = (m or {}).get("files") or []
+        if (
+            m
+            and files
+            and isinstance(files[0], dict)
+            and (path.parent / files[0]["name"]).is_file()
+        ):
+            out.append({**m, "dir": path.parent.name})
+    return out
+
+
+def bundle_summaries() -> list[dict[str, Any]]:
+    """What the wheelhouse manifest lists of each bundle: platform, machine, glibc floor, file."""
+    keys = ("platform", "machine", "glibc", "agent_version", "agent_source")
+    return [
+        {**{k: b.get(k) for k in keys}, **{k: b["files"][0][k] for k in ("name", "size", "sha256")}}
+        for b in bundle_manifests()
+    ]
+
+
 # --- the lines shown with a new token ------------------------------------------------------------
 
 
@@ -361,7 +388,7 @@ def manifest_for(*, platform: str, abi: str, files_url: str) -> JsonResponse:
         served = [
             {"platform": p.parent.name, "abi": p.name}
             for p in sorted(root.glob("*/*"))
-            if p.parent.name != "source" and (p / "manifest.json").is_file()
+            if p.parent.name not in ("source", "bundles") and (p / "manifest.json").is_file()
         ]
         mode, where, body = "build", "source", {**source, "served": served}
     files = [
@@ -376,6 +403,8 @@ def manifest_for(*, platform: str, abi: str, files_url: str) -> JsonResponse:
             "platform": platform,
             "abi": abi,
             "protocol_version": PROTOCOL_VERSION,
+            # The standalone agent, for machines without Python (the join line's own route).
+            "bundles": bundle_summaries(),
             "controller_url": settings.CONTROLLER_PUBLIC_URL,
             # `node-agent upgrade` re-pins with it (the channel it comes over is already checked).
             "ca_pem": controller_ca_pem(),

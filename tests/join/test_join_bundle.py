@@ -201,3 +201,21 @@ def test_upgrade_switches_to_the_new_bundle_atomically_and_keeps_the_previous(
     assert (home / "agent" / "node-agent").is_file()
     kept = sorted(p.name for p in (home / "bundles").iterdir())
     assert kept == sorted([first.removeprefix("bundles/"), "node-agent-0.2.0-" + arch + "-test"])
+
+
+def test_the_wheelhouse_manifest_lists_the_bundle(served: Path, client: Client) -> None:
+    key, arch = own()
+    m = publish(served, platform=key, machine=arch, glibc="2.36")
+    house = served / key / "cp312"
+    house.mkdir(parents=True)
+    (house / "manifest.json").write_text(json.dumps({"agent_version": "0.1.0", "files": []}))
+    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="w", now=timezone.now())
+    body = client.get(f"/join/{token}/manifest.json?platform={key}&abi=cp312").json()
+    (listed,) = body["bundles"]
+    f = m["files"][0]
+    assert listed == {
+        "platform": key, "machine": arch, "glibc": "2.36", "agent_version": "0.1.0",
+        "agent_source": join.agent_source_hash(), "name": f["name"], "size": f["size"],
+        "sha256": f["sha256"],
+    }  # fmt: skip
+    assert all(s["abi"] != key for s in body.get("served", []))
