@@ -51,8 +51,15 @@ bundle_route() {
   glibc=${RACON_JOIN_GLIBC:-$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')}
   tries=0
   while :; do
-    answer=$(join_fetch "$controller/join/$token/bundle.txt?machine=$machine&flags=$flags&glibc=$glibc") \
-      || join_fail 1 "could not reach the controller at $controller; is it reachable from this machine?"
+    answer=$(join_fetch "$controller/join/$token/bundle.txt?machine=$machine&flags=$flags&glibc=$glibc") || {
+      rc=$?
+      # An HTTP error (curl 22, wget 8): a controller older than the bundle; the Python route.
+      if [ "$rc" = 22 ] || [ "$rc" = 8 ]; then
+        join_say "this controller serves no agent bundle; joining through Python 3.12+"
+        return 0
+      fi
+      join_fail 1 "could not reach the controller at $controller; is it reachable from this machine?"
+    }
     wait=$(printf '%s\n' "$answer" | sed -n 's/^wait=//p')
     [ -z "$wait" ] && break
     [ "$tries" = 0 ] && join_say "$(printf '%s\n' "$answer" | sed -n 's/^message=//p'); waiting"
