@@ -493,10 +493,21 @@ def job_detail_page(*, user: Any, job_id: Any) -> dict[str, Any]:
             }
         )
     nodes = list(job.nodes.all())
-    visible = (
+    # Every node that took part: the job's, and each attempt's plan's (a failover's earlier nodes).
+    named = (
         {str(n.id) for n in nodes}
+        | {str(d["node_id"]) for a in attempts for d in a["devices"]}
+        | {str(d.get("node_id")) for d in placement if d.get("node_id")}
+    )
+    visible = (
+        named
         if viewer.is_staff
-        else {str(n.id) for n in nodes if n.account_id == viewer.account_id}
+        else {
+            str(pk)
+            for pk in Node.objects.filter(pk__in=named, account_id=viewer.account_id).values_list(
+                "id", flat=True
+            )
+        }
     )
     return {
         "job": job,

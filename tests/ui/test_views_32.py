@@ -216,3 +216,39 @@ def test_a_contributors_feed_has_the_job_events_of_the_jobs_their_machine_served
     body = contributor_client.get("/events/").content.decode()
     assert f'href="/jobs/{world.staff_job.id}/"' in body
     assert f'href="/jobs/{elsewhere.id}/"' not in body and "ops-box" not in body
+
+
+def test_a_failed_over_jobs_page_names_the_nodes_and_layers_of_each_attempt(
+    staff_client: Client, world: World
+) -> None:
+    from apps.jobs.models import JobAttempt
+
+    rescue = NodeFactory(name="rescue-box")
+    other = deployment_for([(rescue, 30)])
+    now = timezone.now()
+    JobAttempt.objects.create(
+        job=world.staff_job,
+        number=1,
+        deployment=world.deployment,
+        plan=world.deployment.plan,
+        started_at=now,
+        completion_tokens=4,
+        outcome="primary_died",
+    )
+    JobAttempt.objects.create(
+        job=world.staff_job,
+        number=2,
+        deployment=other,
+        plan=other.plan,
+        started_at=now,
+        completion_tokens=16,
+        outcome="COMPLETED",
+    )
+    body = staff_client.get(
+        f"/jobs/{world.staff_job.id}/", **HTMX
+    ).content.decode()  # the playground's fragment
+    assert body.lstrip().startswith('<section class="card" id="served-by">')
+    assert "Attempt 1" in body and "primary_died" in body and "Attempt 2" in body
+    for node in (world.staff_node, world.own_node, rescue):
+        assert f'<a href="/nodes/{node.id}/">{node.name}</a>' in body
+    assert "0–19" in body and "20–29" in body and "0–29" in body
