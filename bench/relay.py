@@ -17,13 +17,15 @@ count must be exactly what the engine emitted.
 
 Slots and queue for the bench: the largest level (256) is served by replicas of 64 slots (the
 deployment API's bound on ``n_parallel``; 4 fake engines under the one agent, placed with
-``allow_same_node``) at a small per-slot context (``--n-ctx``, 512; a request's tokens fit its slot, so a
-level is several rounds of requests), and the controller runs with ``JOB_QUEUE_MAX`` = 4 ×
+``allow_same_node``) at a small per-slot context (``--n-ctx``, 512; a request's tokens fit its
+slot, so a level is several rounds of requests), and the controller runs with ``JOB_QUEUE_MAX`` = 4 ×
 that, so no request waits for a slot or is refused: the relay alone is measured.
 
 Printed, per level (1, 16, 64, 256 streams): relayed tokens/s, CPU-microseconds per relayed token
 in each process (agent, Redis, daphne, Celery with its children; psutil cpu_times deltas per pid
-over the level), the relay's tokens/s per core of relay CPU (goal >= 20,000), and the added
+over the level), twice: 'all' (every CPU-us of the level over its tokens) and 'relay' (less what
+the same requests cost with one token each: admission, the job's rows, settlement), the relay's
+tokens/s per core of relay CPU (goal >= 20,000), and the added
 time per token: the latency from the engine's write to the client's read of each token, measured
 at one stream with the engine paced (``--paced-tps``) and each token's text carrying the engine's
 CLOCK_MONOTONIC time. Then the idle CPU of the whole stack over ``--idle-seconds`` (goal <= 2 % of
@@ -488,13 +490,15 @@ def main() -> int:
         flush=True,
     )
     with local_cluster(1, workdir=workdir, benchmark=False, cores=2, log=print) as cl:
-        per = min(slots, MAX_SLOTS_PER_DEPLOYMENT)
+        per_dep = min(slots, MAX_SLOTS_PER_DEPLOYMENT)
         deps = [
-            cl.deploy([cl.node_names[0]], n_ctx=args.n_ctx, n_parallel=per, allow_same_node=k > 0)
-            for k in range(-(-slots // per))
+            cl.deploy(
+                [cl.node_names[0]], n_ctx=args.n_ctx, n_parallel=per_dep, allow_same_node=k > 0
+            )
+            for k in range(-(-slots // per_dep))
         ]
         print(
-            f"  {len(deps)} replica(s) on the one agent, {per} slots x {args.n_ctx} ctx each "
+            f"  {len(deps)} replica(s) on the one agent, {per_dep} slots x {args.n_ctx} ctx each "
             "(fake engines)"
         )
         agent = cl.agents[0].proc.pid
@@ -522,8 +526,12 @@ def main() -> int:
             + f") [goal <= {GOAL_IDLE_CORE * 100:.0f} %] "
             + ("PASS" if total <= GOAL_IDLE_CORE else "FAIL")
         )
+        print(
+            "  per level: 'all' = every CPU-us of the level over its tokens; 'relay' = the same "
+            "less what the level's requests cost with one token each (per-request work)"
+        )
         header = (
-            f"{'streams':>7} {'tok/s':>8} {'SSE chunks/tok':>14} | CPU us/token: "
+            f"{'streams':>7} {'tok/s':>8} {'SSE chunks/tok':>14} | us/token     "
             f"{'agent':>7} {'redis':>7} {'daphne':>7} {'celery':>7} {'total':>7} | "
             f"{'tok/s per relay core':>20}"
         )
@@ -548,17 +556,45 @@ def main() -> int:
             if spies:
                 report_profiles(spies)
             cpu = {k: after[k] - before[k] for k in before}
-            per = {k: 1e6 * v / max(1, tokens) for k, v in cpu.items()}
-            total_us = sum(per.values())
-            print(
-                f"{streams:>7} {tokens / t_total:>8.0f} {chunks / max(1, tokens):>14.3f} | "
-                f"{'':>13}{per['agent']:>7.1f} {per['redis']:>7.1f} {per['daphne']:>7.1f} "
-                f"{per['celery']:>7.1f} {total_us:>7.1f} | {1e6 / max(total_us, 1e-9):>12.0f} "
-                f"[goal >= {GOAL_TOKENS_PER_CORE}] "
-                f"{'PASS' if 1e6 / max(total_us, 1e-9) >= GOAL_TOKENS_PER_CORE else 'FAIL'}"
-                + (f"  PROBLEMS {len(problems)}: {problems[:2]}" if problems else ""),
-                flush=True,
-            )
+            # The same requests with one token each: what a request costs apart from its tokens
+            # (admission, the job's rows, dispatch, settlement), taken off to leave the relay's.
+            before = meter.read()
+            for _ in range(rounds):
+                asyncio.run(run_level(url, key, MODEL_NAME, streams=streams, max_tokens=1))
+            after = meter.read()
+            req = {k: after[k] - before[k] for k in before}
+            rows = {
+                "all": {k: 1e6 * v / max(1, tokens) for k, v in cpu.items()},
+                "relay": {
+                    k: max(0.0, 1e6 * (cpu[k] - req[k]) / max(1, tokens - streams * rounds))
+                    for k in cpu
+                },
+            }
+            for label, per in rows.items():
+                total_us = sum(per.values())
+                rate = 1e6 / max(total_us, 1e-9)
+                head = (
+                    f"{streams:>7} {tokens / t_total:>8.0f} {chunks / max(1, tokens):>14.3f}"
+                    if label == "all"
+                    else f"{'':>7} {'':>8} {'':>14}"
+                )
+                verdict = (
+                    f"[goal >= {GOAL_TOKENS_PER_CORE}] "
+                    f"{'PASS' if rate >= GOAL_TOKENS_PER_CORE else 'FAIL'}"
+                    if label == "relay"
+                    else ""
+                )
+                print(
+                    f"{head} | {label:>12} {per['agent']:>7.1f} {per['redis']:>7.1f} "
+                    f"{per['daphne']:>7.1f} {per['celery']:>7.1f} {total_us:>7.1f} | "
+                    f"{rate:>12.0f} {verdict}"
+                    + (
+                        f"  PROBLEMS {len(problems)}: {problems[:2]}"
+                        if problems and label == "all"
+                        else ""
+                    ),
+                    flush=True,
+                )
         # Added time per token: one stream, the engine paced, each token stamped with its
         # write time; the client's read time minus that is the relay's latency for the token.
         got, _ = asyncio.run(
