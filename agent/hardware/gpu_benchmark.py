@@ -42,8 +42,11 @@ PROMPT_TOKENS = 512
 DECODE_TOKENS = 32
 MAX_MODEL_BYTES = 4 * 2**30  # a "small" model: loads in seconds on any GPU worth measuring
 RUN_TIMEOUT_S = 180.0  # one GPU's subprocess: model load plus two short timings
-# The controller's figures for a GPU with no measurement (apps/jobs/selectors.py).
-ASSUMPTION = "the controller assumes 20x the node's CPU GFLOPS and 300 GB/s for each GPU"
+# What the controller does with a GPU whose figures no challenge verified (apps/jobs/selectors.py).
+ASSUMPTION = (
+    "the controller plans an unverified GPU at a floor (half the node's CPU figures), never as "
+    "the primary"
+)
 
 
 def gflops_from_prompt(*, n_params: int, tokens: int, seconds: float) -> float:
@@ -90,8 +93,8 @@ def gpu_backend() -> GpuBackend:
             False,
             (),
             "no GPU backend in this llama.cpp build (its devices: "
-            f"{', '.join(d.name for d in devs) or 'none found'}); rebuild llama-cpp-python "
-            "with CMAKE_ARGS=-DGGML_CUDA=on (or Vulkan, HIP, Metal) to use a GPU",
+            f"{', '.join(d.name for d in devs) or 'none found'}); build one with "
+            "RACON_LLAMA_BACKENDS=cuda make install (GGML_CUDA; or vulkan, hip, metal) to use a GPU",
         )
     return GpuBackend(True, tuple(devices), f"llama.cpp GPU backend: {', '.join(devices)}")
 
