@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args(argv)
 
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # noqa: PLC0415  (the engine venv has torch, the project venv does not)
+    from safetensors.torch import save_file  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     src: Path = args.gguf.resolve()
     if not src.is_file():
@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     files = sorted(p for p in out.iterdir() if p.is_file() and p.name != "SHA256SUMS")
     lines = [f"{sha256(p)}  {p.name}\n" for p in files]
     (out / "SHA256SUMS").write_text("".join(lines))
-    print(f"wrote {out} ({sum(p.stat().st_size for p in files) / 2**20:.0f} MiB, {len(files)} files)")
+    print(
+        f"wrote {out} ({sum(p.stat().st_size for p in files) / 2**20:.0f} MiB, {len(files)} files)"
+    )
     return 0
 
 
