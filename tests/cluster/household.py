@@ -302,7 +302,12 @@ def start_make_run(hh: Household, var: Path, model: Path | None) -> LanControlle
     log_path = hh.workdir / "make-run.log"
     env = user_env(BIND=hh.addr("controller"), RACON_VAR_DIR=str(var))
     make = shutil.which("make") or "make"
-    proc = hh.popen("controller", [make, "-s", "-C", str(ROOT), "run"], log=log_path, env=env)
+    argv = [make, "-s", "-C", str(ROOT), "run"]
+    if os.environ.get("RACON_HOUSEHOLD_NO_MAKE"):
+        # A developer's checkout whose install stamp is stale (make would install first):
+        # make run's own last step. CI never sets it.
+        argv = [str(ROOT / ".venv" / "bin" / "python"), "-m", "racon.launcher"]
+    proc = hh.popen("controller", argv, log=log_path, env=env, cwd=str(ROOT))
     return LanController(hh=hh, proc=proc, var=var, log_path=log_path)
 
 
@@ -321,7 +326,13 @@ def join_env(hh: Household, host: str, home: Path, **extra: str) -> dict[str, st
     """A machine that never saw the repository (tests/join/conftest.py clean_env)."""
     from tests.join.conftest import clean_env
 
-    return clean_env(home, RACON_NODE_NAME=host, GGML_NO_BACKTRACE="1", **extra)
+    # A machine's own choice of llama.cpp backends travels with it (README, GPU nodes).
+    backends = (
+        {"RACON_LLAMA_BACKENDS": os.environ["RACON_LLAMA_BACKENDS"]}
+        if os.environ.get("RACON_LLAMA_BACKENDS")
+        else {}
+    )
+    return clean_env(home, RACON_NODE_NAME=host, GGML_NO_BACKTRACE="1", **backends, **extra)
 
 
 def run_line(

@@ -185,31 +185,57 @@ def test_from_the_intruder_a_nodes_ggml_rpc_and_llama_server_are_out_of_reach(
     household_lan: HouseholdLan,
 ) -> None:
     lan = household_lan
-    target = "gpu-desktop"
-    address = lan.hh.addr(target)
-    servers = _listening(lan, target, "llama-server")
-    rpc = [p for p in _listening(lan, target, "python") if p[1] == 50052] or [(address, 50052)]
-    print(f"\n{target} listens: llama-server {servers}, ggml-rpc {rpc}")
+    # ggml-rpc v7's HELLO: command 14, a size, 24 bytes of connection capabilities; the answer is
+    # a size (28) then version and capabilities (ggml-rpc.cpp rpc_msg_hello_req/rsp).
+    hello = bytes([14]) + (24).to_bytes(8, "little") + bytes(24)
+    hello_answer = (28).to_bytes(8, "little")
 
-    def probe(port: int) -> str:
+    def probe(host: str, port: int) -> str:
         try:
-            with socket.create_connection((address, port), timeout=5) as s:
-                # ggml-rpc's HELLO (command 14, no payload): a bare ggml-rpc server answers it.
+            with socket.create_connection((host, port), timeout=5) as s:
                 s.settimeout(5)
-                s.sendall(bytes([14]) + (0).to_bytes(8, "little"))
-                data = s.recv(64)
-                return f"answered {data[:16]!r}" if data else "closed without an answer"
+                s.sendall(hello)
+                data = b""
+                while len(data) < 11:
+                    chunk = s.recv(64)
+                    if not chunk:
+                        break
+                    data += chunk
         except (OSError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError | socket.timeout):
+                return "no ggml-rpc answer (timed out)"
             return f"refused: {type(exc).__name__}"
+        if data[:8] == hello_answer:
+            return f"ggml-rpc ANSWERED {data[:11]!r}"
+        return f"no ggml-rpc answer ({len(data)} other bytes, then closed)"
 
-    results = {
-        port: lan.hh.call("intruder", lambda port=port: probe(port)) for _, port in servers + rpc
-    }
-    print("\n".join(f"intruder -> {address}:{p}: {r}" for p, r in results.items()))
-    for port, said in results.items():
-        assert not said.startswith("answered"), f"{address}:{port} {said}"
-    for addr, port in servers:
-        assert addr in ("127.0.0.1", "::1"), f"llama-server listens on {addr}:{port}, not loopback"
+    servers: list[tuple[str, str, int]] = []
+    for target in ("gpu-desktop", "ram-box"):
+        address = lan.hh.addr(target)
+        found = _listening(lan, target, "llama-server")
+        print(f"\n{target} listens: llama-server {found}")
+        # llama-server only on its node's loopback (the agent reaches it there, with its key).
+        for addr, port in found:
+            assert addr in ("127.0.0.1", "::1"), f"llama-server listens on {addr}:{port}"
+            servers.append((target, address, port))
+        said = lan.hh.call("intruder", lambda a=address: probe(a, 50052))
+        print(f"intruder -> {target} ggml-rpc {address}:50052: {said}")
+        assert "ANSWERED" not in said, f"{target}: {said}"
+        # The probe reached the node: its RPC tunnel logged the refusal of the intruder.
+        log = lan.hh.workdir / f"join-{target}.log"
+        wait_for(
+            lambda log=log: (
+                f"RPC tunnel refused a connection from {lan.hh.addr('intruder')}"
+                in log.read_text(errors="replace")
+            ),
+            30,
+            f"{target}'s tunnel refusing the intruder",
+        )
+    assert servers, "the split deployment's primary runs a llama-server on one of the two"
+    for target, address, port in servers:
+        said = lan.hh.call("intruder", lambda a=address, p=port: probe(a, p))
+        print(f"intruder -> {target} llama-server {address}:{port}: {said}")
+        assert said.startswith("refused"), said
 
 
 ROGUE = """
