@@ -32,7 +32,8 @@ _scripts: dict[int, Any] = {}
 
 class NodeRateLimited(Exception):
     """A node sent more heartbeats this minute than NODE_HEARTBEAT_RATE_PER_MINUTE (429): the
-    refused beat changed nothing; ``retry_after`` is the seconds until the window ends."""
+    refused beat moved nothing (its arrival time alone is kept: the node is alive); ``retry_after``
+    is the seconds until the window ends."""
 
     def __init__(self, message: str, *, retry_after: int) -> None:
         super().__init__(message)
@@ -116,8 +117,9 @@ def heartbeat_target(
 
 
 # One round trip per heartbeat: check the credential hash against the mirror, count the node's
-# beats this minute (past NODE_HEARTBEAT_RATE_PER_MINUTE: 'rate' and the seconds left, nothing
-# recorded), record the time and telemetry, and return the mirrored state.
+# beats this minute (past NODE_HEARTBEAT_RATE_PER_MINUTE: 'rate' and the seconds left, and only
+# the arrival time is kept, so a node that bursts is not taken for silent by the health sweep),
+# record the time and telemetry, and return the mirrored state.
 # Returns {} when the mirror is missing (rebuild it).
 # The hashes compared are SHA-256 of 256-bit random credentials, so a plain comparison leaks nothing useful.
 _HEARTBEAT_LUA = """
@@ -130,7 +132,10 @@ if m['cred'] ~= ARGV[1] then return {'bad'} end
 if tonumber(ARGV[10]) > 0 then
   local n = redis.call('INCR', KEYS[4])
   if redis.call('TTL', KEYS[4]) < 0 then redis.call('EXPIRE', KEYS[4], 60) end
-  if n > tonumber(ARGV[10]) then return {'rate', tostring(redis.call('TTL', KEYS[4]))} end
+  if n > tonumber(ARGV[10]) then
+    redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+    return {'rate', tostring(redis.call('TTL', KEYS[4]))}
+  end
 end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 redis.call('HSET', KEYS[3], 'at', ARGV[2], 'cpu_percent', ARGV[4], 'mem_available', ARGV[5], 'gpu_free', ARGV[6],

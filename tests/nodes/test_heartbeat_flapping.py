@@ -12,10 +12,11 @@ from celery.signals import task_prerun
 from django.test import Client
 from django.utils import timezone
 
-from agent.protocol import PROTOCOL_VERSION
+from agent.protocol import HEARTBEATS_ZSET, PROTOCOL_VERSION, heartbeat_key
 from apps.nodes.enrollment import enrollment_token_issue
 from apps.nodes.models import Event, Node
 from apps.nodes.states import NodeState
+from racon.redis import get_redis
 from tests.factories import AccountFactory, hardware_profile
 
 pytestmark = pytest.mark.django_db
@@ -109,9 +110,14 @@ def test_a_node_beating_past_the_rate_gets_429_and_its_beats_change_nothing(
     node_id, cred = enroll(client)
     codes = [beat(client, node_id, cred, jobs=[]).status_code for _ in range(10)]
     assert codes == [200] * 10
+    before = get_redis().zscore(HEARTBEATS_ZSET, node_id)
     refused = beat(client, node_id, cred, jobs=["j"])
     assert refused.status_code == 429, refused.content
     assert refused.json()["error"]["code"] == "rate_limited"
     assert "NODE_HEARTBEAT_RATE_PER_MINUTE" in refused.json()["error"]["message"]
     assert refused.json()["error"]["retry_after"] >= 1
     assert Node.objects.get(pk=node_id).state == S.READY  # the refused beat's BUSY never landed
+    telemetry = get_redis().hgetall(heartbeat_key(node_id))
+    assert telemetry["jobs"] == "0"  # nor its telemetry
+    # Its arrival is kept: a node that bursts is not taken for a silent one by the health sweep.
+    assert get_redis().zscore(HEARTBEATS_ZSET, node_id) >= before
