@@ -71,16 +71,20 @@ def icon_rgba(state: str, size: int = 32) -> bytes:
 
 
 def shown_state(node: dict[str, Any] | None, local: dict[str, Any]) -> str:
-    """The tray's state: the controller's, PAUSED while the owner's pause is in force and the
-    drain is done, OFFLINE when the controller cannot be read."""
+    """The tray's state, one of STATES: the controller's READY, BUSY or DRAINING; PAUSED once a
+    drain is done (DRAINED) or while the owner's pause holds a node that is not draining;
+    OFFLINE when the controller cannot be read or has the node in any other state."""
     if node is None:
         return "OFFLINE"
     state = str(node.get("state") or "OFFLINE")
-    if state not in COLOURS:
-        state = "DRAINING" if state.startswith("DRAIN") else "OFFLINE"
-    if (node.get("paused") or local.get("paused")) and state not in ("DRAINING", "BUSY"):
+    paused = bool(node.get("paused") or local.get("paused"))
+    if state == "DRAINED":
         return "PAUSED"
-    return state
+    if state in ("DRAINING", "BUSY"):
+        return state
+    if paused:
+        return "PAUSED"
+    return state if state in COLOURS else "OFFLINE"
 
 
 class Model:
@@ -248,6 +252,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    # WebKit takes navigator.language from the locale; under LANG=C (a bare container, a CI job)
+    # it is "C", which Intl (uPlot's date axis) refuses as a language tag.
+    # (WebKit reads LANG even where that locale is not installed.)
+    locale = os.environ.get("LC_ALL") or os.environ.get("LC_MESSAGES") or os.environ.get("LANG")
+    if (locale or "C").split(".")[0] in ("C", "POSIX"):
+        os.environ.pop("LC_ALL", None)
+        os.environ.pop("LC_MESSAGES", None)
+        os.environ["LANG"] = "en_US.UTF-8"
     state_dir = find_state_dir(os.environ, Path(args.state_dir) if args.state_dir else None)
     if state_dir is None:
         print(

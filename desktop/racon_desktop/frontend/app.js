@@ -49,10 +49,13 @@ async function drawEarnings() {
   const ys = e.credits.map((c) => c / 1e6);
   const data = [xs, ys];
   window.raconEarnings = e;
+  window.raconChartData = data; // what uPlot draws: [day timestamps, credits]
   if (chart) { chart.setData(data); return; }
+  // The iife build may lack uPlot.paths (the web UI guards it too): a line then.
+  const bars = window.uPlot.paths && window.uPlot.paths.bars;
   chart = new uPlot({
     width: Math.min(900, document.body.clientWidth - 20), height: 220,
-    series: [{}, { label: "credits", stroke: "#2ea043", fill: "rgba(46,160,67,0.15)", paths: uPlot.paths.bars({ size: [0.7] }) }],
+    series: [{}, { label: "credits", stroke: "#2ea043", fill: "rgba(46,160,67,0.15)", paths: bars ? bars({ size: [0.7] }) : undefined }],
     axes: [{}, { label: "credits" }],
     scales: { x: { time: true } },
   }, data, $("chart"));
@@ -85,6 +88,7 @@ $("lending-form").addEventListener("submit", async (ev) => {
 $("pause").addEventListener("click", async () => { $("message").textContent = (await invoke("pause")).message; refresh(); });
 $("resume").addEventListener("click", async () => { $("message").textContent = (await invoke("resume")).message; refresh(); });
 
-refresh(); drawEarnings(); loadLending();
+const said = (id) => (e) => { $(id).textContent = String(e); };
+refresh(); drawEarnings().catch(said("earnings-total")); loadLending().catch(said("lending-error"));
 setInterval(refresh, 2000);
-setInterval(drawEarnings, 30000);
+setInterval(() => drawEarnings().catch(said("earnings-total")), 30000);
