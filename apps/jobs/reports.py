@@ -62,6 +62,7 @@ AGENT_EVENTS = {
     "LENDING_PAUSED": EventCategory.MANAGEMENT,
     "LENDING_RESUMED": EventCategory.MANAGEMENT,
     "LENDING_HANDOFF": EventCategory.MANAGEMENT,
+    "GPU_DEVICE_LEFT_OUT": EventCategory.RUNTIME,
 }
 _MAX_LINKS = 1024  # peers in one links report
 

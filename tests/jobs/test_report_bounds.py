@@ -4,13 +4,16 @@ reason in the API's error format, and that nothing was stored."""
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.test import Client
 
+from apps.jobs.reports import AGENT_EVENTS
 from apps.nodes.links import LINKS_KEY
 from apps.nodes.models import Event
 from racon.redis import get_redis
@@ -41,6 +44,32 @@ def test_an_event_kind_the_agent_never_sends_is_refused_and_not_stored(
     error = resp.json()["error"]
     assert error["code"] == "invalid_report" and name in error["message"]
     assert not Event.objects.filter(kind=name).exists()
+
+
+def _agent_event_names() -> set[str]:
+    """Every event name agent/ sends: outbox.event("X", ...), on_event("X", ...) and
+    _safe(self.on_event, "X", ...)."""
+    names = set()
+    for path in Path(__file__).resolve().parents[2].joinpath("agent").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            args = node.args
+            if called == "_safe" and args and getattr(args[0], "attr", "") == "on_event":
+                args = args[1:]
+            elif called not in ("event", "on_event"):
+                continue
+            if args and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str):
+                names.add(args[0].value)
+    return names
+
+
+def test_every_event_the_agent_sends_is_allowed() -> None:
+    sent = _agent_event_names()
+    assert {"AGENT_STARTED", "RUNTIME_FAILED", "LENDING_RESUMED"} <= sent  # the scan works
+    assert sent - set(AGENT_EVENTS) == set()
 
 
 def test_an_event_the_agent_sends_is_still_stored(client: Client) -> None:
