@@ -468,6 +468,9 @@ def namespace_cluster(
                 "CELERY_PLACEMENT_QUEUE": "racon-cluster.placement",
                 "API_CACHE_SECONDS": "0",
                 "ALLOWED_HOSTS": f"localhost,127.0.0.1,{cl.root_address}",
+                # A plain-http controller on a network address gives join lines only with this
+                # (issue 24): these clusters test placement and links, not the LAN's trust.
+                "RACON_INSECURE_LAN": "1",
                 **settings,
             }
             migrate = subprocess.run(
