@@ -27,7 +27,15 @@ from agent.hardware import HardwareSource
 from agent.hardware.benchmark import speed_challenge_digest
 from agent.lending import LendingPolicy, PolicyError, owner_policy_save, policy_from_wire
 from agent.links import bulk_bytes_for, probe_peer
-from agent.models import OutsideModelsDir, ShaCache, fetch_model, resolve_model, scan_models
+from agent.models import (
+    OutsideModelsDir,
+    ShaCache,
+    confined_model_path,
+    fetch_model,
+    model_dir_digest,
+    resolve_model,
+    scan_models,
+)
 from agent.outbox import Outbox
 from agent.protocol import (
     SAMPLING_DEFAULTS,
@@ -222,14 +230,19 @@ class Commands:
         plan = cast(LoadPrimaryPayload, payload)  # checked by register_load before it was queued
         dep_id = plan["deployment_id"]
         try:
-            model = self._resolve_model(plan["sha256"].lower(), plan.get("model_path"), "load_primary")
+            if plan.get("engine") == "vllm":
+                model = self._resolve_model_dir(plan)
+            else:
+                model = self._resolve_model(
+                    plan["sha256"].lower(), plan.get("model_path"), "load_primary"
+                )
             if model is None:
                 where = (
                     plan.get("model_path") or f"sha256 {plan['sha256']} in {self.config.models_dir}"
                 )
                 raise PlanError(f"model file not found: {where}", code="model_missing")
             check_memory(plan, self.hw.memory_total())
-            digest = self.sha_cache.sha256(model)
+            digest = self._dir_digest(model) if model.is_dir() else self.sha_cache.sha256(model)
             if digest != plan["sha256"].lower():
                 raise PlanError(
                     f"sha256 mismatch for {model}: the plan expects {plan['sha256'].lower()}, "
@@ -472,6 +485,22 @@ class Commands:
             data = f.read(length)
         return {"digest": hashlib.sha256(nonce + data).hexdigest(), "path": str(path)}
 
+    def _resolve_model_dir(self, plan: LoadPrimaryPayload) -> Path | None:
+        """A vLLM plan's model directory, confined to the models directory like a file."""
+        try:
+            p = confined_model_path(self.config.models_dir, str(plan.get("model_path") or ""))
+        except OutsideModelsDir as exc:
+            raise CommandError(
+                f"load_primary refused: {exc}", code="path_outside_models_dir"
+            ) from None
+        return p if p.is_dir() else None
+
+    def _dir_digest(self, path: Path) -> str:
+        try:
+            return model_dir_digest(path, self.sha_cache)
+        except ValueError as exc:
+            raise PlanError(f"model directory refused: {exc}", code="sha256_mismatch") from None
+
     def _resolve_model(self, sha: str, model_path: Any, kind: str) -> Path | None:
         if model_path is not None and not isinstance(model_path, str):
             raise CommandError(f"malformed {kind}: the model path must be a string")
@@ -704,6 +733,7 @@ def _load_result(dep_id: str, model: Path, loaded: dict[str, Any]) -> dict[str, 
         "devices": loaded.get("devices", []),
         "load_log": loaded.get("load_log", []),
         "pid": loaded.get("pid"),
+        "engine": loaded.get("engine", "llama-server"),
     }
 
 

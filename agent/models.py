@@ -88,6 +88,37 @@ def scan_models(models_dir: Path, cache: ShaCache) -> list[ModelFileInfo]:
     return out
 
 
+MANIFEST = "SHA256SUMS"
+
+
+def model_dir_digest(path: Path, cache: ShaCache) -> str:
+    """A model directory's identity (issue 30): the sha256 of its SHA256SUMS manifest
+    (``sha256sum`` lines), after checking every file it lists against its line and that it lists
+    every file. Raises ValueError naming the first file that does not match."""
+    manifest = path / MANIFEST
+    try:
+        text = manifest.read_text()
+    except OSError as exc:
+        raise ValueError(f"{path} has no readable {MANIFEST} manifest: {exc}") from None
+    listed: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        digest, _, name = line.partition("  ")
+        if len(digest) != 64 or not name or "/" in name or name.startswith("."):
+            raise ValueError(f"{manifest}: malformed line {line[:80]!r}")
+        listed[name] = digest.lower()
+    present = {p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST}
+    if present != set(listed):
+        extra, missing = sorted(present - set(listed)), sorted(set(listed) - present)
+        raise ValueError(f"{path}: files not in {MANIFEST}: {extra}; listed but missing: {missing}")
+    for name, digest in sorted(listed.items()):
+        got = cache.sha256(path / name)
+        if got != digest:
+            raise ValueError(f"{path / name}: sha256 {got}, the manifest says {digest}")
+    return hashlib.sha256(manifest.read_bytes()).hexdigest()
+
+
 class OutsideModelsDir(ValueError):
     """A command named a path that does not resolve inside the models directory."""
 

@@ -222,6 +222,11 @@ class LoadPrimaryPayload(TypedDict):
     # {cert, key, ca} PEM: the deployment's tunnel certificate from the controller's CA, with its
     # key; required with rpc_tunnel_key when the plan has RPC workers (agent/tunnel.py TunnelTls)
     rpc_tunnel_tls: NotRequired[dict[str, str]]
+    # The engine (issue 30): "llamacpp" (absent) or "vllm". A vLLM plan names a model directory
+    # (model_path) whose sha256 is that of its SHA256SUMS manifest, has no RPC workers, and gives
+    # the KV cache kv_bytes.
+    engine: NotRequired[str]
+    kv_bytes: NotRequired[int]
 
 
 class RunJobPayload(TypedDict):
@@ -404,6 +409,7 @@ class Hardware(TypedDict):
     gpus: list[GpuInfo]
     benchmark: NotRequired[dict[str, float]]  # gflops, mem_bandwidth_gbps
     fingerprint: NotRequired[str]
+    engines: NotRequired[list[str]]  # "llamacpp", "vllm" (issue 30): the engines this node runs
 
 
 class EnrollRequest(TypedDict):

@@ -82,6 +82,9 @@ class HostHardware:
         )
         self._memory_total = hw["memory"]["total"]
         hw["fingerprint"] = fingerprint(hw)
+        from agent.runtime.vllm import enabled_engines  # noqa: PLC0415  (no import cycle at start)
+
+        hw["engines"] = enabled_engines()
         if benchmark:
             hw["benchmark"] = _bench.cached_benchmarks(self.state_dir, hw["fingerprint"])
             gpu = gpu_benchmark.cached_gpu_benchmarks(

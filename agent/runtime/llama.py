@@ -14,6 +14,7 @@ from agent.runtime.ggml import GgmlUnavailable
 from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.rpc_worker_main import find_rpc_server
 from agent.runtime.server import ServerPrimary, find_llama_server
+from agent.runtime.vllm import VllmPrimary
 
 
 def llama_rpc_support() -> tuple[bool, str]:
@@ -84,6 +85,19 @@ class LlamaRuntime:
         on_job_finished: JobFinishedSink,
         on_exit: Callable[[str], None],
     ) -> ServerPrimary:
+        if plan.get("engine") == "vllm":
+            return VllmPrimary(
+                node_id=node_id,
+                plan=plan,
+                model_path=model_path,
+                redis_client=redis_client,
+                redis_url=redis_url,
+                log_path=log_path,
+                on_event=on_event,
+                on_job_finished=on_job_finished,
+                on_exit=on_exit,
+                load_timeout=self.load_timeout,
+            )
         return ServerPrimary(
             node_id=node_id,
             plan=plan,

@@ -108,6 +108,17 @@ def validate_plan_shape(payload: dict[str, Any]) -> LoadPrimaryPayload:
     mp = payload.get("model_path")
     if mp is not None and not isinstance(mp, str):
         raise PlanError("malformed load_primary: 'model_path' must be a string")
+    engine = payload.get("engine", "llamacpp")
+    if engine not in ("llamacpp", "vllm"):
+        raise PlanError("malformed load_primary: 'engine' must be 'llamacpp' or 'vllm'")
+    if engine == "vllm" and (payload.get("rpc_endpoints") or not mp):
+        raise PlanError(
+            "malformed load_primary: a vLLM plan runs on one node (no rpc_endpoints) and names "
+            "its model directory (model_path)"
+        )
+    kv = payload.get("kv_bytes")
+    if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 0):
+        raise PlanError("malformed load_primary: 'kv_bytes' must be an integer >= 0")
     return cast("LoadPrimaryPayload", payload)  # its fields checked one by one above
 
 

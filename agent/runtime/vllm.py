@@ -1,0 +1,568 @@
+"""The vLLM primary (issue 30): one supervised vLLM OpenAI server per loaded plan.
+
+Like llama-server (agent/runtime/server.py), only the agent talks to it: it listens on 127.0.0.1
+on a port picked here, with a per-load API key passed in its environment (VLLM_API_KEY, never
+argv). vLLM runs from an engine venv of its own (scripts/install-vllm.sh: its pins clash with the
+agent's), found through RACON_VLLM_PYTHON or the cached engine venv. Its CPU threads are capped
+to the plan's n_threads (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND), or it stalls the other
+engines on the machine.
+
+A 200 from /health proves nothing (a GGUF model answers it, then dies at the first request:
+FACTS.md), so the load is ready only after a one-token completion. Each job is one streamed
+``/v1/completions`` request whose prompt is token ids (chat: the model's template applied by
+vLLM's ``/tokenize``; a resumed attempt: those ids, then the tokens already streamed), with
+``return_token_ids`` so every chunk relayed to Redis carries its token ids, like llama-server's.
+The server runs in a process group of its own: stop() ends every child (vLLM's engine core), and
+removes any shared-memory segment its processes had mapped that they left behind.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from agent.protocol import (
+    SAMPLING_DEFAULTS,
+    JobFinishedPayload,
+    LoadPrimaryPayload,
+    StreamUsage,
+    job_cancel_key,
+)
+from agent.runtime import LoadFailed
+from agent.runtime.child import child_env, log_tail
+from agent.runtime.server import (
+    ServerPrimary,
+    _Cancelled,
+    _error_from,
+    _Job,
+    _RequestError,
+    die_with_parent,
+    free_port,
+)
+from agent.runtime.stream import DirectStreamWriter
+
+log = logging.getLogger("agent.runtime.vllm")
+
+VLLM_VERSION = "0.32.0"
+ENGINE_NAMES = ("llamacpp", "vllm")
+FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+def engine_python() -> Path | None:
+    """The vLLM engine venv's python: RACON_VLLM_PYTHON, else the cached engine venv of
+    scripts/install-vllm.sh (only once the install finished: its stamp file)."""
+    explicit = os.environ.get("RACON_VLLM_PYTHON")
+    if explicit:
+        return Path(explicit)
+    cache = Path(os.environ.get("RACON_CACHE") or Path.home() / ".cache" / "racon")
+    for name in (f"vllm-{VLLM_VERSION}-py311", f"vllm-cuda-{VLLM_VERSION}"):
+        venv = cache / "engines" / name
+        if (venv / ".racon-vllm-ok").is_file() and (venv / "bin" / "python").exists():
+            return venv / "bin" / "python"
+    return None
+
+
+def enabled_engines() -> list[str]:
+    """The engines this node offers: RACON_ENGINES (default llamacpp), vllm only where its engine
+    venv is installed."""
+    wanted = [
+        e.strip() for e in os.environ.get("RACON_ENGINES", "llamacpp").split(",") if e.strip()
+    ]
+    out = ["llamacpp"] if "llamacpp" in wanted or not wanted else []
+    if "vllm" in wanted and engine_python() is not None:
+        out.append("vllm")
+    return out or ["llamacpp"]
+
+
+def server_args(plan: LoadPrimaryPayload, model_dir: Path, port: int) -> list[str]:
+    """vLLM's OpenAI server for a plan: eager (no compile at every start), float32 (exact tokens
+    across runs on the CPU: FACTS.md), the plan's context and parallelism, nothing from a hub."""
+    n_parallel = max(1, int(plan.get("n_parallel") or 1))
+    n_ctx = int(plan.get("n_ctx") or 0) or 2048
+    return [
+        "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", plan["deployment_id"],
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", str(n_ctx),
+        "--max-num-seqs", str(n_parallel),
+        "--enforce-eager",
+        "--dtype", os.environ.get("RACON_VLLM_DTYPE", "float32"),
+        "--seed", "0",
+        "--disable-uvicorn-access-log",
+        "--enable-prefix-caching",
+    ]  # fmt: skip
+
+
+def engine_env(plan: LoadPrimaryPayload, api_key: str) -> dict[str, str]:
+    """vLLM's environment: the key (not argv), loopback, offline, threads capped to the plan's."""
+    n_threads = int(plan.get("n_threads") or 0) or (os.cpu_count() or 1)
+    env = child_env()
+    env.pop("PYTHONPATH", None)  # the engine venv's own packages, not the agent's
+    kv_gib = max(1, math.ceil(int(plan.get("kv_bytes") or 0) / 2**30))
+    env.update(
+        {
+            "VLLM_API_KEY": api_key,
+            "VLLM_HOST_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+            "OMP_NUM_THREADS": str(n_threads),
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("RACON_VLLM_THREADS_BIND")
+            or _cpu_bind(n_threads),
+            "VLLM_LOGGING_LEVEL": "INFO",
+        }
+    )
+    return env
+
+
+def _cpu_bind(n_threads: int) -> str:
+    """The first n_threads CPUs this process may run on, as vLLM's bind list ("0-1" or "3")."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))[: max(1, n_threads)]
+    except (AttributeError, OSError):
+        cpus = list(range(max(1, n_threads)))
+    return ",".join(str(c) for c in cpus)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every live process of a process group (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            out.append(int(d.name))
+    return out
+
+
+def shm_segments(pids: list[int]) -> set[str]:
+    """The /dev/shm files the given processes have mapped or open."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                    found.add(parts[5].split(" (deleted)")[0])
+        except OSError:
+            continue
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith("/dev/shm/"):
+                    found.add(target.split(" (deleted)")[0])
+        except OSError:
+            continue
+    return found
+
+
+class VllmPrimary(ServerPrimary):
+    """One loaded plan served by vLLM's OpenAI server; jobs, cancel and death as ServerPrimary."""
+
+    def __init__(self, *, python: Path | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.python = python
+        self.shm: set[str] = set()
+        self._pgid: int | None = None
+
+    def load(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        python = self.python or engine_python()
+        if python is None:
+            raise LoadFailed(
+                f"deployment {self.deployment_id}: the vLLM engine is not installed on this node "
+                "(scripts/install-vllm.sh, RACON_ENGINES=llamacpp,vllm)",
+                data={"deployment_id": self.deployment_id},
+            )
+        if not (self.model_path / "config.json").is_file():
+            raise LoadFailed(
+                f"deployment {self.deployment_id}: {self.model_path} is not a model directory "
+                "(no config.json); vLLM on the CPU cannot run GGUF files",
+                data={"deployment_id": self.deployment_id},
+            )
+        self.port = free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            self._proc = subprocess.Popen(
+                die_with_parent([str(python), *server_args(self.plan, self.model_path, self.port)]),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=engine_env(self.plan, self.api_key),
+                close_fds=True,
+                start_new_session=True,  # its own process group: stop() reaches every child
+            )
+        self._pgid = self._proc.pid
+        deadline = time.monotonic() + self.load_timeout
+        probe_ms: float | None = None
+        while True:
+            if self._proc.poll() is not None:
+                self._kill_group()
+                raise LoadFailed(
+                    f"deployment {self.deployment_id}: vLLM failed to start: "
+                    f"{self._death_reason(self._proc.returncode)}",
+                    data={
+                        "deployment_id": self.deployment_id,
+                        "exit_code": self._proc.returncode,
+                        "log_tail": log_tail(self.log_path, 8),
+                    },
+                )
+            if self._health_ok():
+                # /health is no proof (FACTS.md): a real one-token completion is.
+                probe_ms = self._warm_up()
+                if probe_ms is not None:
+                    break
+            if time.monotonic() > deadline:
+                self._stopping.set()
+                self._kill_group()
+                raise LoadFailed(
+                    f"deployment {self.deployment_id}: vLLM did not answer a one-token probe "
+                    f"within {self.load_timeout:.0f}s",
+                    data={
+                        "deployment_id": self.deployment_id,
+                        "log_tail": log_tail(self.log_path, 8),
+                    },
+                )
+            time.sleep(0.5)
+        self.shm = shm_segments(group_pids(self._pgid))
+        self._monitor = threading.Thread(
+            target=self._watch, name=f"vllm-{self.deployment_id[:8]}", daemon=True
+        )
+        self._monitor.start()
+        self.loaded = {
+            "op": "loaded",
+            "deployment_id": self.deployment_id,
+            "pid": self._proc.pid,
+            "load_ms": round((time.perf_counter() - t0) * 1000, 1),
+            "warmup_ms": probe_ms,
+            "n_parallel": self.n_parallel,
+            "slot_ctx": self.slot_ctx,
+            "engine": "vllm",
+            "n_layer": None,
+            "n_ctx": self.slot_ctx,
+            "devices": [{"name": "CPU", "description": "CPU", "type": "cpu"}],
+            "assignment": [{"device": "CPU", "type": "cpu", "n_layers": 0}],
+            "layer_devices": {},
+            "load_log": [],
+        }
+        return self.loaded
+
+    def stop(self, timeout: float = 5.0) -> None:
+        super().stop(timeout)
+        self._kill_group(timeout)
+
+    def _kill_group(self, timeout: float = 5.0) -> None:
+        """SIGTERM every process of the server's group, SIGKILL what remains, then unlink the
+        shared-memory segments they had and left behind."""
+        pgid = self._pgid
+        if pgid is None:
+            return
+        pids = group_pids(pgid)
+        self.shm |= shm_segments(pids)
+        if pids:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            end = time.monotonic() + timeout
+            while group_pids(pgid) and time.monotonic() < end:
+                time.sleep(0.1)
+            if group_pids(pgid):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                end = time.monotonic() + 5
+                while group_pids(pgid) and time.monotonic() < end:
+                    time.sleep(0.1)
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        for path in self.shm:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def _health_ok(self) -> bool:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+            conn.request("GET", "/health")
+            ok = conn.getresponse().status == 200
+            conn.close()
+            return ok
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def _warm_up(self) -> float | None:
+        """The one-token probe: ready only when a completion comes back (ms), else None."""
+        t0 = time.perf_counter()
+        j = _Job({"job_id": "probe"})
+        body = {"model": self.deployment_id, "prompt": "Hi", "max_tokens": 1, "temperature": 0.0}
+        try:
+            out = self._post(j, "/v1/completions", body)
+        except (OSError, http.client.HTTPException, ValueError, _RequestError) as exc:
+            log.info("deployment %s: probe not answered yet: %s", self.deployment_id, exc)
+            return None
+        if not out.get("choices"):
+            return None
+        return round((time.perf_counter() - t0) * 1000, 1)
+
+    def _prompt_ids(self, j: _Job) -> list[int]:
+        job = j.job
+        if job.get("kind", "chat") == "chat":
+            messages = job.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise _RequestError(
+                    "chat job needs a non-empty 'messages' list", code="invalid_request"
+                )
+            plain = [
+                {"role": str(m.get("role")), "content": str(m.get("content") or "")}
+                for m in messages
+                if isinstance(m, dict)
+            ]
+            body: dict[str, Any] = {
+                "model": self.deployment_id,
+                "messages": plain,
+                "add_generation_prompt": True,
+            }
+        else:
+            prompt = job.get("prompt")
+            if not isinstance(prompt, str):
+                raise _RequestError(
+                    "completion job needs a 'prompt' string", code="invalid_request"
+                )
+            body = {"model": self.deployment_id, "prompt": prompt}
+        ids = [int(t) for t in self._post(j, "/tokenize", body)["tokens"]]
+        return ids + [int(t) for t in job.get("resume_tokens") or []]
+
+    def _run(self, j: _Job) -> None:
+        job = j.job
+        job_id: str = job["job_id"]
+        attempt = int(job.get("attempt") or 1)
+        writer = DirectStreamWriter(self.r, job_id, j.cancel, node_id=self.node_id, attempt=attempt)
+        received = float(job.get("_received_at") or time.time())
+        first_chunk: float | None = None
+        n_tokens = 0
+        n_prompt = 0
+        finish = "stop"
+        error: _RequestError | None = None
+        try:
+            if self.r.exists(job_cancel_key(job_id, self.node_id)):
+                raise _Cancelled
+            if job.get("json_schema") is not None or job.get("tools"):
+                raise _RequestError(
+                    "json_schema and tools are not served by a vLLM deployment yet; use a "
+                    "llama.cpp deployment of this model",
+                    code="invalid_request",
+                )
+            ids = self._prompt_ids(j)
+            n_prompt = len(ids)
+            max_tokens = int(job.get("max_tokens") or 0)
+            if max_tokens > 0 and n_prompt + max_tokens > self.slot_ctx:
+                raise _RequestError(
+                    f"This model's context length is {self.slot_ctx} tokens per request, "
+                    f"but {n_prompt + max_tokens} were requested ({n_prompt} in the "
+                    f"prompt, {max_tokens} for the completion). Reduce the prompt or "
+                    "max_tokens.",
+                    code="context_length_exceeded",
+                )
+            body = _completion_body(job, ids, self.deployment_id, self.slot_ctx - n_prompt)
+            top = int(job.get("top_logprobs") or 0)
+            for chunk in self._stream_v1(j, body):
+                if chunk.get("usage"):
+                    n_prompt = int(chunk["usage"].get("prompt_tokens") or n_prompt)
+                for choice in chunk.get("choices") or []:
+                    toks = [int(t) for t in choice.get("token_ids") or []]
+                    text = str(choice.get("text") or "")
+                    if toks or text:
+                        if first_chunk is None:
+                            first_chunk = time.time()
+                        lens = [0] * (len(toks) - 1) + [len(text)] if toks else None
+                        probs = _probs(choice.get("logprobs"), top) if job.get("logprobs") else None
+                        n_tokens += len(toks)
+                        writer.chunk(text, toks, probs, lens)
+                    if choice.get("finish_reason"):
+                        finish = FINISH.get(str(choice["finish_reason"]), "stop")
+                if j.cancel.is_set():
+                    raise _Cancelled
+        except _Cancelled:
+            finish = "cancelled"
+        except _RequestError as exc:
+            error = exc
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if j.cancel.is_set() or self._stopping.is_set():
+                finish = "cancelled"
+            elif self._exited_within(2.0):
+                finish = "__dead__"
+            else:
+                error = _RequestError(f"vLLM request failed: {type(exc).__name__}: {exc}")
+        with self._lock:
+            claimed = self._jobs.pop(job_id, None) is not None
+        if not claimed:
+            writer.close()
+            return
+        if finish == "__dead__":
+            proc = self._proc
+            self._end_with_error(
+                job_id, self._death_reason(proc.returncode if proc else None), attempt=attempt
+            )
+            return
+        if writer.error and error is None:
+            error = _RequestError(writer.error)
+        ttft = round((first_chunk - received) * 1000, 2) if first_chunk is not None else None
+        elapsed = time.time() - first_chunk if first_chunk is not None else 0.0
+        usage = StreamUsage(
+            prompt_tokens=n_prompt,
+            completion_tokens=n_tokens,
+            total_tokens=n_prompt + n_tokens,
+            ttft_ms=ttft,
+            tokens_per_s=round(n_tokens / elapsed, 2) if elapsed > 0 and n_tokens > 1 else None,
+        )
+        if error is not None:
+            writer.fail(str(error), usage, code=error.code)
+            status = "failed"
+        else:
+            writer.done(finish, usage)
+            status = "cancelled" if finish == "cancelled" else "completed"
+        payload = JobFinishedPayload(
+            job_id=job_id,
+            status=status,  # type: ignore[typeddict-item]  # one of the three literals
+            finish_reason=None if status == "failed" else finish,
+            prompt_tokens=n_prompt,
+            completion_tokens=n_tokens,
+            ttft_ms=ttft,
+            tokens_per_s=usage["tokens_per_s"],
+            attempt=attempt,
+        )
+        if error is not None:
+            payload["error"] = str(error)
+        self._safe(self.on_job_finished, payload)
+
+    def _stream_v1(self, j: _Job, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """vLLM's streamed /v1/completions, one parsed ``data:`` chunk at a time."""
+        conn = self._connect(j)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body), self._headers())
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise _vllm_error(resp.status, resp.read())
+            while True:
+                line = resp.readline()
+                if not line:
+                    if j.cancel.is_set():
+                        raise _Cancelled
+                    raise ConnectionError("vLLM closed the stream before [DONE]")
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                if data == b"[DONE]":
+                    return
+                event = json.loads(data)
+                if "error" in event and not event.get("choices"):
+                    err = event["error"]
+                    raise _vllm_error(int(err.get("code") or 500), json.dumps(event).encode())
+                yield event
+        finally:
+            conn.close()
+
+    def _death_reason(self, code: int | None) -> str:
+        tail = log_tail(self.log_path, 30)
+        last = next(
+            (ln.strip() for ln in reversed(tail) if "Error" in ln or "error" in ln),
+            tail[-1].strip() if tail else "no output",
+        )
+        return f"the vLLM server exited unexpectedly (exit {code}): {last}"
+
+
+def _completion_body(job: dict[str, Any], ids: list[int], model: str, room: int) -> dict[str, Any]:
+    max_tokens = int(job.get("max_tokens") or 0)
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": ids,
+        "stream": True,
+        "return_token_ids": True,
+        "max_tokens": max_tokens if max_tokens > 0 else max(1, room),
+        "temperature": float(job.get("temperature", SAMPLING_DEFAULTS["temperature"])),
+        "top_p": float(job.get("top_p", SAMPLING_DEFAULTS["top_p"])),
+        "stop": list(job.get("stop") or []),
+        "presence_penalty": float(
+            job.get("presence_penalty", SAMPLING_DEFAULTS["presence_penalty"])
+        ),
+        "frequency_penalty": float(
+            job.get("frequency_penalty", SAMPLING_DEFAULTS["frequency_penalty"])
+        ),
+        "skip_special_tokens": True,
+    }
+    if job.get("seed") is not None:
+        body["seed"] = int(job["seed"])
+    if job.get("logprobs"):
+        body["logprobs"] = max(1, int(job.get("top_logprobs") or 0))
+    return body
+
+
+def _probs(lp: dict[str, Any] | None, top: int) -> list[dict[str, Any]]:
+    """vLLM's completions logprobs (tokens, token_logprobs, top_logprobs) as OpenAI's content."""
+    if not lp:
+        return []
+    out = []
+    tops = lp.get("top_logprobs") or []
+    for i, tok in enumerate(lp.get("tokens") or []):
+        alts = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        out.append(
+            {
+                "token": tok,
+                "logprob": float((lp.get("token_logprobs") or [0.0])[i] or 0.0),
+                "bytes": list(str(tok).encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": float(v), "bytes": list(str(t).encode())}
+                    for t, v in sorted(alts.items(), key=lambda kv: -kv[1])[:top]
+                ],
+            }
+        )
+    return out
+
+
+def _vllm_error(status: int, data: bytes) -> _RequestError:
+    err = _error_from(status, data)
+    if err.code == "runtime_error":
+        return _RequestError(str(err).replace("llama-server:", "vLLM:", 1), code=err.code)
+    return err
+
+
+def make_primary(python: Path | None = None, **kw: Any) -> VllmPrimary:
+    return VllmPrimary(python=python, **kw)
+
+
+__all__ = [
+    "ENGINE_NAMES",
+    "VllmPrimary",
+    "enabled_engines",
+    "engine_python",
+    "make_primary",
+]
