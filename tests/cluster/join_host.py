@@ -8,6 +8,7 @@ the controller's HTTP answers.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,12 @@ def host_env(cl: Cluster, host: str, home: Path, name: str) -> dict[str, str]:
         RACON_ADVERTISE_ADDRESS=cl.hosts[host].address,
         RACON_RPC_PORT=str(RPC_PORT),
         GGML_NO_BACKTRACE="1",
+        # A machine's own choice of llama.cpp backends travels with it (GPU nodes, README).
+        **(
+            {"RACON_LLAMA_BACKENDS": os.environ["RACON_LLAMA_BACKENDS"]}
+            if os.environ.get("RACON_LLAMA_BACKENDS")
+            else {}
+        ),
     )
 
 
