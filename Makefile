@@ -36,6 +36,7 @@ test:
 	$(MAKE) install
 	scripts/install-chromium.sh
 	scripts/install-desktop.sh
+	scripts/install-vllm.sh  # the vLLM engine venv and the SmolLM2 safetensors directory (cached)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The timing-sensitive tests (e2e, cluster, TUI, reliability) with one core kept busy by a
