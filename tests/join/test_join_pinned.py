@@ -122,3 +122,14 @@ def test_loopback_keeps_the_plain_line(settings: object) -> None:
     assert (
         join_command_line(token="rcn_abc") == "curl -fsSL http://127.0.0.1:8000/join/rcn_abc | sh"
     )
+
+
+def test_an_insecure_lan_controller_shows_a_warning_banner(
+    settings: object, admin_client: Client
+) -> None:
+    settings.CONTROLLER_PUBLIC_URL = "http://10.1.2.3:8000"  # type: ignore[attr-defined]
+    settings.INSECURE_LAN = True  # type: ignore[attr-defined]
+    body = admin_client.get("/nodes/").content.decode()
+    assert 'id="insecure-lan-banner"' in body and "RACON_INSECURE_LAN=1" in body
+    settings.INSECURE_LAN = False  # type: ignore[attr-defined]
+    assert 'id="insecure-lan-banner"' not in admin_client.get("/nodes/").content.decode()
