@@ -170,8 +170,8 @@ def controller_for(agent: LocalAgent, override: str | None = None) -> Controller
     ca = agent.state_dir / "controller-ca.pem"
     if ca.is_file():
         verify = str(ca)
-    elif os.environ.get("RACON_CA_CERT"):
-        verify = os.environ["RACON_CA_CERT"]
+    elif os.environ.get("RACON_CA_FILE"):
+        verify = os.environ["RACON_CA_FILE"]
     return Controller(override or ident.controller_url, ident.auth_header(), verify=verify)
 
 
