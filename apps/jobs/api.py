@@ -54,6 +54,13 @@ def _error(message: str, status: int, code: str, **extra: Any) -> Response:
 
 class PlacementIn(serializers.Serializer):
     model = serializers.CharField(max_length=200)
+    engine = serializers.ChoiceField(
+        choices=["llamacpp", "vllm"],
+        required=False,
+        default="llamacpp",
+        help_text="llamacpp (llama-server, the default) or vllm (one node, a safetensors model "
+        "directory)",
+    )
     n_ctx = serializers.IntegerField(required=False, min_value=128, max_value=1_048_576)
     n_parallel = serializers.IntegerField(
         required=False,
@@ -112,6 +119,37 @@ def _resolve(request_data: dict[str, Any]) -> tuple[Model, dict[str, Any]] | Res
     return model, out
 
 
+def _engine_refused(model: Model, engine: str) -> Response | None:
+    """A 400 naming why the engine cannot serve the model, or None (issue 30)."""
+    if engine != "vllm":
+        return None
+    if not model.files.filter(format__iexact="safetensors").exists():
+        formats = sorted({f.upper() for f in model.files.values_list("format", flat=True)})
+        return _error(
+            f"model {model.name!r} has only {'/'.join(formats) or 'no'} files: vLLM on the CPU "
+            "cannot run GGUF; register its safetensors model directory first "
+            "(racon models add DIR)",
+            400,
+            "engine_unavailable",
+            param="engine",
+        )
+    if not Node.objects.filter(hardware__engines__contains=["vllm"]).exists():
+        return _error(
+            "no node has the vLLM engine: on a node, run scripts/install-vllm.sh and start its "
+            "agent with RACON_ENGINES=llamacpp,vllm",
+            400,
+            "engine_unavailable",
+            param="engine",
+        )
+    return _error(
+        "this controller cannot place a vLLM deployment yet (issue 30: the agent serves one, the "
+        "scheduler does not plan one); deploy the model with engine llamacpp",
+        400,
+        "engine_unavailable",
+        param="engine",
+    )
+
+
 def _refused(exc: PlacementRefused) -> Response:
     """400 when the request itself is wrong (n_parallel 0, more slots than fit), 422 otherwise."""
     if exc.bad_input:
@@ -161,6 +199,7 @@ class DeploymentOut(serializers.ModelSerializer):
         fields = [
             "id",
             "model",
+            "engine",
             "state",
             "primary",
             "primary_name",
@@ -230,6 +269,8 @@ class DeploymentPreviewApi(APIView):
         if isinstance(resolved, Response):
             return resolved
         model, v = resolved
+        if (refused := _engine_refused(model, v.get("engine", "llamacpp"))) is not None:
+            return refused
         mf = model.files.order_by("-created_at").first()
         if mf is None:
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
@@ -274,6 +315,8 @@ class DeploymentListCreateApi(GenericAPIView):
         if isinstance(resolved, Response):
             return resolved
         model, v = resolved
+        if (refused := _engine_refused(model, v.get("engine", "llamacpp"))) is not None:
+            return refused
         req = placement_request_from(v)
         mf = model.files.order_by("-created_at").first()
         if mf is None:

@@ -17,6 +17,12 @@ class Deployment(models.Model):
     model_file = models.ForeignKey(
         "models_repo.ModelFile", on_delete=models.PROTECT, related_name="deployments"
     )
+    # The engine that serves it (issue 30): llama.cpp's llama-server, or vLLM on one node.
+    engine = models.CharField(
+        max_length=16,
+        choices=[("llamacpp", "llama.cpp"), ("vllm", "vLLM")],
+        default="llamacpp",
+    )
     state = models.CharField(
         max_length=16, choices=DeploymentState.choices, default=DeploymentState.PLANNING
     )

@@ -1,0 +1,78 @@
+"""The deployment's engine in the admin API (issue 30): shown in a deployment's JSON, chosen in
+POST /api/admin/deployments and the preview, and a 400 naming why vLLM cannot serve the model."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+
+from apps.jobs.models import Deployment
+from apps.models_repo.models import Model, ModelFile
+from tests.factories import NodeFactory
+
+pytestmark = pytest.mark.django_db
+OPERATOR = {"Authorization": "Bearer test-operator-key"}
+
+
+def _model(*formats: str) -> Model:
+    m = Model.objects.create(name="smol-engine")
+    for i, fmt in enumerate(formats):
+        ModelFile.objects.create(
+            model=m, file_name=f"f{i}", format=fmt, sha256=f"{i}" * 64, size=1000
+        )
+    return m
+
+
+@pytest.mark.parametrize("path", ["/api/admin/deployments", "/api/admin/deployments/preview"])
+def test_vllm_for_a_gguf_only_model_is_a_400_naming_why(client: Client, path: str) -> None:
+    _model("GGUF")
+    NodeFactory(name="has-vllm", hardware={"engines": ["llamacpp", "vllm"]})
+    resp = client.post(
+        path, {"model": "smol-engine", "engine": "vllm"}, "application/json", headers=OPERATOR
+    )
+    assert resp.status_code == 400, resp.content
+    err = resp.json()["error"]
+    assert err["code"] == "engine_unavailable" and err["param"] == "engine"
+    assert "only GGUF files" in err["message"] and "cannot run GGUF" in err["message"]
+    assert not Deployment.objects.exists()
+
+
+def test_vllm_without_a_node_that_has_the_engine_is_a_400(client: Client) -> None:
+    _model("GGUF", "safetensors")
+    NodeFactory(name="llama-only", hardware={"engines": ["llamacpp"]})
+    resp = client.post(
+        "/api/admin/deployments",
+        {"model": "smol-engine", "engine": "vllm"},
+        "application/json",
+        headers=OPERATOR,
+    )
+    assert resp.status_code == 400
+    assert "no node has the vLLM engine" in resp.json()["error"]["message"]
+    # With a node and a directory, the controller still says plainly it cannot place one yet.
+    NodeFactory(name="has-vllm", hardware={"engines": ["llamacpp", "vllm"]})
+    resp = client.post(
+        "/api/admin/deployments",
+        {"model": "smol-engine", "engine": "vllm"},
+        "application/json",
+        headers=OPERATOR,
+    )
+    assert resp.status_code == 400
+    assert "cannot place a vLLM deployment yet" in resp.json()["error"]["message"]
+    assert not Deployment.objects.exists()
+
+
+def test_unknown_engine_is_a_400_and_a_deployment_shows_its_engine(client: Client) -> None:
+    m = _model("GGUF")
+    resp = client.post(
+        "/api/admin/deployments",
+        {"model": "smol-engine", "engine": "tgi"},
+        "application/json",
+        headers=OPERATOR,
+    )
+    assert resp.status_code == 400
+    assert "engine" in resp.content.decode()
+    dep = Deployment.objects.create(model=m, model_file=m.files.get())
+    body = client.get(f"/api/admin/deployments/{dep.id}", headers=OPERATOR).json()
+    assert body["engine"] == "llamacpp"
+    listed = client.get("/api/admin/deployments", headers=OPERATOR).json()
+    assert [d["engine"] for d in listed] == ["llamacpp"]
