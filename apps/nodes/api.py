@@ -80,6 +80,10 @@ class HardwareSerializer(serializers.Serializer):
     gpus = GpuSerializer(many=True, max_length=16)  # type: ignore[call-arg]  # many=True passes max_length to the ListSerializer; the stubs miss it
     benchmark = serializers.DictField(child=serializers.FloatField(min_value=0), required=False)
     fingerprint = serializers.CharField(max_length=128, required=False)
+    # The engines the node runs (issue 30): a claim, used only to say where vLLM could go.
+    engines = serializers.ListField(
+        child=serializers.ChoiceField(choices=["llamacpp", "vllm"]), required=False, max_length=2
+    )
 
     def validate_cpu(self, value: dict[str, Any]) -> dict[str, Any]:
         for key in ("model", "physical_cores", "logical_cores"):

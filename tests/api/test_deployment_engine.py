@@ -76,3 +76,22 @@ def test_unknown_engine_is_a_400_and_a_deployment_shows_its_engine(client: Clien
     assert body["engine"] == "llamacpp"
     listed = client.get("/api/admin/deployments", headers=OPERATOR).json()
     assert [d["engine"] for d in listed] == ["llamacpp"]
+
+
+def test_inventory_engines_are_kept_and_checked() -> None:
+    from apps.nodes.api import HardwareSerializer
+
+    hw = {
+        "cpu": {"model": "x", "physical_cores": 2, "logical_cores": 2},
+        "memory": {"total": 2**33, "available": 2**32},
+        "swap": {"total": 0, "free": 0},
+        "disk": {"path": "/", "total": 1, "free": 1},
+        "network": [],
+        "gpus": [],
+        "engines": ["llamacpp", "vllm"],
+    }
+    s = HardwareSerializer(data=hw)
+    assert s.is_valid(), s.errors
+    assert s.validated_data["engines"] == ["llamacpp", "vllm"]
+    bad = HardwareSerializer(data={**hw, "engines": ["llamacpp", "tgi"]})
+    assert not bad.is_valid() and "engines" in bad.errors
