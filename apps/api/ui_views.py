@@ -367,7 +367,7 @@ def deployment_preview(request: HttpRequest) -> HttpResponse:
     model, data, error = _placement_input(request)
     ctx: dict[str, Any] = {"error": error}
     if not error and model is not None:
-        mf = model.files.order_by("-created_at").first()
+        mf = model.files.exclude(format="safetensors").order_by("-created_at").first()
         if mf is None:
             ctx["error"] = f"Model {model.name} has no registered file."
         else:
@@ -403,7 +403,7 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
     if not error and model is not None:
         req = placement_request_from(data)
         try:
-            mf = model.files.order_by("-created_at").first()
+            mf = model.files.exclude(format="safetensors").order_by("-created_at").first()
             if mf is None:
                 raise DeploymentError(f"model {model.name} has no registered file")
             deployment_services.deployment_preview(

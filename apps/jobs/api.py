@@ -271,7 +271,7 @@ class DeploymentPreviewApi(APIView):
         model, v = resolved
         if (refused := _engine_refused(model, v.get("engine", "llamacpp"))) is not None:
             return refused
-        mf = model.files.order_by("-created_at").first()
+        mf = model.files.exclude(format="safetensors").order_by("-created_at").first()
         if mf is None:
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
         try:
@@ -318,7 +318,7 @@ class DeploymentListCreateApi(GenericAPIView):
         if (refused := _engine_refused(model, v.get("engine", "llamacpp"))) is not None:
             return refused
         req = placement_request_from(v)
-        mf = model.files.order_by("-created_at").first()
+        mf = model.files.exclude(format="safetensors").order_by("-created_at").first()
         if mf is None:
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
         try:

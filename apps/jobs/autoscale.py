@@ -198,7 +198,7 @@ def _replica_add(
     *, model: Model, serving: list[Deployment], now: datetime, wait: float, depth: int
 ) -> tuple[Deployment | None, str]:
     """Place one more replica when a node can host it: (the deployment, "") or (None, why not)."""
-    model_file = model.files.order_by("-created_at").first()
+    model_file = model.files.exclude(format="safetensors").order_by("-created_at").first()
     if model_file is None:
         return None, "the model has no registered file"
     request = _replica_request(model=model, serving=serving)

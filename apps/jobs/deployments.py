@@ -164,7 +164,7 @@ def deployment_create(
     *, model: Model, request: PlacementRequest, now: datetime, auto: bool = False
 ) -> Deployment:
     """Record a deployment (PLANNING) and ask Celery to place it once this transaction commits."""
-    model_file = model.files.order_by("-created_at").first()
+    model_file = model.files.exclude(format="safetensors").order_by("-created_at").first()
     if model_file is None:
         raise DeploymentError(f"model {model.name!r} has no registered file")
     with transaction.atomic():

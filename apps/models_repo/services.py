@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 import shutil
@@ -69,6 +71,10 @@ def model_register_file(
     Registering the same file again (same sha256) returns the existing record.
     """
     src = Path(path).expanduser()
+    if src.is_dir():
+        return model_register_dir(
+            path=src, now=now, name=name, price_weight_permille=price_weight_permille
+        )
     if not src.is_file():
         raise ModelSourceNotFound(f"no such file: {src}")
     try:
@@ -123,6 +129,89 @@ def model_register_file(
             now=now,
             message=f"{model_name}: {src.name} ({profile.quantization}, {profile.n_layer} layers)",
             data={"sha256": sha, "size": profile.file_size},
+        )
+    return mf
+
+
+MANIFEST = "SHA256SUMS"
+
+
+def model_register_dir(
+    *, path: Path, now: datetime, name: str | None = None, price_weight_permille: int = 1000
+) -> ModelFile:
+    """Register a safetensors model directory (issue 30: vLLM's format): its config.json, its
+    weights and tokenizer, every file checked against its SHA256SUMS manifest, whose sha256 is the
+    directory's identity (what the agent checks at load). With the name of a registered model it
+    becomes that model's second format. Registering the same directory again returns its record.
+    """
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise ModelRegistrationError(
+            f"{path} has no {MANIFEST} manifest (sha256sum lines for every file; "
+            "scripts/gguf_to_safetensors.py writes one)"
+        )
+    listed: dict[str, str] = {}
+    for line in manifest.read_text().splitlines():
+        digest, _, fname = line.partition("  ")
+        if line.strip() and (len(digest) != 64 or not fname or "/" in fname):
+            raise ModelRegistrationError(f"{manifest}: malformed line {line[:80]!r}")
+        if line.strip():
+            listed[fname] = digest.lower()
+    present = {p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST}
+    if present != set(listed):
+        raise ModelRegistrationError(
+            f"{path}: files not in {MANIFEST}: {sorted(present - set(listed))}; "
+            f"listed but missing: {sorted(set(listed) - present)}"
+        )
+    if "config.json" not in listed or not any(n.endswith(".safetensors") for n in listed):
+        raise ModelRegistrationError(
+            f"{path} is not a safetensors model directory (needs config.json and *.safetensors)"
+        )
+    for fname, digest in sorted(listed.items()):
+        got = sha256_file(path / fname)
+        if got != digest:
+            raise ModelRegistrationError(
+                f"{path / fname}: sha256 {got}, the manifest says {digest}"
+            )
+    sha = hashlib.sha256(manifest.read_bytes()).hexdigest()
+    existing = ModelFile.objects.select_related("model").filter(sha256=sha).first()
+    if existing is not None:
+        return existing
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as exc:
+        raise ModelRegistrationError(f"{path / 'config.json'}: not JSON: {exc}") from None
+    size = sum((path / n).stat().st_size for n in listed)
+    model_name = name or path.name
+    with transaction.atomic():
+        model, _ = Model.objects.get_or_create(
+            name=model_name,
+            defaults={
+                "family": str(config.get("model_type") or ""),
+                "price_weight_permille": price_weight_permille,
+            },
+        )
+        mf = ModelFile.objects.create(
+            model=model,
+            file_name=path.name,
+            format="safetensors",
+            quantization=str(config.get("torch_dtype") or config.get("dtype") or ""),
+            sha256=sha,
+            size=size,
+            architecture=str(config.get("model_type") or ""),
+            n_layer=int(config.get("num_hidden_layers") or 0),
+            n_embd=int(config.get("hidden_size") or 0),
+            n_head=int(config.get("num_attention_heads") or 0),
+            n_head_kv=int(config.get("num_key_value_heads") or 0),
+            n_ctx_train=int(config.get("max_position_embeddings") or 0),
+            store_path=str(path.resolve()),
+        )
+        event_record(
+            kind="MODEL_REGISTERED",
+            category=EventCategory.PLACEMENT,
+            now=now,
+            message=f"{model_name}: {path.name} (safetensors, {len(listed)} files)",
+            data={"sha256": sha, "size": size, "format": "safetensors"},
         )
     return mf
 

@@ -3,8 +3,13 @@ POST /api/admin/deployments and the preview, and a 400 naming why vLLM cannot se
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import pytest
 from django.test import Client
+from django.utils import timezone
 
 from apps.jobs.models import Deployment
 from apps.models_repo.models import Model, ModelFile
@@ -95,3 +100,61 @@ def test_inventory_engines_are_kept_and_checked() -> None:
     assert s.validated_data["engines"] == ["llamacpp", "vllm"]
     bad = HardwareSerializer(data={**hw, "engines": ["llamacpp", "tgi"]})
     assert not bad.is_valid() and "engines" in bad.errors
+
+
+def _model_dir(root: Path) -> Path:
+    d = root / "smol-st"
+    d.mkdir()
+    config = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576}
+    files = {"config.json": json.dumps(config).encode(), "model.safetensors": b"weights"}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    (d / "SHA256SUMS").write_text(
+        "".join(f"{hashlib.sha256(b).hexdigest()}  {n}\n" for n, b in sorted(files.items()))
+    )
+    return d
+
+
+def test_a_model_directory_registers_as_safetensors_beside_the_gguf(
+    client: Client, tmp_path: Path
+) -> None:
+    m = _model("GGUF")
+    d = _model_dir(tmp_path)
+    resp = client.post(
+        "/api/admin/models",
+        {"path": str(d), "name": "smol-engine"},
+        "application/json",
+        headers=OPERATOR,
+    )
+    assert resp.status_code == 201, resp.content
+    listed = client.get("/api/admin/models", headers=OPERATOR).json()
+    formats = sorted(f["format"] for x in listed if x["name"] == "smol-engine" for f in x["files"])
+    assert formats == ["GGUF", "safetensors"]
+    st = m.files.get(format="safetensors")
+    assert st.sha256 == hashlib.sha256((d / "SHA256SUMS").read_bytes()).hexdigest()
+    assert st.n_layer == 30
+    # llama.cpp deployments keep using the GGUF; vLLM now only lacks a node with the engine.
+    from apps.jobs.deployments import deployment_create, placement_request_from
+
+    dep = deployment_create(model=m, request=placement_request_from({}), now=timezone.now())
+    assert dep.model_file.format == "GGUF"
+    resp = client.post(
+        "/api/admin/deployments",
+        {"model": "smol-engine", "engine": "vllm"},
+        "application/json",
+        headers=OPERATOR,
+    )
+    assert "no node has the vLLM engine" in resp.json()["error"]["message"]
+
+
+def test_a_model_directory_whose_file_differs_from_its_manifest_is_refused(
+    client: Client, tmp_path: Path
+) -> None:
+    d = _model_dir(tmp_path)
+    (d / "model.safetensors").write_bytes(b"tampered")
+    resp = client.post("/api/admin/models", {"path": str(d)}, "application/json", headers=OPERATOR)
+    assert resp.status_code == 400
+    assert "model.safetensors: sha256" in resp.json()["error"]["message"]
+    (d / "SHA256SUMS").unlink()
+    resp = client.post("/api/admin/models", {"path": str(d)}, "application/json", headers=OPERATOR)
+    assert resp.status_code == 400 and "no SHA256SUMS manifest" in resp.json()["error"]["message"]
