@@ -37,7 +37,7 @@ def main() -> int:
     started = time.monotonic()
     try:
         cmd = [sys.executable, "-m", "pytest", *AREAS, *args.pytest_args]
-        print("[test-load] one core busy (burner pid %d); running: %s" % (burner.pid, " ".join(cmd)))
+        print(f"[test-load] one core busy (burner pid {burner.pid}); running: {' '.join(cmd)}")
         rc = subprocess.call(cmd)
     finally:
         wall = time.monotonic() - started

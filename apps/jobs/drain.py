@@ -1,6 +1,7 @@
 """The drain of a node: its deployments move off it (deployments_drain_step, a node drain step).
 
-The helpers that deployment_ensure, placement and a job's end share with it live in deployments.py (replacement) and jobs.py (drains_advance).
+The helpers that deployment_ensure, placement and a job's end share with it live in
+deployments.py (the replacement) and jobs.py (drains_advance).
 """
 
 from __future__ import annotations
