@@ -475,7 +475,7 @@ def job_detail_page(*, user: Any, job_id: Any) -> dict[str, Any]:
         return round((b - a).total_seconds() * 1000, 1) if a and b else None
 
     placement = (job.placement or {}).get("devices") or []
-    attempts = []
+    attempts: list[dict[str, Any]] = []
     for a in JobAttempt.objects.filter(job_id=job.id).select_related("primary").order_by("number"):
         devices = (a.plan or {}).get("devices") or []
         attempts.append(
