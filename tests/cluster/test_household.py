@@ -124,6 +124,64 @@ def test_a_model_placed_across_both_joined_hosts_streams_a_chat_over_https(
     assert text.strip() and chunks >= 2
 
 
+def test_a_split_over_make_runs_own_node_and_a_joined_host_serves_a_chat(
+    household_lan: HouseholdLan,
+) -> None:
+    """make run's own node is a full LAN member: it advertises the LAN address, so a primary on
+    either side reaches the other's RPC worker, and it fetches the model with its credential."""
+    import openai
+
+    lan = household_lan
+    model = next(m["name"] for m in _rows(lan.ctl.api("GET", "/api/admin/models").json()))
+    # The first split steps aside: its nodes are BUSY while it holds them.
+    for other in _rows(lan.ctl.api("GET", f"/api/admin/deployments?model={model}").json()):
+        if other["state"] in ("PLANNING", "LOADING", "READY", "DEGRADED"):
+            lan.ctl.api("POST", f"/api/admin/deployments/{other['id']}/stop")
+
+    def free() -> bool:
+        states = {
+            n["name"]: n["state"] for n in _rows(lan.ctl.api("GET", "/api/admin/nodes").json())
+        }
+        return states.get("local-1") == "READY" and states.get("gpu-desktop") == "READY"
+
+    wait_for(free, 180, "local-1 and gpu-desktop READY again", interval=2)
+    resp = lan.ctl.api(
+        "POST",
+        "/api/admin/deployments",
+        {"model": model, "nodes": ["local-1", "gpu-desktop"], "spread": True},
+        timeout=300,
+    )  # fmt: skip
+    assert resp.status_code in (200, 201, 202), resp.text
+    dep_id = resp.json()["id"]
+
+    def ready() -> dict[str, Any] | None:
+        dep = _deployment(lan, dep_id)
+        assert dep["state"] not in ("FAILED", "STOPPED"), dep
+        return dep if dep["state"] == "READY" else None
+
+    dep = wait_for(ready, 600, "the split over local-1 and gpu-desktop to turn READY", interval=2)
+    assert set(dep["node_names"]) == {"local-1", "gpu-desktop"}, dep
+    ca = str(lan.ctl.ca_file)
+    key = lan.ctl.secret("AI_API_KEY")
+
+    def chat() -> str:
+        client = openai.OpenAI(
+            base_url=f"{lan.ctl.public_url}/v1",
+            api_key=key,
+            http_client=openai.DefaultHttpxClient(
+                verify=ssl.create_default_context(cafile=ca), timeout=300
+            ),
+        )
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
+        )
+        return out.choices[0].message.content or ""
+
+    text = lan.hh.call("gpu-desktop", chat)
+    print(f"\nchat over local-1 + gpu-desktop (primary {dep.get('primary_name')}): {text!r}")
+    assert text.strip()
+
+
 def _redis_port(lan: HouseholdLan) -> int:
     m = re.search(r"LAN Redis on [0-9.]+:(\d+)", lan.ctl.log())
     assert m, lan.ctl.log()[-3000:]
@@ -231,7 +289,11 @@ def test_from_the_intruder_a_nodes_ggml_rpc_and_llama_server_are_out_of_reach(
             30,
             f"{target}'s tunnel refusing the intruder",
         )
-    assert servers, "the split deployment's primary runs a llama-server on one of the two"
+    # make run's own node (local-1, in the controller's host) is a node like the others.
+    for addr, port in _listening(lan, "controller", "llama-server"):
+        assert addr in ("127.0.0.1", "::1"), f"local-1's llama-server listens on {addr}:{port}"
+        servers.append(("controller", lan.ctl.address, port))
+    assert servers, "the split deployments' primaries run a llama-server"
     for target, address, port in servers:
         said = lan.hh.call("intruder", lambda a=address, p=port: probe(a, p))
         print(f"intruder -> {target} llama-server {address}:{port}: {said}")
