@@ -111,9 +111,9 @@ done
 # The modules ggml looks for beside the executable (a GPU build links them from bin/).
 for mod in "$prefix"/bin/*.so; do
   [ -e "$mod" ] || continue
-  name=$(basename "$mod")
-  [ -e "$llama/lib/$name" ] || cp -L "$mod" "$llama/lib/$name"
-  ln -sfn "../lib/$name" "$llama/bin/$name"
+  mod_name=$(basename "$mod")
+  [ -e "$llama/lib/$mod_name" ] || cp -L "$mod" "$llama/lib/$mod_name"
+  ln -sfn "../lib/$mod_name" "$llama/bin/$mod_name"
 done
 # The C++ and OpenMP runtimes too (a machine without a compiler may lack libgomp): everything
 # ldd resolves outside glibc itself and the GPU drivers, which must stay the machine's own.
