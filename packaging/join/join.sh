@@ -53,6 +53,7 @@ bundle_route() {
   while :; do
     answer=$(join_fetch "$controller/join/$token/bundle.txt?machine=$machine&flags=$flags&glibc=$glibc") || {
       rc=$?
+      [ "$rc" = 90 ] && join_fail 1 "the controller's certificate does not match the pin in this line"
       # An HTTP error (curl 22, wget 8): a controller older than the bundle; the Python route.
       if [ "$rc" = 22 ] || [ "$rc" = 8 ]; then
         join_say "this controller serves no agent bundle; joining through Python 3.12+"
