@@ -209,3 +209,13 @@ def pin_devices_apply(
         exclude_nodes=tuple(x for x in request.exclude_nodes if x not in pinned),
     )
     return dataclasses.replace(cluster, nodes=tuple(nodes)), request
+
+
+def unverified_primary_fallback(cluster: ClusterSnapshot) -> ClusterSnapshot:
+    """A node with an unverified GPU claim is never the primary while another node can be; when
+    none can (a one-machine pool with a GPU), it may, or nothing could be placed at all."""
+    if any(n.may_be_primary for n in cluster.nodes):
+        return cluster
+    return dataclasses.replace(
+        cluster, nodes=tuple(dataclasses.replace(n, may_be_primary=True) for n in cluster.nodes)
+    )

@@ -18,6 +18,7 @@ from .eligibility import (
     _select_nodes,
     _tiers,
     pin_devices_apply,
+    unverified_primary_fallback,
 )
 from .evaluate import _Ctx, _Eval, _evaluate, _Node
 from .inputs import ClusterSnapshot, NodeSnapshot, PlacementRequest
@@ -276,6 +277,7 @@ def plan_placement(
     asked = request or PlacementRequest()
     _check_request(profile, asked)
     cluster, pinned = pin_devices_apply(cluster, asked)
+    cluster = unverified_primary_fallback(cluster)
     request = _search_request(pinned)
     ready, degraded, notes = _select_nodes(cluster, request)
     tiers = _tiers(request, ready, degraded)
