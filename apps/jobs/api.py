@@ -91,7 +91,7 @@ class PlacementIn(serializers.Serializer):
     )
     devices = serializers.ListField(
         child=serializers.RegexField(
-            r"^([^:]{1,120}:)?[A-Za-z][A-Za-z_]{0,15}[0-9]{0,3}$",
+            r"^([^:\x00]{1,120}:)?[A-Za-z][A-Za-z_]{0,15}[0-9]{0,3}$",
             error_messages={"invalid": "a device is a llama.cpp name (Vulkan0) or node:Vulkan0"},
         ),
         required=False,
