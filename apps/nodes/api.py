@@ -29,10 +29,12 @@ from racon.pagination import LimitPagination
 from racon.redis_acl import AclUnavailable, node_redis_url
 
 from . import join, selectors
+from .commands import node_command_key
 from .enrollment import (
     EnrollmentConflict,
     EnrollmentError,
     NodeAuthError,
+    credential_hash,
     enrollment_token_issue,
     enrollment_token_revoke,
     hardware_bounds_errors,
@@ -143,6 +145,9 @@ class EnrollResponseSerializer(serializers.Serializer):
     node_id = serializers.CharField()
     credential = serializers.CharField()
     redis_url = serializers.CharField()
+    command_key = serializers.CharField(
+        required=False, help_text="hex: the key this node's commands are signed with"
+    )
     heartbeat_interval = serializers.FloatField()
     state = serializers.CharField()
     protocol_version = serializers.IntegerField(required=False)
@@ -152,6 +157,7 @@ class HeartbeatSerializer(serializers.Serializer):
     state = serializers.ChoiceField(choices=NodeState.choices, required=False)
     sent_at = serializers.FloatField(required=False)
     protocol_version = serializers.IntegerField(min_value=0, required=False)
+    want_command_key = serializers.BooleanField(required=False)
     telemetry = serializers.DictField()
 
 
@@ -159,6 +165,7 @@ class HeartbeatResponseSerializer(serializers.Serializer):
     state = serializers.CharField()
     heartbeat_interval = serializers.FloatField()
     protocol_version = serializers.IntegerField(required=False)
+    command_key = serializers.CharField(required=False)
 
 
 class ProtocolInfoSerializer(serializers.Serializer):
@@ -285,6 +292,7 @@ class AgentEnrollApi(APIView):
             "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
             "state": node.state,
             "protocol_version": PROTOCOL_VERSION,
+            "command_key": enrollment.command_key,
         }
         return Response(
             body, status=status.HTTP_201_CREATED if enrollment.created else status.HTTP_200_OK
@@ -392,11 +400,16 @@ async def heartbeat_handle(
         return 429, {
             "error": {"message": str(exc), "code": "rate_limited", "retry_after": exc.retry_after}
         }
-    return 200, {
+    beat: dict[str, Any] = {
         "state": state,
         "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
         "protocol_version": PROTOCOL_VERSION,
     }
+    if payload.get("want_command_key") is True:
+        # An agent enrolled before commands were signed; the credential was just checked.
+        key = node_command_key(node_id=node_id, credential_hash=credential_hash(credential))
+        beat["command_key"] = key.hex()
+    return 200, beat
 
 
 @csrf_exempt

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import math
 import secrets
 import uuid
@@ -21,6 +22,7 @@ from racon.redis import get_redis
 from racon.redis_acl import node_acl_revoke
 
 from . import hooks
+from .commands import node_command_key
 from .events import event_record
 from .models import EnrollmentToken, EventCategory, Node
 from .services import _cache_node, _meta_key, node_transition
@@ -240,6 +242,12 @@ class Enrollment:
     credential: str
     created: bool
 
+    @property
+    def command_key(self) -> str:
+        """Hex: the key this node's commands are signed with, sent in the enrollment answer."""
+        cred = credential_hash(self.credential)
+        return node_command_key(node_id=self.node.id, credential_hash=cred).hex()
+
 
 def node_enroll(
     *,
@@ -277,6 +285,7 @@ def node_enroll(
             if tok.expires_at <= now:
                 raise EnrollmentError("enrollment token has expired")
             if public is None:
+                advertise_address_check(address=address, source_address=source_address)
                 enrollment = _enroll_locked(
                     tok=tok,
                     node_name=node_name,
@@ -319,6 +328,35 @@ def node_enroll(
     enrollment.node.refresh_from_db()
     _cache_node(enrollment.node)
     return enrollment
+
+
+def advertise_address_check(*, address: str, source_address: str | None) -> None:
+    """A node on another machine advertises the address its enrollment came from: its peers'
+    RPC and link probes go there, so any other (a LAN service, a loopback or link-local one that
+    means something else on each host) is refused. A node on the controller's own machine
+    (a loopback source) may advertise any private address. Raises EnrollmentError."""
+    if not source_address:
+        return  # not over HTTP (a management command): nothing was seen to compare with
+    try:
+        src = ipaddress.ip_address(source_address.strip("[]"))
+        adv = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        raise EnrollmentError(f"advertise address {address!r} is not an IP address") from None
+    src = getattr(src, "ipv4_mapped", None) or src
+    adv = getattr(adv, "ipv4_mapped", None) or adv
+    if src.is_loopback or adv == src:
+        return
+    fix = f"start the agent with --advertise-address {src}"
+    if adv.is_loopback or adv.is_link_local:
+        kind = "loopback" if adv.is_loopback else "link-local"
+        raise EnrollmentError(
+            f"advertise address {address} is {kind}, which other machines cannot reach; this "
+            f"enrollment came from {src}: {fix}"
+        )
+    raise EnrollmentError(
+        f"advertise address {address} is not the address this enrollment came from ({src}); "
+        f"peers would be sent to {address}: {fix}"
+    )
 
 
 def _enroll_locked(
