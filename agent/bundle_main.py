@@ -30,7 +30,7 @@ def main() -> None:
         sys.exit(0)
     if len(argv) >= 2 and argv[0] == "-c":
         sys.argv = ["-c", *argv[2:]]
-        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
         sys.exit(0)
     from agent.cli import entrypoint  # noqa: PLC0415 - after the child forms, which never need it
 

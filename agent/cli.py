@@ -130,7 +130,7 @@ class Parser(argparse.ArgumentParser):
             **kw,
         )
 
-    def error(self, message: str) -> Any:  # noqa: ANN401 - argparse's signature (NoReturn)
+    def error(self, message: str) -> Any:  # argparse's signature (NoReturn)
         print(
             f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)",
             file=sys.stderr,

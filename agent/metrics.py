@@ -74,7 +74,7 @@ def process_memory() -> dict[str, int]:
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         out["process_tree_rss"] = int(rss)
-    except Exception:  # noqa: BLE001 - a scrape must not fail on one figure
+    except Exception:  # a scrape must not fail on one figure
         log.debug("memory figures unavailable", exc_info=True)
     return out
 

@@ -410,7 +410,7 @@ class TunnelServer:
                 self.on_refused(
                     f"RPC tunnel refused {peer}: {reason}", {"peer": peer, "reason": reason}
                 )
-            except Exception:  # noqa: BLE001 - reporting must never break the listener
+            except Exception:  # reporting must never break the listener
                 log.exception("tunnel refusal callback failed")
 
     @staticmethod

@@ -152,7 +152,7 @@ def bench_environment(workdir: Path) -> Iterator[BenchEnv]:
             from django.db import connections
 
             connections.close_all()  # this process's handle on the bench database
-        except Exception:  # noqa: BLE001 - Django may not have been set up
+        except Exception:  # Django may not have been set up
             pass
         for r in flush:
             try:

@@ -131,7 +131,7 @@ def run_turn(
                     next_i[0] += 1
                 try:
                     r = stream_once(client, url, key, offset + i, max_tokens, model)
-                except Exception as exc:  # noqa: BLE001 - counted and printed, never hidden
+                except Exception as exc:  # counted and printed, never hidden
                     with lock:
                         turn.errors.append(str(exc)[:200])
                     continue
@@ -171,7 +171,7 @@ def start_anchor(
         "-ngl", "0", "-b", "512", "--jinja", "--no-webui", "--cont-batching", "-fa", "auto",
         "--fit", "off", "--cache-ram", "0",
     ]  # fmt: skip
-    logf = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    logf = open(log_path, "wb")  # closed with the process
     proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
 

@@ -130,7 +130,7 @@ def direct_worker(cfg: dict[str, Any]) -> int:
 
 class Direct:
     def __init__(self, cfg: dict[str, Any], log_path: Path) -> None:
-        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--direct-worker", json.dumps(cfg)],
             stdin=subprocess.PIPE,

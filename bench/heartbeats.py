@@ -181,7 +181,7 @@ async def paced(
                 status = await c.post("/api/agent/heartbeat", f"Node {node_id}:{cred}", BODY)
                 if status != 200:
                     errors += 1
-            except Exception:  # noqa: BLE001
+            except Exception:
                 errors += 1
             lat.append(time.perf_counter() - t0)
 
@@ -222,7 +222,7 @@ async def closed_loop(
             try:
                 if await c.post("/api/agent/heartbeat", f"Node {node_id}:{cred}", BODY) != 200:
                     errors += 1
-            except Exception:  # noqa: BLE001
+            except Exception:
                 errors += 1
             lat.append(time.perf_counter() - t0)
             done += 1

@@ -49,15 +49,15 @@ def placement_quality(env: dict[str, str], rows: list[Row], bench: dict[str, flo
     # Django is set up only now, on the cluster controller's database and Redis.
     os.environ.update(env)
     os.environ["DJANGO_SETTINGS_MODULE"] = "racon.settings"
-    import django  # noqa: PLC0415 - configured for the cluster's controller above
+    import django  # configured for the cluster's controller above
 
     django.setup()
-    from apps.jobs import selectors  # noqa: PLC0415
-    from apps.jobs.deployments import scheduler_cost_model  # noqa: PLC0415
-    from apps.jobs.scheduler import PlacementRequest, plan_placement  # noqa: PLC0415
-    from apps.jobs.scheduler.reference import exhaustive_best  # noqa: PLC0415
-    from apps.models_repo.models import ModelFile  # noqa: PLC0415
-    from apps.models_repo.profile import ModelProfile  # noqa: PLC0415
+    from apps.jobs import selectors
+    from apps.jobs.deployments import scheduler_cost_model
+    from apps.jobs.scheduler import PlacementRequest, plan_placement
+    from apps.jobs.scheduler.reference import exhaustive_best
+    from apps.models_repo.models import ModelFile
+    from apps.models_repo.profile import ModelProfile
 
     mf = ModelFile.objects.order_by("-created_at").first()
     assert mf is not None

@@ -368,7 +368,7 @@ def report_profiles(spies: list[tuple[str, Any, Path]], top: int = 12) -> None:
     for _, proc, _ in spies:
         try:
             proc.wait(30)
-        except Exception:  # noqa: BLE001 - a stuck profiler is killed, never waited on
+        except Exception:  # a stuck profiler is killed, never waited on
             proc.kill()
     for name, _, out in spies:
         if not out.exists():

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from apps.jobs.scheduler import (  # noqa: E402
+from apps.jobs.scheduler import (
     DEFAULT_COST,
     DEFAULT_LINK,
     ClusterSnapshot,
@@ -42,8 +42,8 @@ from apps.jobs.scheduler import (  # noqa: E402
     Plan,
     plan_placement,
 )
-from apps.jobs.scheduler.reference import exhaustive_best, memory_proportional_plan  # noqa: E402
-from apps.models_repo.profile import ModelProfile, synthetic_profile  # noqa: E402
+from apps.jobs.scheduler.reference import exhaustive_best, memory_proportional_plan
+from apps.models_repo.profile import ModelProfile, synthetic_profile
 
 GiB = 1 << 30
 DECISION_TARGET_MS = 50.0
@@ -274,7 +274,7 @@ _LOOPBACK: dict[str, Any] = {"requests": 5, "warmup": 2, "max_tokens": 128, "res
 
 def _loopback_cluster() -> Any:
     if "cluster" not in _LOOPBACK:
-        from bench.common import local_cluster  # noqa: PLC0415 - Django and processes only when used
+        from bench.common import local_cluster  # Django and processes only when used
 
         stack = ExitStack()
         _LOOPBACK["stack"] = stack
@@ -339,16 +339,16 @@ def measure_loopback(n_nodes: int) -> tuple[float, float] | None:
     (the job's tokens_per_s, what the prediction models), median over a few streamed requests at
     temperature 0 after warm-up requests.
     """
-    import httpx  # noqa: PLC0415
+    import httpx
 
     try:
         cl = _loopback_cluster()
-    except Exception as exc:  # noqa: BLE001 - reported, not raised: parts 1 and 2 still stand
+    except Exception as exc:  # reported, not raised: parts 1 and 2 still stand
         _LOOPBACK["error"] = f"{type(exc).__name__}: {exc}"
         return None
-    from apps.jobs.selectors import cluster_snapshot  # noqa: PLC0415
-    from apps.models_repo.models import Model  # noqa: PLC0415
-    from bench.gateway import prompt, racon_request  # noqa: PLC0415
+    from apps.jobs.selectors import cluster_snapshot
+    from apps.models_repo.models import Model
+    from bench.gateway import prompt, racon_request
 
     names = cl.node_names[:n_nodes]
     mf = Model.objects.get(name="smollm2").files.order_by("-created_at").first()
@@ -400,7 +400,7 @@ def loopback_report() -> None:
     res = _LOOPBACK["results"]
     if 1 not in res or not res[1]["runtime"]:
         return
-    from agent.links import LOOPBACK_MBPS, tcp_rtt_ms  # noqa: PLC0415
+    from agent.links import LOOPBACK_MBPS, tcp_rtt_ms
 
     cl = _LOOPBACK.get("cluster")
     rtt = LOOPBACK_RTT_MS

@@ -18,5 +18,5 @@ def broadcast(group: str, message: dict[str, Any]) -> None:
         if layer is None:
             return
         async_to_sync(layer.group_send)(group, message)
-    except Exception:  # noqa: BLE001 - best effort by design
+    except Exception:  # best effort by design
         log.warning("broadcast to %s failed", group, exc_info=True)

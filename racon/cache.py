@@ -188,7 +188,7 @@ def _subscriber_run() -> None:
                 msg = pubsub.get_message(timeout=1.0)
                 if msg is not None and msg.get("type") == "message":
                     clear_local(str(msg.get("data") or ALL))
-        except Exception:  # noqa: BLE001 - the thread must outlive any Redis fault
+        except Exception:  # the thread must outlive any Redis fault
             if _subscribed.is_set() and not _subscriber_stop.is_set():
                 log.warning(
                     "cache invalidation subscriber lost Redis; caching paused until it reconnects",
@@ -200,7 +200,7 @@ def _subscriber_run() -> None:
             if pubsub is not None:
                 try:
                     pubsub.close()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
         _subscriber_stop.wait(backoff)
         backoff = min(5.0, backoff * 2)

@@ -90,13 +90,13 @@ def _install_limits(max_body: int, idle_timeout: float) -> None:
             )
             self.channel.loseConnection()
 
-        def gotLength(self, length: int | None) -> None:  # noqa: N802 - Twisted's name
+        def gotLength(self, length: int | None) -> None:  # Twisted's name
             if max_body and length is not None and length > max_body:
                 self._refuse()
                 return
             super().gotLength(length)
 
-        def handleContentChunk(self, data: bytes) -> None:  # noqa: N802
+        def handleContentChunk(self, data: bytes) -> None:
             if self._refused:
                 return
             self._body_seen += len(data)
@@ -105,7 +105,7 @@ def _install_limits(max_body: int, idle_timeout: float) -> None:
                 return
             super().handleContentChunk(data)
 
-        def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:  # noqa: N802
+        def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
             if self._refused:
                 return
             super().requestReceived(command, path, version)

@@ -89,11 +89,11 @@ def ensure_secrets(env_file: Path) -> list[str]:
     return created
 
 
-class Shutdown(BaseException):  # noqa: N818 - like KeyboardInterrupt, never caught by `except Exception`
+class Shutdown(BaseException):  # like KeyboardInterrupt, never caught by `except Exception`
     """SIGINT or SIGTERM reached the launcher."""
 
 
-class GiveUp(Exception):  # noqa: N818
+class GiveUp(Exception):
     """A child crash-loops, or the embedded Redis cannot be brought back: stop everything."""
 
 

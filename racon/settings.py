@@ -67,7 +67,7 @@ if not SECRET_KEY:
     if not DEBUG and envbool("RACON_REQUIRE_SECRETS", False):
         raise ImproperlyConfigured("SECRET_KEY must be set in production")
     # The "django-insecure-" prefix makes `check --deploy` flag it (security.W009).
-    SECRET_KEY = "django-insecure-racon-development-only-" + "x" * 20  # noqa: S105
+    SECRET_KEY = "django-insecure-racon-development-only-" + "x" * 20
 
 ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
 CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS")

@@ -359,7 +359,7 @@ def server_cert_ensure(
 def _signed_by_other(cert: x509.Certificate, ca: CA) -> bool:
     try:
         cert.verify_directly_issued_by(ca.cert)
-    except (ValueError, TypeError, Exception):  # noqa: BLE001 - InvalidSignature and friends
+    except (ValueError, TypeError, Exception):  # InvalidSignature and friends
         return True
     return False
 

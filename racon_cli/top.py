@@ -295,7 +295,7 @@ class TopApp(App[None]):
             return None
         try:
             return str(table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value)
-        except Exception:  # noqa: BLE001 - no row under the cursor
+        except Exception:  # no row under the cursor
             return None
 
     async def _show_selected_node(self) -> None:

@@ -56,7 +56,7 @@ def _flush_diagnostics(exc: BaseException) -> str:
                     " WHERE datname = current_database() AND pid <> pg_backend_pid()"
                 )
                 lines += [f"session {row}" for row in cur.fetchall()]
-        except Exception as err:  # noqa: BLE001 - diagnostics only
+        except Exception as err:  # diagnostics only
             lines.append(f"pg_stat_activity unreadable: {err!r}")
     return "\n".join(lines)
 

@@ -92,7 +92,7 @@ def job_finished_observe(*, job_id: Any, state: str, fields: dict[str, Any]) -> 
             if wait is not None:
                 _observe(pipe, "queue_wait", model, wait)
             pipe.execute()
-    except Exception:  # noqa: BLE001 - metrics must never break a job's finish
+    except Exception:  # metrics must never break a job's finish
         log.warning("could not record job metrics", exc_info=True)
 
 

@@ -529,7 +529,7 @@ async def _shielded(coro: Any) -> None:
         await asyncio.shield(task)
     except asyncio.CancelledError:
         pass  # the task goes on by itself; the caller's own exception keeps propagating
-    except Exception:  # noqa: BLE001 - cleanup is best effort; leases bound what it leaves
+    except Exception:  # cleanup is best effort; leases bound what it leaves
         log.warning("admission cleanup failed; the lease sweep will reclaim it", exc_info=True)
 
 

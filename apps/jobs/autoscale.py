@@ -84,12 +84,12 @@ def replicas_autoscale(*, now: datetime) -> AutoscaleReport:
         for model in Model.objects.filter(pk__in=list(model_ids)).order_by("name"):
             try:
                 _autoscale_model(model=model, now=now, report=report)
-            except Exception:  # noqa: BLE001 - one model's fault must not stop the others
+            except Exception:  # one model's fault must not stop the others
                 log.exception("autoscaling %s failed", model.name)
     finally:
         try:
             lock.release()
-        except Exception:  # noqa: BLE001 - expired meanwhile; nothing of ours to release
+        except Exception:  # expired meanwhile; nothing of ours to release
             pass
     return report
 

@@ -174,7 +174,7 @@ class Route:
 def routing_policy() -> str:
     try:
         override = get_redis().get(ROUTING_KEY)
-    except Exception:  # noqa: BLE001 - a routing hint: Redis trouble falls back to the setting
+    except Exception:  # a routing hint: Redis trouble falls back to the setting
         override = None
     policy = str(override or settings.KV_ROUTING)
     return policy if policy in POLICIES else "prefix"
@@ -586,7 +586,7 @@ def transfer_enabled() -> bool:
     ``KV_TRANSFER``)."""
     try:
         override = get_redis().get(TRANSFER_SWITCH_KEY)
-    except Exception:  # noqa: BLE001 - a switch: Redis trouble falls back to the setting
+    except Exception:  # a switch: Redis trouble falls back to the setting
         override = None
     if override in ("on", "off"):
         return override == "on"

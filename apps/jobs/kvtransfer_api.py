@@ -47,7 +47,9 @@ def kv_blob(request: HttpRequest, transfer_id: str) -> HttpResponseBase:
         path, size, sha = kvtransfer.kv_download_open(transfer_id=transfer_id, node_id=node.id)
     except kvtransfer.TransferRefused as exc:
         return _error(str(exc), exc.status)
-    resp = FileResponse(open(path, "rb"), content_type="application/octet-stream")  # noqa: SIM115 - FileResponse closes it
+    resp = FileResponse(
+        open(path, "rb"), content_type="application/octet-stream"
+    )  # FileResponse closes it
     resp["Content-Length"] = str(size)
     resp["X-Racon-Sha256"] = sha
     return resp

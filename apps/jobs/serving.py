@@ -227,7 +227,7 @@ def admission_released(*, adm: Admission) -> None:
     if release is not None:
         try:
             release()
-        except Exception:  # noqa: BLE001 - a lease bounds what a lost release keeps
+        except Exception:  # a lease bounds what a lost release keeps
             log.warning("job %s: the quota release failed", adm.job_id, exc_info=True)
 
 
@@ -686,7 +686,7 @@ def kv_finish(*, adm: Admission, outcome: Outcome, entry: dict[str, str] | None)
             usage={**admission_usage(adm=adm, entry=entry, check=False), **usage},
             served_slot=int(served) if isinstance(served, int) else None,
         )
-    except Exception:  # noqa: BLE001 - the cache record is advice; the job's end is not
+    except Exception:  # the cache record is advice; the job's end is not
         log.warning("job %s: the KV cache record was not updated", adm.job_id, exc_info=True)
 
 
@@ -724,6 +724,6 @@ def admission_cancel(*, adm: Admission) -> None:
     try:
         if adm.primary_id:
             job_cancel_flag(job_id=adm.job_id, node_id=adm.primary_id)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.warning("could not set the cancel flag", exc_info=True)
     admission_finish_in_background(adm=adm, outcome="cancelled", error="client disconnected")

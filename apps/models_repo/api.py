@@ -185,7 +185,7 @@ def model_file_download(request: HttpRequest, sha256: str) -> HttpResponseBase:
             {"error": {"message": f"no stored file with sha256 {sha256}"}}, status=404
         )
     size = os.path.getsize(mf.store_path)
-    fh = open(mf.store_path, "rb")  # noqa: SIM115 - FileResponse closes it
+    fh = open(mf.store_path, "rb")  # FileResponse closes it
     match = _RANGE.match(request.headers.get("Range", ""))
     if match:
         start = int(match.group(1))

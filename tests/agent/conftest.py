@@ -41,7 +41,7 @@ def _model() -> Path:
     """The real SmolLM2 (downloaded once into the user cache when the checkout has none)."""
     try:
         return smollm2_path()
-    except Exception:  # noqa: BLE001 - no registry reachable: the real-model tests skip, saying why
+    except Exception:  # no registry reachable: the real-model tests skip, saying why
         return REPO / "var" / "models" / NAME
 
 
@@ -128,7 +128,7 @@ class FakeController:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 if self.path == "/health":
                     self._send(200, {"status": "ok"})
                 elif self.path == PROTOCOL_PATH:
@@ -148,7 +148,7 @@ class FakeController:
                 else:
                     self._send(404, {"error": "not found"})
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 status, resp = outer.handle(self.path, self.headers.get("Authorization", ""), body)

@@ -82,7 +82,7 @@ def _llama_cpp_or_skip() -> GpuBackend:
 def test_a_cpu_only_build_says_it_has_no_gpu_backend() -> None:
     """llama_supports_gpu_offload() is true on the RPC build without any GPU: the devices are
     what tells, and the reason names the fix."""
-    import llama_cpp  # noqa: PLC0415 - optional: skipped above when missing
+    import llama_cpp  # optional: skipped above when missing
 
     found = _llama_cpp_or_skip()
     assert llama_cpp.llama_supports_gpu_offload()  # why the device list is checked too

@@ -196,7 +196,10 @@ def _run_operations(
             # No input of this kind exists (a negative case for an operation that takes nothing).
             skipped.append(f"{label} (no {mode.value} input)")
             continue
-        except (Exception, BaseExceptionGroup) as exc:  # noqa: BLE001 - every failure is collected, then reported together
+        except (
+            Exception,
+            BaseExceptionGroup,
+        ) as exc:  # every failure is collected, then reported together
             failures.append(f"{label}: {type(exc).__name__}: {str(exc)[:1500]}")
         ran.append(label)
     print(

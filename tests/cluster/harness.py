@@ -336,7 +336,7 @@ def _start_hosts(stack: ExitStack, cl: Cluster) -> None:
         sh("ip", "netns", "add", h.netns)
         stack.callback(sh, "ip", "netns", "del", h.netns, check=False)
     cl._write_wire_config()
-    wire_log = open(workdir / "wire.log", "wb")  # noqa: SIM115 - closed by the stack
+    wire_log = open(workdir / "wire.log", "wb")  # closed by the stack
     stack.callback(wire_log.close)
     wire = subprocess.Popen(
         [sys.executable, "-m", "tests.cluster.netwire", str(cl.wire_config)],

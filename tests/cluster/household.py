@@ -97,7 +97,7 @@ class Household:
                 finally:
                     os.close(fd)
                 result.append(("ok", fn()))
-            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            except BaseException as exc:  # handed back to the caller
                 result.append(("err", exc))
 
         t = threading.Thread(target=body, daemon=True, name=f"netns-{host}")

@@ -80,7 +80,7 @@ def test_a_drain_moves_the_model_first_lets_the_stream_finish_and_loses_no_job(
                             streamed["error"] = ev.data
                         streamed["chunks"] += 1
                         first_chunk.set()
-            except Exception as exc:  # noqa: BLE001 - reported by the assertions below
+            except Exception as exc:  # reported by the assertions below
                 streamed["error"] = repr(exc)
             finally:
                 first_chunk.set()

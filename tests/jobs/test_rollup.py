@@ -105,7 +105,9 @@ def test_a_rewrite_is_idempotent_and_counts_jobs_that_ended_since(split: dict[st
     assert MinuteRollup.objects.get(scope="pool").requests == 1
     later = job_for(account=None, model=split["model"], deployment=split["dep"])
     _finish(later, tokens=5, at=now + timedelta(seconds=20))
-    call_command("rollup_flush", stdout=open("/dev/null", "w"))  # noqa: SIM115 - the command's output is not the point
+    call_command(
+        "rollup_flush", stdout=open("/dev/null", "w")
+    )  # the command's output is not the point
     row = MinuteRollup.objects.get(scope="pool", minute=now.replace(second=0))
     assert row.requests == 2 and row.completion_tokens == 12
 

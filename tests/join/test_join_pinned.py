@@ -31,7 +31,7 @@ def server(tmp_path: Path) -> Iterator[tuple[str, tls.ServerCert, Path]]:
     marker = tmp_path / "ran"
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             if self.path.endswith(".py"):
                 body = f"open({str(marker)!r}, 'w').write('py')\n".encode()
             else:

@@ -161,7 +161,7 @@ def start_launcher(var: Path, *args: str) -> Launcher:
         PYTHONUNBUFFERED="1",
     )
     log_path = var.parent / f"launcher-{port}.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - closed by Launcher.close
+    log = open(log_path, "wb")  # closed by Launcher.close
     proc = subprocess.Popen(
         [sys.executable, "-m", "racon.launcher", "--agents", "1", "--no-model", *args],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,

@@ -23,7 +23,7 @@ def _smollm2() -> Path:
 
     try:
         return smollm2_path()
-    except Exception:  # noqa: BLE001 - no registry reachable: the real-model tests skip, saying why
+    except Exception:  # no registry reachable: the real-model tests skip, saying why
         return Path(__file__).resolve().parents[2] / "var" / "models" / NAME
 
 

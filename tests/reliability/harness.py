@@ -424,7 +424,7 @@ def start_cluster(var: Path) -> tuple[Launcher, dict[str, str]]:
     rpc_port = take_port(count=2)  # the launcher gives agent i RACON_RPC_PORT + i
     env = cluster_env(var, port, rpc_port)
     log_path = var.parent / f"launcher-{port}.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - closed by Launcher.close
+    log = open(log_path, "wb")  # closed by Launcher.close
     proc = subprocess.Popen(
         [sys.executable, "-m", "racon.launcher", "--agents", "2"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,

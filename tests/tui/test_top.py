@@ -41,7 +41,7 @@ def cell(app: TopApp, table_id: str, row: str, col: str) -> str:
     table = app.query_one(f"#{table_id}", DataTable)
     try:
         return str(table.get_cell(row, col))
-    except Exception:  # noqa: BLE001 - row not there yet
+    except Exception:  # row not there yet
         return ""
 
 
