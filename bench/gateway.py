@@ -72,6 +72,9 @@ def direct_worker(cfg: dict[str, Any]) -> int:
     """Load the model as the primary does, warm it up the same way, then time each request."""
     from llama_cpp import Llama
 
+    from agent.runtime.ggml import load_llama_cpp_backends
+
+    load_llama_cpp_backends()  # a GPU build's (GGML_BACKEND_DL) backends are modules in its lib/
     llm = Llama(
         model_path=cfg["model_path"],
         n_gpu_layers=int(cfg.get("n_gpu_layers", 0)),

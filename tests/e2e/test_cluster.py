@@ -23,6 +23,8 @@ import openai
 import pytest
 from httpx_sse import connect_sse
 
+from agent.runtime.ggml import load_llama_cpp_backends
+
 from .harness import AgentProc, Controller, start_agent, stop_agent, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -44,6 +46,7 @@ def direct_local_run(model_path: Path, times: int = 3) -> list[str]:
     """
     from llama_cpp import Llama
 
+    load_llama_cpp_backends()  # a GPU build's (GGML_BACKEND_DL) backends are modules in its lib/
     llm = Llama(
         model_path=str(model_path), n_ctx=N_CTX, n_threads=2, flash_attn=True, verbose=False
     )  # the primary runs -fa auto
