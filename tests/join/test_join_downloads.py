@@ -124,7 +124,12 @@ def test_a_machine_without_served_wheels_says_it_builds_and_why_then_needs_a_com
     )  # fmt: skip
     key, _ = join.own_platform()
     said = proc.stderr
-    assert f"this machine is {key}-" in said, said  # the same key plus the flags' hash
+    # The same CPU, its own flags' hash (and only the backends this PATH can build: no glslc).
+    cpu = key.split("-cpu-rpc")[0]
+    mine = (
+        said.split("this machine is ", 1)[1].split(" ", 1)[0] if "this machine is " in said else ""
+    )
+    assert mine.startswith(f"{cpu}-cpu-rpc") and mine != key, said
     assert f"the controller only has llama.cpp built for {key}/cp3" in said, said
     assert "building llama.cpp with RPC (ggml-rpc) here instead, because a build made for" in said
     refused(proc, machine, 1, "building llama.cpp needs cmake", "install it")
