@@ -45,6 +45,9 @@ def test_a_clean_machine_joins_with_the_one_line(controller: Controller, machine
         RACON_ADVERTISE_ADDRESS="127.0.0.1",
         RACON_RPC_PORT=str(free_port()),
         GGML_NO_BACKTRACE="1",
+        # This test is the Python route (a venv from served wheels); the standalone bundle's
+        # route is tests/join/test_join_bundle.py and tests/cluster/test_standalone_join.py.
+        RACON_JOIN_ROUTE="python",
     )
     log_path = machine / "join.log"
     started = time.monotonic()
