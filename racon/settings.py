@@ -485,6 +485,7 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
     "ENUM_NAME_OVERRIDES": {
         "NodeStateEnum": "apps.nodes.states.NodeState",
+        "EngineEnum": "apps.nodes.states.Engine",
         "JobStateEnum": "apps.jobs.states.JobState",
         "DeploymentStateEnum": "apps.jobs.states.DeploymentState",
         "AccountKindEnum": "apps.accounts.models.AccountKind",

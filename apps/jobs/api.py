@@ -29,6 +29,7 @@ from apps.nodes.api import (
 from apps.nodes.enrollment import NodeAuthError, node_authenticate
 from apps.nodes.errors import ReportRefused
 from apps.nodes.models import Event, Node
+from apps.nodes.states import Engine
 from racon.logging import log_context
 from racon.pagination import LimitPagination
 from racon.redis import get_redis
@@ -55,7 +56,7 @@ def _error(message: str, status: int, code: str, **extra: Any) -> Response:
 class PlacementIn(serializers.Serializer):
     model = serializers.CharField(max_length=200)
     engine = serializers.ChoiceField(
-        choices=["llamacpp", "vllm"],
+        choices=Engine.choices,
         required=False,
         default="llamacpp",
         help_text="llamacpp (llama-server, the default) or vllm (one node, a safetensors model "

@@ -6,6 +6,8 @@ import uuid
 
 from django.db import models
 
+from apps.nodes.states import Engine
+
 from .states import DeploymentState, JobState
 
 
@@ -20,7 +22,7 @@ class Deployment(models.Model):
     # The engine that serves it (issue 30): llama.cpp's llama-server, or vLLM on one node.
     engine = models.CharField(
         max_length=16,
-        choices=[("llamacpp", "llama.cpp"), ("vllm", "vLLM")],
+        choices=Engine.choices,
         default="llamacpp",
     )
     state = models.CharField(

@@ -49,7 +49,7 @@ from .lending import PolicyError, node_lending_claim
 from .links import link_matrix
 from .models import EnrollmentToken, Event, Node
 from .services import node_drain, node_undrain
-from .states import NodeState
+from .states import Engine, NodeState
 
 # --- wire serializers (checked against agent/protocol.py by a contract test) ---------------------
 
@@ -84,7 +84,7 @@ class HardwareSerializer(serializers.Serializer):
     fingerprint = serializers.CharField(max_length=128, required=False)
     # The engines the node runs (issue 30): a claim, used only to say where vLLM could go.
     engines = serializers.ListField(
-        child=serializers.ChoiceField(choices=["llamacpp", "vllm"]), required=False, max_length=2
+        child=serializers.ChoiceField(choices=Engine.choices), required=False, max_length=2
     )
 
     def validate_cpu(self, value: dict[str, Any]) -> dict[str, Any]:

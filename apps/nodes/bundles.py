@@ -32,6 +32,9 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -293,9 +296,19 @@ class BundleApi(APIView):
 
     parser_classes: list[Any] = []  # the body is the tarball itself, read below
 
+    @extend_schema(responses={200: serializers.ListSerializer(child=serializers.DictField())})
     def get(self, request: Request) -> Response:
         return Response(summaries())
 
+    @extend_schema(
+        request={"application/octet-stream": OpenApiTypes.BINARY},  # a .tar.gz, any type
+        parameters=[
+            OpenApiParameter(
+                "name", str, required=False, description="the tarball's file name, as built"
+            )
+        ],
+        responses={201: OpenApiTypes.OBJECT, 400: OpenApiTypes.OBJECT},
+    )
     def post(self, request: Request) -> Response:
         raw = request._request
         size = int(raw.META.get("CONTENT_LENGTH") or 0)

@@ -84,3 +84,10 @@ def health_state(
     if age >= degraded_after * interval:
         return S.DEGRADED
     return None
+
+
+class Engine(models.TextChoices):
+    """The inference engines a node can run and a deployment can use (issue 30)."""
+
+    LLAMACPP = "llamacpp", "llama.cpp"
+    VLLM = "vllm", "vLLM"
