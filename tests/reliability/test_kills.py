@@ -134,7 +134,12 @@ def test_an_rpc_worker(cluster: Cluster, results: list[Result]) -> None:
                 if agent is None:
                     continue
                 for p in agent.children(recursive=True):
-                    if "agent.runtime.rpc_worker_main" in cmdline(p):
+                    # The worker starts as agent.runtime.rpc_worker_main and execs the build's
+                    # ggml-rpc-server (same pid): either command line is the RPC worker.
+                    line = cmdline(p)
+                    if "agent.runtime.rpc_worker_main" in line or (
+                        line and line[0].endswith("ggml-rpc-server")
+                    ):
                         return sigkill(p, f"the RPC worker of {by_id[node_id]}")
             raise AssertionError(f"no RPC worker process for the plan's workers {workers}")
 
