@@ -36,7 +36,7 @@ from apps.nodes.api import node_credentials
 from apps.nodes.commands import command_send
 from apps.nodes.enrollment import NodeAuthError, node_authenticate
 from apps.nodes.lending import lending_view, node_lending_owner_set
-from apps.nodes.models import Node
+from apps.nodes.models import Event, Node
 
 __all__ = ["AgentEarningsApi", "AgentLendingApi", "AgentSelfApi"]
 
@@ -58,6 +58,19 @@ def _node_or_401(request: Request) -> Node | Response:
     except (NodeAuthError, ValueError) as exc:
         code = getattr(exc, "code", "invalid_credential")
         return Response({"error": {"message": str(exc), "code": code}}, status=401)
+
+
+def _last_challenge_failure(node: Node) -> dict[str, Any] | None:
+    """The node's newest failed challenge (SPEED_CHALLENGE_FAILED, REPLICA_CHALLENGE_FAILED):
+    the desktop app notifies when a new one appears."""
+    ev = (
+        Event.objects.filter(node=node, kind__endswith="CHALLENGE_FAILED")
+        .order_by("-created_at", "-id")
+        .first()
+    )
+    if ev is None:
+        return None
+    return {"id": ev.id, "kind": ev.kind, "message": ev.message, "at": ev.created_at.isoformat()}
 
 
 def _lends(node: Node) -> dict[str, Any]:
@@ -110,6 +123,7 @@ class AgentSelfApi(APIView):
                 "jobs_today": jobs_today,
                 "jobs_running": Job.objects.filter(nodes=node, state="RUNNING").count(),
                 "lending_open": view.open,
+                "last_challenge_failure": _last_challenge_failure(node),
             }
         )
 

@@ -168,10 +168,15 @@ def controller_for(agent: LocalAgent, override: str | None = None) -> Controller
     ident = agent.identity()
     verify: Any = True
     ca = agent.state_dir / "controller-ca.pem"
+    # The join line keeps the controller's CA beside the agent it installs (join.sh, join.py).
+    joined_ca = Path(os.environ.get("RACON_JOIN_HOME") or Path.home() / ".racon-agent")
+    joined_ca = joined_ca / "controller-ca.pem"
     if ca.is_file():
         verify = str(ca)
     elif os.environ.get("RACON_CA_FILE"):
         verify = os.environ["RACON_CA_FILE"]
+    elif joined_ca.is_file():
+        verify = str(joined_ca)
     return Controller(override or ident.controller_url, ident.auth_header(), verify=verify)
 
 

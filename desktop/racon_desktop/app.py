@@ -21,15 +21,17 @@ import logging
 import sys
 import threading
 import time
-import webbrowser
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from anyio.from_thread import start_blocking_portal
-from pytauri import BuilderArgs, Manager
+from pytauri import BuilderArgs, Manager, WebviewUrl
 from pytauri.image import Image
 from pytauri.menu import Menu, MenuItem, PredefinedMenuItem
 from pytauri.tray import TrayIcon
+from pytauri.webview import WebviewWindowBuilder
+from pytauri_plugins import notification
 from pytauri_wheel.lib import builder_factory, context_factory
 
 from . import commands as cmds
@@ -38,9 +40,11 @@ from .agent_api import (
     Controller,
     ControllerError,
     LocalAgent,
+    candidate_state_dirs,
     controller_for,
     find_state_dir,
 )
+from .notify import Notifier, settings_path
 
 HERE = Path(__file__).resolve().parent
 TITLE = "RACoN: this machine"
@@ -55,7 +59,16 @@ COLOURS = {
 }
 POLL_SECONDS = 2.0
 BACKOFF_MAX = 60.0
+# The window's own pages: Tauri's app origin (tauri://localhost on Linux and macOS,
+# http(s)://tauri.localhost on Windows). Every other navigation is refused (on_navigation).
+APP_ORIGINS = ("tauri://localhost", "http://tauri.localhost", "https://tauri.localhost")
 log = logging.getLogger("racon_desktop")
+
+
+def navigation_allowed(url: str) -> bool:
+    """Only the app's own pages: the controller's pages open in the browser (Open dashboard),
+    never in this window, whose pages can call the app's commands."""
+    return any(url == o or url.startswith(o + "/") for o in APP_ORIGINS)
 
 
 def icon_rgba(state: str, size: int = 32) -> bytes:
@@ -100,6 +113,7 @@ class Model:
         self.focus = ""  # a section the page should scroll to ("lending")
         self.message = ""
         self.listeners: list[Any] = []
+        self.notifier: Notifier | None = None
 
     def snapshot(self) -> dict[str, Any]:
         local = self.agent.lending()
@@ -117,10 +131,13 @@ class Model:
             "controller": self.controller.base,
             "focus": focus,
             "message": message,
+            "blocked": list(cmds.BLOCKED),
+            "notified": list(self.notifier.sent) if self.notifier else [],
         }
 
     def poll_forever(self, stop: threading.Event) -> None:
         delay = POLL_SECONDS
+        before = ""
         while not stop.is_set():
             try:
                 node = self.controller.node()
@@ -132,11 +149,24 @@ class Model:
                 delay = POLL_SECONDS
                 with self.lock:
                     self.node, self.error, self.retry_in = node, "", 0.0
+            state = self.snapshot_state()
             for fn in list(self.listeners):
                 try:
-                    fn(self.snapshot_state())
+                    fn(state)
                 except Exception:  # a listener's failure must not stop the poller
                     log.exception("tray update failed")
+            if self.notifier is not None:
+                try:
+                    with self.lock:
+                        node, error = self.node, self.error
+                    self.notifier.observe(before, state, node, error)
+                    if node is not None:
+                        self.notifier.daily(
+                            datetime.now().date(), lambda: self.controller.earnings(days=2)
+                        )
+                except Exception:
+                    log.exception("notifications failed")
+            before = state
             stop.wait(delay)
 
     def snapshot_state(self) -> str:
@@ -150,15 +180,39 @@ def _status_file() -> Path | None:
     return Path(raw) if raw else None
 
 
-def run(agent: LocalAgent, controller: Controller) -> int:
-    model = Model(agent, controller)
-    cmds.bind(model, controller)
-    do_pause, do_resume = cmds.do_pause, cmds.do_resume
-
+def run(
+    agent: LocalAgent | None,
+    controller: Controller | None,
+    *,
+    state_dir: Path,
+    controller_hint: str | None = None,
+) -> int:
+    """The app. With no agent yet (``agent`` None) the window is the first-run join for
+    ``state_dir``; once that node is READY the app goes on as if it had found it."""
     tray_ref: dict[str, Any] = {}  # the TrayIcon lives as long as the app: its icon goes with it
     stop = threading.Event()
+    shared: dict[str, Any] = {"model": None}
+
+    def attach(handle: Any, agent: LocalAgent, controller: Controller) -> None:
+        model = Model(agent, controller)
+        shared["model"] = model
+
+        def send(title: str, body: str) -> None:
+            notification.NotificationExt.builder(handle).show(title=title, body=body)
+
+        model.notifier = Notifier(settings_path(os.environ), send)
+        cmds.bind(model, controller)
+        model.listeners.append(tray_ref["on_state"])
+        threading.Thread(target=model.poll_forever, args=(stop,), daemon=True).start()
+
+    def joined() -> None:
+        agent = LocalAgent(state_dir)
+        attach(tray_ref["handle"], agent, controller_for(agent))
+
+    cmds.bind_join(state_dir=state_dir, controller_hint=controller_hint, on_joined=joined)
 
     def setup(app_handle: Any) -> None:
+        tray_ref["handle"] = app_handle
         items = {
             "pause": MenuItem.with_id(app_handle, "pause", "Pause now", True),
             "resume": MenuItem.with_id(app_handle, "resume", "Resume", True),
@@ -174,21 +228,20 @@ def run(agent: LocalAgent, controller: Controller) -> int:
         )  # fmt: skip
         tray = TrayIcon.with_id(app_handle, TRAY_ID)
         tray.set_icon(Image(icon_rgba("OFFLINE"), 32, 32))
-        tray.set_tooltip("RACoN: connecting")
+        tray.set_tooltip("RACoN: connecting" if agent else "RACoN: not joined yet")
         tray.set_menu(menu)
         tray_ref["tray"], tray_ref["menu"], tray_ref["items"] = tray, menu, items
 
         def on_menu(handle: Any, menu_id: str) -> None:
             log.info("tray menu: %s", menu_id)
-            if menu_id == "pause":
-                threading.Thread(target=do_pause, daemon=True).start()
-            elif menu_id == "resume":
-                threading.Thread(target=do_resume, daemon=True).start()
-            elif menu_id == "dashboard":
-                node = model.node or {}
-                path = f"/nodes/{node['id']}" if node.get("id") else "/"
-                webbrowser.open(controller.base + path)  # the controller's own origin only
-            elif menu_id == "lending":
+            model = shared["model"]
+            if menu_id == "pause" and model is not None:
+                threading.Thread(target=cmds.do_pause, daemon=True).start()
+            elif menu_id == "resume" and model is not None:
+                threading.Thread(target=cmds.do_resume, daemon=True).start()
+            elif menu_id == "dashboard" and model is not None:
+                threading.Thread(target=cmds.open_dashboard, daemon=True).start()
+            elif menu_id == "lending" and model is not None:
                 with model.lock:
                     model.focus = "lending"
                 win = Manager.get_webview_window(handle, "main")
@@ -207,14 +260,37 @@ def run(agent: LocalAgent, controller: Controller) -> int:
                 return
             last["state"] = state
             tray.set_icon(Image(icon_rgba(state), 32, 32))
-            tray.set_tooltip(f"RACoN: {state}")
+            model = shared["model"]
+            error = model.error if model is not None else ""
+            tip = f"RACoN: {state}"
+            if state == "OFFLINE" and error:
+                tip += " (controller unreachable, retrying)"
+            tray.set_tooltip(tip)
             items["pause"].set_enabled(state not in ("DRAINING", "PAUSED"))
             status = _status_file()
             if status is not None:  # for tests and scripts: what the tray shows now
-                status.write_text(json.dumps({"state": state, "at": time.time()}))
+                status.write_text(json.dumps({"state": state, "tooltip": tip, "at": time.time()}))
 
-        model.listeners.append(on_state)
-        threading.Thread(target=model.poll_forever, args=(stop,), daemon=True).start()
+        tray_ref["on_state"] = on_state
+
+        def on_navigation(url: str) -> bool:
+            if navigation_allowed(url):
+                return True
+            log.warning("blocked navigation of the window to %s", url)
+            cmds.BLOCKED.append(url)
+            del cmds.BLOCKED[:-10]
+            return False
+
+        WebviewWindowBuilder.build(
+            app_handle,
+            "main",
+            WebviewUrl.App("index.html" if agent else "join.html"),
+            title=TITLE,
+            inner_size=(980.0, 760.0),
+            on_navigation=on_navigation,
+        )
+        if agent is not None and controller is not None:
+            attach(app_handle, agent, controller)
 
     config = {
         "productName": "racon-desktop",
@@ -223,7 +299,8 @@ def run(agent: LocalAgent, controller: Controller) -> int:
         "app": {
             "withGlobalTauri": True,
             # The CSP is the page's own <meta> (pytauri-wheel's assets cannot hash a config CSP).
-            "windows": [{"label": "main", "title": TITLE, "width": 980, "height": 760}],
+            # The window is built in setup, with on_navigation (APP_ORIGINS).
+            "windows": [],
         },
     }
     with start_blocking_portal("asyncio") as portal:
@@ -231,6 +308,7 @@ def run(agent: LocalAgent, controller: Controller) -> int:
             context=context_factory(HERE, tauri_config=json.dumps(config)),
             invoke_handler=cmds.commands.generate_handler(portal),
             setup=setup,
+            plugins=[notification.init()],
         )
         app = builder_factory().build(**args)
         code = app.run_return()
@@ -260,18 +338,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("LC_ALL", None)
         os.environ.pop("LC_MESSAGES", None)
         os.environ["LANG"] = "en_US.UTF-8"
-    state_dir = find_state_dir(os.environ, Path(args.state_dir) if args.state_dir else None)
+    explicit = Path(args.state_dir).expanduser() if args.state_dir else None
+    state_dir = find_state_dir(os.environ, explicit)
     if state_dir is None:
-        print(
-            "racon-desktop: no agent on this machine (no identity.json in RACON_STATE_DIR, "
-            "~/.local/state/racon-agent or var/agents/local-*): join first (the join line)",
-            file=sys.stderr,
-        )
-        return 1
+        # No agent on this machine: the first-run join, for the agent's own state dir.
+        target = candidate_state_dirs(os.environ, explicit)[0]
+        log.info("no agent found: first-run join into %s", target)
+        return run(None, None, state_dir=target, controller_hint=args.controller_url)
     agent = LocalAgent(state_dir)
     try:
         controller = controller_for(agent, args.controller_url)
     except (AgentError, ControllerError) as exc:
         print(f"racon-desktop: {exc}", file=sys.stderr)
         return 1
-    return run(agent, controller)
+    return run(agent, controller, state_dir=state_dir)

@@ -16,7 +16,15 @@ async function refresh() {
   document.title = "RACoN: " + (s.node ? s.node.name : "this machine") + " (" + s.state + ")";
   $("error").hidden = !s.error;
   $("error").textContent = s.error ? s.error + (s.retry_in ? " (retrying in " + s.retry_in + " s)" : "") : "";
+  if (s.joined === false) { window.location.href = "join.html"; return; }
   if (s.message) $("message").textContent = s.message;
+  $("blocked").hidden = !(s.blocked && s.blocked.length);
+  $("blocked").textContent = s.blocked && s.blocked.length
+    ? "Blocked: this window loads only its own pages, not " + s.blocked[s.blocked.length - 1] : "";
+  $("notified").replaceChildren(...(s.notified || []).slice(-5).map((n) => {
+    const li = document.createElement("li"); li.dataset.kind = n.kind;
+    li.textContent = n.title + ": " + n.body; return li;
+  }));
   $("pause").disabled = s.state === "DRAINING" || s.state === "PAUSED";
   $("resume").disabled = !s.local_paused;
   if (s.node) {
@@ -88,7 +96,20 @@ $("lending-form").addEventListener("submit", async (ev) => {
 $("pause").addEventListener("click", async () => { $("message").textContent = (await invoke("pause")).message; refresh(); });
 $("resume").addEventListener("click", async () => { $("message").textContent = (await invoke("resume")).message; refresh(); });
 
+async function loadNotify() {
+  const n = await invoke("notify_get");
+  const f = $("notify-form");
+  for (const [k, v] of Object.entries(n.switches)) if (f.elements[k]) f.elements[k].checked = v;
+}
+$("notify-form").addEventListener("change", async () => {
+  const f = $("notify-form");
+  const body = {};
+  for (const k of ["offline", "challenge", "paused", "earnings"]) body[k] = f.elements[k].checked;
+  await invoke("notify_set", body);
+});
+
 const said = (id) => (e) => { $(id).textContent = String(e); };
+loadNotify().catch(said("message"));
 refresh(); drawEarnings().catch(said("earnings-total")); loadLending().catch(said("lending-error"));
 setInterval(refresh, 2000);
 setInterval(() => drawEarnings().catch(said("earnings-total")), 30000);
