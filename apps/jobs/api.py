@@ -82,6 +82,12 @@ class PlacementIn(serializers.Serializer):
     exclude_nodes = serializers.ListField(
         child=serializers.CharField(max_length=120), required=False, max_length=64
     )
+    primary = serializers.CharField(
+        max_length=120,
+        required=False,
+        help_text="the node (id or name) that runs the llama-server; the plan's other nodes lend "
+        "RPC workers. Omitted: the scheduler's choice",
+    )
     spread = serializers.BooleanField(
         required=False, default=False, help_text="use every pinned node even when one would do"
     )
@@ -117,6 +123,14 @@ def _resolve(request_data: dict[str, Any]) -> tuple[Model, dict[str, Any]] | Res
                 return _error(f"unknown node {ref!r}", 404, "not_found", param=key)
             resolved.append(str(node.id))
         out[key] = resolved
+    if request_data.get("primary"):
+        ref = request_data["primary"]
+        node = Node.objects.filter(name=ref).first() or (
+            Node.objects.filter(pk=ref).first() if _looks_uuid(ref) else None
+        )
+        if node is None:
+            return _error(f"unknown node {ref!r}", 404, "not_found", param="primary")
+        out["primary"] = str(node.id)
     return model, out
 
 

@@ -129,6 +129,7 @@ def placement_request_from(data: dict[str, Any]) -> PlacementRequest:
         spread=bool(data.get("spread", False)),
         allow_same_node=bool(data.get("allow_same_node", False)),
         pin_devices=tuple(str(d) for d in data["devices"]) if data.get("devices") else None,
+        primary=str(data["primary"]) if data.get("primary") else None,
     )
 
 

@@ -219,3 +219,30 @@ def unverified_primary_fallback(cluster: ClusterSnapshot) -> ClusterSnapshot:
     return dataclasses.replace(
         cluster, nodes=tuple(dataclasses.replace(n, may_be_primary=True) for n in cluster.nodes)
     )
+
+
+def pin_primary_apply(cluster: ClusterSnapshot, request: PlacementRequest) -> ClusterSnapshot:
+    """The operator's pinned primary is the only node that may be the primary; a primary that is
+    excluded, or outside the pinned nodes, is refused naming why."""
+    if request.primary is None:
+        return cluster
+    if request.primary in request.exclude_nodes:
+        raise PlacementRefused(
+            f"the pinned primary {request.primary} is also excluded", 0, (), code="invalid_request"
+        )
+    if request.pin_nodes is not None and request.primary not in request.pin_nodes:
+        raise PlacementRefused(
+            f"the pinned primary {request.primary} is not one of the pinned nodes",
+            0,
+            (),
+            code="invalid_request",
+        )
+    if not any(n.node_id == request.primary for n in cluster.nodes):
+        raise PlacementRefused(f"unknown primary node: {request.primary}", 0, ())
+    return dataclasses.replace(
+        cluster,
+        nodes=tuple(
+            dataclasses.replace(n, may_be_primary=n.node_id == request.primary)
+            for n in cluster.nodes
+        ),
+    )

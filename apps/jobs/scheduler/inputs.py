@@ -130,6 +130,9 @@ class PlacementRequest:
     # The operator's device pin, by llama.cpp name ("Vulkan0", "CPU") or "node:device" (node id
     # or name): the plan's layers go on exactly these devices (eligibility.pin_devices_apply).
     pin_devices: tuple[str, ...] | None = None
+    # The operator's choice of primary (a node id): only it may hold the llama-server; the other
+    # nodes of the plan lend RPC workers (eligibility.pin_primary_apply).
+    primary: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

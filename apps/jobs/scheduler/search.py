@@ -18,6 +18,7 @@ from .eligibility import (
     _select_nodes,
     _tiers,
     pin_devices_apply,
+    pin_primary_apply,
     unverified_primary_fallback,
 )
 from .evaluate import _Ctx, _Eval, _evaluate, _Node
@@ -278,6 +279,7 @@ def plan_placement(
     _check_request(profile, asked)
     cluster, pinned = pin_devices_apply(cluster, asked)
     cluster = unverified_primary_fallback(cluster)
+    cluster = pin_primary_apply(cluster, asked)
     request = _search_request(pinned)
     ready, degraded, notes = _select_nodes(cluster, request)
     tiers = _tiers(request, ready, degraded)
