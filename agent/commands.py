@@ -28,6 +28,7 @@ from agent.hardware.benchmark import speed_challenge_digest
 from agent.lending import LendingPolicy, PolicyError, owner_policy_save, policy_from_wire
 from agent.links import bulk_bytes_for, probe_peer
 from agent.models import (
+    MANIFEST,
     OutsideModelsDir,
     ShaCache,
     confined_model_path,
@@ -493,7 +494,20 @@ class Commands:
             raise CommandError(
                 f"load_primary refused: {exc}", code="path_outside_models_dir"
             ) from None
-        return p if p.is_dir() else None
+        if p.is_dir():
+            return p
+        # Not at the plan's name: the directory in the models dir whose manifest has the plan's
+        # sha256 (the full check of every file follows in load_primary).
+        sha = plan["sha256"].lower()
+        root = self.config.models_dir
+        for cand in sorted(root.iterdir()) if root.is_dir() else []:
+            manifest = cand / MANIFEST
+            try:
+                if cand.is_dir() and hashlib.sha256(manifest.read_bytes()).hexdigest() == sha:
+                    return cand
+            except OSError:
+                continue
+        return None
 
     def _dir_digest(self, path: Path) -> str:
         try:

@@ -142,7 +142,11 @@ class Dispatcher:
             self.finish(item, ok=False, error=str(exc))
         except PlanError as exc:
             self.finish(item, ok=False, error=str(exc), code=exc.code)
-        except (RuntimeErrorReport, FetchError) as exc:
+        except RuntimeErrorReport as exc:
+            # An engine that died at its start says so (code engine_failed) with its last lines.
+            extra = {k: exc.data[k] for k in ("code", "log_tail", "exit_code") if k in exc.data}
+            self.finish(item, ok=False, error=str(exc), **extra)
+        except FetchError as exc:
             self.finish(item, ok=False, error=str(exc))
         except Exception as exc:
             log.exception("command %s (%s) failed", item.id, item.kind)

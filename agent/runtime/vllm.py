@@ -223,6 +223,7 @@ class VllmPrimary(ServerPrimary):
                     f"{self._death_reason(self._proc.returncode)}",
                     data={
                         "deployment_id": self.deployment_id,
+                        "code": "engine_failed",
                         "exit_code": self._proc.returncode,
                         "log_tail": log_tail(self.log_path, 8),
                     },
@@ -240,6 +241,7 @@ class VllmPrimary(ServerPrimary):
                     f"within {self.load_timeout:.0f}s",
                     data={
                         "deployment_id": self.deployment_id,
+                        "code": "engine_failed",
                         "log_tail": log_tail(self.log_path, 8),
                     },
                 )

@@ -39,6 +39,7 @@ from .deployments import (
     deployment_create,
     deployment_preview,
     deployment_stop,
+    engine_model_file,
     placement_request_from,
 )
 from .filters import DeploymentFilter, JobFilter
@@ -156,13 +157,7 @@ def _engine_refused(model: Model, engine: str) -> Response | None:
             "engine_unavailable",
             param="engine",
         )
-    return _error(
-        "this controller cannot place a vLLM deployment yet (issue 30: the agent serves one, the "
-        "scheduler does not plan one); deploy the model with engine llamacpp",
-        400,
-        "engine_unavailable",
-        param="engine",
-    )
+    return None
 
 
 def _refused(exc: PlacementRefused) -> Response:
@@ -286,7 +281,7 @@ class DeploymentPreviewApi(APIView):
         model, v = resolved
         if (refused := _engine_refused(model, v.get("engine", "llamacpp"))) is not None:
             return refused
-        mf = model.files.exclude(format="safetensors").order_by("-created_at").first()
+        mf = engine_model_file(model, v.get("engine", "llamacpp"))
         if mf is None:
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
         try:
@@ -333,7 +328,7 @@ class DeploymentListCreateApi(GenericAPIView):
         if (refused := _engine_refused(model, v.get("engine", "llamacpp"))) is not None:
             return refused
         req = placement_request_from(v)
-        mf = model.files.exclude(format="safetensors").order_by("-created_at").first()
+        mf = engine_model_file(model, v.get("engine", "llamacpp"))
         if mf is None:
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
         try:

@@ -33,7 +33,7 @@ from racon.transitions import transition_guarded
 from . import admission, kvcache, selectors
 from .jobs import DeploymentError, _uuid_or_refuse, job_cancel, job_fail
 from .models import Deployment, Job
-from .scheduler import CostModel, PlacementRequest, Plan, plan_placement
+from .scheduler import CostModel, PlacementRequest, Plan, VllmModel, plan_placement, plan_vllm
 from .states import (
     DEPLOYMENT_ACTIVE,
     DEPLOYMENT_PENDING,
@@ -130,19 +130,45 @@ def placement_request_from(data: dict[str, Any]) -> PlacementRequest:
         allow_same_node=bool(data.get("allow_same_node", False)),
         pin_devices=tuple(str(d) for d in data["devices"]) if data.get("devices") else None,
         primary=str(data["primary"]) if data.get("primary") else None,
+        engine=str(data.get("engine") or "llamacpp"),
+    )
+
+
+def engine_model_file(model: Model, engine: str) -> ModelFile | None:
+    """The file an engine serves: vLLM the model's safetensors directory, llama.cpp its newest
+    other file (the GGUF)."""
+    files = model.files.order_by("-created_at")
+    if engine == "vllm":
+        return files.filter(format="safetensors").first()
+    return files.exclude(format="safetensors").first()
+
+
+def vllm_model_of(model_file: ModelFile) -> VllmModel:
+    """A model directory's figures for a vLLM plan (config.json, recorded at registration)."""
+    return VllmModel.from_config(
+        size=model_file.size,
+        dtype=model_file.quantization,
+        n_layer=model_file.n_layer,
+        n_embd=model_file.n_embd,
+        n_head=model_file.n_head,
+        n_head_kv=model_file.n_head_kv,
+        n_ctx_train=model_file.n_ctx_train,
     )
 
 
 def deployment_preview(
     *, model_file: ModelFile, request: PlacementRequest, exclude_deployment: Any = None
 ) -> Plan:
-    """The plan and predictions for this model now, without loading anything."""
-    profile = ModelProfile.from_dict(model_file.profile)
+    """The plan and predictions for this model now, without loading anything. A vLLM request
+    (engine vllm, a safetensors model_file) gets a one-node plan (scheduler/vllm.py)."""
     snapshot = selectors.cluster_snapshot(
         model_file=model_file, exclude_deployment=exclude_deployment
     )
     t0 = time.perf_counter()
     try:
+        if request.engine == "vllm":
+            return plan_vllm(vllm_model_of(model_file), snapshot, request)
+        profile = ModelProfile.from_dict(model_file.profile)
         return plan_placement(profile, snapshot, request, cost=scheduler_cost_model())
     finally:
         _record_placement_latency(time.perf_counter() - t0)
@@ -165,7 +191,7 @@ def deployment_create(
     *, model: Model, request: PlacementRequest, now: datetime, auto: bool = False
 ) -> Deployment:
     """Record a deployment (PLANNING) and ask Celery to place it once this transaction commits."""
-    model_file = model.files.exclude(format="safetensors").order_by("-created_at").first()
+    model_file = engine_model_file(model, request.engine)
     if model_file is None:
         raise DeploymentError(f"model {model.name!r} has no registered file")
     with transaction.atomic():
@@ -173,6 +199,7 @@ def deployment_create(
         dep = Deployment.objects.create(
             model=model,
             model_file=model_file,
+            engine=request.engine,
             state=D.PLANNING,
             request=request.to_dict(),
             n_ctx=request.n_ctx,

@@ -158,6 +158,7 @@ def deployment_place(
                     now=clock(),
                     kind="DEPLOYMENT_FAILED",
                     message=str(exc)[:500],
+                    data={"error": str(exc)[:8000]},  # an engine's log lines past the message's
                     fields={"error": str(exc)},
                 )
                 return Deployment.objects.get(pk=dep.id)
@@ -283,10 +284,17 @@ def _deployment_load(
             message=f"RPC worker ready at {worker['endpoint']}",
             data={"endpoint": worker["endpoint"], "result": result},
         )
-    # 2. the model file on the primary (only the primary needs it: workers get tensors over RPC)
+    # 2. the model file on the primary (only the primary needs it: workers get tensors over RPC).
+    # A vLLM plan's model directory is not copied: the node finds it in its models directory by
+    # its manifest's sha256 (the load refuses with model_missing where it has none).
     primary = plan.primary_node_id
     _require_live(primary)
-    path = _ensure_model_file(dep=dep, node_id=primary, clock=clock)
+    vllm = dep.engine == "vllm"
+    path = (
+        dep.model_file.file_name
+        if vllm
+        else _ensure_model_file(dep=dep, node_id=primary, clock=clock)
+    )
     # 3. the primary verifies sha256 and loads with the plan's split
     payload = {
         "deployment_id": str(dep.id),
@@ -307,6 +315,8 @@ def _deployment_load(
         "rpc_tunnel_key": tunnel_key,
         "rpc_tunnel_tls": tunnel_tls,
     }
+    if vllm:
+        payload.update({"engine": "vllm", "kv_bytes": int(plan.kv_bytes)})
     result = _ask(
         node_id=primary,
         kind="load_primary",
@@ -318,6 +328,13 @@ def _deployment_load(
         error = str(result.get("error", "load failed"))
         if result.get("code") in PLAN_REFUSED_CODES:
             raise DeploymentError(f"primary refused the plan: {error}")
+        if result.get("code") == "engine_failed":
+            # The engine itself died at its start or probe (vLLM): the node is fine, the same
+            # load elsewhere would die the same way. FAILED, with the engine's last lines.
+            tail = [str(line) for line in result.get("log_tail") or []][-8:]
+            raise DeploymentError(
+                f"{error}" + ("\nengine log:\n" + "\n".join(tail) if tail else "")
+            )
         raise _NodeLost(primary, f"primary {selectors.node_name(primary)} failed to load: {error}")
     event_record(
         kind="PRIMARY_LOADED",

@@ -190,6 +190,7 @@ def cluster_snapshot(
                 window_open=lend.open,
                 window_closes_in=lend.closes_in,
                 may_be_primary=not unverified,
+                engines=tuple(e for e in ((n.hardware or {}).get("engines") or ["llamacpp"]) if e),
             )
         )
     return ClusterSnapshot(

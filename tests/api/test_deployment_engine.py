@@ -53,17 +53,29 @@ def test_vllm_without_a_node_that_has_the_engine_is_a_400(client: Client) -> Non
     )
     assert resp.status_code == 400
     assert "no node has the vLLM engine" in resp.json()["error"]["message"]
-    # With a node and a directory, the controller still says plainly it cannot place one yet.
+    assert not Deployment.objects.exists()
+    # With a node that has the engine and a directory, the preview plans one node for vLLM and
+    # the deployment is created with its engine and the directory as its file.
     NodeFactory(name="has-vllm", hardware={"engines": ["llamacpp", "vllm"]})
-    resp = client.post(
-        "/api/admin/deployments",
-        {"model": "smol-engine", "engine": "vllm"},
+    preview = client.post(
+        "/api/admin/deployments/preview",
+        {"model": "smol-engine", "engine": "vllm", "n_ctx": 512, "n_parallel": 1},
         "application/json",
         headers=OPERATOR,
     )
-    assert resp.status_code == 400
-    assert "cannot place a vLLM deployment yet" in resp.json()["error"]["message"]
-    assert not Deployment.objects.exists()
+    assert preview.status_code == 200, preview.content
+    body = preview.json()
+    assert body["engine"] == "vllm" and body["primary_name"] == "has-vllm"
+    assert body["rpc_endpoints"] == [] and "cannot be split" in body["explanation"][0]
+    resp = client.post(
+        "/api/admin/deployments",
+        {"model": "smol-engine", "engine": "vllm", "n_ctx": 512, "n_parallel": 1},
+        "application/json",
+        headers=OPERATOR,
+    )
+    assert resp.status_code == 202, resp.content
+    dep = Deployment.objects.get(pk=resp.json()["id"])
+    assert dep.engine == "vllm" and dep.model_file.format == "safetensors"
 
 
 def test_unknown_engine_is_a_400_and_a_deployment_shows_its_engine(client: Client) -> None:

@@ -70,6 +70,7 @@ from .inputs import (
 )
 from .plan import PlacementRefused, Plan, PlanDevice, fmt_bytes
 from .search import plan_placement
+from .vllm import VllmModel, plan_vllm
 
 __all__ = [
     "DEFAULT_COST",
@@ -86,6 +87,7 @@ __all__ = [
     "PlacementRequest",
     "Plan",
     "PlanDevice",
+    "VllmModel",
     "compute_buffer_bytes",
     "fmt_bytes",
     "hop_s",
@@ -95,4 +97,5 @@ __all__ = [
     "llama_layer_assignment",
     "output_time_s",
     "plan_placement",
+    "plan_vllm",
 ]

@@ -49,6 +49,9 @@ class NodeSnapshot:
     # the floor figures, but never becomes the primary (which reads every prompt) unless the
     # operator pinned its devices.
     may_be_primary: bool = True
+    # The engines the node runs (its inventory, issue 30): "llamacpp", and "vllm" where its engine
+    # venv is installed and RACON_ENGINES names it.
+    engines: tuple[str, ...] = ("llamacpp",)
 
     @property
     def endpoint(self) -> str:
@@ -133,6 +136,9 @@ class PlacementRequest:
     # The operator's choice of primary (a node id): only it may hold the llama-server; the other
     # nodes of the plan lend RPC workers (eligibility.pin_primary_apply).
     primary: str | None = None
+    # The engine (issue 30): "llamacpp" (llama-server, split over ggml-rpc where needed) or
+    # "vllm" (one node, a safetensors model directory: scheduler/vllm.py plans it).
+    engine: str = "llamacpp"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -62,6 +62,9 @@ class Plan:
     predicted_ttft_ms: float
     predicted_tokens_per_s: float
     explanation: tuple[str, ...]
+    # The engine that serves the plan (issue 30), and for vLLM the KV cache it is given (bytes).
+    engine: str = "llamacpp"
+    kv_bytes: int = 0
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -143,6 +146,8 @@ class Plan:
             "predicted_ttft_ms": self.predicted_ttft_ms,
             "predicted_tokens_per_s": self.predicted_tokens_per_s,
             "explanation": list(self.explanation),
+            "engine": self.engine,
+            "kv_bytes": self.kv_bytes,
         }
 
     @classmethod
