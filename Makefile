@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml $(LLAMA_STAMP) | $(PY)
 	$(VENV)/bin/pip install -q -e '.[controller,agent,cli,test,desktop]'
 	@touch $(STAMP)
 
+# RACON_ENGINES=llamacpp,vllm: also the vLLM engine venv and SmolLM2's safetensors directory (cached).
 install: $(STAMP)
+	@case ",$${RACON_ENGINES:-}," in *,vllm,*) scripts/install-vllm.sh >/dev/null ;; esac
 
 run: install
 	$(PY) -m racon.launcher

@@ -454,6 +454,21 @@ def lan_redis(lan: Lan, var: Path, *, insecure: bool) -> EmbeddedRedis:
     return redis
 
 
+def vllm_model_dir() -> Path | None:
+    """With RACON_ENGINES naming vllm (issue 30): the vLLM engine venv and the default model's
+    safetensors directory (scripts/install-vllm.sh: converted once, cached), else None."""
+    engines = [e.strip() for e in os.environ.get("RACON_ENGINES", "").split(",")]
+    if "vllm" not in engines:
+        return None
+    print("[racon] RACON_ENGINES names vllm: the engine venv and the model directory", flush=True)
+    script = ROOT / "scripts" / "install-vllm.sh"
+    subprocess.run([str(script)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    out = subprocess.run(
+        [str(script), "--model"], cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
 # What a local agent must not inherit: it is a node like any other, and a node is untrusted.
 CONTROLLER_ONLY = (
     "SECRET_KEY", "NODE_ENROLLMENT_SECRET", "AI_API_KEY", "RACON_ADMIN_PASSWORD",
@@ -588,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
             str(max(1, args.agents)),
             *(["--no-model"] if args.no_model else []),
         ]
+        vllm_dir = vllm_model_dir() if not args.no_model else None
+        if vllm_dir is not None:
+            boot_args += ["--model-dir", str(vllm_dir)]
         boot = subprocess.run(
             [py, "manage.py", "racon_bootstrap", *boot_args],
             cwd=ROOT,
@@ -697,6 +715,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         wait_health(url, sup)
         models_dir = Path(os.environ.get("RACON_MODELS_DIR", var / "agent-models"))
+        if vllm_dir is not None:  # the local agents offer the directory (a link to the cache)
+            models_dir.mkdir(parents=True, exist_ok=True)
+            link = models_dir / vllm_dir.name
+            if not link.exists():
+                link.symlink_to(vllm_dir)
         agent_env = local_agent_env(info["token"], lan)
         for i in range(args.agents):
             name = f"local-{i + 1}"

