@@ -40,6 +40,7 @@ class Notifier:
         self.lock = threading.Lock()
         self.sent: list[dict[str, str]] = []  # what fired, newest last (the window lists them)
         self.challenge_seen: str | None = None
+        self.raw_before = ""  # the controller's state for the node at the last poll
 
     def _read(self) -> dict[str, Any]:
         try:
@@ -86,12 +87,18 @@ class Notifier:
         if after == "OFFLINE" and before in ONLINE:
             why = error or "the controller has the node OFFLINE"
             self.fire("offline", f"RACoN: {name} is OFFLINE", why)
-        if after == "PAUSED" and before == "DRAINING":
+        # The drain is done when the controller has the node DRAINED (DRAINING → DRAINED; a poll
+        # may miss a short DRAINING): once per drain, not at start.
+        raw = str((node or {}).get("state") or "") if node is not None else self.raw_before
+        if raw == "DRAINED" and self.raw_before not in ("", "DRAINED"):
             self.fire(
                 "paused",
                 f"RACoN: {name} paused",
-                "Lending is paused: the running work was handed off.",
+                "Lending is paused: the running work was handed off."
+                if (node or {}).get("paused")
+                else "The node is drained: its running work was handed off.",
             )
+        self.raw_before = raw
         failed = (node or {}).get("last_challenge_failure")
         if isinstance(failed, dict) and failed.get("id") is not None:
             seen, self.challenge_seen = self.challenge_seen, str(failed["id"])

@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 
-TOOLS = ("xvfb-run", "dbus-run-session", "WebKitWebDriver", "gdbus", "import")
+TOOLS = (
+    "xvfb-run",
+    "dbus-run-session",
+    "dbus-monitor",
+    "dunst",
+    "WebKitWebDriver",
+    "gdbus",
+    "import",
+)
 LIBS = ("libwebkit2gtk-4.1.so.0", "libayatana-appindicator3.so.1")
 
 

@@ -6,15 +6,24 @@ live controller and a real agent that serves SmolLM2 jobs in this test.
 - the earnings it charts are GET /api/credits/earnings's rows for that node;
 - "Pause now" clicked in the live tray menu (the dbusmenu the tray exports, as a panel clicks it:
   tests/desktop/tray.py) puts the node DRAINING on the controller; "Resume" makes it READY;
-- a screenshot of the screen is saved to docs/img/desktop.png.
+- a pause that finished handing off is a desktop notification (a real Notify call on the
+  session bus, dunst showing it), and none once the owner switched that notification off;
+- Open dashboard (tray) hands the node's page on the controller to the browser; Lending settings
+  (tray) brings the form up; a policy the controller refuses marks the field with the
+  controller's own message, and a good one is saved;
+- the window refuses to navigate away from the app's own pages;
+- a screenshot of the screen is saved to var/desktop/desktop.png (docs/img/desktop.png only with
+  RACON_UPDATE_SCREENSHOT=1: the README's copy is not rewritten by every run).
+
+test_an_unreachable_controller_shows_in_the_tray_and_backs_off needs no live controller: the tray
+and the window say the controller is unreachable, and the retries back off.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import signal
-import subprocess
-from collections.abc import Iterator
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +31,8 @@ import httpx
 import pytest
 
 from tests.desktop import tray
+from tests.desktop.headless import Desktop, desktop
 from tests.e2e.harness import (
-    BIN,
     ROOT,
     Controller,
     consumer_headers,
@@ -36,74 +45,8 @@ from tests.e2e.harness import (
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
-SHOT = ROOT / "docs" / "img" / "desktop.png"
-
-
-class WebDriver:
-    """The few W3C WebDriver calls the test needs."""
-
-    def __init__(self, base: str, session: str) -> None:
-        self.base, self.session = base, session
-
-    def _url(self, path: str) -> str:
-        return f"{self.base}/session/{self.session}{path}"
-
-    def run(self, script: str) -> Any:
-        resp = httpx.post(
-            self._url("/execute/sync"), json={"script": script, "args": []}, timeout=30
-        )
-        resp.raise_for_status()
-        return resp.json()["value"]
-
-    def text(self, css: str) -> str:
-        return str(
-            self.run(f"const e = document.querySelector({css!r}); return e ? e.textContent : ''")
-        )
-
-    def title(self) -> str:
-        return str(httpx.get(self._url("/title"), timeout=30).json()["value"])
-
-    def refresh(self) -> None:
-        httpx.post(self._url("/refresh"), json={}, timeout=60).raise_for_status()
-
-
-@pytest.fixture
-def display(tmp_path: Path) -> Iterator[tuple[dict[str, str], str]]:
-    """A headless X display and D-Bus session with WebKitWebDriver in it: (their environment,
-    the driver's URL). Killed as one process group after."""
-    envfile = tmp_path / "display.env"
-    port = free_port()
-    env = {**os.environ, "TAURI_WEBVIEW_AUTOMATION": "true", "GDK_BACKEND": "x11"}
-    script = (
-        f'printf "%s\\n%s\\n%s\\n" "$DISPLAY" "$DBUS_SESSION_BUS_ADDRESS" "$XAUTHORITY" > {envfile}; '
-        f"exec WebKitWebDriver --port={port}"
-    )
-    proc = subprocess.Popen(
-        ["xvfb-run", "-a", "-s", "-screen 0 1280x900x24", "dbus-run-session", "--",
-         "bash", "-c", script],
-        env=env, stdout=open(tmp_path / "display.log", "wb"), stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        wait_for(lambda: envfile.exists() and len(envfile.read_text().splitlines()) == 3, 60,
-                 "Xvfb and the D-Bus session")  # fmt: skip
-        disp, bus, xauth = envfile.read_text().splitlines()
-        base = f"http://127.0.0.1:{port}"
-
-        def driver_up() -> bool:
-            try:
-                return httpx.get(base + "/status", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(driver_up, 60, "WebKitWebDriver")
-        yield {**env, "DISPLAY": disp, "DBUS_SESSION_BUS_ADDRESS": bus, "XAUTHORITY": xauth}, base
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
+SHOT = ROOT / "var" / "desktop" / "desktop.png"
+README_SHOT = ROOT / "docs" / "img" / "desktop.png"
 
 
 def _owner_and_token(live: Controller, name: str) -> tuple[str, str]:
@@ -129,10 +72,27 @@ def _model_name(live: Controller, path: Path) -> str:
     raise AssertionError(f"could not register {path}: {created.status_code} {created.text}")
 
 
+def _browser(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in for the owner's browser (Python's webbrowser runs $BROWSER URL): it records."""
+    opened = tmp_path / "opened.txt"
+    script = tmp_path / "browser"
+    script.write_text(f'#!/bin/sh\necho "$1" >> {opened}\n')
+    script.chmod(0o755)
+    return script, opened
+
+
 def test_the_desktop_app_shows_the_node_charts_its_pay_and_pauses_from_the_tray(
-    desktop_ready: None, live: Controller, tmp_path: Path, display: tuple[dict[str, str], str]
+    desktop_ready: None, live: Controller, tmp_path: Path
 ) -> None:
-    env, driver_url = display
+    browser, opened = _browser(tmp_path)
+    with desktop(tmp_path, BROWSER=str(browser)) as d:
+        _the_node_its_pay_and_the_tray(live, tmp_path, d, opened)
+
+
+def _the_node_its_pay_and_the_tray(
+    live: Controller, tmp_path: Path, d: Desktop, opened: Path
+) -> None:
+    env = d.env
     owner_key, token = _owner_and_token(live, "desk-1")
     models_dir = tmp_path / "models"
     models_dir.mkdir()
@@ -140,11 +100,8 @@ def test_the_desktop_app_shows_the_node_charts_its_pay_and_pauses_from_the_tray(
     try:
         os.link(model_path, models_dir / model_path.name)
     except OSError:
-        import shutil
-
         shutil.copy(model_path, models_dir / model_path.name)
     agent = start_agent(live, token, "desk-1", tmp_path, models_dir=models_dir)
-    session = ""
     try:
         node = wait_for(
             lambda: next(
@@ -189,17 +146,7 @@ def test_the_desktop_app_shows_the_node_charts_its_pay_and_pauses_from_the_tray(
         rows = wait_for(earned, 120, "the two jobs settled on /api/credits/earnings")
 
         # The app, started by WebKitWebDriver inside the headless display.
-        created = httpx.post(
-            driver_url + "/session",
-            json={"capabilities": {"alwaysMatch": {"webkitgtk:browserOptions": {
-                "binary": str(BIN / "racon-desktop"),
-                "args": ["--state-dir", str(agent.state_dir)],
-            }}}},
-            timeout=120,
-        )  # fmt: skip
-        assert created.status_code == 200, created.text
-        session = created.json()["value"]["sessionId"]
-        wd = WebDriver(driver_url, session)
+        wd = d.start_app("--state-dir", str(agent.state_dir))
 
         # The window renders the node's state as the controller has it.
         wait_for(lambda: wd.text("#node-state") == "READY", 60, "the window to show READY")
@@ -224,14 +171,9 @@ def test_the_desktop_app_shows_the_node_charts_its_pay_and_pauses_from_the_tray(
         # What uPlot draws: the same per-day credits (in credits, not micro-credits).
         assert [round(v * 1e6) for v in chart["drawn"][1]] == chart["credits"]
 
-        SHOT.parent.mkdir(parents=True, exist_ok=True)
-        shot = subprocess.run(
-            ["import", "-window", "root", "-crop", "980x760+0+0", "+repage", str(SHOT)],
-            env=env,
-            capture_output=True,
-            timeout=60,
-        )
-        assert shot.returncode == 0, shot.stderr
+        d.screenshot(SHOT)
+        if os.environ.get("RACON_UPDATE_SCREENSHOT") == "1":  # the README's copy, on request
+            shutil.copy(SHOT, README_SHOT)
 
         # Pause now, clicked in the live tray menu: DRAINING on the controller.
         tray.click(env, "Pause now")
@@ -244,10 +186,105 @@ def test_the_desktop_app_shows_the_node_charts_its_pay_and_pauses_from_the_tray(
                  "the window to show the pause")  # fmt: skip
         assert "paused" in wd.text("#message")
 
+        # The pause handed its work off: a desktop notification (a Notify call on this bus).
+        wait_for(lambda: controller_state() == "DRAINED", 60, "the node DRAINED")
+        wait_for(lambda: "RACoN: desk-1 paused" in d.notifications(), 30,
+                 "the pause's notification")  # fmt: skip
+        wait_for(lambda: "paused" in wd.text("#notified"), 30, "the window to list it")
+
         tray.click(env, "Resume")
         wait_for(lambda: controller_state() == "READY", 60, "the node READY after Resume")
         wait_for(lambda: wd.text("#node-state") == "READY", 60, "the window to show READY")
+
+        # Switched off in the window: the next pause shows nothing.
+        wd.run("document.querySelector('#notify-form [name=paused]').click(); return 1")
+        settings = tmp_path / "config" / "racon-desktop" / "settings.json"
+        wait_for(
+            lambda: (
+                settings.exists() and json.loads(settings.read_text())["notify"]["paused"] is False
+            ),
+            30,
+            "the switch saved",
+        )
+        shown = len(d.notifications())
+        tray.click(env, "Pause now")
+        wait_for(lambda: controller_state() == "DRAINED", 60, "the node DRAINED again")
+        wait_for(lambda: wd.text("#node-state") == "PAUSED", 60, "the window to show PAUSED")
+        assert len(d.notifications()) == shown, d.notifications()
+        tray.click(env, "Resume")
+        wait_for(lambda: controller_state() == "READY", 60, "the node READY after Resume")
+
+        # Open dashboard: the node's page on the controller, in the browser.
+        tray.click(env, "Open dashboard")
+        wait_for(lambda: opened.exists(), 30, "the browser to be asked")
+        url = opened.read_text().split()[0]
+        assert url == f"{live.url}/nodes/{node_id}/"
+        page = httpx.get(url, timeout=30)
+        assert page.status_code in (200, 302), page.status_code  # the page (or its login)
+
+        # Lending settings: the form; the controller refuses cpu_below 150, with its own text.
+        from racon_desktop.agent_api import ControllerError, LocalAgent, controller_for
+
+        tray.click(env, "Lending settings")
+        ctl = controller_for(LocalAgent(agent.state_dir))
+        form = ctl.lending()["form"]
+        with pytest.raises(ControllerError) as refused:
+            ctl.set_lending({**form, "cpu_below": "150"})
+        fill = (
+            "const f = document.getElementById('lending-form');"
+            "f.elements['cpu_below'].value = arguments[0];"
+            "f.requestSubmit(); return 1"
+        )
+        wd.run(fill.replace("arguments[0]", "'150'"))
+        wait_for(lambda: wd.text("#lending-error") == str(refused.value), 30,
+                 "the controller's message in the form")  # fmt: skip
+        assert wd.run(
+            "return document.querySelector('#lending-form [name=cpu_below]')"
+            ".classList.contains('invalid')"
+        )
+        wd.run(fill.replace("arguments[0]", "'90'"))
+        wait_for(lambda: wd.text("#lending-saved") == "saved", 30, "the policy saved")
+        assert ctl.lending()["form"]["cpu_below"] in ("90", "90.0")
+        ctl.set_lending(form)  # as it was
+
+        # The window stays on its own pages.
+        wd.run("window.location.href = 'https://example.com/'; return 1")
+        wait_for(lambda: "example.com" in wd.text("#blocked"), 30, "the navigation refused")
+        assert wd.url() == "tauri://localhost/index.html"
     finally:
-        if session:
-            httpx.delete(f"{driver_url}/session/{session}", timeout=30)
+        d.stop_app()
         stop_agent(agent)
+
+
+def test_an_unreachable_controller_shows_in_the_tray_and_backs_off(
+    desktop_ready: None, tmp_path: Path
+) -> None:
+    """A node whose controller is gone: the tray (its tooltip, through the status file the tray
+    writes) and the window say so, and the retries back off (2, 4, 8 … s, at most 60)."""
+    from agent.identity import Identity, save_identity
+
+    state = tmp_path / "state"
+    state.mkdir()
+    dead = f"http://127.0.0.1:{free_port()}"
+    save_identity(state, Identity(node_id="n-1", credential="c", controller_url=dead))
+    status = tmp_path / "tray.json"
+    with desktop(tmp_path, RACON_DESKTOP_STATUS_FILE=str(status)) as d:
+        wd = d.start_app("--state-dir", str(state))
+        wait_for(status.exists, 60, "the tray's first state")
+        tray_now = json.loads(status.read_text())
+        assert tray_now["state"] == "OFFLINE"
+        assert "controller unreachable" in tray_now["tooltip"]
+        wait_for(lambda: "retrying in" in wd.text("#error"), 60, "the window to say it retries")
+        assert f"controller unreachable at {dead}" in wd.text("#error")
+        seen: list[int] = []
+
+        def backed_off() -> bool:
+            text = wd.text("#error")
+            if "retrying in " in text:
+                n = int(text.rsplit("retrying in ", 1)[1].split()[0])
+                if not seen or n != seen[-1]:
+                    seen.append(n)
+            return len(seen) >= 3
+
+        wait_for(backed_off, 120, "three retries, each later than the one before")
+        assert seen == sorted(seen) and seen[-1] > seen[0], seen

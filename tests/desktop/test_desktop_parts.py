@@ -276,12 +276,15 @@ def test_notifications_fire_on_transitions_and_stop_when_switched_off(tmp_path: 
         settings_path({"XDG_CONFIG_HOME": str(tmp_path)}), lambda t, b: shown.append((t, b))
     )
     node = {"name": "desk", "state": "READY", "last_challenge_failure": None}
+    drained = {**node, "state": "DRAINED", "paused": True}
     n.observe("", "READY", node, "")
-    n.observe("READY", "DRAINING", node, "")
-    n.observe("DRAINING", "PAUSED", node, "")
-    assert [t for t, _ in shown] == ["RACoN: desk paused"]
+    n.observe("READY", "DRAINING", {**node, "state": "DRAINING"}, "")
+    n.observe("DRAINING", "PAUSED", drained, "")
+    n.observe("PAUSED", "PAUSED", drained, "")  # once per drain
+    assert shown == [("RACoN: desk paused", "Lending is paused: the running work was handed off.")]
     n.observe("PAUSED", "OFFLINE", None, "controller unreachable at http://x")
     assert shown[-1] == ("RACoN: this machine is OFFLINE", "controller unreachable at http://x")
+    # A new failed challenge (the first one seen is the baseline: n saw none before).
     failed = {**node, "last_challenge_failure": {"id": 7, "message": "speed claim refuted"}}
     n.observe("OFFLINE", "READY", failed, "")
     assert shown[-1][1] == "speed claim refuted"
@@ -291,7 +294,8 @@ def test_notifications_fire_on_transitions_and_stop_when_switched_off(tmp_path: 
     assert n.set_switches({"paused": False, "offline": True}) == {
         "offline": True, "challenge": True, "paused": False, "earnings": True,
     }  # fmt: skip
-    n.observe("DRAINING", "PAUSED", node, "")
+    n.observe("READY", "READY", node, "")
+    n.observe("READY", "PAUSED", drained, "")
     assert len(shown) == 3  # switched off: nothing shown
     saved = json.loads((tmp_path / "racon-desktop" / "settings.json").read_text())
     assert saved["notify"]["paused"] is False
