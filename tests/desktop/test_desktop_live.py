@@ -266,7 +266,12 @@ def test_an_unreachable_controller_shows_in_the_tray_and_backs_off(
     state = tmp_path / "state"
     state.mkdir()
     dead = f"http://127.0.0.1:{free_port()}"
-    save_identity(state, Identity(node_id="n-1", credential="c", controller_url=dead))
+    save_identity(
+        state,
+        Identity(
+            node_id="n-1", credential="c", controller_url=dead, redis_url="redis://127.0.0.1:1/0"
+        ),
+    )
     status = tmp_path / "tray.json"
     with desktop(tmp_path, RACON_DESKTOP_STATUS_FILE=str(status)) as d:
         wd = d.start_app("--state-dir", str(state))
