@@ -291,8 +291,8 @@ def preview(line: JoinLine, *, state_dir: Path, env: Mapping[str, str]) -> dict[
         "home": str(home),
     }
     kv = _kv(body) if status == 200 else {}
-    if status == 404 or (status >= 400 and status != 404):
-        # A controller older than the bundle: join.sh takes the Python route.
+    if status >= 400:
+        # A controller older than the bundle (an HTTP error): join.sh takes the Python route.
         out["route"] = "python"
         out["installs"] = [
             f"the RACoN agent in a Python venv at {home}/venv (wheels the controller serves, "
