@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +50,7 @@ from agent.protocol import (
 from agent.redis_link import RedisLink
 from agent.registry import DeploymentRegistry
 from agent.runtime import PrimaryHandle, RpcWorkerHandle, Runtime, RuntimeErrorReport
+from agent.runtime.ggml_matmul import run_child as run_matmul_child
 from agent.runtime.primary import PlanError, check_memory, validate_plan_shape
 from agent.runtime.stream import append_done, append_error
 from agent.state import CommandError
@@ -65,6 +67,11 @@ INLINE = frozenset({"run_job", "cancel_job"})
 CONTROL = frozenset({"rpc_start", "rpc_stop", "load_primary", "unload"})
 RUN_JOB_MAX_TOKENS = 256  # when a run_job carries none
 HASH_CHALLENGE_MIN_BYTES = 64 * 1024  # the shortest range a hash_challenge reads
+# The GPU challenge's bounds: its answer (m·n bytes) must fit a report, its inputs a small GPU.
+GPU_CHALLENGE_MAX_SIDE = 1024
+GPU_CHALLENGE_MAX_K = 65536
+GPU_CHALLENGE_TIMEOUT_S = 600.0
+GPU_DEVICE_NAME = re.compile(r"(CUDA|Vulkan|ROCm|Metal|MTL|SYCL|OpenCL)[0-9]{0,3}")
 
 
 def rpc_threads(configured: int, lending: LendingPolicy) -> int:
@@ -147,6 +154,7 @@ class Commands:
             "rescan_models": self.rescan_models,
             "hash_challenge": self.hash_challenge,
             "speed_challenge": self.speed_challenge,
+            "gpu_challenge": self.gpu_challenge,
             "fetch_model": self.fetch_model,
             "kv_save": self.kv_save,
             "kv_restore": self.kv_restore,
@@ -539,6 +547,34 @@ class Commands:
                 "malformed speed_challenge: 0 <= seed < 2^63, 16 <= n <= 2048, 1 <= reps <= 10000"
             )
         return {"digest": speed_challenge_digest(seed=seed, n=n, reps=reps)}
+
+    def gpu_challenge(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """One matrix product on one of this node's GPUs, run through its own llama.cpp build in a
+        child process (agent/runtime/ggml_matmul.py); the controller times it and checks the
+        answer (apps/nodes/gpu_challenges.py). Bounded so a command cannot pin the node."""
+        try:
+            device = str(payload["device"])
+            seed, m, n, k = (int(payload[key]) for key in ("seed", "m", "n", "k"))
+        except (KeyError, TypeError, ValueError):
+            raise CommandError(
+                "malformed gpu_challenge: needs device and integer seed, m, n and k"
+            ) from None
+        if not (
+            GPU_DEVICE_NAME.fullmatch(device)
+            and 0 <= seed < 2**63
+            and 1 <= m <= GPU_CHALLENGE_MAX_SIDE
+            and 1 <= n <= GPU_CHALLENGE_MAX_SIDE
+            and 1 <= k <= GPU_CHALLENGE_MAX_K
+        ):
+            raise CommandError(
+                "malformed gpu_challenge: a GPU's llama.cpp name, 0 <= seed < 2^63, "
+                f"1 <= m, n <= {GPU_CHALLENGE_MAX_SIDE}, 1 <= k <= {GPU_CHALLENGE_MAX_K}"
+            )
+        request = {"device": device, "seed": seed, "m": m, "n": n, "k": k}
+        got = run_matmul_child(request, timeout=GPU_CHALLENGE_TIMEOUT_S)
+        if "answer" not in got:
+            raise CommandError(f"gpu_challenge on {device}: {got.get('error', 'no answer')}")
+        return {"answer": str(got["answer"]), "device": device}
 
     def fetch_model(self, payload: dict[str, Any]) -> dict[str, Any]:
         for key in ("sha256", "file_name", "url"):

@@ -203,6 +203,7 @@ CELERY_PLACEMENT_QUEUE = env("CELERY_PLACEMENT_QUEUE", f"{CELERY_TASK_DEFAULT_QU
 CELERY_TASK_ROUTES = {
     "racon.jobs.place_deployment": {"queue": CELERY_PLACEMENT_QUEUE},
     "racon.jobs.speed_challenge": {"queue": CELERY_PLACEMENT_QUEUE},
+    "racon.jobs.gpu_challenge": {"queue": CELERY_PLACEMENT_QUEUE},
     "racon.jobs.kv_transfer": {"queue": CELERY_PLACEMENT_QUEUE},
 }
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
@@ -275,6 +276,16 @@ SPEED_CHALLENGE_MAX_REPS = envint(
 SPEED_CHALLENGE_SLACK = envfloat(
     "SPEED_CHALLENGE_SLACK", 1.5
 )  # a claim up to this × the measured speed stands
+# GPU claims are checked on the GPU (apps/nodes/gpu_challenges.py): a matrix product through the
+# node's own llama.cpp build, answered mod a prime and checked with Freivalds' algorithm, timed by
+# the controller. Until one passes a GPU is planned at the floor and its node is never the primary.
+GPU_CHALLENGE = envbool("GPU_CHALLENGE", True)  # challenge an unverified hardware GPU when READY
+GPU_CHALLENGE_SECONDS = envfloat("GPU_CHALLENGE_SECONDS", 2.0)  # the work at the claimed speed
+GPU_CHALLENGE_MAX_SIDE = envint("GPU_CHALLENGE_MAX_SIDE", 1024)  # m = n: the answer is m·n bytes
+GPU_CHALLENGE_MAX_K = envint("GPU_CHALLENGE_MAX_K", 16384)  # the inputs: 4·k·(m+n) bytes
+GPU_CHALLENGE_TIMEOUT_SECONDS = envfloat("GPU_CHALLENGE_TIMEOUT_SECONDS", 240.0)
+GPU_CHALLENGE_OVERHEAD_MAX_SECONDS = envfloat("GPU_CHALLENGE_OVERHEAD_MAX_SECONDS", 20.0)
+GPU_CHALLENGE_INTERVAL_SECONDS = envint("GPU_CHALLENGE_INTERVAL_SECONDS", 3600)  # one per node
 # Login attempts (/login/ and /django-admin/login/): this many failures per client address and
 # username within the window → 429 for that address; LOGIN_MAX_FAILURES_PER_ADDRESS failures from
 # one address over all usernames → 429 for that address. Never per username alone (issue 28).
@@ -299,6 +310,9 @@ DEPLOYMENT_RPC_TIMEOUT = envfloat(
 DEPLOYMENT_LOAD_TIMEOUT = envfloat(
     "DEPLOYMENT_LOAD_TIMEOUT", 300.0
 )  # the primary loading the model and answering
+# A vLLM primary (issue 30): torch and vLLM start, then a one-token probe; 42 s idle, minutes on a
+# loaded machine (FACTS.md).
+VLLM_LOAD_TIMEOUT = envfloat("VLLM_LOAD_TIMEOUT", 900.0)
 MODEL_FETCH_TIMEOUT = envfloat(
     "MODEL_FETCH_TIMEOUT", 1800.0
 )  # a node fetching a model file from the controller
@@ -319,6 +333,10 @@ CELERY_TASK_ANNOTATIONS = {
     "racon.jobs.speed_challenge": {
         "soft_time_limit": SPEED_CHALLENGE_TIME_LIMIT,
         "time_limit": SPEED_CHALLENGE_TIME_LIMIT + 30,
+    },
+    "racon.jobs.gpu_challenge": {
+        "soft_time_limit": 2 * GPU_CHALLENGE_TIMEOUT_SECONDS + 30,
+        "time_limit": 2 * GPU_CHALLENGE_TIMEOUT_SECONDS + 60,
     },
 }
 STREAM_IDLE_TIMEOUT_SECONDS = envfloat("STREAM_IDLE_TIMEOUT_SECONDS", 60.0)

@@ -15,6 +15,7 @@ from apps.jobs import kvtransfer_api
 from apps.models_repo import api as models_api
 from apps.nodes import api as nodes_api
 from apps.nodes import bundles as nodes_bundles
+from apps.nodes import gpu_challenge_api
 
 agent_urls = [
     path("enroll", nodes_api.AgentEnrollApi.as_view(), name="agent-enroll"),
@@ -45,6 +46,16 @@ admin_urls = [
         "nodes/<uuid:node_id>/allow-reenroll",
         nodes_api.NodeAllowReenrollApi.as_view(),
         name="admin-node-allow-reenroll",
+    ),
+    path(
+        "nodes/<uuid:node_id>/gpu-challenge",
+        gpu_challenge_api.NodeGpuChallengeApi.as_view(),
+        name="admin-node-gpu-challenge",
+    ),
+    path(
+        "nodes/<uuid:node_id>/gpu-challenge/clear",
+        gpu_challenge_api.NodeGpuChallengeClearApi.as_view(),
+        name="admin-node-gpu-challenge-clear",
     ),
     path(
         "nodes/<uuid:node_id>/diagnostics",

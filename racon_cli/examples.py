@@ -25,6 +25,8 @@ EXAMPLES: dict[str, str] = {
     "nodes links": "racon nodes links --json",
     "nodes drain": "racon nodes drain gpu-box",
     "nodes undrain": "racon nodes undrain gpu-box",
+    "nodes gpu-challenge": "racon nodes gpu-challenge gpu-box --device CUDA0",
+    "nodes gpu-challenge-clear": "racon nodes gpu-challenge-clear gpu-box",
     "tokens create": "racon tokens create desk-1 --ttl-hours 4",
     "tokens ls": "racon tokens ls",
     "tokens revoke": "racon tokens revoke rcn_AbC1",

@@ -7,7 +7,7 @@ from typing import Any
 from celery import shared_task
 from django.utils import timezone
 
-from apps.nodes import links
+from apps.nodes import gpu_challenges, links
 
 from . import admission, kvtransfer, placement, retention
 from .autoscale import replicas_autoscale
@@ -27,6 +27,9 @@ def node_state_changed(*, node_id: str, state: str, **kwargs: Any) -> None:
         if speed_challenge_due(node_id=node_id):
             # Its own task (the placement queue): the challenge waits on the agent's answer.
             speed_challenge.delay(node_id=node_id)
+        elif gpu_challenges.gpu_challenge_due(node_id=node_id, now=timezone.now()):
+            # One timed work at a time: after a CPU challenge, its task sends this one.
+            gpu_challenge.delay(node_id=node_id)
 
 
 @shared_task(name="racon.jobs.place_deployment", ignore_result=True)
@@ -38,7 +41,22 @@ def place_deployment(*, deployment_id: str, **kwargs: Any) -> None:
 @shared_task(name="racon.jobs.speed_challenge", ignore_result=True)
 def speed_challenge(*, node_id: str, **kwargs: Any) -> str:
     """Time and check a node's speed claim (sent when the node turns READY with an unchecked claim)."""
-    return node_speed_challenge(node_id=node_id, now=timezone.now()).outcome
+    outcome = node_speed_challenge(node_id=node_id, now=timezone.now()).outcome
+    if gpu_challenges.gpu_challenge_due(node_id=node_id, now=timezone.now()):
+        gpu_challenge.delay(node_id=node_id)
+    return outcome
+
+
+@shared_task(name="racon.jobs.gpu_challenge", ignore_result=True)
+def gpu_challenge(*, node_id: str, device: str | None = None, **kwargs: Any) -> str:
+    """Time and check one unverified GPU's claim on the GPU (rate-limited per node; a refusal is
+    the outcome, not an error)."""
+    try:
+        return gpu_challenges.node_gpu_challenge(
+            node_id=node_id, device=device, now=timezone.now()
+        ).outcome
+    except gpu_challenges.ChallengeRefused as exc:
+        return f"refused: {exc.code}"
 
 
 @shared_task(name="racon.jobs.stale_jobs_sweep", ignore_result=True)

@@ -24,6 +24,7 @@ from racon.redis_acl import node_acl_revoke
 from . import hooks
 from .commands import node_command_key
 from .events import event_record
+from .gpu_challenges import gpu_challenge_kept
 from .models import EnrollmentToken, EventCategory, Node
 from .services import _cache_node, _meta_key, node_transition
 from .states import (
@@ -411,6 +412,8 @@ def _enroll_locked(
             code="address_taken",
         )
     credential = "rnc_" + secrets.token_urlsafe(32)
+    # What the controller owns in the inventory (GPU challenge record, verified GPU figures).
+    hardware = gpu_challenge_kept(old=existing.hardware if existing else None, new=hardware)
     summary = hardware_summary(hardware)
     speed = _speed_fields(existing=existing, claimed=summary["gflops"])
     fields = {

@@ -217,6 +217,48 @@ def nodes_undrain(
     _node_action(node, "undrain", as_json)
 
 
+@app.command("gpu-challenge")
+@handled
+def nodes_gpu_challenge(
+    node: Annotated[str, typer.Argument(help="Node name or id.")],
+    device: Annotated[
+        str | None, typer.Option(help="The GPU by llama.cpp's name (CUDA0, Vulkan0).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Time and check a node's GPU claim on the GPU now (at most one challenge per node an hour)."""
+    with client() as c:
+        n = c.node(node)
+        after = c.post(
+            f"/api/admin/nodes/{n['id']}/gpu-challenge", {"device": device} if device else {}
+        )
+    if as_json:
+        return render.emit_json(after)
+    out().print(
+        f"GPU challenge of {n['name']}:{after['device']} queued: its outcome is an event "
+        "(GPU_SPEED_VERIFIED or GPU_CHALLENGE_FAILED)."
+    )
+
+
+@app.command("gpu-challenge-clear")
+@handled
+def nodes_gpu_challenge_clear(
+    node: Annotated[str, typer.Argument(help="Node name or id.")], as_json: JsonOpt = False
+) -> None:
+    """Clear a node's failed GPU challenge (it stands until cleared) and the hourly limit."""
+    with client() as c:
+        n = c.node(node)
+        after = c.post(f"/api/admin/nodes/{n['id']}/gpu-challenge/clear")
+    if as_json:
+        return render.emit_json(after)
+    out().print(
+        f"GPU challenge record of {n['name']} cleared: its GPUs stay at the floor until a "
+        "challenge passes."
+        if after["cleared"]
+        else f"{n['name']} has no GPU challenge record to clear."
+    )
+
+
 @handled
 def diagnose(
     node: Annotated[str, typer.Argument(help="Node name or id.")],
