@@ -20,6 +20,7 @@ from apps.accounts.models import Account, AccountKind
 # Credits sits above jobs and nodes in the layering (docs/design/serving.md): it reads them directly.
 from apps.jobs.models import Deployment, Job, JobAttempt
 from apps.jobs.states import JOB_TERMINAL
+from apps.nodes.gpu_challenges import gpu_unverified_vram
 from apps.nodes.models import Node
 from apps.nodes.states import NodeState
 
@@ -472,7 +473,10 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
             if t is not None
         )
         elapsed_ms = (now - start) // timedelta(milliseconds=1)
-        claimed = max(node.ram_available, 0) + max(node.vram_free, 0)
+        # An unverified GPU is credited at the floor until its challenge passes: its VRAM is
+        # not paid for (apps/nodes/gpu_challenges.py).
+        unverified = gpu_unverified_vram(hardware=node.hardware)
+        claimed = max(node.ram_available, 0) + max(node.vram_free - unverified, 0)
         memory = standby_memory(
             claimed_bytes=claimed, seen_bytes=seen.get(str(node.pk), 0), unseen_allowance=unseen
         )
@@ -499,6 +503,7 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
                     data={
                         "memory_bytes": memory,
                         "claimed_bytes": claimed,
+                        "unverified_gpu_bytes": unverified,
                         "seen_bytes": seen.get(str(node.pk), 0),
                         "uncapped": uncapped,
                         "elapsed_ms": elapsed_ms,

@@ -329,3 +329,13 @@ def node_gpu_challenge_request(*, node_id: Any, now: datetime, device: str | Non
         raise ChallengeRefused(f"no unverified GPU named {device}", code="nothing_to_challenge")
     task_send_on_commit("racon.jobs.gpu_challenge", node_id=str(node.pk), device=gpu["device"])
     return str(gpu["device"])
+
+
+def gpu_unverified_vram(*, hardware: dict[str, Any]) -> int:
+    """Free VRAM of the node's GPUs that no challenge verified: what crediting leaves out until
+    one passes (the floor: a GPU's claim alone earns nothing beyond the node's own RAM)."""
+    return sum(
+        max(int(g.get("vram_free") or 0), 0)
+        for g in (hardware or {}).get("gpus") or []
+        if isinstance(g, dict) and not float(g.get("verified_gflops") or 0)
+    )
