@@ -1,6 +1,6 @@
 """`node-agent`: lend this machine to a RACoN controller. `node-agent --help` lists the commands.
 
-node-agent [run] --foreground --controller-url URL --enrollment-token TOKEN --node-name NAME
+RACON_ENROLLMENT_TOKEN=TOKEN node-agent [run] --foreground --controller-url URL --node-name NAME
 node-agent doctor | status | stop | pause | resume | upgrade | install-service | uninstall-service
 Every command's `--help` shows its options and an example; an unknown command or flag gets one
 line naming the closest valid one.
@@ -54,8 +54,8 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     (
         "run",
         "run the agent: enroll, lend this machine, take jobs (the default command)",
-        "node-agent run --foreground --controller-url https://10.0.0.5:8000 "
-        "--enrollment-token rcn_... --node-name desk-1",
+        "node-agent run --foreground --controller-url https://10.0.0.5:8000 --node-name desk-1 "
+        "(the first run reads the token from RACON_ENROLLMENT_TOKEN, never argv)",
     ),
     (
         "doctor",

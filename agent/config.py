@@ -86,7 +86,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--foreground", action="store_true", help="run attached to the terminal")
     parser.add_argument("--controller-url", help="controller base URL (RACON_CONTROLLER_URL)")
     parser.add_argument(
-        "--enrollment-token", help="administrator-issued token (RACON_ENROLLMENT_TOKEN)"
+        "--enrollment-token",
+        help="administrator-issued token; prefer RACON_ENROLLMENT_TOKEN (argv is visible to every "
+        "local user)",
     )
     parser.add_argument("--node-name", help="name shown in the controller (RACON_NODE_NAME)")
     parser.add_argument("--models-dir", help="where GGUF files live (RACON_MODELS_DIR)")

@@ -92,10 +92,13 @@ def resolve_bind(bind: str, addresses: list[str] | None = None) -> tuple[str | N
     return ip, f"BIND={bind}: serving the LAN on {ip}"
 
 
-def redis_url_problem(url: str, *, name: str) -> str | None:
+def redis_url_problem(url: str, *, name: str, ca_file: str | None = None) -> str | None:
     """Why the Redis at `url` must not be used by a controller whose nodes are on the LAN, or
     None. A loopback Redis (CI's 127.0.0.1:6379) is left alone; a non-loopback one must be TLS
-    (rediss://) and must not let its `default` user in without a password."""
+    (rediss://) and must not let its `default` user in without a password. `ca_file` verifies a
+    Redis whose certificate the controller's own CA issued. A URL without credentials (the one
+    nodes get, each with its own user) that the server answers with NOAUTH is safe: its
+    `default` user needs a password or is off."""
     parts = urlsplit(url)
     if parts.scheme == "unix" or is_loopback_host(parts.hostname or "127.0.0.1"):
         return None
@@ -107,11 +110,16 @@ def redis_url_problem(url: str, *, name: str) -> str | None:
             "`BIND=<address> make run` starts one"
         )
     try:
-        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        extra = {"ssl_ca_certs": ca_file} if ca_file else {}
+        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5, **extra)
         try:
             info = client.execute_command("ACL", "GETUSER", "default")
         finally:
             client.close()
+    except redis.AuthenticationError:
+        if parts.username or parts.password:
+            return f"{name} {redact(url)}: its user and password were refused"
+        return None  # no credentials given, and the server asks for them: default is not open
     except redis.RedisError as exc:
         return f"{name} {redact(url)}: cannot check its `default` user ({exc})"
     flags = _acl_field(info, "flags")
@@ -139,3 +147,22 @@ def redact(url: str) -> str:
         scheme, _, rest = url.partition("://")
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return url
+
+
+def controller_redis_refusal(
+    urls: dict[str, str], *, insecure_lan: bool, ca_file: str | None = None
+) -> str | None:
+    """Why the controller must not start with these Redis URLs (REDIS_URL, RACON_AGENT_REDIS_URL,
+    CELERY_BROKER_URL), or None: the check the launcher makes, made by every controller process
+    too, so a controller started without the launcher refuses the same set-ups. RACON_INSECURE_LAN=1
+    (a trusted LAN, plain http) accepts them."""
+    if insecure_lan:
+        return None
+    problems = [
+        problem
+        for name, url in urls.items()
+        if url and (problem := redis_url_problem(url, name=name, ca_file=ca_file))
+    ]
+    if not problems:
+        return None
+    return "; ".join(problems) + " (or RACON_INSECURE_LAN=1 for a trusted LAN)"

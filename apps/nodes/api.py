@@ -224,6 +224,7 @@ class AgentEnrollApi(APIView):
             200: EnrollResponseSerializer,
             400: AgentErrorSerializer,
             401: AgentErrorSerializer,
+            403: AgentErrorSerializer,
             409: AgentErrorSerializer,
             413: AgentErrorSerializer,
             503: AgentErrorSerializer,
@@ -245,6 +246,14 @@ class AgentEnrollApi(APIView):
             return Response(
                 {"error": {"message": refusal, "code": "protocol_unsupported"}},
                 status=status.HTTP_409_CONFLICT,
+            )
+        # A plain-http controller on a network hands no Redis URL (nor node password, nor
+        # command key) over an unauthenticated channel, unless RACON_INSECURE_LAN=1 says so.
+        # Refused before the token is looked at, so the token is not used up.
+        if (insecure := join.insecure_problem()) is not None:
+            return Response(
+                {"error": {"message": insecure, "code": "insecure_lan"}},
+                status=status.HTTP_403_FORBIDDEN,
             )
         try:
             enrollment = node_enroll(

@@ -99,10 +99,13 @@ def token_status(token: EnrollmentToken, *, now: datetime) -> str:
 
 
 def agent_command_line(*, token: str, node_name: str = "NODE_NAME") -> str:
-    """The ready-to-copy command for a contributor's machine."""
+    """The ready-to-copy command for a contributor's machine. The token travels in the
+    environment (RACON_ENROLLMENT_TOKEN), never in argv, where every local user could read it
+    (`ps`, /proc/<pid>/cmdline)."""
     return (
-        f"node-agent --foreground --controller-url {shlex.quote(settings.CONTROLLER_PUBLIC_URL)} "
-        f"--enrollment-token {shlex.quote(token)} --node-name {shlex.quote(node_name)}"
+        f"RACON_ENROLLMENT_TOKEN={shlex.quote(token)} node-agent --foreground "
+        f"--controller-url {shlex.quote(settings.CONTROLLER_PUBLIC_URL)} "
+        f"--node-name {shlex.quote(node_name)}"
     )
 
 

@@ -129,6 +129,9 @@ def test_token_create_shows_plaintext_and_command_once_then_list_and_revoke(clie
     assert resp.status_code == 201
     body = resp.json()
     assert body["token"].startswith("rcn_") and body["token"] in body["command"]
+    # In the environment, never in argv (issue 24).
+    assert body["command"].startswith(f"RACON_ENROLLMENT_TOKEN={body['token']} node-agent ")
+    assert "--enrollment-token" not in body["command"]
     listed = client.get("/api/admin/tokens", headers=OPERATOR).json()
     assert "token" not in listed[0] and listed[0]["status"] == "active"
     revoked = client.post(f"/api/admin/tokens/{body['id']}/revoke", headers=OPERATOR).json()

@@ -151,11 +151,13 @@ def test_tokens_create_prints_the_command_once_then_ls_and_revoke(
     res = racon("tokens", "create", "lab-box", "--ttl-hours", "2")
     assert res.exit_code == 0, res.output
     command = res.stdout.strip().splitlines()[-1]
+    # The token travels in the environment, never in argv (issue 24).
     assert (
-        command.startswith("node-agent --foreground --controller-url ")
-        and "--enrollment-token rcn_" in command
+        command.startswith("RACON_ENROLLMENT_TOKEN=rcn_")
+        and " node-agent --foreground --controller-url " in command
+        and "--enrollment-token" not in command
     )
-    secret = command.split("--enrollment-token ")[1].split()[0]
+    secret = command.split("RACON_ENROLLMENT_TOKEN=")[1].split()[0]
     listing = racon("tokens", "ls")
     assert (
         "lab-box" in listing.stdout and "active" in listing.stdout and secret not in listing.stdout

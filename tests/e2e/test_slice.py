@@ -18,7 +18,7 @@ def test_one_node_serves_a_chat_through_the_openai_sdk(
     controller: Controller, model_path: Path, tmp_path: Path
 ) -> None:
     tok = controller.post("/api/admin/tokens", {"label": "slice"}).json()
-    assert tok["command"].startswith("node-agent --foreground")
+    assert "node-agent --foreground" in tok["command"]
     models_dir = tmp_path / "models"
     models_dir.mkdir()
     shutil.copy(model_path, models_dir / model_path.name)

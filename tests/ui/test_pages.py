@@ -132,8 +132,12 @@ def test_token_command_line_is_shown_once_and_the_token_can_be_revoked(
     )
     body = resp.content.decode()
     assert resp.status_code == 200 and body.lstrip().startswith('<div id="token-created"')
-    assert "node-agent --foreground --controller-url" in body and "--enrollment-token rcn_" in body
-    secret = body.split("--enrollment-token ")[1].split()[0]
+    # The token travels in the environment, never in argv (issue 24).
+    assert (
+        "node-agent --foreground --controller-url" in body and "RACON_ENROLLMENT_TOKEN=rcn_" in body
+    )
+    assert "--enrollment-token" not in body
+    secret = body.split("RACON_ENROLLMENT_TOKEN=")[1].split()[0]
     token = EnrollmentToken.objects.get(label="lab-box")
     assert secret.startswith(token.prefix) and token.token_hash not in body
     listing = staff_client.get("/tokens/").content.decode()
