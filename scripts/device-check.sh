@@ -8,9 +8,12 @@
 #      scripts/build-llama.sh (RACON_LLAMA_BACKENDS=cuda: the same script, key and patches as a node);
 #   2. writes a random-weight model of SmolLM2's shape with gguf-py (the 98 MB model cannot travel);
 #   3. runs the agent's device inventory: ggml (in a child process) and NVML must see the same GPU;
+#   3b. runs the GPU speed challenge on CUDA0 as the controller would (the agent's ggml child, the
+#      round trip timed, Freivalds' check): at the controller's default size and at the largest;
 #   4. times a prompt pass on the GPU through llama-server (what a GPU speed claim stands for);
 #   5. runs llama-server with every layer on CUDA0 at 1, 16 and 64 concurrent streams.
-# Usage: scripts/device-check.sh [TREE]   (exit 0: every step ran and the inventory matched)
+# Usage: scripts/device-check.sh [TREE]   (exit 0: every step ran, the inventory matched and the
+# GPU challenge's products were right)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
@@ -38,6 +41,9 @@ PYTHONPATH="$tree/gguf-py" "$PY" "$here/device_check.py" model "$work/model.gguf
 say "3. the agent's device inventory (ggml through $prefix, NVML)"
 export RACON_LLAMA_SERVER="$prefix/bin/llama-server"
 ( cd "$root" && PYTHONPATH="$root" "$PY" "$here/device_check.py" inventory ); inv=$?
+say "3b. the GPU speed challenge on CUDA0 (the agent's ggml child; Freivalds; timed here)"
+( cd "$root" && PYTHONPATH="$root" "$PY" "$here/device_check.py" gpu-challenge CUDA0 1024 1024 16384 900000 ); chal=$?
+( cd "$root" && PYTHONPATH="$root" "$PY" "$here/device_check.py" gpu-challenge CUDA0 1024 1024 65536 ) || chal=1
 port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 say "4-5. llama-server, every layer on CUDA0, 64 slots"
 "$prefix/bin/llama-server" -m "$work/model.gguf" --host 127.0.0.1 --port "$port" -ngl 99 \
@@ -52,5 +58,5 @@ done
 grep -E "CUDA0 (model|KV) buffer size|offloaded" "$work/server.log" | sed 's/^/  llama-server: /'
 "$PY" "$here/device_check.py" gpu-timing "http://127.0.0.1:$port"
 "$PY" "$here/device_check.py" streams "http://127.0.0.1:$port" 1 16 64
-say "done in $(($(date +%s) - started)) s; inventory $([ $inv = 0 ] && echo PASS || echo FAIL)"
-exit $inv
+say "done in $(($(date +%s) - started)) s; inventory $([ $inv = 0 ] && echo PASS || echo FAIL); gpu challenge $([ $chal = 0 ] && echo PASS || echo FAIL)"
+[ $inv = 0 ] && [ $chal = 0 ]

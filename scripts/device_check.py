@@ -4,6 +4,8 @@
     device_check.py model OUT.gguf          write a random-weight model of SmolLM2's shape (gguf-py)
     device_check.py inventory               NVML and ggml (the agent's own code) must see the same GPUs
     device_check.py gpu-timing URL          a timed prompt pass on the GPU through llama-server
+    device_check.py gpu-challenge DEV [M N K [CLAIM]]  the GPU speed challenge on DEV (CUDA0), as
+                                            the controller runs it: warm-up, timed product, Freivalds
     device_check.py streams URL N [N ...]   N concurrent streamed completions: aggregate tok/s, TTFT
 
 Only the standard library, numpy, httpx and nvidia-ml-py (pynvml) are needed, plus the agent
@@ -126,6 +128,41 @@ def gpu_timing(url: str) -> None:
           f"round trip {wall * 1000:.0f} ms")  # fmt: skip
 
 
+def gpu_challenge(device: str, m: int, n: int, k: int, claims: list[float]) -> int:
+    """The controller's GPU speed challenge (apps/nodes/gpu_challenges.py) without the controller:
+    the agent's own child (agent.runtime.ggml_matmul) computes the seeded product on ``device``
+    through the build at RACON_LLAMA_SERVER, the round trip is timed here, less a 32^3 warm-up's
+    fixed costs (at most half), and the answer is checked with Freivalds' algorithm. Prints the
+    measured figure and the verdict each claim would get (claimed > measured x 1.5 fails)."""
+    import secrets  # noqa: PLC0415
+
+    from agent.hardware.gpu_challenge import challenge_flops, freivalds_check  # noqa: PLC0415
+    from agent.runtime.ggml_matmul import run_child  # noqa: PLC0415
+
+    def timed(mm: int, nn: int, kk: int) -> tuple[bool, float, str]:
+        seed = secrets.randbits(63)
+        req = {"device": device, "seed": seed, "m": mm, "n": nn, "k": kk}
+        started = time.perf_counter()
+        got = run_child(req, timeout=600)
+        seconds = time.perf_counter() - started
+        ok = "answer" in got and freivalds_check(got["answer"], seed=seed, m=mm, n=nn, k=kk)
+        return ok, seconds, str(got.get("error", ""))
+
+    warm_ok, overhead, error = timed(32, 32, 32)
+    print(f"gpu challenge warm-up on {device}: 32^3 in {overhead:.3f} s, correct {warm_ok} {error}")
+    ok, seconds, error = timed(m, n, k)
+    allowance = min(overhead, 20.0, seconds / 2)
+    flops = challenge_flops(m=m, n=n, k=k)
+    measured = flops / max(seconds - allowance, 1e-6) / 1e9 if ok else 0.0
+    print(f"gpu challenge on {device}: {m}x{n}x{k} ({flops / 1e9:.3g} GFLOP) in {seconds:.3f} s "
+          f"(less {allowance:.3f} s), Freivalds {'PASS' if ok else 'FAIL ' + error}, "
+          f"measured {measured:.4g} GFLOPS")  # fmt: skip
+    for claim in claims:
+        verdict = "verified" if ok and claim <= measured * 1.5 else "failed"
+        print(f"gpu challenge verdict for a {claim:g} GFLOPS claim: {verdict}")
+    return 0 if ok else 1
+
+
 def streams(url: str, counts: list[int], max_tokens: int = 64) -> None:
     for n in counts:
         ttft: list[float] = []
@@ -179,6 +216,9 @@ def main(argv: list[str]) -> int:
     if cmd == "gpu-timing":
         gpu_timing(rest[0])
         return 0
+    if cmd == "gpu-challenge":
+        sizes = [int(x) for x in rest[1:4]] or [1024, 1024, 16384]  # the controller's defaults
+        return gpu_challenge(rest[0], *sizes, claims=[float(x) for x in rest[4:]] or [900_000.0])
     if cmd == "streams":
         streams(rest[0], [int(x) for x in rest[1:]])
         return 0
