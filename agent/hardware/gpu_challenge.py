@@ -71,13 +71,15 @@ def freivalds_check(
     if got is None:
         return False
     a, b = challenge_inputs(seed=seed, m=m, n=n, k=k)
-    c = got.astype(np.int64)
-    a64, b64 = a.astype(np.int64), b.astype(np.int64)
+    # int32 is exact here (every sum is below n·PRIME² or k·PRIME, far from 2**31 within the
+    # agent's bounds) and half int64's memory: the inputs are the controller's large allocation.
+    c = got.astype(np.int32)
+    a32, b32 = a.astype(np.int32), b.astype(np.int32)
     for _ in range(rounds):
         # The controller's own randomness, drawn after the answer arrived.
-        r = np.array([secrets.randbelow(PRIME) for _ in range(n)], dtype=np.int64)
+        r = np.array([secrets.randbelow(PRIME) for _ in range(n)], dtype=np.int32)
         left = np.mod(c @ r, PRIME)
-        right = np.mod(b64 @ np.mod(a64.T @ r, PRIME), PRIME)
+        right = np.mod(b32 @ np.mod(a32.T @ r, PRIME), PRIME)
         if not np.array_equal(left, right):
             return False
     return True
