@@ -175,6 +175,8 @@ class _RequestError(Exception):
 class ServerPrimary:
     """One loaded plan served by llama-server. Thread-safe; job callbacks run on job threads."""
 
+    ENGINE = "llama-server"  # names the engine in a failed request's error
+
     def __init__(
         self,
         *,
@@ -508,14 +510,49 @@ class ServerPrimary:
         except _RequestError as exc:
             error = exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            if j.cancel.is_set() or self._stopping.is_set():
-                finish = "cancelled"
-            elif self._exited_within(2.0):
-                # The server died (an RPC peer crashed, or it was killed): the watcher ends this
-                # job with the process's death reason, once, in order after what was streamed.
-                finish = "__dead__"
-            else:
-                error = _RequestError(f"llama-server request failed: {type(exc).__name__}: {exc}")
+            finish, error = self._broken_off(j, exc)
+        tps = timings.get("predicted_per_second")
+        ttft = round((first_chunk - received) * 1000, 2) if first_chunk is not None else None
+        usage = StreamUsage(
+            prompt_tokens=n_prompt,
+            completion_tokens=n_tokens,
+            total_tokens=n_prompt + n_tokens,
+            ttft_ms=ttft,
+            tokens_per_s=round(float(tps), 2) if tps else None,
+        )
+        if served_slot is not None and served_slot >= 0:
+            usage["id_slot"] = served_slot
+        if "prompt_n" in timings:
+            # What the KV cache coordinator measures: prompt tokens prefilled vs. from the cache.
+            usage["prompt_evaluated"] = int(timings.get("prompt_n") or 0)
+            usage["prompt_cached"] = int(timings.get("cache_n") or 0)
+        self._finish(j, writer, finish=finish, error=error, usage=usage)
+
+    # --- what every engine's job thread shares (this one's, and agent/runtime/vllm.py's) ---------
+
+    def _broken_off(self, j: _Job, exc: Exception) -> tuple[str, _RequestError | None]:
+        """A request to the engine that broke off: cancelled (the job's or the server's stop),
+        the server's death (``__dead__``: the watcher's reason ends the job), or an error."""
+        if j.cancel.is_set() or self._stopping.is_set():
+            return "cancelled", None
+        if self._exited_within(2.0):
+            # The server died (an RPC peer crashed, or it was killed): the watcher ends this
+            # job with the process's death reason, once, in order after what was streamed.
+            return "__dead__", None
+        return "stop", _RequestError(f"{self.ENGINE} request failed: {type(exc).__name__}: {exc}")
+
+    def _finish(
+        self,
+        j: _Job,
+        writer: DirectStreamWriter,
+        *,
+        finish: str,
+        error: _RequestError | None,
+        usage: StreamUsage,
+    ) -> None:
+        """End a job's stream (done or error, with its usage) and report it finished."""
+        job_id: str = j.job["job_id"]
+        attempt = int(j.job.get("attempt") or 1)
         # Whoever takes the job out of the table ends it: this thread, or the watcher when the
         # server died or was stopped under it. Never both, so a stream gets exactly one end.
         with self._lock:
@@ -532,21 +569,6 @@ class ServerPrimary:
             return
         if writer.error and error is None:
             error = _RequestError(writer.error)
-        tps = timings.get("predicted_per_second")
-        ttft = round((first_chunk - received) * 1000, 2) if first_chunk is not None else None
-        usage = StreamUsage(
-            prompt_tokens=n_prompt,
-            completion_tokens=n_tokens,
-            total_tokens=n_prompt + n_tokens,
-            ttft_ms=ttft,
-            tokens_per_s=round(float(tps), 2) if tps else None,
-        )
-        if served_slot is not None and served_slot >= 0:
-            usage["id_slot"] = served_slot
-        if "prompt_n" in timings:
-            # What the KV cache coordinator measures: prompt tokens prefilled vs. from the cache.
-            usage["prompt_evaluated"] = int(timings.get("prompt_n") or 0)
-            usage["prompt_cached"] = int(timings.get("cache_n") or 0)
         if error is not None:
             writer.fail(str(error), usage, code=error.code)
             status = "failed"
@@ -557,9 +579,9 @@ class ServerPrimary:
             job_id=job_id,
             status=status,  # type: ignore[typeddict-item]  # one of the three literals, by the branches above
             finish_reason=None if status == "failed" else finish,
-            prompt_tokens=n_prompt,
-            completion_tokens=n_tokens,
-            ttft_ms=ttft,
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
+            ttft_ms=usage["ttft_ms"],
             tokens_per_s=usage["tokens_per_s"],
             attempt=attempt,
         )

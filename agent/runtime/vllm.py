@@ -33,7 +33,6 @@ from typing import Any
 
 from agent.protocol import (
     SAMPLING_DEFAULTS,
-    JobFinishedPayload,
     LoadPrimaryPayload,
     StreamUsage,
     job_cancel_key,
@@ -178,6 +177,8 @@ def shm_segments(pids: list[int]) -> set[str]:
 
 class VllmPrimary(ServerPrimary):
     """One loaded plan served by vLLM's OpenAI server; jobs, cancel and death as ServerPrimary."""
+
+    ENGINE = "vLLM"
 
     def __init__(self, *, python: Path | None = None, **kw: Any) -> None:
         super().__init__(**kw)
@@ -417,25 +418,7 @@ class VllmPrimary(ServerPrimary):
         except _RequestError as exc:
             error = exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            if j.cancel.is_set() or self._stopping.is_set():
-                finish = "cancelled"
-            elif self._exited_within(2.0):
-                finish = "__dead__"
-            else:
-                error = _RequestError(f"vLLM request failed: {type(exc).__name__}: {exc}")
-        with self._lock:
-            claimed = self._jobs.pop(job_id, None) is not None
-        if not claimed:
-            writer.close()
-            return
-        if finish == "__dead__":
-            proc = self._proc
-            self._end_with_error(
-                job_id, self._death_reason(proc.returncode if proc else None), attempt=attempt
-            )
-            return
-        if writer.error and error is None:
-            error = _RequestError(writer.error)
+            finish, error = self._broken_off(j, exc)
         ttft = round((first_chunk - received) * 1000, 2) if first_chunk is not None else None
         elapsed = time.time() - first_chunk if first_chunk is not None else 0.0
         usage = StreamUsage(
@@ -445,25 +428,7 @@ class VllmPrimary(ServerPrimary):
             ttft_ms=ttft,
             tokens_per_s=round(n_tokens / elapsed, 2) if elapsed > 0 and n_tokens > 1 else None,
         )
-        if error is not None:
-            writer.fail(str(error), usage, code=error.code)
-            status = "failed"
-        else:
-            writer.done(finish, usage)
-            status = "cancelled" if finish == "cancelled" else "completed"
-        payload = JobFinishedPayload(
-            job_id=job_id,
-            status=status,  # type: ignore[typeddict-item]  # one of the three literals
-            finish_reason=None if status == "failed" else finish,
-            prompt_tokens=n_prompt,
-            completion_tokens=n_tokens,
-            ttft_ms=ttft,
-            tokens_per_s=usage["tokens_per_s"],
-            attempt=attempt,
-        )
-        if error is not None:
-            payload["error"] = str(error)
-        self._safe(self.on_job_finished, payload)
+        self._finish(j, writer, finish=finish, error=error, usage=usage)
 
     def _stream_v1(self, j: _Job, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """vLLM's streamed /v1/completions, one parsed ``data:`` chunk at a time."""

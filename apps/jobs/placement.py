@@ -321,7 +321,7 @@ def _deployment_load(
         node_id=primary,
         kind="load_primary",
         payload=payload,
-        timeout=timeout_load,
+        timeout=max(timeout_load, settings.VLLM_LOAD_TIMEOUT) if vllm else timeout_load,
         late=f"primary {selectors.node_name(primary)} did not load",
     )
     if not result.get("ok"):
