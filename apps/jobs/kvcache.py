@@ -40,6 +40,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
+from apps.models_repo.profile import ModelProfile
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
 from racon.redis import get_redis
@@ -754,9 +755,13 @@ def deployments_held(deployment_ids: Iterable[Any]) -> dict[str, tuple[int, int]
 
 def kv_bytes_per_token(model_file: Any) -> int:
     """KV bytes one token holds over all layers, from the model file's profile (0 when unknown)."""
-    if model_file is None:
+    stored = getattr(model_file, "profile", None) if model_file is not None else None
+    if not stored:
         return 0
-    profile = getattr(model_file, "profile", None) or {}
-    per_layer = int(profile.get("kv_bytes_per_token_per_layer") or 0)
-    n_layer = int(profile.get("n_layer") or getattr(model_file, "n_layer", 0) or 0)
-    return per_layer * n_layer
+    try:
+        # The per-layer figure is a derived one: stored under "derived", recomputed here.
+        profile = ModelProfile.from_dict(stored)
+    except (KeyError, TypeError, ValueError):
+        return 0  # a profile this version cannot read
+    n_layer = profile.n_layer or int(getattr(model_file, "n_layer", 0) or 0)
+    return profile.kv_bytes_per_token_per_layer * n_layer
