@@ -24,7 +24,7 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.conf import settings  # noqa: E402
 
 from apps.api.routing import websocket_urlpatterns  # noqa: E402
-from apps.nodes.api import heartbeat_handle  # noqa: E402
+from apps.nodes.api import heartbeat_handle, heartbeat_headers  # noqa: E402
 
 HEARTBEAT_PATH = "/api/agent/heartbeat"
 
@@ -67,6 +67,10 @@ async def http_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(data)).encode()),
+                *(
+                    (k.lower().encode(), v.encode())
+                    for k, v in heartbeat_headers(status, payload).items()
+                ),
             ],
         }
     )

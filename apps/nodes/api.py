@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, cast
 
 from asgiref.sync import sync_to_async
@@ -421,6 +422,18 @@ async def heartbeat_handle(
     return 200, beat
 
 
+def heartbeat_headers(status: int, payload: dict[str, Any]) -> dict[str, str]:
+    """The headers beside a heartbeat answer: a 429 says when to come back (Retry-After, whole
+    seconds, as the body's retry_after), so a client that reads only headers backs off too."""
+    if status != 429:
+        return {}
+    try:
+        seconds = float(payload["error"]["retry_after"])
+    except (KeyError, TypeError, ValueError):
+        seconds = 1.0
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
 @csrf_exempt
 async def agent_heartbeat(request: HttpRequest) -> JsonResponse:
     """Authenticated by the node credential; costs no database write unless the state changes.
@@ -432,7 +445,7 @@ async def agent_heartbeat(request: HttpRequest) -> JsonResponse:
         authorization=request.headers.get("Authorization", ""),
         body=request.body,
     )
-    return JsonResponse(body, status=status_code)
+    return JsonResponse(body, status=status_code, headers=heartbeat_headers(status_code, body))
 
 
 class ReportAcceptedSerializer(serializers.Serializer):

@@ -4,10 +4,12 @@ item 2): each test drives the agent's heartbeat endpoint with the node's own cre
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from asgiref.sync import async_to_sync
 from celery.signals import task_prerun
 from django.test import Client
 from django.utils import timezone
@@ -116,8 +118,47 @@ def test_a_node_beating_past_the_rate_gets_429_and_its_beats_change_nothing(
     assert refused.json()["error"]["code"] == "rate_limited"
     assert "NODE_HEARTBEAT_RATE_PER_MINUTE" in refused.json()["error"]["message"]
     assert refused.json()["error"]["retry_after"] >= 1
+    # The header too, as the /v1 limits answer: a client that reads only headers backs off.
+    assert int(refused.headers["Retry-After"]) >= 1, dict(refused.headers)
     assert Node.objects.get(pk=node_id).state == S.READY  # the refused beat's BUSY never landed
     telemetry = get_redis().hgetall(heartbeat_key(node_id))
     assert telemetry["jobs"] == "0"  # nor its telemetry
     # Its arrival is kept: a node that bursts is not taken for a silent one by the health sweep.
     assert get_redis().zscore(HEARTBEATS_ZSET, node_id) >= before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_asgi_fast_path_answers_a_beat_past_the_rate_with_retry_after(
+    client: Client, settings: Any
+) -> None:
+    """Under daphne, racon.asgi answers heartbeats before Django: its 429 carries the header too."""
+    from asgiref.testing import ApplicationCommunicator
+
+    from racon.asgi import HEARTBEAT_PATH, http_app
+
+    settings.SPEED_CHALLENGE = False
+    settings.NODE_HEARTBEAT_RATE_PER_MINUTE = 3
+    node_id, cred = enroll(client)
+    body = json.dumps(
+        {"state": "READY", "protocol_version": PROTOCOL_VERSION, "telemetry": {"jobs": []}}
+    ).encode()
+
+    async def post() -> tuple[int, dict[bytes, bytes], Any]:
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": HEARTBEAT_PATH,
+            "headers": [(b"authorization", f"Node {node_id}:{cred}".encode())],
+        }
+        app = ApplicationCommunicator(http_app, scope)
+        await app.send_input({"type": "http.request", "body": body, "more_body": False})
+        start = await app.receive_output(30)
+        got = await app.receive_output(30)
+        return start["status"], dict(start["headers"]), json.loads(got["body"])
+
+    answers = [async_to_sync(post)() for _ in range(4)]
+    assert [status for status, _, _ in answers] == [200, 200, 200, 429], answers
+    status, headers, payload = answers[-1]
+    assert payload["error"]["code"] == "rate_limited"
+    assert int(headers[b"retry-after"]) >= 1, headers
+    assert all(b"retry-after" not in h for _, h, _ in answers[:3])
