@@ -80,12 +80,16 @@ def device_seconds_clamped(
     device_seconds: Mapping[str, Any] | None, *, plan: Mapping[str, Any], wall_seconds: float
 ) -> dict[str, float]:
     """A primary's device_seconds claim, each node's figure at most the attempt's wall time (as
-    the controller saw it, dispatch to finish) × the node's devices in the plan.
+    the controller saw it, dispatch to finish) × the node's devices in the plan, and every other
+    node's at least the primary's own figure per device.
 
     The figures weigh the split between the primary and its RPC workers, and the primary reports
     them all: unbounded, ``{self: 1e9}`` would leave the workers almost nothing. No device can have
-    computed longer than the attempt ran. Nodes outside the plan and figures that are not positive
-    numbers are dropped.
+    computed longer than the attempt ran (the bound from above). From below, the controller cannot
+    see a worker's device, so the primary's word that a worker computed less than it did itself
+    (``{self: wall, worker: 0.001}``) is not taken: a primary's figures can move pay towards its
+    workers, never towards itself. A worker it did not report gets the same floor. Nodes outside
+    the plan and figures that are not positive numbers are dropped.
     """
     devices: dict[str, int] = {}
     for d in plan.get("devices") or []:
@@ -108,6 +112,12 @@ def device_seconds_clamped(
         if value != value or value <= 0:  # NaN or nothing measured
             continue
         out[str(node_id)] = min(value, wall * n)
+    own = out.get(primary)
+    if own is not None and primary in devices:
+        per_device = own / devices[primary]
+        for node_id, n in devices.items():
+            if node_id != primary:
+                out[node_id] = max(out.get(node_id, 0.0), per_device * n)
     return out
 
 

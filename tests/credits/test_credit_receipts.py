@@ -35,7 +35,7 @@ def receipt(db: Any, price: Any, now: Any) -> dict[str, Any]:
         account_id=consumer.pk, job_id=job.pk, max_tokens=64, model_price_permille=1000, now=now
     )
     job_finish(
-        job, prompt=7, completion=33, device_seconds={str(nodes[0].pk): 1.25, str(nodes[1].pk): 0.5}
+        job, prompt=7, completion=33, device_seconds={str(nodes[0].pk): 0.5, str(nodes[1].pk): 1.25}
     )
     credit_settle_job(job_id=job.pk, now=now)
     return Receipt.objects.get(job=job, node=nodes[1]).document()
@@ -57,7 +57,7 @@ def test_a_settlement_receipt_carries_job_node_model_tokens_layers_share_credits
     ):
         assert key in receipt
     assert receipt["model"] == "qwen-7b" and receipt["tokens"] == 40 and receipt["layers"] == 8
-    assert receipt["device_ms"] == 500 and receipt["primary"] is False
+    assert receipt["device_ms"] == 1250 and receipt["primary"] is False
 
 
 def test_an_untouched_receipt_verifies_offline_with_only_the_public_key(

@@ -1,7 +1,8 @@
 """Issue 28: the primary's device_seconds cannot take its RPC workers' pay.
 
 The primary reports job_finished through the agent endpoint, as a node would; settlement bounds
-each device's figure by the attempt's wall time as the controller saw it (dispatch to finish).
+each device's figure by the attempt's wall time as the controller saw it (dispatch to finish),
+and each worker's from below by the primary's own figure per device.
 """
 
 from __future__ import annotations
@@ -101,3 +102,22 @@ def test_device_seconds_1e9_for_itself_leaves_the_workers_share_unchanged(
     )
     assert honest["worker"] > 0
     assert forged == honest, (forged, honest)
+
+
+def test_a_tiny_device_seconds_for_the_worker_leaves_its_share_unchanged(
+    client: Client, settings: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    honest = run_job(client, settings, django_capture_on_commit_callbacks, None)
+    # The attack from below: the primary claims the attempt's whole time for itself and a
+    # millisecond for its worker (before: the worker's weight was 1 ms against ~2,000 ms).
+    forged = run_job(
+        client,
+        settings,
+        django_capture_on_commit_callbacks,
+        {"primary": 2.0, "worker": 0.001},
+    )
+    assert honest["worker"] > 0
+    assert forged == honest, (forged, honest)
+    # Leaving the worker out of the report takes nothing from it either.
+    omitted = run_job(client, settings, django_capture_on_commit_callbacks, {"primary": 2.0})
+    assert omitted == honest, (omitted, honest)
