@@ -17,8 +17,14 @@ from apps.credits.settlement import credit_reserve, credit_settle_job
 from apps.jobs.models import Job
 from racon import cache
 from racon.redis import get_redis
-from tests.credits.factories import ModelFactory, deployment_for, job_finish, job_for
-from tests.factories import NodeFactory, UserFactory
+from tests.factories import (
+    ModelFactory,
+    NodeFactory,
+    UserFactory,
+    deployment_for,
+    job_finish,
+    job_for,
+)
 
 pytestmark = pytest.mark.django_db
 OPERATOR = {"HTTP_AUTHORIZATION": "Bearer test-operator-key"}

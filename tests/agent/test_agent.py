@@ -22,8 +22,15 @@ from agent.protocol import (
     node_queue_key,
 )
 from agent.runtime.fake import FAKE_TOKENS, FakeRuntime
-from tests.agent.conftest import fake_profile, free_port, read_stream
-from tests.agent.harness import MODEL_BYTES, MODEL_SHA, Harness, wait
+from tests.agent.harness import (
+    MODEL_BYTES,
+    MODEL_SHA,
+    Harness,
+    fake_profile,
+    free_port,
+    read_stream,
+    wait,
+)
 
 # --- lifecycle --------------------------------------------------------------------------------------
 

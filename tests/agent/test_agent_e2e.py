@@ -17,8 +17,7 @@ import pytest
 from agent.agent import AgentState
 from agent.runtime.ggml import load_llama_cpp_backends
 from agent.runtime.llama import LlamaRuntime
-from tests.agent.conftest import MODEL, read_stream
-from tests.agent.harness import Harness, deployment_tls, wait
+from tests.agent.harness import MODEL, Harness, deployment_tls, read_stream, wait
 
 pytestmark = pytest.mark.e2e
 

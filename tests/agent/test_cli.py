@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from agent.identity import Identity, save_identity
-from tests.agent.conftest import REDIS_URL, REPO, FakeController, fake_profile, free_port
+from tests.agent.harness import REDIS_URL, REPO, FakeController, fake_profile, free_port
 
 
 def node_agent(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:

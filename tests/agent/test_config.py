@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import ConfigError, parse_run_args
-from tests.agent.conftest import REPO
+from tests.agent.harness import REPO
 
 BASE = ["--controller-url", "http://127.0.0.1:8000", "--node-name", "box-1"]
 

@@ -15,7 +15,7 @@ from agent.hardware import (
     nvml,
 )
 from agent.hardware import benchmark as bench
-from tests.agent.conftest import fake_profile
+from tests.agent.harness import fake_profile
 
 
 def test_gpu_box_profile_poses_as_a_gpu_machine(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import agent
-from tests.agent.conftest import REPO
+from tests.agent.harness import REPO
 
 
 def test_importing_the_agent_loads_no_django() -> None:

@@ -20,8 +20,15 @@ from agent.runtime import LoadFailed
 from agent.runtime.ggml import load_llama_cpp_backends
 from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.server import ServerPrimary
-from tests.agent.conftest import MODEL, REDIS_URL, REPO, free_port, new_job_id, read_stream
-from tests.agent.harness import deployment_tls
+from tests.agent.harness import (
+    MODEL,
+    REDIS_URL,
+    REPO,
+    deployment_tls,
+    free_port,
+    new_job_id,
+    read_stream,
+)
 
 pytestmark = pytest.mark.e2e
 

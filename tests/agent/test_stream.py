@@ -6,7 +6,7 @@ from typing import Any
 
 from agent.protocol import job_cancel_key, job_stream_key
 from agent.runtime.stream import StreamWriter, append_error, last_seq
-from tests.agent.conftest import read_stream
+from tests.agent.harness import read_stream
 
 NODE = "node-stream-test"
 USAGE = {

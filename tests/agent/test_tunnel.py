@@ -22,7 +22,7 @@ from agent.tunnel import (
     probe,
     reachable,
 )
-from tests.agent.conftest import free_port
+from tests.agent.harness import free_port
 
 tls_mod = pytest.importorskip("racon.tls", reason="the controller's CA needs cryptography")
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from agent.runtime.vllm import VllmPrimary, engine_python, group_pids
-from tests.agent.conftest import REDIS_URL, new_job_id, read_stream
+from tests.agent.harness import REDIS_URL, new_job_id, read_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -24,6 +22,7 @@ from typing import Any
 import httpx
 
 from agent.protocol import job_cancel_key, job_stream_key, node_queue_key
+from tests.support import processes, timing
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -45,19 +44,6 @@ def database_url() -> str:
     from tests.e2e.harness import database_url as url
 
     return url()
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=timeout)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
 
 
 @dataclass
@@ -87,32 +73,25 @@ def run_daphne(workdir: Path, **overrides: str) -> Iterator[Daphne]:
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)
     log_path = workdir / "daphne.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port), "racon.asgi:application"],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = processes.start(
+        [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port), "racon.asgi:application"],
+        log_path=log_path,
+        env=env,
+    )
     d = Daphne(url=f"http://127.0.0.1:{port}", log_path=log_path)
+
+    def up() -> bool:
+        try:
+            httpx.get(d.url + "/health", timeout=2)  # 503 without a Celery worker: still up
+        except httpx.HTTPError:
+            return False
+        return True
+
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"daphne exited with {proc.returncode}:\n{d.log()[-3000:]}")
-            try:
-                httpx.get(d.url + "/health", timeout=2)  # 503 without a Celery worker: still up
-                break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"daphne not up after 60 s:\n{d.log()[-3000:]}")
-            time.sleep(0.2)
+        processes.wait_running(proc, up, timing.scaled(60), "daphne up", log_path=log_path)
         yield d
     finally:
-        stop_process(proc)
+        processes.stop(proc)
 
 
 @dataclass

@@ -22,8 +22,9 @@ from apps.jobs.states import DeploymentState
 from apps.models_repo.models import Model, ModelFile
 from racon import cache
 from tests.factories import NodeFactory
+from tests.support.processes import stop
 
-from .live import ROOT, database_url, stop_process
+from .live import ROOT, database_url
 
 SCRIPT = """
 import sys
@@ -82,7 +83,7 @@ def other_process(tmp_path: Path) -> Iterator[Other]:
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
-        stop_process(proc)  # type: ignore[arg-type]
+        stop(proc)
 
 
 def ready_deployment() -> Deployment:

@@ -141,8 +141,13 @@ def seeded() -> None:
     without a primary yet, a job without usage)."""
     from apps.jobs.models import Deployment
     from apps.jobs.states import DeploymentState
-    from tests.credits.factories import ModelFileFactory, deployment_for, funded_account, job_for
-    from tests.factories import NodeFactory
+    from tests.factories import (
+        ModelFileFactory,
+        NodeFactory,
+        deployment_for,
+        funded_account,
+        job_for,
+    )
 
     primary, worker = NodeFactory(), NodeFactory()
     dep = deployment_for([(primary, 16), (worker, 16)])

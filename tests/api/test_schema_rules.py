@@ -11,7 +11,7 @@ from django.test import Client
 
 from apps.api.schema import NOT_BLANK_PATTERN
 from tests.factories import AccountFactory
-from tests.nodes.test_enrollment import enroll_body, issue
+from tests.support.enrollment import enroll_body, issue
 
 pytestmark = pytest.mark.django_db
 OPERATOR = {"Authorization": "Bearer test-operator-key"}

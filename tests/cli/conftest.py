@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +9,7 @@ from typer.testing import CliRunner
 
 from racon_cli.main import app
 from tests.e2e.harness import Controller
+from tests.support.cli import Run, one_error_line  # noqa: F401 - until test_cli.py imports it from here
 
 from .live import shared_controller
 
@@ -22,9 +22,6 @@ def live(
     request: pytest.FixtureRequest,
 ) -> Controller:
     return shared_controller(request, django_db_blocker, tmp_path_factory)
-
-
-Run = Callable[..., Result]
 
 
 @pytest.fixture
@@ -47,14 +44,6 @@ def racon(live: Controller, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         return runner.invoke(app, list(args), env=env, input=input, catch_exceptions=False)
 
     return run
-
-
-def one_error_line(result: Result) -> str:
-    """The CLI's error contract: a non-zero exit and exactly one line on stderr, starting 'error: '."""
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert result.exit_code != 0, result.output
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.harness import Controller, start_agent, stop_agent, wait_for
-
-from .conftest import Run
+from tests.support.cli import Run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 

@@ -8,8 +8,7 @@ import pytest
 
 from apps.accounts.models import ApiKey
 from racon_cli.client import EXIT_API
-
-from .conftest import Run, one_error_line
+from tests.support.cli import Run, one_error_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 

@@ -17,8 +17,7 @@ from apps.credits import signing
 from racon_cli import main as cli
 from racon_cli.client import EXIT_API
 from racon_cli.commands import common
-
-from .conftest import one_error_line
+from tests.support.cli import one_error_line
 
 NODE = {
     "id": "0b9c7f3e-1d2a-4c5b-8e9f-0a1b2c3d4e5f",

@@ -15,9 +15,7 @@ from django.utils import timezone
 from agent.protocol import node_queue_key
 from apps.nodes.models import Node
 from racon.redis import get_redis
-from tests.credits.test_credit_api import key_for
-from tests.credits.test_earnings import earned  # noqa: F401 - the fixture
-from tests.factories import NodeFactory
+from tests.factories import NodeFactory, key_for
 
 pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.credits.urls")]
 GiB = 1024**3
@@ -29,7 +27,7 @@ def node_auth(node: Node, credential: str = "cred") -> dict[str, str]:
 
 def test_a_nodes_earnings_are_the_accounts_rows_for_that_node(
     client: Client,
-    earned: dict[str, Any],  # noqa: F811
+    earned: dict[str, Any],
 ) -> None:
     for node in (earned["a"], earned["b"]):
         mine = client.get("/api/agent/earnings?days=30", **node_auth(node))

@@ -9,14 +9,14 @@ from django.test import Client
 from apps.accounts.models import Account
 from apps.credits.models import Entry, Posting, Receipt
 from apps.credits.settlement import credit_reserve, credit_settle_job
-from tests.credits.factories import (
+from tests.factories import (
     ModelFactory,
+    NodeFactory,
     deployment_for,
     funded_account,
     job_finish,
     job_for,
 )
-from tests.factories import NodeFactory
 
 pytestmark = pytest.mark.django_db
 

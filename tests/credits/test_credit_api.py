@@ -8,27 +8,24 @@ from django.test import Client
 from django.utils import timezone
 
 from apps.accounts.models import Account
-from apps.api.auth import api_key_create
 from apps.credits import signing
 from apps.credits.ledger import credit_grant
 from apps.credits.models import Entry, EntryKind, Receipt
 from apps.credits.settlement import credit_reserve, credit_settle_job
-from tests.credits.factories import (
+from tests.factories import (
+    AccountFactory,
     ModelFactory,
+    NodeFactory,
+    UserFactory,
     deployment_for,
     funded_account,
     job_finish,
     job_for,
+    key_for,
 )
-from tests.factories import AccountFactory, NodeFactory, UserFactory
 
 pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.credits.urls")]
 OPERATOR = {"HTTP_AUTHORIZATION": "Bearer test-operator-key"}
-
-
-def key_for(account: Account, scopes: tuple[str, ...] = ("inference",)) -> dict[str, str]:
-    _, plaintext = api_key_create(name="k", account_id=account.pk, scopes=list(scopes))
-    return {"HTTP_AUTHORIZATION": f"Bearer {plaintext}"}
 
 
 @pytest.fixture

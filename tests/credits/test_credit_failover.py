@@ -17,14 +17,15 @@ from apps.jobs import admission, selectors
 from apps.jobs.jobs import job_finish_from_report
 from apps.jobs.models import JobAttempt
 from apps.jobs.states import JobState
-from tests.credits.factories import (
+from tests.factories import (
+    AccountFactory,
     ModelFactory,
+    NodeFactory,
     deployment_for,
     funded_account,
     job_finish,
     job_for,
 )
-from tests.factories import AccountFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -18,8 +18,7 @@ from apps.credits.ledger import (
     ledger_verify,
 )
 from apps.credits.models import AppendOnlyError, Entry, EntryKind, Posting
-from tests.credits.factories import funded_account
-from tests.factories import AccountFactory, UserFactory
+from tests.factories import AccountFactory, UserFactory, funded_account
 
 pytestmark = pytest.mark.django_db
 

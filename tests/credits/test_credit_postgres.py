@@ -14,14 +14,15 @@ from apps.accounts.models import Account
 from apps.credits.ledger import InsufficientCredits, account_system, ledger_verify
 from apps.credits.models import Entry, EntryKind, Posting, Receipt
 from apps.credits.settlement import credit_reserve, credit_settle_job
-from tests.credits.factories import (
+from tests.factories import (
+    AccountFactory,
     ModelFactory,
+    NodeFactory,
     deployment_for,
     funded_account,
     job_finish,
     job_for,
 )
-from tests.factories import AccountFactory, NodeFactory
 
 pytestmark = [
     pytest.mark.postgres,

@@ -10,14 +10,15 @@ from apps.credits.ledger import account_system
 from apps.credits.rules import job_priority_order
 from apps.credits.selectors import SYSTEM_STANDING, account_standing
 from apps.credits.settlement import credit_reserve, credit_settle_job
-from tests.credits.factories import (
+from tests.factories import (
+    AccountFactory,
     ModelFactory,
+    NodeFactory,
     deployment_for,
     funded_account,
     job_finish,
     job_for,
 )
-from tests.factories import AccountFactory, NodeFactory
 
 
 def test_jobs_are_ordered_by_standing_then_arrival() -> None:

@@ -23,8 +23,14 @@ from apps.credits.models import Entry, Posting
 from apps.credits.settlement import credit_reserve, credit_settle_job, credit_standby_reward
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
-from tests.credits.factories import ModelFactory, deployment_for, job_finish, job_for
-from tests.factories import AccountFactory, NodeFactory
+from tests.factories import (
+    AccountFactory,
+    ModelFactory,
+    NodeFactory,
+    deployment_for,
+    job_finish,
+    job_for,
+)
 
 pytestmark = pytest.mark.django_db
 GIB = 1024**3

@@ -14,14 +14,14 @@ from apps.credits import signing
 from apps.credits.models import Receipt
 from apps.credits.receipts import receipt_check, receipt_public_key, receipt_signing_key
 from apps.credits.settlement import credit_reserve, credit_settle_job
-from tests.credits.factories import (
+from tests.factories import (
     ModelFactory,
+    NodeFactory,
     deployment_for,
     funded_account,
     job_finish,
     job_for,
 )
-from tests.factories import NodeFactory
 
 
 @pytest.fixture

@@ -14,14 +14,15 @@ from apps.credits.rules import NodeWork, plan_work, settlement_split, token_cost
 from apps.credits.settlement import JobNotTerminal, credit_reserve, credit_settle_job
 from apps.credits.tasks import settle_job
 from apps.jobs.states import JobState
-from tests.credits.factories import (
+from tests.factories import (
+    AccountFactory,
     ModelFactory,
+    NodeFactory,
     deployment_for,
     funded_account,
     job_finish,
     job_for,
 )
-from tests.factories import AccountFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
 

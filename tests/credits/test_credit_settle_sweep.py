@@ -13,14 +13,15 @@ from apps.credits.selectors import open_holds
 from apps.credits.settlement import credit_reserve, credit_settle_job, credit_settle_pending
 from apps.credits.tasks import settle_sweep
 from apps.jobs.states import JobState
-from tests.credits.factories import (
+from tests.factories import (
+    AccountFactory,
     ModelFactory,
+    NodeFactory,
     deployment_for,
     funded_account,
     job_finish,
     job_for,
 )
-from tests.factories import AccountFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
 

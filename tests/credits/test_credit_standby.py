@@ -118,7 +118,7 @@ def test_memory_never_seen_in_use_is_paid_only_up_to_the_unseen_allowance(
 def test_memory_another_nodes_primary_loaded_onto_the_worker_is_paid(
     standby: Any, now: Any
 ) -> None:
-    from tests.credits.factories import deployment_for
+    from tests.factories import deployment_for
 
     standby.CREDITS_STANDBY_UNSEEN_BYTES = 6 * GIB
     primary = NodeFactory(state=NodeState.BUSY)

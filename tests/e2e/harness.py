@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from httpx_sse import connect_sse
+
+from tests.support import processes, timing
+from tests.support.processes import free_port, stop, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def smollm2_path() -> Path:
@@ -33,20 +30,6 @@ def smollm2_path() -> Path:
     from tests.smollm2 import smollm2_path as find
 
     return find()
-
-
-def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 15) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
 
 
 @dataclass
@@ -100,10 +83,7 @@ def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
         "RACON_CONTROLLER_URL": url,
         "RACON_VAR_DIR": str(workdir / "var"),
         "RACON_MODEL_STORE": str(workdir / "store"),
-        "HEARTBEAT_INTERVAL": "1",
-        "HEALTH_SWEEP_SECONDS": "1",
-        "HEARTBEAT_DEGRADED_AFTER": "4",
-        "HEARTBEAT_OFFLINE_AFTER": "10",
+        **timing.heartbeat_env(),
         "DEBUG": "false",
         "LOG_FORMAT": "json",
         "LOG_LEVEL": "INFO",
@@ -120,70 +100,56 @@ def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
     env.pop("DJANGO_SETTINGS_MODULE", None)
     ctl = Controller(url=url, env=env, workdir=workdir)
     try:
-        with open(workdir / "daphne.log", "wb") as log:
-            ctl.procs.append(
-                subprocess.Popen(
-                    [
-                        str(BIN / "daphne"),
-                        "-b",
-                        "127.0.0.1",
-                        "-p",
-                        str(port),
-                        "racon.asgi:application",
-                    ],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+        ctl.procs.append(
+            processes.start(
+                [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port), "racon.asgi:application"],
+                log_path=workdir / "daphne.log",
+                env=env,
             )
-        with open(workdir / "celery.log", "wb") as log:
-            ctl.procs.append(
-                subprocess.Popen(
-                    [
-                        str(BIN / "celery"),
-                        "-A",
-                        "racon",
-                        "worker",
-                        "-B",
-                        "-l",
-                        "info",
-                        "--concurrency",
-                        "3",
-                        "-s",
-                        str(workdir / "beat-schedule"),
-                        "-n",
-                        f"e2e-{port}@%h",
-                        "-Q",
-                        f"{queue},{queue}.placement",
-                    ],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+        )
+        ctl.procs.append(
+            processes.start(
+                [
+                    str(BIN / "celery"),
+                    "-A",
+                    "racon",
+                    "worker",
+                    "-B",
+                    "-l",
+                    "info",
+                    "--concurrency",
+                    "3",
+                    "-s",
+                    str(workdir / "beat-schedule"),
+                    "-n",
+                    f"e2e-{port}@%h",
+                    "-Q",
+                    f"{queue},{queue}.placement",
+                ],
+                log_path=workdir / "celery.log",
+                env=env,
             )
-        deadline = time.monotonic() + 60
-        while True:
+        )
+
+        def healthy() -> bool:
             for p in ctl.procs:
                 if p.poll() is not None:
                     raise RuntimeError(
                         f"controller process exited with {p.returncode}:\n{ctl.logs()[-3000:]}"
                     )
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
+                return httpx.get(url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"controller not healthy after 60 s:\n{ctl.logs()[-3000:]}")
-            time.sleep(0.3)
+                return False
+
+        try:
+            wait_for(healthy, timing.scaled(60), "the controller's /health", interval=0.3)
+        except AssertionError as exc:
+            raise RuntimeError(f"{exc}:\n{ctl.logs()[-3000:]}") from None
         yield ctl
     finally:
         for p in ctl.procs:
-            _stop(p)
+            stop(p)
 
 
 @dataclass
@@ -223,34 +189,30 @@ def start_agent(
         k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")
     }
     env["GGML_NO_BACKTRACE"] = "1"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                str(BIN / "node-agent"),
-                "--foreground",
-                "--controller-url",
-                ctl.url,
-                "--enrollment-token",
-                token,
-                "--node-name",
-                name,
-                "--state-dir",
-                str(state),
-                "--models-dir",
-                str(models),
-                "--advertise-address",
-                "127.0.0.1",
-                "--rpc-port",
-                str(rpc_port),
-                "--no-benchmark",
-                *(extra or []),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = processes.start(
+        [
+            str(BIN / "node-agent"),
+            "--foreground",
+            "--controller-url",
+            ctl.url,
+            "--enrollment-token",
+            token,
+            "--node-name",
+            name,
+            "--state-dir",
+            str(state),
+            "--models-dir",
+            str(models),
+            "--advertise-address",
+            "127.0.0.1",
+            "--rpc-port",
+            str(rpc_port),
+            "--no-benchmark",
+            *(extra or []),
+        ],
+        log_path=log_path,
+        env=env,
+    )
     return AgentProc(name=name, proc=proc, state_dir=state, rpc_port=rpc_port, log_path=log_path)
 
 
@@ -262,13 +224,11 @@ def stop_agent(agent: AgentProc, sig: int = signal.SIGTERM, timeout: float = 20)
             agent.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
-    _stop(agent.proc, signal.SIGKILL, timeout=5)
+    stop(agent.proc, signal.SIGKILL, timeout=5)
 
 
 def consumer_headers(name: str) -> dict[str, str]:
-    """The auth headers of a new account's inference key (tests/e2e/test_cluster.py)."""
-    from .test_cluster import make_account_with_key  # test_cluster imports this module
-
+    """The auth headers of a new account's inference key."""
     _, key = make_account_with_key(name)
     return {"Authorization": f"Bearer {key}"}
 
@@ -281,8 +241,6 @@ def agents_serving_model(
     sharing one models dir that holds ``model_path`` (a hard link, a copy across file systems);
     once every node is READY, ``model_path`` is registered as ``model``. Yields (the agents, the
     READY node records, both by name); stops the agents after, however the block ended."""
-    from .test_cluster import make_account_with_key  # test_cluster imports this module
-
     models_dir = workdir / "models"
     models_dir.mkdir()
     try:
@@ -351,12 +309,63 @@ def replica_per_node(
     return deps
 
 
-def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+def make_account_with_key(name: str, *, grant: int | None = None) -> tuple[str, str]:
+    """A new account (its balance set to ``grant`` if given) and an inference key: (id, key)."""
+    from apps.accounts.models import Account
+    from apps.api.auth import api_key_create
+    from apps.credits.ledger import account_create
+
+    acct = account_create(name=name)
+    if grant is not None:
+        # Drain the starting grant to a chosen balance (a correction is a new entry).
+        from apps.credits.ledger import credit_adjust
+
+        delta = grant - Account.objects.get(pk=acct.pk).balance
+        if delta:
+            from django.utils import timezone
+
+            credit_adjust(account_id=acct.pk, amount=delta, reason="test setup", now=timezone.now())
+    _, key = api_key_create(name=f"{name}-key", account_id=acct.pk, scopes=["inference"])
+    return str(acct.pk), key
+
+
+def stream_chat(
+    controller: Controller, headers: dict[str, str], body: dict[str, Any], on_chunk: Any = None
+) -> dict[str, Any]:
+    """POST a streamed chat to the controller; the text, chunk count and times, usage and error
+    (``on_chunk(out)`` after each content chunk)."""
+    out: dict[str, Any] = {
+        "text": "",
+        "chunks": 0,
+        "times": [],
+        "usage": [],
+        "error": None,
+        "done": False,
+    }
+    with (
+        httpx.Client(timeout=240) as c,
+        connect_sse(
+            c, "POST", controller.url + "/v1/chat/completions", json=body, headers=headers
+        ) as sse,
+    ):
+        out["job"] = sse.response.headers.get("x-racon-job-id")
+        out["node"] = sse.response.headers.get("x-racon-nodes")
+        for ev in sse.iter_sse():
+            if ev.data == "[DONE]":
+                out["done"] = True
+                break
+            data = json.loads(ev.data)
+            if "error" in data:
+                out["error"] = data["error"]
+                continue
+            if data.get("usage"):
+                out["usage"].append(data["usage"])
+            for choice in data.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    out["text"] += piece
+                    out["chunks"] += 1
+                    out["times"].append(time.monotonic())
+                    if on_chunk is not None:
+                        on_chunk(out)
+    return out

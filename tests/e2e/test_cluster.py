@@ -25,7 +25,14 @@ from httpx_sse import connect_sse
 
 from agent.runtime.ggml import load_llama_cpp_backends
 
-from .harness import AgentProc, Controller, start_agent, stop_agent, wait_for
+from .harness import (
+    AgentProc,
+    Controller,
+    make_account_with_key,
+    start_agent,
+    stop_agent,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -58,25 +65,6 @@ def direct_local_run(model_path: Path, times: int = 3) -> list[str]:
     ]
     del llm
     return texts
-
-
-def make_account_with_key(name: str, *, grant: int | None = None) -> tuple[str, str]:
-    from apps.accounts.models import Account
-    from apps.api.auth import api_key_create
-    from apps.credits.ledger import account_create
-
-    acct = account_create(name=name)
-    if grant is not None:
-        # Drain the starting grant to a chosen balance (a correction is a new entry).
-        from apps.credits.ledger import credit_adjust
-
-        delta = grant - Account.objects.get(pk=acct.pk).balance
-        if delta:
-            from django.utils import timezone
-
-            credit_adjust(account_id=acct.pk, amount=delta, reason="test setup", now=timezone.now())
-    _, key = api_key_create(name=f"{name}-key", account_id=acct.pk, scopes=["inference"])
-    return str(acct.pk), key
 
 
 def rpc_worker_pid(agent: AgentProc) -> int:

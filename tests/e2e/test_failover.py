@@ -9,7 +9,6 @@ the killed deployment is re-dispatched; a non-streamed request fails over the sa
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -18,13 +17,12 @@ from typing import Any
 
 import httpx
 import pytest
-from httpx_sse import connect_sse
 
 from apps.credits.models import Entry, EntryKind, Receipt
 from apps.jobs.models import Deployment, Job, JobAttempt
 from apps.nodes.models import Event
 
-from .harness import Controller, StartAgents, chat_ok, consumer_headers, wait_for
+from .harness import Controller, StartAgents, chat_ok, consumer_headers, stream_chat, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -96,46 +94,6 @@ def cluster(controller: Controller, serving_agents: StartAgents) -> dict[str, An
     }
 
 
-def _stream(
-    controller: Controller, headers: dict[str, str], body: dict[str, Any], on_chunk: Any = None
-) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "text": "",
-        "chunks": 0,
-        "times": [],
-        "usage": [],
-        "error": None,
-        "done": False,
-    }
-    with (
-        httpx.Client(timeout=240) as c,
-        connect_sse(
-            c, "POST", controller.url + "/v1/chat/completions", json=body, headers=headers
-        ) as sse,
-    ):
-        out["job"] = sse.response.headers.get("x-racon-job-id")
-        out["node"] = sse.response.headers.get("x-racon-nodes")
-        for ev in sse.iter_sse():
-            if ev.data == "[DONE]":
-                out["done"] = True
-                break
-            data = json.loads(ev.data)
-            if "error" in data:
-                out["error"] = data["error"]
-                continue
-            if data.get("usage"):
-                out["usage"].append(data["usage"])
-            for choice in data.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    out["text"] += piece
-                    out["chunks"] += 1
-                    out["times"].append(time.monotonic())
-                    if on_chunk is not None:
-                        on_chunk(out)
-    return out
-
-
 def _streamed_failover(controller: Controller, cluster: dict[str, Any]) -> None:
     _ensure_two_replicas(controller)
     killed: dict[str, Any] = {}
@@ -152,7 +110,7 @@ def _streamed_failover(controller: Controller, cluster: dict[str, Any]) -> None:
             )
 
     body = {**GREEDY, "stream": True, "stream_options": {"include_usage": True}}
-    out = _stream(controller, cluster["headers"], body, on_chunk=kill_at_ten)
+    out = stream_chat(controller, cluster["headers"], body, on_chunk=kill_at_ten)
     assert killed, out
     assert out["done"] and out["error"] is None, out
     assert len(out["usage"]) == 1, out["usage"]  # one final usage
@@ -258,7 +216,7 @@ def _queued_jobs_redispatched(controller: Controller, cluster: dict[str, Any]) -
 
     def one() -> None:
         try:
-            got = _stream(
+            got = stream_chat(
                 controller, cluster["headers"], {**GREEDY, "stream": True, "max_tokens": 40}
             )
         except Exception as exc:  # reported by the assertions below

@@ -33,9 +33,9 @@ from .harness import (
     Controller,
     StartAgents,
     consumer_headers,
+    stream_chat,
     wait_for,
 )
-from .test_failover import _stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -163,7 +163,7 @@ def _pause_mid_stream(
             worker.start()
 
     body = {**LONG, "messages": messages, "stream": True, "stream_options": {"include_usage": True}}
-    box["stream"] = _stream(controller, cluster["headers"], body, on_chunk=on_chunk)
+    box["stream"] = stream_chat(controller, cluster["headers"], body, on_chunk=on_chunk)
     assert paused.wait(60), box
     worker.join(300)
     # Later requests, once the stream is over (each replica then has its slots free): the

@@ -1,7 +1,8 @@
 """Setup shared by the tests in tests/jobs: chat payloads and READY deployments for the KV cache
 tests (test_kvcache.py, test_kvtransfer.py), and a model with a store copy and a placeable
 profile for the tests that place or fail over through FakeAgents (test_failover_slots.py,
-test_serving_wait.py)."""
+test_serving_wait.py), nodes holding a replica and a READY deployment over one node (placement,
+drain and replica tests)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+from django.utils import timezone
+
 from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
-from apps.models_repo.models import Model, ModelFile
+from apps.models_repo.models import Model, ModelFile, Replica
 from apps.models_repo.profile import synthetic_profile
+from apps.nodes.states import NodeState
 from tests.factories import NodeFactory
 
+GiB = 1024**3
 SYSTEM = {"role": "system", "content": "You are terse."}
 
 
@@ -64,3 +69,44 @@ def placeable_model(*, name: str, sha256: str, store: Path, store_bytes: int) ->
         store_path=str(store),
     )
     return m
+
+
+def nodes_with_replicas(model: Model, n: int) -> list[Any]:
+    out = []
+    for i in range(n):
+        node = NodeFactory(
+            name=f"n{i}", state=NodeState.READY, ram_available=8 * GiB, gflops=50 + i
+        )
+        Replica.objects.create(
+            node=node,
+            model_file=model.files.get(),
+            path=f"/models/{i}.gguf",
+            verified_at=timezone.now(),
+        )
+        out.append(node)
+    return out
+
+
+def ready_deployment(model: Model, node: Any) -> Deployment:
+    dep = Deployment.objects.create(
+        model=model,
+        model_file=model.files.get(),
+        state=DeploymentState.READY,
+        primary=node,
+        request={"n_ctx": 512},
+        plan={
+            "primary_node_id": str(node.id),
+            "devices": [
+                {
+                    "node_id": str(node.id),
+                    "device": "CPU",
+                    "layer_start": 0,
+                    "layer_end": 30,
+                    "memory_bytes": GiB,
+                    "endpoint": None,
+                }
+            ],
+        },
+    )
+    dep.nodes.set([node])
+    return dep

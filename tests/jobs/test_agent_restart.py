@@ -11,8 +11,7 @@ from apps.jobs.models import Deployment, Job
 from apps.jobs.reports import report_accept
 from apps.jobs.states import DeploymentState, JobState
 from apps.nodes.models import Event
-from tests.credits.factories import ModelFactory, deployment_for, job_for
-from tests.factories import NodeFactory
+from tests.factories import ModelFactory, NodeFactory, deployment_for, job_for
 
 pytestmark = pytest.mark.django_db
 

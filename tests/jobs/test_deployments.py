@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -14,7 +11,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from agent.protocol import job_stream_key, node_queue_key
+from agent.protocol import job_stream_key
 from apps.jobs import placement
 from apps.jobs.deployments import (
     deployment_preview,
@@ -26,129 +23,16 @@ from apps.jobs.models import Deployment, Job
 from apps.jobs.reports import report_accept
 from apps.jobs.stale import jobs_fail_stale
 from apps.jobs.states import DeploymentState, JobState
-from apps.models_repo.models import Model, ModelFile
-from apps.models_repo.profile import read_gguf_profile
+from apps.models_repo.models import Model
 from apps.nodes.models import Event
 from apps.nodes.states import NodeState
 from racon.redis import get_redis
-from tests.e2e.harness import smollm2_path
 from tests.factories import NodeFactory
+from tests.jobs.helpers import nodes_with_replicas, ready_deployment
+from tests.support.fake_agents import FakeAgents
 
 pytestmark = pytest.mark.django_db
 GiB = 1024**3
-
-
-@pytest.fixture(scope="module")
-def profile_dict() -> dict[str, Any]:
-    return read_gguf_profile(smollm2_path()).to_dict()
-
-
-@pytest.fixture
-def model(profile_dict: dict[str, Any], tmp_path: Path) -> Model:
-    m = Model.objects.create(name="smol")
-    # The controller's store copy that replica claims are challenged against (random stand-in bytes).
-    store = tmp_path / "store-smol.gguf"
-    store.write_bytes(os.urandom(3 * 2**20))
-    ModelFile.objects.create(
-        model=m,
-        file_name="smol.gguf",
-        sha256="b" * 64,
-        size=98_000_000,
-        n_layer=30,
-        profile=profile_dict,
-        store_path=str(store),
-    )
-    return m
-
-
-class FakeAgents:
-    """Answers commands on the nodes' Redis queues the way agents do (command_result reports)."""
-
-    def __init__(
-        self,
-        node_ids: list[str],
-        fail_load_on: set[str] | None = None,
-        liars: set[str] | None = None,
-    ) -> None:
-        self.node_ids = node_ids
-        self.fail_load_on = fail_load_on or set()
-        self.liars = liars or set()  # claim files they do not hold: wrong hash-challenge answers
-        self.seen: list[tuple[str, str]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        r = get_redis()
-        while not self.stop.is_set():
-            got = r.blpop([node_queue_key(n) for n in self.node_ids], timeout=1)
-            if got is None:
-                continue
-            node_id = got[0].split(":")[2]
-            cmd = json.loads(got[1])
-            self.seen.append((node_id, cmd["kind"]))
-            payload = self.answer(node_id, cmd)
-            report_accept(
-                node_id=node_id,
-                report={
-                    "id": f"r-{time.time_ns()}",
-                    "kind": "command_result",
-                    "command_id": cmd["id"],
-                    "payload": payload,
-                },
-                now=timezone.now(),
-            )
-        from django.db import connection
-
-        connection.close()  # this thread's own connection
-
-    def answer(self, node_id: str, cmd: dict[str, Any]) -> dict[str, Any]:
-        """The command_result payload an agent would send."""
-        ok = not (cmd["kind"] == "load_primary" and node_id in self.fail_load_on)
-        payload: dict[str, Any] = {"ok": ok, "command": cmd["kind"]}
-        if not ok:
-            payload["error"] = "RPC worker 127.0.0.1:1 unreachable"
-        if cmd["kind"] == "load_primary" and ok:
-            payload["assignment"] = [{"device": "CPU", "n_layers": 30}]
-        if cmd["kind"] == "hash_challenge":
-            payload["digest"] = self._digest(cmd["payload"], honest=node_id not in self.liars)
-        if cmd["kind"] == "fetch_model":
-            payload["path"] = f"/models/{cmd['payload']['file_name']}"
-        return payload
-
-    @staticmethod
-    def _digest(p: dict[str, Any], *, honest: bool) -> str:
-        """An honest node holds the store's bytes; a liar answers without them."""
-        store = ModelFile.objects.get(sha256=p["sha256"]).store_path
-        with open(store, "rb") as f:
-            f.seek(p["offset"])
-            data = f.read(p["length"]) if honest else b"not the file"
-        return hashlib.sha256(bytes.fromhex(p["nonce"]) + data).hexdigest()
-
-    def __enter__(self) -> FakeAgents:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-
-
-def nodes_with_replicas(model: Model, n: int) -> list[Any]:
-    from apps.models_repo.models import Replica
-
-    out = []
-    for i in range(n):
-        node = NodeFactory(
-            name=f"n{i}", state=NodeState.READY, ram_available=8 * GiB, gflops=50 + i
-        )
-        Replica.objects.create(
-            node=node,
-            model_file=model.files.get(),
-            path=f"/models/{i}.gguf",
-            verified_at=timezone.now(),
-        )
-        out.append(node)
-    return out
 
 
 @pytest.mark.django_db(transaction=True)
@@ -188,31 +72,6 @@ def test_impossible_placement_fails_with_the_refusal(model: Model) -> None:
     assert result.state == DeploymentState.FAILED
     assert "more memory" in result.error or "memory" in result.error
     assert Event.objects.filter(deployment=dep, kind="PLACEMENT_REFUSED").exists()
-
-
-def ready_deployment(model: Model, node: Any) -> Deployment:
-    dep = Deployment.objects.create(
-        model=model,
-        model_file=model.files.get(),
-        state=DeploymentState.READY,
-        primary=node,
-        request={"n_ctx": 512},
-        plan={
-            "primary_node_id": str(node.id),
-            "devices": [
-                {
-                    "node_id": str(node.id),
-                    "device": "CPU",
-                    "layer_start": 0,
-                    "layer_end": 30,
-                    "memory_bytes": GiB,
-                    "endpoint": None,
-                }
-            ],
-        },
-    )
-    dep.nodes.set([node])
-    return dep
 
 
 def test_member_lost_after_ready_fails_the_deployment_its_jobs_and_replaces_it(

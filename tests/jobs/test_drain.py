@@ -19,15 +19,9 @@ from apps.nodes.models import Event, Node
 from apps.nodes.services import node_drain, node_undrain
 from apps.nodes.states import TRANSITIONS, NodeState
 from tests.factories import NodeFactory
-from tests.jobs.test_deployments import (
-    FakeAgents,
-    model,
-    nodes_with_replicas,
-    profile_dict,
-    ready_deployment,
-)
+from tests.jobs.helpers import nodes_with_replicas, ready_deployment
+from tests.support.fake_agents import FakeAgents
 
-__all__ = ["model", "profile_dict"]  # pytest fixtures
 pytestmark = pytest.mark.django_db(transaction=True)
 S = NodeState
 

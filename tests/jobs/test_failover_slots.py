@@ -32,7 +32,7 @@ from apps.nodes.models import Node
 from racon.redis import get_redis
 from tests.factories import NodeFactory
 from tests.jobs.helpers import placeable_model
-from tests.jobs.test_deployments import FakeAgents
+from tests.support.fake_agents import FakeAgents
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the follower's steps run on the thread pool
 

@@ -29,12 +29,10 @@ from apps.nodes.models import Node
 from apps.nodes.states import NodeState
 from racon.celery import app
 from racon.redis import get_redis
-from tests.credits.factories import deployment_for, funded_account, job_finish, job_for
-from tests.e2e.harness import BIN, ROOT, _stop, database_url, free_port, wait_for
-from tests.factories import NodeFactory
-from tests.jobs.test_deployments import model, profile_dict
+from tests.e2e.harness import BIN, ROOT, database_url
+from tests.factories import NodeFactory, deployment_for, funded_account, job_finish, job_for
+from tests.support.processes import free_port, stop, wait_for
 
-__all__ = ["model", "profile_dict"]  # pytest fixtures
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.django_db(transaction=True),
@@ -116,7 +114,7 @@ def workers(tmp_path: Path) -> Iterator[tuple[str, str, list[subprocess.Popen[by
         yield default_q, placement_q, procs
     finally:
         for p in procs:
-            _stop(p, signal.SIGKILL, timeout=10)
+            stop(p, signal.SIGKILL, timeout=10)
         get_redis().delete(default_q, placement_q)
         logs = "".join(
             p.read_text(errors="replace")[-2000:] for p in sorted(tmp_path.glob("*.log"))

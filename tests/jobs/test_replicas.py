@@ -22,10 +22,8 @@ from apps.models_repo.models import Model
 from apps.nodes.models import Event
 from racon.redis import get_redis
 from tests.factories import NodeFactory
-
-from .test_deployments import FakeAgents, model, nodes_with_replicas, profile_dict, ready_deployment
-
-__all__ = ["model", "profile_dict"]  # pytest fixtures, shared with test_deployments
+from tests.jobs.helpers import nodes_with_replicas, ready_deployment
+from tests.support.fake_agents import FakeAgents
 
 pytestmark = pytest.mark.django_db
 GiB = 1024**3

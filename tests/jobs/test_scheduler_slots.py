@@ -16,8 +16,7 @@ from apps.jobs.scheduler import (
     plan_placement,
 )
 from apps.jobs.scheduler.reference import exhaustive_best, memory_proportional_plan
-
-from .test_scheduler import LLAMA_8B, LLAMA_70B, TINY, check_plan, cluster, cpu, gpu, node
+from tests.support.scheduler import LLAMA_8B, LLAMA_70B, TINY, check_plan, cluster, cpu, gpu, node
 
 GiB = 1 << 30
 KV_8B = LLAMA_8B.kv_bytes_per_token_per_layer  # 4 KiB per token per layer (GQA, f16)

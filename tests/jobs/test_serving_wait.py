@@ -3,7 +3,7 @@
 eligible nodes"; with nothing coming it still fails at once.
 
 Real database and Redis, and the real placement (Celery runs eagerly in tests): it refuses while
-no node is READY, and loads through FakeAgents (tests/jobs/test_deployments.py: answers the node's
+no node is READY, and loads through FakeAgents (tests/support/fake_agents.py: answers the node's
 commands as its agent does) once one is.
 """
 
@@ -31,7 +31,7 @@ from apps.nodes.states import NodeState
 from racon.redis import get_redis
 from tests.factories import NodeFactory
 from tests.jobs.helpers import placeable_model
-from tests.jobs.test_deployments import FakeAgents
+from tests.support.fake_agents import FakeAgents
 
 pytestmark = pytest.mark.django_db(transaction=True)  # waits run on the thread pool
 
@@ -157,9 +157,9 @@ def test_with_nothing_coming_the_request_still_fails_at_once(model: Model, setti
     with pytest.raises(admission.DeploymentUnavailable) as exc:
         async_to_sync(serving.admission_wait)(adm=adm, standing=lambda: 0.0)
     elapsed = time.monotonic() - began
-    # Well under the 120 s it would have waited for a coming node (measured: a few seconds, one
-    # deployment status poll per second).
-    assert elapsed < 40, elapsed
+    # Well under the DEPLOYMENT_WAIT_SECONDS it would have waited for a coming node (measured: a
+    # few seconds, one deployment status poll per second).
+    assert elapsed < settings.DEPLOYMENT_WAIT_SECONDS / 2, elapsed
     assert exc.value.reason
     job = Job.objects.get(pk=adm.job_id)
     assert job.state == JobState.FAILED and job.failed_during_execution is False

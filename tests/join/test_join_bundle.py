@@ -1,8 +1,8 @@
 """The join line's standalone route (issue 26) against a live server: the controller picks the
 bundle a machine can run, and the line (sh + curl only) checks the architecture, the glibc floor,
 the disk and the sha256 before it writes anything, then installs under ~/.racon-agent and starts
-the agent. A small fake bundle stands in for the real one (tests/cluster/test_standalone_join.py
-joins with the real one); its `node-agent` records how it was started.
+the agent. A small fake bundle stands in for the real one (office-pc in
+tests/cluster/test_household.py joins with the real one); its `node-agent` records how it was started.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from agent.identity import Identity
 from apps.nodes import bundles, join
 from apps.nodes.enrollment import enrollment_token_issue
 from tests.factories import AccountFactory, NodeFactory
-
-from .conftest import clean_env
+from tests.support.join import clean_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

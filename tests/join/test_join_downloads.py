@@ -20,8 +20,7 @@ from django.utils import timezone
 from apps.nodes import join
 from apps.nodes.enrollment import enrollment_token_issue
 from tests.factories import AccountFactory
-
-from .conftest import clean_env, system_python312
+from tests.support.join import clean_env, system_python312
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

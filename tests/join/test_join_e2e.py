@@ -6,7 +6,6 @@ site-packages, no pip cache, a PATH without the repository's venv, the system Py
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import Controller, free_port, run_controller, wait_for
-
-from .conftest import clean_env
+from tests.e2e.harness import Controller, run_controller
+from tests.support.join import clean_env
+from tests.support.processes import free_port, stop, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -46,7 +45,7 @@ def test_a_clean_machine_joins_with_the_one_line(controller: Controller, machine
         RACON_RPC_PORT=str(free_port()),
         GGML_NO_BACKTRACE="1",
         # This test is the Python route (a venv from served wheels); the standalone bundle's
-        # route is tests/join/test_join_bundle.py and tests/cluster/test_standalone_join.py.
+        # route is tests/join/test_join_bundle.py and tests/cluster/test_household.py.
         RACON_JOIN_ROUTE="python",
     )
     log_path = machine / "join.log"
@@ -98,9 +97,5 @@ def test_a_clean_machine_joins_with_the_one_line(controller: Controller, machine
         assert "upgraded 0.1.0 -> 0.1.0" in upgraded.stdout
         assert (machine / ".racon-agent/venv/llama.cpp/bin/llama-server").is_file()
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc, timeout=30)
     print(log_path.read_text()[-1500:])

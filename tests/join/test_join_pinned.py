@@ -15,9 +15,8 @@ from django.test import Client
 
 from apps.nodes.join import PIN_MISMATCH, join_command_line, join_python_line
 from racon import tls
-
-from .conftest import clean_env
-from .test_join_scripts import issue
+from tests.support.enrollment import issue
+from tests.support.join import clean_env
 
 pytestmark = pytest.mark.django_db
 
@@ -109,7 +108,7 @@ def test_a_plain_http_controller_on_a_network_gives_no_line(settings: object) ->
     assert (
         line.startswith("# no join line:") and "| sh" not in line and "RACON_INSECURE_LAN" in line
     )
-    _, plaintext = issue()
+    plaintext = issue()
     body = Client().get(f"/join/{plaintext}").content.decode()
     assert "exit 1" in body and "RACON_INSECURE_LAN" in body
     settings.INSECURE_LAN = True  # type: ignore[attr-defined]

@@ -19,8 +19,7 @@ from apps.nodes.enrollment import enrollment_token_issue, enrollment_token_revok
 from apps.nodes.join import join_command_line, join_python_line
 from apps.nodes.models import EnrollmentToken
 from tests.factories import AccountFactory
-
-from .conftest import ROOT, clean_env, system_python312
+from tests.support.join import ROOT, clean_env, system_python312
 
 pytestmark = pytest.mark.django_db
 

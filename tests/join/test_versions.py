@@ -31,7 +31,7 @@ from apps.nodes.states import NodeState
 from racon.redis import get_redis
 from tests.agent.harness import fake_profile
 from tests.factories import hardware_profile
-from tests.nodes.test_enrollment import enroll_body, issue
+from tests.support.enrollment import enroll_body, issue
 
 
 @pytest.mark.django_db

@@ -7,17 +7,17 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import httpx
 import psutil
 from dotenv import dotenv_values
 
 from racon.embedded import free_port
+from tests.support.processes import alive, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the test plugin (racon/testing.py) and pytest-django put in the environment for the
@@ -28,31 +28,6 @@ SUITE_ONLY = (
     "RACON_ADMIN_PASSWORD", "RACON_REDIS_PASSWORD", "PORT", "RACON_CONTROLLER_URL",
 )  # fmt: skip
 READY_TIMEOUT = 400.0  # migrations and the agent's first start take 20-40 s on 2 cores
-
-
-def wait_for(
-    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.25
-) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
-
-
-def alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
-    """The ones still running; a zombie (dead, not yet reaped by init) counts as gone."""
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def describe(p: psutil.Process) -> str:

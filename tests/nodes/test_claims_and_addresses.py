@@ -21,7 +21,7 @@ from apps.nodes.commands import command_result_accept
 from apps.nodes.models import Event, Node
 from racon.redis import get_redis
 from tests.factories import AccountFactory, NodeFactory, hardware_profile
-from tests.nodes.test_enrollment import enroll_body, issue, post
+from tests.support.enrollment import enroll_body, issue, post
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -19,8 +19,7 @@ from apps.nodes.events import event_record
 from apps.nodes.models import Event, EventCategory
 from racon.celery import task_send
 from racon.redis import get_redis
-from tests.credits.factories import deployment_for, funded_account, job_for
-from tests.factories import NodeFactory
+from tests.factories import NodeFactory, deployment_for, funded_account, job_for
 
 pytestmark = pytest.mark.django_db
 

@@ -10,94 +10,33 @@ transactional tests can never race a live process.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
 import subprocess
-import tarfile
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import pytest
 
-from apps.jobs.models import Deployment, Job
-from apps.models_repo.models import Model, ModelFile
+from apps.models_repo.models import ModelFile
+from tests.factories import ModelFileFactory
+from tests.support.observability import LiveRun
 
 
 @pytest.fixture
 def model_file(db: None) -> ModelFile:
-    model = Model.objects.create(name="tiny-model")
-    return ModelFile.objects.create(
-        model=model, file_name="tiny.gguf", sha256=hashlib.sha256(b"tiny").hexdigest(), size=1234
+    return ModelFileFactory(
+        model__name="tiny-model",
+        file_name="tiny.gguf",
+        sha256=hashlib.sha256(b"tiny").hexdigest(),
+        size=1234,
+        n_layer=0,
     )
-
-
-def make_deployment(
-    model_file: ModelFile,
-    *,
-    state: str = "READY",
-    primary: Any = None,
-    nodes: list[Any] | None = None,
-) -> Deployment:
-    dep = Deployment.objects.create(
-        model=model_file.model, model_file=model_file, state=state, primary=primary
-    )
-    if nodes:
-        dep.nodes.set(nodes)
-    return dep
-
-
-def make_job(
-    model_file: ModelFile,
-    *,
-    state: str = "QUEUED",
-    now: datetime,
-    deployment: Deployment | None = None,
-    nodes: list[Any] | None = None,
-    **fields: Any,
-) -> Job:
-    job = Job.objects.create(
-        model=model_file.model,
-        state=state,
-        deployment=deployment,
-        queued_at=fields.pop("queued_at", now),
-        **fields,
-    )
-    if nodes:
-        job.nodes.set(nodes)
-    return job
 
 
 # --- the live run --------------------------------------------------------------------------------
-
-
-@dataclass
-class LiveRun:
-    """What one real request through the real controller and agent left behind."""
-
-    job_id: str
-    request_id: str
-    node_id: str
-    deployment_id: str
-    model: str
-    completion_tokens: int
-    charged: int
-    starting_grant: int
-    metrics_before_drain: str
-    metrics_after_drain: str
-    unauthorized_status: int
-    wrong_token_status: int
-    agent_metrics: str
-    controller_log: str
-    agent_log: str
-    bundle: bytes
-    doctor_bundle: bytes
-    node_secrets: list[str]
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 METRICS_TOKEN = "live-metrics-token-" + "m" * 24
@@ -282,14 +221,3 @@ def live_run(
         bundle=bundle,
         timings=timings,
     )
-
-
-def unpack(data: bytes) -> dict[str, bytes]:
-    """A bundle's files by their name inside its top folder."""
-    out: dict[str, bytes] = {}
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        for member in tar.getmembers():
-            fh = tar.extractfile(member)
-            if fh is not None:
-                out[member.name.split("/", 1)[1]] = fh.read()
-    return out

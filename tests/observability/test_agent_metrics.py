@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.metrics import MetricsServer, render, start_metrics_server
 from agent.protocol import PROTOCOL_VERSION
-from tests.agent.conftest import controller, free_port, h, redis_client  # noqa: F401 - fixtures of the real-Agent harness
+from tests.agent.harness import controller, free_port, h, redis_client  # noqa: F401 - fixtures of the real-Agent harness
 
 SNAPSHOT: dict[str, Any] = {
     "state": "READY",

@@ -30,8 +30,7 @@ from apps.nodes.models import EnrollmentToken, EventCategory, Node
 from apps.nodes.services import node_report_fault
 from racon.redis import get_redis
 from tests.factories import AccountFactory, NodeFactory, hardware_profile
-
-from .conftest import make_deployment, make_job, unpack
+from tests.support.observability import make_deployment, make_job, unpack
 
 pytestmark = pytest.mark.django_db
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from .conftest import LiveRun
+from tests.support.observability import LiveRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 

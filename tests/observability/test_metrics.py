@@ -23,8 +23,7 @@ from apps.models_repo.models import ModelFile
 from apps.nodes.states import NodeState
 from racon.redis import get_redis
 from tests.factories import AccountFactory, NodeFactory, UserFactory
-
-from .conftest import make_deployment, make_job
+from tests.support.observability import make_deployment, make_job
 
 pytestmark = pytest.mark.django_db
 

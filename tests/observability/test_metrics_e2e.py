@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import LiveRun
+from tests.support import timing
+from tests.support.observability import LiveRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -93,9 +94,9 @@ def test_pool_deployments_placements_and_heartbeats_reflect_the_cluster(live_run
     assert value(text, "racon_placement_latency_seconds_count") == value(
         text, "racon_placement_decisions_total"
     )
-    # HEARTBEAT_INTERVAL is 1 s in the harness: a live node is never far behind.
+    # A live node is never further behind than the window after which it would be DEGRADED.
     assert value(text, "racon_heartbeat_lag_seconds_gcount") == 1
-    assert 0 <= value(text, "racon_node_heartbeat_lag_seconds") < 5
+    assert 0 <= value(text, "racon_node_heartbeat_lag_seconds") < timing.live_heartbeat_age()
 
 
 def test_the_agent_metrics_port_serves_the_nodes_runtime_figures(live_run: LiveRun) -> None:

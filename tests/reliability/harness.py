@@ -32,20 +32,21 @@ import psutil
 
 from tests.launcher.harness import SUITE_ONLY, Launcher, alive, is_agent, wait_for
 from tests.smollm2 import smollm2_path
+from tests.support import timing
 
 ROOT = Path(__file__).resolve().parents[2]
 PORTS = range(19500, 19600)  # this suite's ports (the controller's and the agents' RPC ports)
-READY_TIMEOUT = 300.0  # migrations, two agents and two model loads on 2 shared cores
+READY_TIMEOUT = timing.scaled(300.0)  # migrations, two agents and two model loads on 2 shared cores
 STREAMS = 8  # concurrent streaming clients during a kill
 REQUESTS_PER_STREAM = 2  # each client's requests, one after the other: 16 per scenario
 MAX_TOKENS = 32
 # One request, start to end: about 3 s when nothing is killed, but the 2 cores are shared. A
 # stream silent for STREAM_GAP is lost too: the controller should have ended it by then.
-REQUEST_DEADLINE = 60.0
+REQUEST_DEADLINE = timing.scaled(60.0)
 STREAM_GAP = 20.0
-RECOVER_DEADLINE = 120.0  # the retry loop after a kill
+RECOVER_DEADLINE = timing.scaled(120.0)  # the retry loop after a kill
 # The stale-jobs sweep runs every 30 s and fails a job silent for 2 stream idle limits.
-SETTLE_DEADLINE = 60.0
+SETTLE_DEADLINE = timing.scaled(60.0)
 GHOST_GRACE = 10.0  # a READY deployment without its llama-server this long is stopped by the test
 GHOST_NOTE = "no llama-server for"  # in the note the test leaves when it had to do so
 REDEPLOY_AFTER = 10.0  # fewer than two active replicas this long: the test deploys one
@@ -399,17 +400,15 @@ def cluster_env(var: Path, port: int, rpc_port: int) -> dict[str, str]:
         DAPHNE_PROCESSES="2",  # as `make run` on 2 cores: killing one leaves the other serving
         PYTHONUNBUFFERED="1",
         SPEED_CHALLENGE="false",
-        # Failures seen in seconds, not minutes (the defaults are 5 s heartbeats, 9 missed).
-        HEARTBEAT_INTERVAL="1",
-        HEALTH_SWEEP_SECONDS="1",
-        HEARTBEAT_DEGRADED_AFTER="3",
-        HEARTBEAT_OFFLINE_AFTER="6",
         STREAM_IDLE_TIMEOUT_SECONDS=str(STREAM_IDLE_TIMEOUT),
         REPLICA_MAX_PER_MODEL="2",
         LOG_FORMAT="text",
         # Every event in the launcher's log: a lost request's report quotes its job's lines.
         LOG_LEVEL="INFO",
     )
+    # Failures seen in seconds, not minutes (the defaults are 5 s heartbeats, 9 missed), with
+    # windows that hold on a busy machine.
+    env.update(timing.heartbeat_env())
     return env
 
 

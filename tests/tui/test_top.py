@@ -17,9 +17,8 @@ from apps.jobs.states import JobState
 from apps.nodes.models import Node
 from apps.nodes.states import NodeState
 from racon_cli.top import Confirm, TopApp
-from tests.credits.factories import ModelFactory, job_for
 from tests.e2e.harness import ROOT, Controller
-from tests.factories import NodeFactory
+from tests.factories import ModelFactory, NodeFactory, job_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 SHOTS = ROOT / "test-artifacts" / "screenshots"

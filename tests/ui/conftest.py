@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +10,15 @@ from django.utils import timezone
 from apps.credits.ledger import account_for_user
 from apps.credits.models import Receipt
 from apps.credits.settlement import credit_reserve, credit_settle_job
-from apps.jobs.models import Deployment, Job
-from apps.nodes.models import Node
-from tests.credits.factories import ModelFactory, deployment_for, job_finish, job_for
-from tests.factories import NodeFactory, UserFactory
+from tests.factories import (
+    ModelFactory,
+    NodeFactory,
+    UserFactory,
+    deployment_for,
+    job_finish,
+    job_for,
+)
+from tests.support.ui import HTMX, World  # noqa: F401 - HTMX: until test_pages.py imports it from here
 
 
 @pytest.fixture(autouse=True)
@@ -27,21 +31,6 @@ def _ui_settings(settings: Any, tmp_path: Path) -> None:
     settings.RACON_RECEIPT_KEY = ""
     settings.CREDITS_RECEIPT_KEY_PATH = tmp_path / "receipt-signing.key"
     settings.MODEL_STORE_DIR = tmp_path / "store"
-
-
-@dataclass
-class World:
-    """Two accounts: an operator (staff) and a contributor, each with a node, a job and a receipt."""
-
-    staff: Any
-    contributor: Any
-    staff_node: Node
-    own_node: Node
-    deployment: Deployment
-    staff_job: Job
-    own_job: Job
-    staff_receipt: Receipt
-    own_receipt: Receipt
 
 
 @pytest.fixture
@@ -95,9 +84,6 @@ def contributor_client(world: World) -> Client:
     c = Client()
     c.force_login(world.contributor)
     return c
-
-
-HTMX = {"HTTP_HX_REQUEST": "true"}
 
 
 @pytest.fixture(scope="session")

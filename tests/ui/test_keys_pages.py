@@ -9,8 +9,7 @@ from django.test import Client
 
 from apps.accounts.models import Account, ApiKey
 from apps.jobs.models import Job
-
-from .conftest import HTMX, World
+from tests.support.ui import HTMX, World
 
 pytestmark = pytest.mark.django_db
 

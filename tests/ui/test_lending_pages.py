@@ -16,8 +16,7 @@ from apps.credits.models import Receipt
 from apps.nodes.lending import node_lending_claim
 from apps.nodes.models import Event, Node
 from racon.redis import get_redis
-
-from .conftest import HTMX, World
+from tests.support.ui import HTMX, World
 
 pytestmark = pytest.mark.django_db
 GiB = 1024**3

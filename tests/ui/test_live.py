@@ -18,8 +18,7 @@ from apps.credits.ledger import account_for_user
 from apps.nodes.services import node_transition
 from apps.nodes.states import NodeState
 from tests.factories import NodeFactory, UserFactory
-
-from .conftest import HTMX
+from tests.support.ui import HTMX
 
 
 @pytest.mark.django_db(transaction=True)

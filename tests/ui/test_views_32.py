@@ -20,10 +20,8 @@ from apps.jobs.rollup import rollup_write
 from apps.jobs.states import DeploymentState
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
-from tests.credits.factories import deployment_for, job_for
-from tests.factories import NodeFactory
-
-from .conftest import HTMX, World
+from tests.factories import NodeFactory, deployment_for, job_for
+from tests.support.ui import HTMX, World
 
 pytestmark = pytest.mark.django_db
 
