@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,3 +84,27 @@ def pytest_configure(config: pytest.Config) -> None:
                 time.sleep(attempt)
 
     TransactionTestCase._fixture_teardown = fixture_teardown
+
+
+# --- suite time per area (the README's table) ----------------------------------------------------
+
+_AREA_SECONDS: defaultdict[str, float] = defaultdict(float)
+_AREA_TESTS: defaultdict[str, int] = defaultdict(int)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum setup, call and teardown per area (tests/<area>); a session fixture's start counts in
+    the area of the first test that needed it."""
+    parts = report.nodeid.split("::")[0].split("/")
+    area = "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+    _AREA_SECONDS[area] += report.duration
+    if report.when == "call":
+        _AREA_TESTS[area] += 1
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if len(_AREA_SECONDS) < 2:
+        return
+    terminalreporter.write_sep("=", "suite time per area")
+    for area, seconds in sorted(_AREA_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{area:<24} {_AREA_TESTS[area]:>5} tests {seconds:>9.1f} s")
