@@ -22,22 +22,29 @@ _REFUSAL_STATUS = {
 }
 
 
+class GpuChallengeRequestSerializer(serializers.Serializer):
+    device = serializers.RegexField(r"^[A-Za-z][A-Za-z_]{0,15}[0-9]{0,3}$", required=False)
+
+
+class GpuChallengeQueuedSerializer(serializers.Serializer):
+    node_id = serializers.UUIDField()
+    device = serializers.CharField()
+    queued = serializers.BooleanField()
+
+
+class GpuChallengeClearedSerializer(serializers.Serializer):
+    node_id = serializers.UUIDField()
+    cleared = serializers.BooleanField()
+
+
 class NodeGpuChallengeApi(APIView):
     """Challenge one unverified GPU of the node now (at most one challenge per node per
     GPU_CHALLENGE_INTERVAL_SECONDS; none while a failed one stands)."""
 
-    class In(serializers.Serializer):
-        device = serializers.RegexField(r"^[A-Za-z][A-Za-z_]{0,15}[0-9]{0,3}$", required=False)
-
-    class Out(serializers.Serializer):
-        node_id = serializers.UUIDField()
-        device = serializers.CharField()
-        queued = serializers.BooleanField()
-
     @extend_schema(
-        request=In,
+        request=GpuChallengeRequestSerializer,
         responses={
-            202: Out,
+            202: GpuChallengeQueuedSerializer,
             404: AgentErrorSerializer,
             409: AgentErrorSerializer,
             429: AgentErrorSerializer,
@@ -45,7 +52,7 @@ class NodeGpuChallengeApi(APIView):
     )
     def post(self, request: Request, node_id: str) -> Response:
         get_object_or_404(Node, pk=node_id)
-        body = self.In(data=request.data)
+        body = GpuChallengeRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         try:
             device = node_gpu_challenge_request(
@@ -68,11 +75,9 @@ class NodeGpuChallengeClearApi(APIView):
     """Clear the node's GPU challenge record: a failed challenge no longer stands and the rate
     limit is lifted; its GPUs stay at the floor until a challenge passes."""
 
-    class Out(serializers.Serializer):
-        node_id = serializers.UUIDField()
-        cleared = serializers.BooleanField()
-
-    @extend_schema(request=None, responses={200: Out, 404: AgentErrorSerializer})
+    @extend_schema(
+        request=None, responses={200: GpuChallengeClearedSerializer, 404: AgentErrorSerializer}
+    )
     def post(self, request: Request, node_id: str) -> Response:
         get_object_or_404(Node, pk=node_id)
         cleared = node_gpu_challenge_clear(node_id=node_id, now=timezone.now())
