@@ -20,8 +20,7 @@ from apps.accounts import services
 from apps.credits.ledger import account_for_user
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
-from tests.credits.factories import ModelFactory
-from tests.factories import UserFactory
+from tests.factories import ModelFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 

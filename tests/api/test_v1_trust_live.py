@@ -305,7 +305,7 @@ def daphne_priority(tmp_path: Path) -> Iterator[Daphne]:
 def lend(account: Any) -> None:
     """The account's node serves a job and is paid for it, as settlement does."""
     from apps.credits.settlement import credit_reserve, credit_settle_job
-    from tests.credits.factories import deployment_for, funded_account, job_finish, job_for
+    from tests.factories import deployment_for, funded_account, job_finish, job_for
 
     node = NodeFactory(account=Account.objects.get(pk=account))
     dep = deployment_for([(node, 4)])

@@ -20,8 +20,7 @@ from apps.credits.settlement import credit_reserve, credit_settle_job
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
 from racon.redis import get_redis
-from tests.credits.factories import deployment_for, funded_account, job_for
-from tests.factories import NodeFactory
+from tests.factories import NodeFactory, deployment_for, funded_account, job_for
 
 pytestmark = pytest.mark.django_db
 

@@ -20,8 +20,7 @@ from apps.jobs.states import DeploymentState, JobState
 from apps.nodes.commands import command_send, command_wait
 from apps.nodes.models import Event
 from racon.redis import get_redis
-from tests.credits.factories import deployment_for, funded_account, job_for
-from tests.factories import NodeFactory
+from tests.factories import NodeFactory, deployment_for, funded_account, job_for
 
 pytestmark = pytest.mark.django_db
 

@@ -12,7 +12,7 @@ from django.test import Client
 from agent.protocol import PROTOCOL_VERSION, heartbeat_key
 from apps.nodes.models import Event, Node
 from tests.factories import AccountFactory
-from tests.nodes.test_enrollment import enroll_body, issue, post
+from tests.support.enrollment import enroll_body, issue, post
 
 pytestmark = pytest.mark.django_db
 GIB = 1024**3
