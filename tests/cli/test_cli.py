@@ -24,11 +24,16 @@ from apps.nodes.links import link_record
 from apps.nodes.models import Node
 from apps.nodes.states import NodeState
 from racon_cli.client import EXIT_API, EXIT_CONFIG, EXIT_UNREACHABLE
-from tests.credits.factories import ModelFactory, deployment_for, job_finish, job_for
 from tests.e2e.harness import Controller, smollm2_path
-from tests.factories import NodeFactory, UserFactory
-
-from .conftest import Run, one_error_line
+from tests.factories import (
+    ModelFactory,
+    NodeFactory,
+    UserFactory,
+    deployment_for,
+    job_finish,
+    job_for,
+)
+from tests.support.cli import Run, one_error_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 

@@ -16,8 +16,7 @@ from apps.nodes.links import link_record
 from apps.nodes.models import EnrollmentToken, Event, Node
 from apps.nodes.states import NodeState
 from tests.factories import NodeFactory
-
-from .conftest import HTMX, World
+from tests.support.ui import HTMX, World
 
 pytestmark = pytest.mark.django_db
 
@@ -284,7 +283,7 @@ def test_a_contributor_cannot_use_operator_pages(contributor_client: Client, wor
 def test_a_contributor_sees_their_jobs_and_the_jobs_their_machines_served(
     contributor_client: Client, world: World
 ) -> None:
-    from tests.credits.factories import job_for
+    from tests.factories import job_for
 
     # The operator's job ran on both nodes (carl's laptop served it); this one on the operator's only.
     elsewhere = job_for(account=world.staff_job.account, model=world.staff_job.model)
