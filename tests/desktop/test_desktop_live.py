@@ -50,7 +50,7 @@ README_SHOT = ROOT / "docs" / "img" / "desktop.png"
 
 
 def _owner_and_token(live: Controller, name: str) -> tuple[str, str]:
-    from tests.e2e.test_cluster import make_account_with_key
+    from tests.e2e.harness import make_account_with_key
 
     acct, key = make_account_with_key(f"owner-{name}")
     tok = live.post("/api/admin/tokens", {"label": name, "account": acct})

@@ -68,7 +68,7 @@ def _start(
     env: dict[str, str] | None = None,
     extra: list[str] | None = None,
 ) -> Any:
-    from .test_cluster import make_account_with_key  # test_cluster imports the harness
+    from .harness import make_account_with_key
 
     acct_id, _ = make_account_with_key(f"owner-{name}")
     tok = ctl.post("/api/admin/tokens", {"label": name, "account": acct_id})
