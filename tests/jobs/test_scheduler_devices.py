@@ -7,44 +7,11 @@ import pytest
 
 from apps.jobs.scheduler import (
     ClusterSnapshot,
-    DeviceSnapshot,
-    NodeSnapshot,
     PlacementRefused,
     PlacementRequest,
     plan_placement,
 )
-from apps.models_repo.profile import synthetic_profile
-
-GiB = 1 << 30
-
-TINY = synthetic_profile(
-    name="tiny", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152,
-    tied_embeddings=True,
-)  # fmt: skip
-LLAMA_8B = synthetic_profile(
-    name="llama-8b", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_vocab=128256
-)
-
-
-def cpu(node: str, gib: float, gflops: float = 100.0, bw: float = 20.0) -> DeviceSnapshot:
-    return DeviceSnapshot(node, "CPU", "cpu", int(gib * GiB), gflops, bw)
-
-
-def gpu(node: str, name: str, gib: float, gflops: float, bw: float) -> DeviceSnapshot:
-    return DeviceSnapshot(node, name, "gpu", int(gib * GiB), gflops, bw)
-
-
-def node(nid: str, *devices: DeviceSnapshot, may_be_primary: bool = True) -> NodeSnapshot:
-    return NodeSnapshot(
-        node_id=nid,
-        name=f"host-{nid}",
-        state="READY",
-        address=f"10.0.0.{ord(nid[0]) % 200}",
-        rpc_port=50052,
-        devices=devices,
-        threads=4,
-        may_be_primary=may_be_primary,
-    )
+from tests.support.scheduler_devices import LLAMA_8B, TINY, cpu, gpu, node
 
 
 def test_a_pinned_slow_gpu_takes_the_layers_the_scheduler_would_leave_on_the_cpu() -> None:

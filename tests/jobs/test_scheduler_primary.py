@@ -12,8 +12,7 @@ from apps.jobs.scheduler import (
     PlacementRequest,
     plan_placement,
 )
-
-from .test_scheduler_devices import TINY, cpu, gpu, node
+from tests.support.scheduler_devices import TINY, cpu, gpu, node
 
 
 def _pair() -> ClusterSnapshot:
