@@ -18,8 +18,7 @@ from apps.api.v1 import agentic
 from apps.api.v1.serializers import ChatCompletionIn, validate
 from apps.api.v1.serializers import agentic as agentic_params
 from apps.jobs.streams import prompt_token_bound
-
-from .test_v1_validation import AUTH, assert_openai_error, post
+from tests.support.openai_api import AUTH, assert_openai_error, post
 
 WEATHER = {
     "type": "function",

@@ -15,7 +15,7 @@ from django.test import Client
 
 from apps.nodes.models import EnrollmentToken, Node
 from racon.lan import controller_redis_refusal
-from tests.nodes.test_enrollment import enroll_body, issue, post
+from tests.support.enrollment import enroll_body, issue, post
 
 ROOT = Path(__file__).resolve().parents[2]
 
