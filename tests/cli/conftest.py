@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from racon_cli.main import app
 from tests.e2e.harness import Controller
-from tests.support.cli import Run, one_error_line  # noqa: F401 - until test_cli.py imports it from here
+from tests.support.cli import Run
 
 from .live import shared_controller
 

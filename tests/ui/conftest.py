@@ -18,7 +18,7 @@ from tests.factories import (
     job_finish,
     job_for,
 )
-from tests.support.ui import HTMX, World  # noqa: F401 - HTMX: until test_pages.py imports it from here
+from tests.support.ui import World
 
 
 @pytest.fixture(autouse=True)
