@@ -2,21 +2,23 @@
 
 daphne runs one event loop in one process. Binding the sockets here and handing them to several
 daphne processes (`--fd`) lets the kernel spread connections across them, so the controller uses
-more than one core without a separate load balancer. A loopback-only controller runs daphne's
-own script; a LAN one runs `python -m racon.daphne_tls` in each process, daphne's own command
-line plus what daphne's endpoint strings cannot say (docs/design/serving.md, "Server layer"):
+more than one core without a separate load balancer. Each daphne process runs `racon-daphne`
+(`python -m racon.daphne_tls`), daphne's own command line plus what daphne's endpoint strings
+cannot say (docs/design/serving.md, "Server layer"):
 
 - `--tls-fd N --tls-cert C --tls-key K`: HTTPS on an inherited listening socket. Twisted's `ssl:`
   endpoint binds its own port, which several processes cannot share; here the adopted socket's
   connections are wrapped in Twisted's TLS (TLSMemoryBIOFactory, pyOpenSSL), so `BIND=<LAN
   address> make run` serves HTTPS on the LAN from every daphne process while the plain `--fd`
   listener stays on loopback.
-- RACON_HTTP_MAX_BODY (bytes, 0 = no limit; setting it runs racon.daphne_tls on loopback too):
-  a request whose Content-Length is larger gets 413
-  and the connection closes before its body is read (Twisted would otherwise buffer it whole
-  before daphne calls the application); a chunked body is cut off at the limit the same way.
-- RACON_HTTP_IDLE_TIMEOUT (seconds, default 120): a connection that sends nothing for this long
-  (headers included) is closed (Twisted's own default is 12 hours).
+- Body limits per route, on by default (racon/settings.py HTTP_MAX_BODY_BYTES, 4 MiB; the KV
+  route KV_TRANSFER_MAX_BYTES; the bundle upload HTTP_MAX_UPLOAD_BYTES, 1 GiB): a request whose
+  Content-Length is larger gets 413 and the connection closes before its body is read (Twisted
+  would otherwise buffer it whole before daphne calls the application); a chunked body is cut off
+  at the limit the same way.
+- RACON_HTTP_HEADER_TIMEOUT (30 s): a request's headers must be complete this long after its
+  first byte (408, closed); RACON_HTTP_IDLE_TIMEOUT (120 s): a connection that sends nothing for
+  this long is closed (Twisted's own default is 12 hours).
 """
 
 from __future__ import annotations
@@ -52,11 +54,10 @@ def daphne_argv(
     """daphne on inherited sockets: `fd` plain, `tls_fd` HTTPS with tls_cert/tls_key. Without
     access_log, no per-request access line at all (thousands of heartbeats a second would
     otherwise each cost a formatted write)."""
-    # A loopback-only controller runs daphne's own script as before; HTTPS needs this module.
-    if tls_fd is None and not os.environ.get("RACON_HTTP_MAX_BODY"):
-        argv = [str(Path(sys.executable).parent / "daphne")]
-    else:
-        argv = [sys.executable, "-m", SERVE_MODULE]
+    # Every daphne process runs this module: the server layer's limits hold on loopback too.
+    # The console script (named racon-daphne, so a process list shows daphne) where installed.
+    script = Path(sys.executable).parent / "racon-daphne"
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", SERVE_MODULE]
     if fd is not None:
         argv += ["--fd", str(fd)]
     if tls_fd is not None:

@@ -238,6 +238,15 @@ LINK_MAX_AGE_SECONDS = envfloat("LINK_MAX_AGE_SECONDS", 900.0)
 LINK_PROBE_MAX_PEERS = envint("LINK_PROBE_MAX_PEERS", 8)
 ENROLLMENT_TOKEN_TTL_HOURS = envint("ENROLLMENT_TOKEN_TTL_HOURS", 24)
 MAX_AGENT_BODY_BYTES = envint("MAX_AGENT_BODY_BYTES", 256 * 1024)
+# The HTTP server layer (racon/daphne_tls.py, before daphne reads a body; issue 28): a request
+# body over its route's limit gets 413 from its Content-Length, unread (0: no limit). The KV
+# route takes KV_TRANSFER_MAX_BYTES, the bundle upload HTTP_MAX_UPLOAD_BYTES, everything else
+# HTTP_MAX_BODY_BYTES. A request's headers must be in HTTP_HEADER_TIMEOUT_SECONDS after its first
+# byte (else 408), and a connection silent for HTTP_IDLE_TIMEOUT_SECONDS is closed.
+HTTP_MAX_BODY_BYTES = envint("RACON_HTTP_MAX_BODY", 4 * 1024**2)
+HTTP_MAX_UPLOAD_BYTES = envint("RACON_HTTP_MAX_UPLOAD", 1024**3)
+HTTP_HEADER_TIMEOUT_SECONDS = envfloat("RACON_HTTP_HEADER_TIMEOUT", 30.0)
+HTTP_IDLE_TIMEOUT_SECONDS = envfloat("RACON_HTTP_IDLE_TIMEOUT", 120.0)
 # A machine already enrolled is taken over only with its node's credential, or within this window
 # after an operator's allow-reenroll (POST /api/admin/nodes/<id>/allow-reenroll).
 NODE_REENROLL_WINDOW_SECONDS = envint("NODE_REENROLL_WINDOW_SECONDS", 3600)

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse
 
+from racon.http_limits import route_body_limit
 from racon.logging import log_context
 
 from .errors import openai_error
@@ -72,11 +73,10 @@ class BodyLimitMiddleware:
 
     @staticmethod
     def _over(request: Any) -> int | None:
-        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        if request.path.startswith("/api/agent/kv/"):
-            # A KV state transfer's saved slot (apps/jobs/kvtransfer.py): its own, larger cap.
-            limit = settings.KV_TRANSFER_MAX_BYTES
-        if limit is None:
+        # The upload routes (a KV transfer's saved slot, an agent bundle) have their own caps.
+        default = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        limit = route_body_limit(request.path, default=-1 if default is None else default)
+        if limit < 0:
             return None
         try:
             length = int(request.META.get("CONTENT_LENGTH") or 0)
