@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -119,6 +119,7 @@ class Admission:
     follower: streams.StreamFollower | None = None
     handed_off: bool = False  # the streaming body owns the job from here
     finished: bool = False  # a finish (or a cancel) was recorded
+    finishing: Future[None] | None = None  # the record of an end made off a cancelled task
     kv: kvcache.Route | None = None  # the KV cache coordinator's routing and slot (kvcache.py)
     release: Callable[[], None] | None = None  # the gate's, called once at the job's end
 
@@ -690,7 +691,12 @@ def kv_finish(*, adm: Admission, outcome: Outcome, entry: dict[str, str] | None)
         log.warning("job %s: the KV cache record was not updated", adm.job_id, exc_info=True)
 
 
-FINISH_THREAD_PREFIX = "racon-finish-"  # the threads admission_finish_in_background starts
+FINISH_THREAD_PREFIX = "racon-finish"  # the pool's threads (admission_finish_in_background)
+FINISH_THREADS = 4
+# The ends recorded off a cancelled task run on one bounded pool per process, not a thread each:
+# a burst of disconnects queues its records (each a few queries) instead of starting a thread per
+# request. Threads are made on demand, so a process that never cancels starts none.
+_finishers = ThreadPoolExecutor(max_workers=FINISH_THREADS, thread_name_prefix=FINISH_THREAD_PREFIX)
 
 
 def admission_finish_in_background(
@@ -701,7 +707,8 @@ def admission_finish_in_background(
     finish_reason: str = "stop",
     error: str = "",
 ) -> None:
-    """Record the job's end off a task that is being cancelled (no await is safe there)."""
+    """Record the job's end off a task that is being cancelled (no await is safe there), on the
+    bounded finisher pool; ``adm.finishing`` is the record's future."""
     if adm.finished:
         return
     adm.finished = True
@@ -714,7 +721,7 @@ def admission_finish_in_background(
         finally:
             connections.close_all()  # this thread's own connection
 
-    threading.Thread(target=run, name=f"{FINISH_THREAD_PREFIX}{adm.job_id}", daemon=True).start()
+    adm.finishing = _finishers.submit(run)
 
 
 def admission_cancel(*, adm: Admission) -> None:

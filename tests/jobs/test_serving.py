@@ -190,9 +190,26 @@ def test_a_cancel_flags_the_primary_and_records_the_job_cancelled(model: Model) 
     assert Job.objects.get(pk=adm.job_id).state == JobState.CANCELLED
     serving.admission_cancel(adm=adm)  # a second cancel is a no-op
     assert adm.finished
-    # The recording thread goes on past CANCELLED (settlement, the KV record): left running, it
-    # wrote rows while the test database was flushed, and PostgreSQL found a deadlock (CI).
-    for t in threading.enumerate():
-        if t.name == f"{serving.FINISH_THREAD_PREFIX}{adm.job_id}":
-            t.join(30)
-            assert not t.is_alive()
+    # The record goes on past CANCELLED (settlement, the KV record): left running, it wrote rows
+    # while the test database was flushed, and PostgreSQL found a deadlock (CI).
+    assert adm.finishing is not None
+    adm.finishing.result(timeout=30)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_burst_of_cancels_is_recorded_on_the_bounded_pool_not_a_thread_each(model: Model) -> None:
+    deployment(model)
+    adms = [open_(model) for _ in range(3 * serving.FINISH_THREADS)]
+    for adm in adms:
+        serving.admission_cancel(adm=adm)
+    finishers = [
+        t for t in threading.enumerate() if t.name.startswith(serving.FINISH_THREAD_PREFIX)
+    ]
+    assert 0 < len(finishers) <= serving.FINISH_THREADS
+    for adm in adms:
+        assert adm.finishing is not None
+        adm.finishing.result(timeout=60)
+    states = set(
+        Job.objects.filter(pk__in=[a.job_id for a in adms]).values_list("state", flat=True)
+    )
+    assert states == {JobState.CANCELLED}
