@@ -20,13 +20,11 @@ from django.utils import timezone
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agent.protocol import job_stream_key
 from apps.api.ui_charts import ChartRefused, chart_payload
 from apps.api.ui_render import render_deployment_row, render_node_row, viewer_for
 from apps.credits.ledger import account_for_user
 from apps.jobs.models import Job
-from apps.jobs.selectors import job_stream_node
-from racon.redis import get_async_redis
+from apps.jobs.streams import job_watch
 
 log = logging.getLogger("racon.ws")
 
@@ -76,36 +74,20 @@ class JobStreamConsumer(AsyncWebsocketConsumer):
             task.cancel()
 
     async def _follow(self) -> None:
-        r = get_async_redis()
-        node = await sync_to_async(job_stream_node)(self.job_id)
-        key = job_stream_key(self.job_id, node or "")
-        last = "0-0"
-        idle = 0
+        # The same follower as /v1's (apps/jobs/streams.job_watch): the page follows a failover
+        # to the job's next attempt, and sees the tokens its client was sent, each once.
         try:
-            while idle < 120:
-                got = await _retrying(
-                    f"job {self.job_id} stream",
-                    lambda c=last: r.xread({key: c}, block=1000, count=256),  # type: ignore[misc]
-                )
-                if not got:
-                    idle += 1
-                    continue
-                idle = 0
-                for entry_id, fields in got[0][1]:
-                    last = entry_id
-                    await self.send(
-                        text_data=json.dumps(
-                            {
-                                "type": fields.get("type"),
-                                "seq": int(fields.get("seq", -1)),
-                                "text": fields.get("text", ""),
-                                "finish_reason": fields.get("finish_reason", ""),
-                            }
-                        )
+            async for fields in job_watch(self.job_id):
+                await self.send(
+                    text_data=json.dumps(
+                        {
+                            "type": fields.get("type"),
+                            "seq": int(fields.get("seq") or -1),
+                            "text": fields.get("text", ""),
+                            "finish_reason": fields.get("finish_reason", ""),
+                        }
                     )
-                    if fields.get("type") in ("done", "error"):
-                        await self.close()
-                        return
+                )
             await self.close()
         except asyncio.CancelledError:
             pass

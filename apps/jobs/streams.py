@@ -289,8 +289,12 @@ class StreamFollower:
         idle_timeout: float | None = None,
         failover: Failover | None = None,
         max_tokens: int | None = None,
+        watch: bool = False,
     ) -> None:
         self.job_id = str(job_id)
+        # A watcher (the job page) reads what the request's own reader relays: it renews no slot,
+        # cuts nothing at max_tokens, and moves to the next attempt only once that reader made it.
+        self.watch = watch
         self.node_id = str(
             node_id
         )  # the primary that runs this attempt: the stream is under its prefix
@@ -336,7 +340,7 @@ class StreamFollower:
         Chunk entries read together are yielded as one (chunks_merge), so a client gets one SSE
         chunk for what arrived at once.
         """
-        if not self._max_tokens_known and self.deployment_id:
+        if not self._max_tokens_known and self.deployment_id and not self.watch:
             # A dispatched job (it has a deployment): its max_tokens, read once.
             self.max_tokens = await sync_to_async(job_max_tokens)(self.job_id)
         self._max_tokens_known = True
@@ -416,7 +420,11 @@ class StreamFollower:
             try:
                 got = await r.xread({key: last_id}, block=1000, count=256)
                 now_m = time.monotonic()
-                if self.deployment_id and now_m - renewed >= admission.SLOT_RENEW_SECONDS:
+                if (
+                    self.deployment_id
+                    and not self.watch
+                    and now_m - renewed >= admission.SLOT_RENEW_SECONDS
+                ):
                     renewed = now_m
                     await admission.aslot_renew(
                         deployment_id=self.deployment_id, job_id=self.job_id
@@ -542,6 +550,8 @@ class StreamFollower:
         }
 
     async def _primary_gone(self) -> bool:
+        if self.watch and await sync_to_async(job_attempt_after)(self.job_id, self.attempt):
+            return True  # the request's reader has moved on: this attempt's stream is over
         dep_id = self.deployment_id
         if not dep_id:
             return False

@@ -91,13 +91,16 @@ def test_owner_receives_the_stream_in_order_until_it_ends() -> None:
     async def run() -> list[dict[str, object]]:
         comm, connected, _ = await _connect(f"/ws/jobs/{job.id}/", headers)
         assert connected
-        got = [json.loads(await comm.receive_from(timeout=5)) for _ in range(3)]
+        got = [json.loads(await comm.receive_from(timeout=10))]
+        while got[-1]["type"] != "done":
+            got.append(json.loads(await comm.receive_from(timeout=10)))
         await comm.disconnect()
         return got
 
     got = asyncio.run(run())
-    assert [m["text"] for m in got] == ["Hel", "lo", ""]
-    assert got[-1]["type"] == "done" and [m["seq"] for m in got] == [0, 1, 2]
+    # Chunks read together come as one (the follower /v1 uses), then the end.
+    assert "".join(str(m["text"]) for m in got) == "Hello"
+    assert got[-1]["type"] == "done" and got[-1]["seq"] == 2
 
 
 def test_another_user_cannot_watch_the_job() -> None:
@@ -114,3 +117,57 @@ def test_another_user_cannot_watch_the_job() -> None:
 
     assert asyncio.run(run()) is False
     _ = sync_to_async
+
+
+def test_the_job_page_follows_a_failover_to_the_next_attempt() -> None:
+    """The page reads through /v1's follower: when the request's reader fails the job over (a
+    JobAttempt row on another deployment), the page goes on from the new primary's stream."""
+    import asyncio
+
+    from apps.jobs.models import JobAttempt
+    from tests.factories import DeploymentFactory
+
+    owner = UserFactory()
+    job = make_job(owner)
+    first = job.deployment
+    assert first is not None
+    r = get_redis()
+    r.xadd(
+        stream_key(job),
+        {"seq": "0", "attempt": "1", "type": "chunk", "text": "Hel", "finish_reason": ""},
+    )
+    headers = session_headers(owner)
+
+    def fail_over() -> None:
+        """What apps/jobs/failover.py records, then the new primary's stream."""
+        second = DeploymentFactory(model=job.model, model_file=first.model_file)
+        now = timezone.now()
+        JobAttempt.objects.create(
+            job=job, number=1, deployment=first, primary_id=first.primary_id, started_at=now
+        )
+        JobAttempt.objects.create(
+            job=job, number=2, deployment=second, primary_id=second.primary_id, started_at=now
+        )
+        Job.objects.filter(pk=job.pk).update(deployment=second)
+        key = job_stream_key(str(job.id), str(second.primary_id))
+        r.xadd(
+            key, {"seq": "0", "attempt": "2", "type": "chunk", "text": "lo", "finish_reason": ""}
+        )
+        r.xadd(
+            key, {"seq": "1", "attempt": "2", "type": "done", "text": "", "finish_reason": "stop"}
+        )
+
+    async def run() -> list[dict[str, object]]:
+        comm, connected, _ = await _connect(f"/ws/jobs/{job.id}/", headers)
+        assert connected
+        got = [json.loads(await comm.receive_from(timeout=10))]
+        assert got[0]["text"] == "Hel"  # attempt 1, live
+        await sync_to_async(fail_over)()
+        while got[-1]["type"] != "done":
+            got.append(json.loads(await comm.receive_from(timeout=30)))
+        await comm.disconnect()
+        return got
+
+    got = asyncio.run(run())
+    assert "".join(str(m["text"]) for m in got) == "Hello"
+    assert got[-1]["type"] == "done" and got[-1]["finish_reason"] == "stop"
