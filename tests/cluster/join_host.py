@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.join.conftest import clean_env
+from tests.support.join import clean_env
 
 from .harness import ROOT, RPC_PORT, Cluster
 
