@@ -11,7 +11,6 @@ import pytest
 
 from agent.hardware.gpu_challenge import freivalds_check, reference_answer
 from agent.runtime.ggml_matmul import run_child
-
 from tests.agent.test_devices import LVP_ICD, _lavapipe_build
 
 
