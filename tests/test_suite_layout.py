@@ -1,0 +1,59 @@
+"""The suite's own rule (issue 29): no test module imports another test module or a conftest.py.
+
+Shared fixtures live in conftest.py files, and shared helpers in non-test modules (tests/support/,
+a directory's harness.py or helpers.py), so that a test module can be moved, renamed or run alone
+without breaking another."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+# Imports in files other sessions were still editing when the rule came in (issue 29's closing
+# note names them): move each helper to tests/support/ or a conftest fixture, and drop its line.
+PENDING = {
+    ("tests/cluster/household.py", "tests.join.conftest"),
+    ("tests/cluster/test_multihost.py", "tests.cluster.conftest"),
+    ("tests/cluster/test_gpu_split.py", "tests.e2e.test_gpu_lavapipe"),
+    ("tests/agent/test_gpu_challenge_child.py", "tests.agent.test_devices"),
+    ("tests/e2e/test_gpu_challenge_lavapipe.py", "tests.e2e.test_gpu_lavapipe"),
+    ("tests/api/test_v1_stream_release.py", "tests.api.test_v1_stream_billing"),
+}
+
+
+def _is_test_module(name: str) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return last.startswith("test_") or last == "conftest"
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    package = ".".join(path.relative_to(TESTS.parent).with_suffix("").parts[:-1])
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*parent, *([base] if base else [])])
+            if not base.startswith("tests"):
+                continue
+            out.append((node.lineno, base))
+            # `from tests.x import test_y`: the names may be modules themselves.
+            out += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return out
+
+
+def test_no_test_module_imports_another_test_module_or_a_conftest() -> None:
+    offences = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for lineno, module in _imported_modules(path):
+            if not module.startswith("tests.") or not _is_test_module(module):
+                continue
+            target = TESTS.parent / (module.replace(".", "/") + ".py")
+            rel = str(path.relative_to(TESTS.parent))
+            if target.exists() and target != path and (rel, module) not in PENDING:
+                offences.append(f"{rel}:{lineno} imports {module}")
+    assert offences == [], "\n".join(offences)
