@@ -217,8 +217,8 @@ def main(argv: list[str]) -> int:
         gpu_timing(rest[0])
         return 0
     if cmd == "gpu-challenge":
-        sizes = [int(x) for x in rest[1:4]] or [1024, 1024, 16384]  # the controller's defaults
-        return gpu_challenge(rest[0], *sizes, claims=[float(x) for x in rest[4:]] or [900_000.0])
+        m, n, k = [int(x) for x in rest[1:4]] or [1024, 1024, 16384]  # the controller's defaults
+        return gpu_challenge(rest[0], m, n, k, claims=[float(x) for x in rest[4:]] or [900_000.0])
     if cmd == "streams":
         streams(rest[0], [int(x) for x in rest[1:]])
         return 0
