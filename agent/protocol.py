@@ -88,6 +88,13 @@ def job_cancel_key(job_id: str, node_id: str) -> str:
     return f"{NODE_PREFIX}{node_id}:cancel:{job_id}"
 
 
+def kv_held_key(node_id: str, deployment_id: str) -> str:
+    """What a vLLM primary's KV-cache events say each slot still holds (issue 30): a JSON object
+    slot -> tokens cached, written by the node (SET, 1 h). A node's claim: the controller may only
+    lower its own prefix record with it (apps/jobs/kvcache.py), never raise it."""
+    return f"{NODE_PREFIX}{node_id}:kv:{deployment_id}"
+
+
 def heartbeat_key(node_id: str) -> str:
     """Hash holding the last heartbeat time (controller clock) and telemetry of a node."""
     return f"racon:hb:{node_id}"

@@ -36,6 +36,7 @@ from agent.protocol import (
     LoadPrimaryPayload,
     StreamUsage,
     job_cancel_key,
+    kv_held_key,
 )
 from agent.runtime import LoadFailed
 from agent.runtime.child import child_env, log_tail
@@ -83,11 +84,23 @@ def enabled_engines() -> list[str]:
     return out or ["llamacpp"]
 
 
-def server_args(plan: LoadPrimaryPayload, model_dir: Path, port: int) -> list[str]:
+def server_args(
+    plan: LoadPrimaryPayload, model_dir: Path, port: int, kv_events: str | None = None
+) -> list[str]:
     """vLLM's OpenAI server for a plan: eager (no compile at every start), float32 (exact tokens
-    across runs on the CPU: FACTS.md), the plan's context and parallelism, nothing from a hub."""
+    across runs on the CPU: FACTS.md), the plan's context and parallelism, nothing from a hub.
+    ``kv_events``: the loopback endpoint its KV-cache events are published to (the agent's
+    subscriber binds it; vLLM connects, so nothing of vLLM's listens for them)."""
     n_parallel = max(1, int(plan.get("n_parallel") or 1))
     n_ctx = int(plan.get("n_ctx") or 0) or 2048
+    events = (
+        [
+            "--kv-events-config",
+            json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events}),
+        ]
+        if kv_events
+        else []
+    )
     return [
         "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
@@ -100,7 +113,97 @@ def server_args(plan: LoadPrimaryPayload, model_dir: Path, port: int) -> list[st
         "--seed", "0",
         "--disable-uvicorn-access-log",
         "--enable-prefix-caching",
+        # vLLM's CPU default is 128-token blocks: a chat turn's prefix is cached (and its KV
+        # events published) per whole block, so smaller blocks let routing see short turns.
+        "--block-size", os.environ.get("RACON_VLLM_BLOCK_SIZE", "32"),
+        *events,
     ]  # fmt: skip
+
+
+# The KV-event subscriber, run by the engine venv's python (it has zmq and msgspec): binds the
+# loopback endpoint vLLM publishes to, and prints each batch as one JSON line the agent reads.
+KV_SUBSCRIBER = r"""
+import json, sys
+import msgspec, zmq
+sub = zmq.Context().socket(zmq.SUB)
+sub.bind(sys.argv[1])
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+print(json.dumps({"bound": sys.argv[1]}), flush=True)
+decode = msgspec.msgpack.Decoder().decode
+def h(x):
+    return x.hex() if isinstance(x, (bytes, bytearray)) else str(x)
+while True:
+    try:
+        batch = decode(sub.recv_multipart()[-1])
+    except Exception:
+        continue
+    out = []
+    for e in (batch[1] if isinstance(batch, list) and len(batch) > 1 else []):
+        kind = e.get("type") if isinstance(e, dict) else None
+        if kind == "BlockStored":
+            p = e.get("parent_block_hash")
+            out.append({"t": "s", "h": [h(x) for x in e.get("block_hashes") or []],
+                        "p": None if p is None else h(p), "ids": e.get("token_ids") or [],
+                        "bs": int(e.get("block_size") or 16)})
+        elif kind == "BlockRemoved":
+            out.append({"t": "r", "h": [h(x) for x in e.get("block_hashes") or []]})
+        elif kind == "AllBlocksCleared":
+            out.append({"t": "c"})
+    if out:
+        print(json.dumps(out), flush=True)
+"""
+
+
+class KvBlocks:
+    """vLLM's cached blocks as its KV events describe them: each block is its parent's hash and
+    its tokens (a block's length comes with its event), so how much of a token sequence is
+    cached is found by walking from the root, without knowing vLLM's hash function."""
+
+    def __init__(self) -> None:
+        self.block_size = 0
+        self._blocks: dict[str, tuple[str | None, tuple[int, ...]]] = {}
+        self._children: dict[str | None, dict[str, tuple[int, ...]]] = {}
+
+    def apply(self, events: list[dict[str, Any]]) -> None:
+        for e in events:
+            if e.get("t") == "c":
+                self._blocks.clear()
+                self._children.clear()
+            elif e.get("t") == "r":
+                for h in e.get("h") or []:
+                    block = self._blocks.pop(str(h), None)
+                    if block is not None:
+                        self._children.get(block[0], {}).pop(str(h), None)
+            elif e.get("t") == "s":
+                hashes = [str(h) for h in e.get("h") or []]
+                ids = [int(t) for t in e.get("ids") or []]
+                if not hashes:
+                    continue
+                size = int(e.get("bs") or 0) or len(ids) // len(hashes)
+                self.block_size = size
+                parent = None if e.get("p") is None else str(e["p"])
+                for i, h in enumerate(hashes):
+                    tokens = tuple(ids[i * size : (i + 1) * size])
+                    self._blocks[h] = (parent, tokens)
+                    self._children.setdefault(parent, {})[h] = tokens
+                    parent = h
+
+    def cached_tokens(self, tokens: list[int]) -> int:
+        """How many leading tokens of ``tokens`` vLLM holds (whole blocks)."""
+        parent: str | None = None
+        n = 0
+        while True:
+            step = next(
+                (
+                    (h, len(t))
+                    for h, t in self._children.get(parent, {}).items()
+                    if t and tuple(tokens[n : n + len(t)]) == t
+                ),
+                None,
+            )
+            if step is None:
+                return n
+            parent, n = step[0], n + step[1]
 
 
 def engine_env(plan: LoadPrimaryPayload, api_key: str) -> dict[str, str]:
@@ -185,6 +288,10 @@ class VllmPrimary(ServerPrimary):
         self.python = python
         self.shm: set[str] = set()
         self._pgid: int | None = None
+        self.kv = KvBlocks()
+        self._kv_proc: subprocess.Popen[bytes] | None = None
+        self._slot_tokens: dict[int, list[int]] = {}  # each slot's last sequence (prompt + output)
+        self._kv_lock = threading.Lock()
 
     def load(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -203,9 +310,12 @@ class VllmPrimary(ServerPrimary):
             )
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        kv_endpoint = self._kv_subscribe(python)
         with open(self.log_path, "ab") as logf:
             self._proc = subprocess.Popen(
-                die_with_parent([str(python), *server_args(self.plan, self.model_path, self.port)]),
+                die_with_parent(
+                    [str(python), *server_args(self.plan, self.model_path, self.port, kv_endpoint)]
+                ),
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -273,6 +383,69 @@ class VllmPrimary(ServerPrimary):
     def stop(self, timeout: float = 5.0) -> None:
         super().stop(timeout)
         self._kill_group(timeout)
+        self._kv_stop()
+
+    # --- KV-cache events (issue 30): a node's claim of what each slot still holds -------------------
+
+    def _kv_subscribe(self, python: Path) -> str | None:
+        """Start the subscriber on a loopback port; its endpoint for vLLM, or None without one."""
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        try:
+            self._kv_proc = subprocess.Popen(
+                die_with_parent([str(python), "-c", KV_SUBSCRIBER, endpoint]),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env={k: v for k, v in child_env().items() if k != "PYTHONPATH"},
+                close_fds=True,
+            )
+        except OSError as exc:
+            log.warning("deployment %s: no KV-event subscriber: %s", self.deployment_id, exc)
+            return None
+        threading.Thread(
+            target=self._kv_read, name=f"vllm-kv-{self.deployment_id[:8]}", daemon=True
+        ).start()
+        return endpoint
+
+    def _kv_read(self) -> None:
+        proc = self._kv_proc
+        if proc is None or proc.stdout is None:
+            return
+        for line in proc.stdout:
+            try:
+                events = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(events, list):
+                with self._kv_lock:
+                    self.kv.apply(events)
+                self._kv_publish()
+
+    def _kv_remember(self, slot: Any, tokens: list[int]) -> None:
+        if isinstance(slot, int) and not isinstance(slot, bool) and slot >= 0:
+            with self._kv_lock:
+                self._slot_tokens[slot] = tokens
+            self._kv_publish()
+
+    def _kv_publish(self) -> None:
+        """What each slot's last sequence still has cached, by the events: the node's key."""
+        with self._kv_lock:
+            held = {str(s): self.kv.cached_tokens(t) for s, t in self._slot_tokens.items()}
+        if not held:
+            return
+        try:
+            self.r.set(kv_held_key(self.node_id, self.deployment_id), json.dumps(held), ex=3600)
+        except Exception as exc:  # advice for routing; never a job's failure
+            log.debug("deployment %s: KV claim not written: %s", self.deployment_id, exc)
+
+    def _kv_stop(self) -> None:
+        proc, self._kv_proc = self._kv_proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
 
     def _kill_group(self, timeout: float = 5.0) -> None:
         """SIGTERM every process of the server's group, SIGKILL what remains, then unlink the
@@ -308,6 +481,8 @@ class VllmPrimary(ServerPrimary):
                 os.unlink(path)
             except OSError:
                 pass
+        if self._proc is not None and self._proc.poll() is not None:
+            self._kv_stop()
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -374,6 +549,8 @@ class VllmPrimary(ServerPrimary):
         n_prompt = 0
         finish = "stop"
         error: _RequestError | None = None
+        ids: list[int] = []
+        generated: list[int] = []
         try:
             if self.r.exists(job_cancel_key(job_id, self.node_id)):
                 raise _Cancelled
@@ -402,6 +579,7 @@ class VllmPrimary(ServerPrimary):
                 for choice in chunk.get("choices") or []:
                     toks = [int(t) for t in choice.get("token_ids") or []]
                     text = str(choice.get("text") or "")
+                    generated += toks
                     if toks or text:
                         if first_chunk is None:
                             first_chunk = time.time()
@@ -419,6 +597,8 @@ class VllmPrimary(ServerPrimary):
             error = exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
             finish, error = self._broken_off(j, exc)
+        if error is None and finish in ("stop", "length"):
+            self._kv_remember(job.get("id_slot"), ids + generated)
         ttft = round((first_chunk - received) * 1000, 2) if first_chunk is not None else None
         elapsed = time.time() - first_chunk if first_chunk is not None else 0.0
         usage = StreamUsage(

@@ -28,6 +28,7 @@ that weighs a cached prefix against load (docs/design/serving.md, "KV cache coor
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
+from agent.protocol import kv_held_key
 from apps.models_repo.profile import ModelProfile
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
@@ -231,6 +233,9 @@ def route_request(
     owner = owner_lookup(chain) if policy == "prefix" else None
     if owner is not None and owner.deployment_id not in ids:
         owner = _await_transfer(chain=chain, owner=owner)
+    lowered = ""
+    if owner is not None:
+        owner, lowered = engine_claim_lowered(owner, candidates)
     lam = float(settings.KV_ROUTE_LOAD_TOKENS)
     scores: dict[str, float] = {}
     for d in candidates:
@@ -258,7 +263,7 @@ def route_request(
         deployment=best, policy=policy, reason="", chain=chain, owner=owner, scores=scores
     )
     if owner is None:
-        route.reason = "miss: no cached prefix" if chain else "no prefix"
+        route.reason = lowered or ("miss: no cached prefix" if chain else "no prefix")
     elif owner.deployment_id not in ids:
         route.reason = f"owner {owner.deployment_id} no longer serves: state dropped"
         deployment_drop(deployment_id=owner.deployment_id, reason="the replica no longer serves")
@@ -266,7 +271,7 @@ def route_request(
     elif str(best.id) == owner.deployment_id:
         route.hit, route.tokens_saved = True, owner.tokens
         full = used.get(owner.deployment_id, 0) >= int(best.n_parallel or 1)
-        route.reason = f"hit: {owner.tokens} tokens cached on slot {owner.slot}"
+        route.reason = f"hit: {owner.tokens} tokens cached on slot {owner.slot}{lowered}"
         if full and len(ranked) > 1:
             route.affinity_wait = float(settings.KV_AFFINITY_WAIT_SECONDS)
             route.fallback = ranked[1]
@@ -284,6 +289,26 @@ def route_request(
         {k[:8]: round(v, 1) for k, v in scores.items()},
     )
     return route
+
+
+def engine_claim_lowered(owner: Owner, candidates: Sequence[Any]) -> tuple[Owner | None, str]:
+    """The owner as its node's engine reports it (issue 30): a vLLM primary's KV-cache events say
+    how many tokens each slot still holds (agent/protocol.py kv_held_key). A node's claim: it may
+    lower the controller's record (evicted blocks), never raise it. No report: the record stands.
+    Returns the owner (None when nothing is left) and a note for the route's reason."""
+    dep = next((d for d in candidates if str(d.id) == owner.deployment_id), None)
+    if dep is None or getattr(dep, "engine", "llamacpp") != "vllm" or not dep.primary_id:
+        return owner, ""
+    raw = get_redis().get(kv_held_key(str(dep.primary_id), str(dep.id)))
+    try:
+        held = int(json.loads(raw)[str(owner.slot)]) if raw else None
+    except (ValueError, TypeError, KeyError):
+        held = None
+    if held is None or held >= owner.tokens:
+        return owner, "" if held is None else " (vLLM's KV events confirm)"
+    if held <= 0:
+        return None, f"miss: vLLM's KV events say slot {owner.slot} no longer holds the prefix"
+    return dataclasses.replace(owner, tokens=held), f" (lowered to {held} by vLLM's KV events)"
 
 
 def _await_transfer(*, chain: Sequence[str], owner: Owner) -> Owner | None:

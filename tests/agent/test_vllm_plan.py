@@ -87,3 +87,27 @@ def test_model_dir_digest_checks_every_file(tmp_path: Path) -> None:
     (d / "SHA256SUMS").unlink()
     with pytest.raises(ValueError, match="no readable SHA256SUMS"):
         model_dir_digest(d, cache)
+
+
+def test_kv_blocks_from_events_say_how_much_of_a_sequence_is_cached() -> None:
+    from agent.runtime.vllm import KvBlocks
+
+    kv = KvBlocks()
+    seq = list(range(100, 140))  # 40 tokens: two whole blocks of 16, and 8 more
+    assert kv.cached_tokens(seq) == 0  # no event yet
+    kv.apply([{"t": "s", "h": ["a", "b"], "p": None, "ids": seq[:32], "bs": 16}])
+    assert kv.cached_tokens(seq) == 32 and kv.cached_tokens(seq[:20]) == 16
+    assert kv.cached_tokens([1, *seq[1:]]) == 0  # another first block: nothing in common
+    kv.apply([{"t": "r", "h": ["b"]}])  # the second block evicted
+    assert kv.cached_tokens(seq) == 16
+    kv.apply([{"t": "c"}])
+    assert kv.cached_tokens(seq) == 0
+
+
+def test_the_engine_is_told_to_publish_kv_events_to_loopback_only() -> None:
+    import json
+
+    args = server_args(_plan(), Path("/m"), 4321, "tcp://127.0.0.1:5999")
+    config = json.loads(args[args.index("--kv-events-config") + 1])
+    assert config["endpoint"] == "tcp://127.0.0.1:5999" and config["publisher"] == "zmq"
+    assert "--kv-events-config" not in server_args(_plan(), Path("/m"), 4321)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from agent.protocol import kv_held_key
 from agent.runtime.vllm import VllmPrimary, engine_python, group_pids
 from tests.agent.harness import REDIS_URL, new_job_id, read_stream
 
@@ -153,6 +154,7 @@ def test_chat_stream_matches_vllm_direct(primary: tuple[VllmPrimary, list[Any]])
             "stop": [],
             "seed": 7,
             "attempt": 1,
+            "id_slot": 0,
         }
     )
     rows = _wait_end(r, job_id)
@@ -185,6 +187,15 @@ def test_chat_stream_matches_vllm_direct(primary: tuple[VllmPrimary, list[Any]])
     assert direct["choices"][0]["token_ids"] == ids
     assert direct["choices"][0]["text"] == text
     assert any(f["job_id"] == job_id and f["status"] == "completed" for f in finished)
+    # vLLM's KV events, subscribed on loopback: the node's key says what slot 0 still holds
+    # (whole blocks of the prompt and the answer).
+    key = kv_held_key(p.node_id, p.deployment_id)
+    end = time.monotonic() + 60
+    while not (r.get(key) and json.loads(r.get(key)).get("0")):
+        assert time.monotonic() < end, f"no KV events for slot 0: {r.get(key)}"
+        time.sleep(0.2)
+    held = json.loads(r.get(key))["0"]
+    assert 0 < held <= len(prompt_ids) + len(ids) and held % p.kv.block_size == 0, held
 
     # A second attempt resuming after the first 6 tokens continues with the same tokens.
     resumed = new_job_id(r)
