@@ -27,7 +27,7 @@ from apps.nodes.states import NodeState
 from racon.celery import task_send_on_commit
 from racon.transitions import transition_guarded
 
-from . import admission, hooks, selectors, streams
+from . import admission, hooks, retention, selectors, streams
 from .models import Deployment, Job, JobAttempt
 from .states import (
     JOB_IN_FLIGHT,
@@ -293,6 +293,8 @@ def _finish(
             "racon.credits.settle_job", job_id=str(job_id)
         )  # credits' task, by name
         _record_job_metrics(job_id=job_id, to=to, fields=fields)
+        # The job's stream goes now unless someone still follows it (then at their end).
+        transaction.on_commit(functools.partial(retention.job_stream_release, job_id=job_id))
         if job["deployment_id"]:
             # A draining node's last job may just have ended: its drain moves on (after commit,
             # so that the drain's own queries see this job finished).

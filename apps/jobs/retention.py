@@ -1,20 +1,28 @@
-"""A finished job's stream leaves its node's prefix (issue 28): deleted once the job has been
-terminal for JOB_STREAM_KEEP_SECONDS, by a beat task, never on the finish path itself.
+"""A finished job's stream leaves its node's prefix (issue 28): deleted as soon as the job is
+terminal and no one follows it, never while someone does.
 
-Why a grace and not the finish: the job_finished report, the relay's read of the stream's end and
-a web page following the job (apps/api/consumers.py) race each other; the report can land first,
-and settlement counts the stream (jobs.job_finish_from_report, streams.stream_tally). Every
-follower stops at the stream's end entry or after 120 s of silence, so a stream whose job ended
-longer ago than the grace (default 300 s) is followed by no one. The agent's own TTL
-(STREAM_TTL_SECONDS, an hour) stays the backstop.
+Who follows: the /v1 relay (apps/jobs/serving.py registers it before the job is dispatched and
+ends it when the request ends) and a web page following the job (apps/api/consumers.py). Each is
+a member of the job's followers set with a lease (STREAM_TTL_SECONDS, the agent's own TTL), so a
+follower whose process died holds nothing longer than the stream would have lived anyway. The
+job's end (jobs._finish, after commit) and each follower's end both call job_stream_release,
+which deletes the streams once both hold: the job is terminal and its followers set is empty.
+Settlement counts the stream (jobs.job_finish_from_report, streams.stream_tally) before the
+finish, so nothing reads a deleted stream it needed.
 
-Each run takes the jobs that ended after the last run's mark, in order, at most _BATCH of them,
-so a run's cost is bounded and a backlog drains over a few runs.
+The beat task (job_streams_prune) is the backstop for a release that never ran (a controller
+restart between the finish and its after-commit): it takes the jobs terminal for longer than
+JOB_STREAM_KEEP_SECONDS, followed by no one. Each run takes the jobs that ended after the last
+run's mark, in order, at most _BATCH of them, so a run's cost is bounded and a backlog drains
+over a few runs.
 """
 
 from __future__ import annotations
 
+import time
+import uuid
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 
@@ -25,12 +33,69 @@ from .models import Job, JobAttempt
 from .states import JOB_TERMINAL
 
 MARK_KEY = "racon:retention:streams:mark"  # epoch seconds of the last job ended that was swept
+FOLLOWERS_KEY = "racon:streams:followers:{job}"  # ZSET: follower token -> lease end (epoch s)
 _BATCH = 2000
 
 
+def _followers_key(job_id: Any) -> str:
+    return FOLLOWERS_KEY.format(job=str(job_id))
+
+
+def stream_follow_begin(*, job_id: Any) -> str:
+    """Register a follower of the job's stream; the token ends it (stream_follow_end)."""
+    token = uuid.uuid4().hex
+    key = _followers_key(job_id)
+    pipe = get_redis().pipeline()
+    pipe.zadd(key, {token: time.time() + STREAM_TTL_SECONDS})
+    pipe.expire(key, STREAM_TTL_SECONDS)
+    pipe.execute()
+    return token
+
+
+def stream_follow_end(*, job_id: Any, token: str) -> int:
+    """End a follower; the job's streams go if it is terminal and no one else follows."""
+    get_redis().zrem(_followers_key(job_id), token)
+    return job_stream_release(job_id=job_id)
+
+
+def stream_followed(job_id: Any) -> bool:
+    """Whether anyone follows the job's stream now (expired leases dropped)."""
+    key = _followers_key(job_id)
+    pipe = get_redis().pipeline()
+    pipe.zremrangebyscore(key, "-inf", time.time())
+    pipe.zcard(key)
+    return int(pipe.execute()[1]) > 0
+
+
+def _stream_keys(rows: list[tuple[Any, Any]]) -> list[str]:
+    """Every stream key of these (job id, deployment primary) rows: each attempt's primary's."""
+    primaries: dict[str, set[str]] = {str(pk): {str(p)} if p else set() for pk, p in rows}
+    for job_id, node_id in JobAttempt.objects.filter(
+        job_id__in=[pk for pk, _ in rows], primary_id__isnull=False
+    ).values_list("job_id", "primary_id"):
+        primaries[str(job_id)].add(str(node_id))
+    return [job_stream_key(job, node) for job, nodes in primaries.items() for node in nodes]
+
+
+def job_stream_release(*, job_id: Any) -> int:
+    """Delete the job's streams if it is terminal and followed by no one; returns keys deleted."""
+    if stream_followed(job_id):
+        return 0
+    rows = list(
+        Job.objects.filter(pk=job_id, state__in=JOB_TERMINAL).values_list(
+            "pk", "deployment__primary_id"
+        )
+    )
+    if not rows:
+        return 0
+    keys = _stream_keys(rows)
+    return int(get_redis().unlink(*keys)) if keys else 0
+
+
 def job_streams_prune(*, now: datetime) -> int:
-    """Delete the streams of jobs terminal for longer than JOB_STREAM_KEEP_SECONDS (each attempt's
-    primary's key, and the deployment's); returns how many keys went."""
+    """Delete the streams of jobs terminal for longer than JOB_STREAM_KEEP_SECONDS and followed by
+    no one (each attempt's primary's key, and the deployment's); returns how many keys went. The
+    backstop: job_stream_release deletes them at the job's end."""
     r = get_redis()
     upto = now - timedelta(seconds=float(settings.JOB_STREAM_KEEP_SECONDS))
     floor = now - timedelta(seconds=STREAM_TTL_SECONDS + float(settings.JOB_STREAM_KEEP_SECONDS))
@@ -43,12 +108,7 @@ def job_streams_prune(*, now: datetime) -> int:
     )
     if not rows:
         return 0
-    primaries: dict[str, set[str]] = {str(pk): {str(p)} if p else set() for pk, p, _ in rows}
-    for job_id, node_id in JobAttempt.objects.filter(
-        job_id__in=[pk for pk, _, _ in rows], primary_id__isnull=False
-    ).values_list("job_id", "primary_id"):
-        primaries[str(job_id)].add(str(node_id))
-    keys = [job_stream_key(job, node) for job, nodes in primaries.items() for node in nodes]
+    keys = _stream_keys([(pk, p) for pk, p, _ in rows if not stream_followed(pk)])
     gone = 0
     for i in range(0, len(keys), 500):
         gone += int(r.unlink(*keys[i : i + 500]))

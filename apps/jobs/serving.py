@@ -41,7 +41,7 @@ from apps.nodes.selectors import heartbeat_ages
 from apps.nodes.states import PLACEABLE, NodeState
 from racon import cache
 
-from . import admission, kvcache, selectors, streams
+from . import admission, kvcache, retention, selectors, streams
 from .deployments import deployment_ensure
 from .failover import (
     job_failover_begin,
@@ -122,6 +122,7 @@ class Admission:
     finishing: Future[None] | None = None  # the record of an end made off a cancelled task
     kv: kvcache.Route | None = None  # the KV cache coordinator's routing and slot (kvcache.py)
     release: Callable[[], None] | None = None  # the gate's, called once at the job's end
+    follow_token: str = ""  # this request follows the job's stream (retention.stream_follow_*)
 
 
 # --- admission (one sync hop) ---------------------------------------------------------------------
@@ -195,6 +196,8 @@ def admission_open(
         release=release,
     )
     try:
+        # Registered before the job can be dispatched: its stream is never deleted under us.
+        adm.follow_token = retention.stream_follow_begin(job_id=job_id)
         return _admission_start(
             adm=adm,
             route=route,
@@ -230,6 +233,12 @@ def admission_released(*, adm: Admission) -> None:
             release()
         except Exception:  # a lease bounds what a lost release keeps
             log.warning("job %s: the quota release failed", adm.job_id, exc_info=True)
+    token, adm.follow_token = adm.follow_token, ""
+    if token:
+        try:
+            retention.stream_follow_end(job_id=adm.job_id, token=token)
+        except Exception:  # the follower's lease and the beat's sweep bound what stays
+            log.warning("job %s: the stream release failed", adm.job_id, exc_info=True)
 
 
 def _admission_start(*, adm: Admission, route: kvcache.Route, create: dict[str, Any]) -> Admission:
