@@ -83,6 +83,8 @@ def profile_from_dict(raw: dict[str, Any], *, source: str = "profile") -> Hardwa
         for key in ("device", "backend"):  # llama.cpp's names, as the real inventory has them
             if key in g:
                 gpus[-1][key] = str(g[key])  # type: ignore[literal-required]  # one of the two keys above
+        if g.get("software"):  # a software device (lavapipe), as the real inventory marks it
+            gpus[-1]["software"] = True
     hw["gpus"] = gpus
     if "benchmark" in raw:
         hw["benchmark"] = {k: float(v) for k, v in raw["benchmark"].items()}
