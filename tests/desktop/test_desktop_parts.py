@@ -186,9 +186,10 @@ def test_the_pin_is_curls_and_the_controllers(tmp_path: Path) -> None:
     from racon_desktop.join import spki_pin
 
     from racon.tls import ca_load_or_create
+    from racon.tls import spki_pin as controllers_pin
 
     ca, _ = ca_load_or_create(var_dir=tmp_path)
-    assert spki_pin(ca.cert.public_bytes(Encoding.DER)) == ca.pin
+    assert spki_pin(ca.cert.public_bytes(Encoding.DER)) == controllers_pin(ca.cert)
 
 
 def test_the_controllers_own_lines_parse(settings: Any) -> None:
