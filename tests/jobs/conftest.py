@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from apps.models_repo.models import Model, ModelFile
+from apps.models_repo.models import Model
 from apps.models_repo.profile import read_gguf_profile
+from tests.factories import ModelFactory, ModelFileFactory
 from tests.smollm2 import smollm2_path
 
 
@@ -20,11 +21,11 @@ def profile_dict() -> dict[str, Any]:
 
 @pytest.fixture
 def model(profile_dict: dict[str, Any], tmp_path: Path) -> Model:
-    m = Model.objects.create(name="smol")
+    m = ModelFactory(name="smol")
     # The controller's store copy that replica claims are challenged against (random stand-in bytes).
     store = tmp_path / "store-smol.gguf"
     store.write_bytes(os.urandom(3 * 2**20))
-    ModelFile.objects.create(
+    ModelFileFactory(
         model=m,
         file_name="smol.gguf",
         sha256="b" * 64,

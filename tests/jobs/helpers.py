@@ -10,14 +10,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from django.utils import timezone
-
 from apps.jobs.models import Deployment
-from apps.jobs.states import DeploymentState
-from apps.models_repo.models import Model, ModelFile, Replica
+from apps.models_repo.models import Model
 from apps.models_repo.profile import synthetic_profile
 from apps.nodes.states import NodeState
-from tests.factories import NodeFactory
+from tests.factories import (
+    DeploymentFactory,
+    ModelFactory,
+    ModelFileFactory,
+    NodeFactory,
+    ReplicaFactory,
+)
 
 GiB = 1024**3
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -33,20 +36,15 @@ def chat(*turns: str) -> dict[str, Any]:
 
 def kv_model(*, name: str, sha256: str) -> Model:
     """A model with one 1000-byte file (no store copy: nothing places it)."""
-    m = Model.objects.create(name=name)
-    ModelFile.objects.create(model=m, file_name="m.gguf", sha256=sha256, size=1000)
-    return m
+    return ModelFileFactory(
+        model__name=name, file_name="m.gguf", sha256=sha256, size=1000, n_layer=0
+    ).model
 
 
 def deployment(model: Model, *, n_parallel: int = 2) -> Deployment:
     """A READY deployment of ``model`` on a new node, with ``n_parallel`` slots."""
-    return Deployment.objects.create(
-        model=model,
-        model_file=model.files.get(),
-        state=DeploymentState.READY,
-        primary=NodeFactory(),
-        n_parallel=n_parallel,
-        n_ctx=2048,
+    return DeploymentFactory(
+        model=model, model_file=model.files.get(), n_parallel=n_parallel, n_ctx=2048
     )
 
 
@@ -54,12 +52,12 @@ def placeable_model(*, name: str, sha256: str, store: Path, store_bytes: int) ->
     """A model whose file has a tiny 30-layer profile (the scheduler can place it) and a store
     copy of ``store_bytes`` random bytes at ``store`` (a node's replica claim is challenged
     against it)."""
-    m = Model.objects.create(name=name)
+    m = ModelFactory(name=name)
     store.write_bytes(os.urandom(store_bytes))
     tiny = synthetic_profile(
         name="tiny", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152
     )
-    ModelFile.objects.create(
+    ModelFileFactory(
         model=m,
         file_name="m.gguf",
         sha256=sha256,
@@ -77,21 +75,15 @@ def nodes_with_replicas(model: Model, n: int) -> list[Any]:
         node = NodeFactory(
             name=f"n{i}", state=NodeState.READY, ram_available=8 * GiB, gflops=50 + i
         )
-        Replica.objects.create(
-            node=node,
-            model_file=model.files.get(),
-            path=f"/models/{i}.gguf",
-            verified_at=timezone.now(),
-        )
+        ReplicaFactory(node=node, model_file=model.files.get(), path=f"/models/{i}.gguf")
         out.append(node)
     return out
 
 
 def ready_deployment(model: Model, node: Any) -> Deployment:
-    dep = Deployment.objects.create(
+    dep = DeploymentFactory(
         model=model,
         model_file=model.files.get(),
-        state=DeploymentState.READY,
         primary=node,
         request={"n_ctx": 512},
         plan={
