@@ -110,8 +110,9 @@ def redis_url_problem(url: str, *, name: str, ca_file: str | None = None) -> str
             "`BIND=<address> make run` starts one"
         )
     try:
-        extra = {"ssl_ca_certs": ca_file} if ca_file else {}
-        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5, **extra)
+        client = redis.Redis.from_url(
+            url, socket_timeout=5, socket_connect_timeout=5, ssl_ca_certs=ca_file
+        )
         try:
             info = client.execute_command("ACL", "GETUSER", "default")
         finally:

@@ -13,7 +13,6 @@ TESTS = Path(__file__).resolve().parent
 # Imports in files other sessions were still editing when the rule came in (issue 29's closing
 # note names them): move each helper to tests/support/ or a conftest fixture, and drop its line.
 PENDING = {
-    ("tests/cluster/household.py", "tests.join.conftest"),
     ("tests/cluster/test_multihost.py", "tests.cluster.conftest"),
     ("tests/cluster/test_gpu_split.py", "tests.e2e.test_gpu_lavapipe"),
     ("tests/agent/test_gpu_challenge_child.py", "tests.agent.test_devices"),

@@ -23,8 +23,20 @@ from .harness import (
     skip_reason,
     wait_for,
 )
-from .household import HouseholdLan, household, join_env, run_line, start_make_run, token_line
+from .household import (
+    HOUSEHOLD,
+    JOINED,
+    NO_PYTHON,
+    HouseholdLan,
+    household,
+    join_env,
+    run_line,
+    run_line_without_python,
+    start_make_run,
+    token_line,
+)
 from .join_host import build_wheelhouse
+from .no_python import build_bundle
 
 # Each host lends 200 MiB: SmolLM2 at n_ctx 512 needs about 300 MiB, so every plan is a split.
 HOST_RAM = 200 << 20
@@ -111,11 +123,13 @@ def cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 @pytest.fixture(scope="session")
 def household_lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HouseholdLan]:
     """The README's household (issue 24): `BIND=<address> make run` in `controller`, and
-    `gpu-desktop` and `ram-box` joined with the line `racon tokens create` prints, both READY;
-    `intruder` is on the same switch. Shared by the session (it takes minutes to build)."""
+    `gpu-desktop`, `ram-box` and `office-pc` (no Python, issue 26) joined with the line
+    `racon tokens create` prints, all READY; `intruder` is on the same switch. Shared by the
+    session (it takes minutes to build)."""
     build_wheelhouse()
+    bundle = build_bundle()  # cached: the agent bundle the controller serves for this platform
     workdir = tmp_path_factory.mktemp("household")
-    with household(workdir, ["controller", "gpu-desktop", "ram-box", "intruder"]) as hh:
+    with household(workdir, HOUSEHOLD) as hh:
         ctl = start_make_run(hh, workdir / "var", smollm2_path())
         t0 = time.monotonic()
 
@@ -128,16 +142,22 @@ def household_lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Househol
 
         wait_for(summary, 900, "make run's ready summary", interval=1)
         print(f"\nhousehold: make run ready in {time.monotonic() - t0:.0f} s")
-        line = token_line(ctl, "household", 2)
-        joins, homes = {}, {}
-        for host in ("gpu-desktop", "ram-box"):
+        line = token_line(ctl, "household", 3)
+        joins, homes, started = {}, {}, {}
+        for host in (*JOINED, NO_PYTHON):
             homes[host] = workdir / "homes" / host
-            env = join_env(hh, host, homes[host])
-            joins[host] = run_line(
-                hh, host, line, home=homes[host], env=env, log=workdir / f"join-{host}.log"
-            )
+            log = workdir / f"join-{host}.log"
+            started[host] = time.monotonic()
+            if host == NO_PYTHON:
+                joins[host] = run_line_without_python(
+                    hh, host, line, home=homes[host], log=log, RACON_NODE_NAME=host
+                )
+            else:
+                env = join_env(hh, host, homes[host])
+                joins[host] = run_line(hh, host, line, home=homes[host], env=env, log=log)
+        ready_after: dict[str, float] = {}
 
-        def both_ready() -> bool:
+        def all_ready() -> bool:
             for host, proc in joins.items():
                 if proc.poll() is not None:
                     raise AssertionError(
@@ -147,10 +167,13 @@ def household_lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Househol
             rows = ctl.api("GET", "/api/admin/nodes").json()
             rows = rows.get("results", rows) if isinstance(rows, dict) else rows
             states = {n["name"]: n["state"] for n in rows}
-            return all(states.get(h) == "READY" for h in joins)
+            for h in joins:
+                if states.get(h) == "READY":
+                    ready_after.setdefault(h, time.monotonic() - started[h])
+            return all(h in ready_after for h in joins)
 
         try:
-            wait_for(both_ready, 900, "gpu-desktop and ram-box READY", interval=2)
+            wait_for(all_ready, 900, f"{', '.join(joins)} READY", interval=1)
         except AssertionError:
             for host in joins:
                 print(
@@ -160,9 +183,14 @@ def household_lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Househol
             print("--- make run\n" + ctl.log()[-4000:])
             raise
         print(
-            f"household: both joined and READY {time.monotonic() - t0:.0f} s after make run started"
+            f"household: {', '.join(joins)} joined and READY {time.monotonic() - t0:.0f} s after "
+            "make run started; the line to READY: "
+            + ", ".join(f"{h} {s:.1f} s" for h, s in ready_after.items())
         )
         try:
-            yield HouseholdLan(hh=hh, ctl=ctl, line=line, joins=joins, homes=homes)
+            yield HouseholdLan(
+                hh=hh, ctl=ctl, line=line, joins=joins, homes=homes, ready_after=ready_after,
+                bundle=bundle,
+            )  # fmt: skip
         finally:
             print("--- make run (tail)\n" + ctl.log()[-2500:])

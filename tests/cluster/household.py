@@ -3,7 +3,9 @@
 Each host is a network namespace with one veth (`eth0`) whose other end hangs on a bridge that
 lives in a namespace of its own (the switch): nothing is added to the root namespace, so the
 hosts reach each other and nothing else, like machines on a home switch. Hosts are named after
-their role (`controller`, `gpu-desktop`, `ram-box`, `intruder`); host N has 10.214.0.(10+N)/24.
+their role (`controller`, `gpu-desktop`, `ram-box`, `intruder`, and `office-pc`, a machine with no
+Python at all); host N has 10.214.0.(10+N)/24. Another role is one more name in the fixture's list
+(HOUSEHOLD below).
 
 Names: RACON_NETNS_PREFIX (default `racon-hh-`) plus a random id; a session that sets its own
 prefix keeps its namespaces apart from others'. Everything is deleted on exit, after a failure
@@ -206,6 +208,12 @@ def household(workdir: Path, names: Sequence[str]) -> Iterator[Household]:
 
 # --- `BIND=<address> make run` in the controller host, and hosts that join it -------------------
 
+# The household's hosts (issue 24), and the one with no Python at all (issue 26). One topology for
+# every LAN test: a new role (a Vulkan desktop, say) is one more name here.
+HOUSEHOLD = ("controller", "gpu-desktop", "ram-box", "intruder", "office-pc")
+JOINED = ("gpu-desktop", "ram-box")  # the line through join_env (a python3.12 on PATH)
+NO_PYTHON = "office-pc"  # the line with env -i and every Python masked
+
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8000  # make run's default: each host has its own ports
 # What the test suite's own environment holds (racon/testing.py, .ci/run, pytest-django) and a user
@@ -320,11 +328,14 @@ class HouseholdLan:
     line: str
     joins: dict[str, subprocess.Popen[bytes]]
     homes: dict[str, Path]
+    # Seconds from each host's line to its node READY, and the bundle the controller serves.
+    ready_after: dict[str, float] = field(default_factory=dict)
+    bundle: Path | None = None
 
 
 def join_env(hh: Household, host: str, home: Path, **extra: str) -> dict[str, str]:
-    """A machine that never saw the repository (tests/join/conftest.py clean_env)."""
-    from tests.join.conftest import clean_env
+    """A machine that never saw the repository (tests/support/join.py clean_env)."""
+    from tests.support.join import clean_env
 
     # A machine's own choice of llama.cpp backends travels with it (README, GPU nodes).
     backends = (
@@ -341,6 +352,28 @@ def run_line(
     """The line, pasted into a shell on `host`, from a scratch directory (never the checkout)."""
     (home / "work").mkdir(parents=True, exist_ok=True)
     return hh.popen(host, ["sh", "-c", line], log=log, cwd=home / "work", env=env)
+
+
+def run_line_without_python(
+    hh: Household, host: str, line: str, *, home: Path, log: Path, **extra: str
+) -> subprocess.Popen[bytes]:
+    """The line on a machine with no Python at all (issue 26): `env -i` with a PATH of /usr/bin:/bin,
+    in a mount namespace where every Python of this machine is masked (tests/cluster/no_python.py):
+    the system's, pyenv's, the checkout's .venv and ~/.cache/racon."""
+    from .no_python import without_python
+
+    (home / "work").mkdir(parents=True, exist_ok=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8", **extra}
+    if os.environ.get("RACON_LLAMA_BACKENDS"):  # a machine's own choice travels with it
+        env["RACON_LLAMA_BACKENDS"] = os.environ["RACON_LLAMA_BACKENDS"]
+    argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items()), "sh", "-c", line]
+    return hh.popen(
+        host,
+        without_python(argv, hh.workdir / "empty"),
+        log=log,
+        cwd=home / "work",
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+    )
 
 
 def token_line(ctl: LanController, label: str, max_uses: int) -> str:

@@ -42,7 +42,7 @@ def test_a_namespace_host_that_never_saw_the_repository_joins_with_the_line(
         assert line.startswith(f"curl -fsSL {cl.url}/join/rcn_") and line.endswith("| sh")
         home = fresh_home(cl, "joiner")
         env = host_env(cl, "joiner", home, "joiner")
-        # The Python route (issue 19); the standalone bundle's is tests/cluster/test_standalone_join.
+        # The Python route (issue 19); the bundle route's is test_household.py (office-pc).
         env["RACON_JOIN_ROUTE"] = "python"
         log = cl.workdir / "join-joiner.log"
         started = time.monotonic()

@@ -3,7 +3,7 @@ state dir) gets the join window; a malformed line and a token the controller ref
 wrong and install nothing; the token page's own line, pasted, shows what will be installed, then
 joins through the controller's join script (the standalone bundle route, the one the line takes
 by default: scripts/build-bundle.sh's bundle, cached and shared with
-tests/cluster/test_standalone_join.py) and ends with the node READY on the suite's live
+tests/cluster/test_household.py, office-pc) and ends with the node READY on the suite's live
 controller, the window showing it. Driven through WebDriver like the other desktop tests.
 """
 
