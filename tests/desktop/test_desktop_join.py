@@ -19,7 +19,7 @@ import pytest
 
 from agent.cli import read_pid
 from tests.desktop.headless import WebDriver, desktop
-from tests.e2e.harness import Controller, free_port, wait_for
+from tests.e2e.harness import ROOT, Controller, free_port, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 # The first join after agent/ changed waits for the controller's bundle build (about 2 minutes
@@ -104,6 +104,7 @@ def test_a_pasted_join_line_ends_with_a_ready_node(
             installs = wd.text("#join-installs")
             assert "node-agent" in installs and str(home / ".racon-agent") in installs, installs
             assert not (home / ".racon-agent").exists()  # shown, not yet installed
+            d.screenshot(ROOT / "var" / "desktop" / "join.png")
             wd.run("document.getElementById('join-start').click(); return 1")
             wait_for(lambda: "fetched the join script" in wd.text("#join-steps"), 60,
                      "the join's progress")  # fmt: skip
