@@ -51,9 +51,10 @@ def test_lavapipe_challenge_verifies_an_honest_node_and_fails_a_900_tflops_claim
     from apps.nodes.models import Event, Node
 
     require_lavapipe()
-    # Commands are signed with the live controller's key; the products stay tiny.
+    # Commands are signed with the live controller's key. The answer has the default's full size
+    # (1024x1024 residues: 1 MiB in the agent's report), the work stays tiny (k = 16).
     settings.SECRET_KEY = controller.env["SECRET_KEY"]
-    settings.GPU_CHALLENGE_MAX_SIDE, settings.GPU_CHALLENGE_MAX_K = 96, 512
+    settings.GPU_CHALLENGE_MAX_SIDE, settings.GPU_CHALLENGE_MAX_K = 1024, 16
     with django_db_blocker.unblock(), pytest.MonkeyPatch.context() as monkeypatch:
         workdir = tmp_path_factory.mktemp("gpu-challenge")
         models = workdir / "models"
@@ -74,7 +75,10 @@ def test_lavapipe_challenge_verifies_an_honest_node_and_fails_a_900_tflops_claim
             honest.refresh_from_db()
             assert gpu_verified(honest.hardware["gpus"][0])
             event = Event.objects.get(node=honest, kind="GPU_SPEED_VERIFIED")
-            assert event.data["correct"] is True and event.data["k"] <= 512
+            assert event.data["correct"] is True and (event.data["m"], event.data["k"]) == (
+                1024,
+                16,
+            )
 
             claims = Node.objects.get(name="vk-claims")
             verdict = node_gpu_challenge(node_id=claims.id, now=timezone.now())
