@@ -133,7 +133,9 @@ def confined_model_path(models_dir: Path, model_path: str) -> Path:
     if real.is_relative_to(root):
         return real
     if models_dir.is_dir():
-        for link in models_dir.rglob("*.gguf"):
+        # A GGUF linked anywhere below, or a link placed in the models directory itself (a vLLM
+        # model directory offered as a link to where it was converted: issue 30).
+        for link in [*models_dir.rglob("*.gguf"), *models_dir.iterdir()]:
             if link.is_symlink() and link.resolve() == real:
                 return real
     raise OutsideModelsDir(f"{model_path!r} is outside the models directory {root}")

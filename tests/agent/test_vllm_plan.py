@@ -111,3 +111,18 @@ def test_the_engine_is_told_to_publish_kv_events_to_loopback_only() -> None:
     config = json.loads(args[args.index("--kv-events-config") + 1])
     assert config["endpoint"] == "tcp://127.0.0.1:5999" and config["publisher"] == "zmq"
     assert "--kv-events-config" not in server_args(_plan(), Path("/m"), 4321)
+
+
+def test_a_model_directory_linked_into_the_models_dir_is_offered(tmp_path: Path) -> None:
+    from agent.models import OutsideModelsDir, confined_model_path
+
+    models, elsewhere = tmp_path / "models", tmp_path / "cache" / "smol-st"
+    models.mkdir()
+    elsewhere.mkdir(parents=True)
+    with pytest.raises(OutsideModelsDir):
+        confined_model_path(models, str(elsewhere))  # not offered
+    (models / "smol-st").symlink_to(elsewhere)
+    assert confined_model_path(models, "smol-st") == elsewhere.resolve()
+    assert confined_model_path(models, str(elsewhere)) == elsewhere.resolve()
+    with pytest.raises(OutsideModelsDir):
+        confined_model_path(models, str(tmp_path / "cache"))  # its parent is not
