@@ -26,9 +26,9 @@ from agent.protocol import job_cancel_key, job_stream_key
 from apps.nodes.states import LOST
 from racon.redis import CONNECTION_ERRORS, get_async_redis, get_redis
 
-from . import admission
-from .models import Deployment, Job
-from .states import DEPLOYMENT_ENDED
+from . import admission, retention
+from .models import Deployment, Job, JobAttempt
+from .states import DEPLOYMENT_ENDED, JOB_TERMINAL
 
 log = logging.getLogger("racon.jobs.streams")
 
@@ -575,3 +575,90 @@ def stream_tally(job_id: Any, node_id: Any, *, attempt: int | None = None) -> tu
             chunks += 1
             tokens += entry_tokens(fields)
     return chunks, tokens
+
+
+# --- the job page's watcher ------------------------------------------------------------------------
+
+
+def job_attempt_after(job_id: Any, attempt: int) -> FailoverTarget | None:
+    """The job's first attempt after ``attempt`` (its deployment, primary and number), if any."""
+    row = (
+        JobAttempt.objects.filter(job_id=job_id, number__gt=attempt)
+        .order_by("number")
+        .values("deployment_id", "primary_id", "number")
+        .first()
+    )
+    if row is None or not row["primary_id"]:
+        return None
+    return FailoverTarget(
+        deployment_id=str(row["deployment_id"] or ""),
+        node_id=str(row["primary_id"]),
+        attempt=int(row["number"]),
+    )
+
+
+def job_watch_start(job_id: Any) -> FailoverTarget | None:
+    """Where a job's stream begins: its first attempt's primary when it failed over (the replay
+    starts there), else its deployment's primary; None before dispatch."""
+    first = job_attempt_after(job_id, 0)
+    if first is not None:
+        return first
+    row = Job.objects.filter(pk=job_id).values("deployment_id", "deployment__primary_id").first()
+    if row is None or not row["deployment__primary_id"]:
+        return None
+    return FailoverTarget(
+        deployment_id=str(row["deployment_id"]),
+        node_id=str(row["deployment__primary_id"]),
+        attempt=1,
+    )
+
+
+def _job_ended(job_id: Any) -> bool:
+    return Job.objects.filter(pk=job_id, state__in=JOB_TERMINAL).exists()
+
+
+async def _watch_next_attempt(
+    follower: StreamFollower, failure: StreamFailure
+) -> FailoverTarget | None:
+    """The watcher's failover hook: the attempt the request's own reader started next, waited
+    for up to the idle bound; None once the job ended without one (the failure is the end)."""
+    deadline = time.monotonic() + follower.idle_timeout
+    while time.monotonic() < deadline:
+        nxt = await sync_to_async(job_attempt_after)(follower.job_id, follower.attempt)
+        if nxt is not None:
+            return nxt
+        if await sync_to_async(_job_ended)(follower.job_id):
+            return await sync_to_async(job_attempt_after)(follower.job_id, follower.attempt)
+        await asyncio.sleep(WATCH_POLL_SECONDS)
+    return None
+
+
+WATCH_POLL_SECONDS = 0.5
+
+
+async def job_watch(job_id: Any) -> AsyncIterator[dict[str, str]]:
+    """A job's entries from its first token to its end, across failovers, for a reader that only
+    watches (the job page): the same follower as /v1's, moving to each next attempt as the
+    request's reader makes it. Ends after ``done`` or ``error``, or quietly when the stream is
+    gone (expired, or the job never ran)."""
+    start = await sync_to_async(job_watch_start)(job_id)
+    if start is None:
+        return
+    follower = StreamFollower(
+        job_id=job_id,
+        deployment_id=start.deployment_id or None,
+        node_id=start.node_id,
+        failover=_watch_next_attempt,
+        watch=True,
+    )
+    follower.attempt = start.attempt
+    # A follower like the /v1 relay (apps/jobs/retention.py): the job's streams stay while the page
+    # reads them, and go when the job is terminal and no one follows.
+    token = await sync_to_async(retention.stream_follow_begin)(job_id=job_id)
+    try:
+        async for fields in follower.entries():
+            yield fields
+    except StreamFailure as exc:
+        log.info("job %s: the page's stream ended: %s", job_id, exc)
+    finally:
+        await sync_to_async(retention.stream_follow_end)(job_id=job_id, token=token)
