@@ -14,9 +14,6 @@ TESTS = Path(__file__).resolve().parent
 # note names them): move each helper to tests/support/ or a conftest fixture, and drop its line.
 PENDING = {
     ("tests/cluster/test_multihost.py", "tests.cluster.conftest"),
-    ("tests/cluster/test_gpu_split.py", "tests.e2e.test_gpu_lavapipe"),
-    ("tests/agent/test_gpu_challenge_child.py", "tests.agent.test_devices"),
-    ("tests/e2e/test_gpu_challenge_lavapipe.py", "tests.e2e.test_gpu_lavapipe"),
     ("tests/api/test_v1_stream_release.py", "tests.api.test_v1_stream_billing"),
 }
 

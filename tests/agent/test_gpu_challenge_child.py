@@ -11,13 +11,13 @@ import pytest
 
 from agent.hardware.gpu_challenge import freivalds_check, reference_answer
 from agent.runtime.ggml_matmul import run_child
-from tests.agent.test_devices import LVP_ICD, _lavapipe_build
+from tests.support.lavapipe import LVP_ICD, require_lavapipe
 
 
 def test_the_product_on_vulkan0_passes_freivalds_and_a_missing_device_is_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _lavapipe_build()
+    require_lavapipe()
     monkeypatch.setenv("VK_ICD_FILENAMES", str(LVP_ICD))
     monkeypatch.setenv("GGML_VK_VISIBLE_DEVICES", "0")
     seed, m, n, k = secrets.randbits(63), 48, 40, 320

@@ -19,14 +19,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.test_gpu_lavapipe import (
+from tests.smollm2 import smollm2_path
+from tests.support.lavapipe import (
     N_TOKENS,
     PROMPT,
     cpu_backend_tokens,
     lavapipe_env,
     require_lavapipe,
 )
-from tests.smollm2 import smollm2_path
 
 from . import harness
 from .harness import OPERATOR_KEY, LinkSpec, host_profile, namespace_cluster, wait_for

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from tests.support.lavapipe import lavapipe_env, ready_nodes, require_lavapipe, start_named_agent
+
 from .harness import Controller, stop_agent, wait_for
-from .test_gpu_lavapipe import _ready, _start, lavapipe_env, require_lavapipe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -61,12 +62,12 @@ def test_lavapipe_challenge_verifies_an_honest_node_and_fails_a_900_tflops_claim
         models.mkdir()
         profile = fake_claim_profile(workdir / "fake.json")
         agents = [
-            _start(controller, "vk-honest", workdir, models, monkeypatch, env=lavapipe_env()),
-            _start(controller, "vk-claims", workdir, models, monkeypatch, env=lavapipe_env(),
+            start_named_agent(controller, "vk-honest", workdir, models, monkeypatch, env=lavapipe_env()),
+            start_named_agent(controller, "vk-claims", workdir, models, monkeypatch, env=lavapipe_env(),
                    extra=["--hardware-profile", str(profile)]),
         ]  # fmt: skip
         try:
-            wait_for(lambda: _ready(controller, {"vk-honest", "vk-claims"}), 120, "both READY")
+            wait_for(lambda: ready_nodes(controller, {"vk-honest", "vk-claims"}), 120, "both READY")
             honest = Node.objects.get(name="vk-honest")
             assert [g["device"] for g in honest.hardware["gpus"]] == ["Vulkan0"]
             verdict = node_gpu_challenge(node_id=honest.id, now=timezone.now())

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,104 +22,22 @@ from typing import Any
 import httpx
 import pytest
 
-from .harness import (
-    Controller,
-    consumer_headers,
-    free_port,
-    start_agent,
-    stop_agent,
-    wait_for,
+from tests.support.lavapipe import (
+    N_TOKENS,
+    PROMPT,
+    cpu_backend_tokens,
+    lavapipe_env,
+    models_dir_with,
+    ready_nodes,
+    require_lavapipe,
+    start_named_agent,
 )
+
+from .harness import Controller, consumer_headers, stop_agent, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 MiB = 1 << 20
-LVP_ICD = Path("/usr/share/vulkan/icd.d/lvp_icd.x86_64.json")
-BUILD = Path(sys.prefix) / "llama.cpp"
-PROMPT = "The capital of France is"
-N_TOKENS = 4
-
-
-def require_lavapipe() -> None:
-    missing = [str(p) for p in (BUILD / "lib" / "libggml-vulkan.so", LVP_ICD) if not p.exists()]
-    if missing:
-        why = (
-            f"the Vulkan GPU path needs {', '.join(missing)}: scripts/install-vulkan.sh, then the "
-            "llama.cpp build (make test runs both, as root with apt)"
-        )
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-
-
-def lavapipe_env() -> dict[str, str]:
-    # lavapipe is a CPU-type device: ggml skips it unless GGML_VK_VISIBLE_DEVICES names it.
-    return {"GGML_VK_VISIBLE_DEVICES": "0", "VK_ICD_FILENAMES": str(LVP_ICD)}
-
-
-def _start(
-    ctl: Controller,
-    name: str,
-    workdir: Path,
-    models_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    env: dict[str, str] | None = None,
-    extra: list[str] | None = None,
-) -> Any:
-    from .harness import make_account_with_key
-
-    acct_id, _ = make_account_with_key(f"owner-{name}")
-    tok = ctl.post("/api/admin/tokens", {"label": name, "account": acct_id})
-    assert tok.status_code == 201, tok.text
-    with monkeypatch.context() as m:  # the agent's environment only (Popen copies it)
-        for k, v in (env or {}).items():
-            m.setenv(k, v)
-        return start_agent(
-            ctl, tok.json()["token"], name, workdir, models_dir=models_dir, extra=extra
-        )
-
-
-def _ready(ctl: Controller, names: set[str]) -> dict[str, dict[str, Any]] | None:
-    got = {n["name"]: n for n in ctl.get("/api/admin/nodes?state=READY").json()}
-    return got if names <= got.keys() else None
-
-
-def _models_dir(workdir: Path, model_path: Path) -> Path:
-    models = workdir / "models"
-    models.mkdir(parents=True)
-    try:
-        os.link(model_path, models / model_path.name)
-    except OSError:
-        models.joinpath(model_path.name).write_bytes(model_path.read_bytes())
-    return models
-
-
-def cpu_backend_tokens(model_path: Path) -> str:
-    """The same build's CPU backend (--device none), bare llama-server, greedy: the reference."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(BUILD / "bin" / "llama-server"), "-m", str(model_path), "--device", "none",
-         "--host", "127.0.0.1", "--port", str(port), "-c", "256", "-np", "1", "-t", "1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "GGML_NO_BACKTRACE": "1"},
-    )  # fmt: skip
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None  # died: fail below with its exit code
-
-        wait_for(healthy, 120, "the CPU-backend llama-server")
-        assert proc.poll() is None, f"llama-server exited {proc.returncode}"
-        body = {"prompt": PROMPT, "n_predict": N_TOKENS, "temperature": 0, "cache_prompt": False}
-        return str(httpx.post(url + "/completion", json=body, timeout=120).json()["content"])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 @pytest.fixture
@@ -137,10 +53,12 @@ def vulkan_node(
     require_lavapipe()
     with django_db_blocker.unblock(), pytest.MonkeyPatch.context() as monkeypatch:
         workdir = tmp_path_factory.mktemp("lavapipe")
-        models = _models_dir(workdir, model_path)
-        agent = _start(controller, "vk-host", workdir, models, monkeypatch, env=lavapipe_env())
+        models = models_dir_with(workdir, model_path)
+        agent = start_named_agent(
+            controller, "vk-host", workdir, models, monkeypatch, env=lavapipe_env()
+        )
         try:
-            nodes = wait_for(lambda: _ready(controller, {"vk-host"}), 120, "vk-host READY")
+            nodes = wait_for(lambda: ready_nodes(controller, {"vk-host"}), 120, "vk-host READY")
             created = controller.post(
                 "/api/admin/models", {"path": str(model_path), "name": "smollm2-vk"}
             )
@@ -227,9 +145,9 @@ def split_over_vulkan0_and_an_rpc_worker(
     ctl, _, model, workdir = vulkan_node
     with django_db_blocker.unblock(), pytest.MonkeyPatch.context() as monkeypatch:
         models = workdir / "models"
-        other = _start(ctl, "rpc-host", workdir, models, monkeypatch)
+        other = start_named_agent(ctl, "rpc-host", workdir, models, monkeypatch)
         try:
-            wait_for(lambda: _ready(ctl, {"vk-host", "rpc-host"}), 120, "rpc-host READY")
+            wait_for(lambda: ready_nodes(ctl, {"vk-host", "rpc-host"}), 120, "rpc-host READY")
             pin = {
                 "model": model,
                 "n_ctx": 256,
@@ -263,7 +181,7 @@ def test_a_fake_gpu_claim_is_planned_at_the_floor_and_never_the_primary(
     """No Vulkan needed: a hardware profile claims an 80 GiB, 900 TFLOPS CUDA0 nobody verified."""
     with django_db_blocker.unblock():
         workdir = tmp_path_factory.mktemp("fakegpu")
-        models = _models_dir(workdir, model_path)
+        models = models_dir_with(workdir, model_path)
         profile = workdir / "fake.json"
         profile.write_text(json.dumps({
             "cpu": {"model": "x", "physical_cores": 2, "logical_cores": 2, "flags": []},
@@ -275,12 +193,12 @@ def test_a_fake_gpu_claim_is_planned_at_the_floor_and_never_the_primary(
                       "gflops": 900_000.0, "mem_bandwidth_gbps": 3_000.0}],
         }))  # fmt: skip
         agents = [
-            _start(controller, "fake-gpu", workdir, models, monkeypatch,
+            start_named_agent(controller, "fake-gpu", workdir, models, monkeypatch,
                    extra=["--hardware-profile", str(profile)]),
-            _start(controller, "honest-cpu", workdir, models, monkeypatch),
+            start_named_agent(controller, "honest-cpu", workdir, models, monkeypatch),
         ]  # fmt: skip
         try:
-            wait_for(lambda: _ready(controller, {"fake-gpu", "honest-cpu"}), 120, "both READY")
+            wait_for(lambda: ready_nodes(controller, {"fake-gpu", "honest-cpu"}), 120, "both READY")
             created = controller.post(
                 "/api/admin/models", {"path": str(model_path), "name": "smollm2-fake"}
             )
