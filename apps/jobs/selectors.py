@@ -496,9 +496,3 @@ def replica_load(
             queue_wait_seconds=round(admission.model_queue_wait(model_id, now=now), 3),
         )
     return in_use, waiting, out
-
-
-def job_stream_node(job_id: Any) -> str | None:
-    """The node whose prefix holds the job's stream: its deployment's primary (None before dispatch)."""
-    primary = Job.objects.filter(pk=job_id).values_list("deployment__primary_id", flat=True).first()
-    return str(primary) if primary else None
