@@ -61,6 +61,14 @@ class UserFactory(DjangoModelFactory[AbstractBaseUser]):
     username = factory.Sequence(lambda n: f"user{n}")
     password = factory.PostGenerationMethodCall("set_password", "pw-test-123")
 
+    @classmethod
+    def _after_postgeneration(
+        cls, instance: AbstractBaseUser, create: bool, results: dict[str, Any] | None = None
+    ) -> None:
+        """Save the hashed password set after creation (factory_boy stops doing it on its own)."""
+        if create:
+            instance.save()
+
 
 class AccountFactory(DjangoModelFactory[Account]):
     class Meta:
