@@ -13,36 +13,22 @@ from agent.protocol import job_stream_key
 from apps.credits.ledger import account_for_user
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
-from apps.models_repo.models import Model
 from racon.asgi import application
 from racon.redis import get_redis
-from tests.factories import UserFactory
+from tests.factories import DeploymentFactory, JobAttemptFactory, JobFactory, UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def make_job(owner) -> Job:  # type: ignore[no-untyped-def]
     """A running job on a deployment whose primary holds the job's stream (under its node prefix)."""
-    import uuid
-
-    from apps.jobs.models import Deployment
-    from apps.jobs.states import DeploymentState
-    from apps.models_repo.models import ModelFile
-    from tests.factories import NodeFactory
-
-    model = Model.objects.create(name=f"m-{timezone.now().timestamp()}")
-    mf = ModelFile.objects.create(
-        model=model, file_name="m.gguf", sha256=uuid.uuid4().hex * 2, size=1
-    )
-    dep = Deployment.objects.create(
-        model=model, model_file=mf, state=DeploymentState.READY, primary=NodeFactory(), request={}
-    )
-    return Job.objects.create(
-        model=model,
+    dep = DeploymentFactory(model_file__size=1, request={})
+    return JobFactory(
+        model=dep.model,
         deployment=dep,
         account=account_for_user(user=owner),
         state=JobState.RUNNING,
-        queued_at=timezone.now(),
+        max_tokens=256,
     )
 
 
@@ -124,9 +110,6 @@ def test_the_job_page_follows_a_failover_to_the_next_attempt() -> None:
     JobAttempt row on another deployment), the page goes on from the new primary's stream."""
     import asyncio
 
-    from apps.jobs.models import JobAttempt
-    from tests.factories import DeploymentFactory
-
     owner = UserFactory()
     job = make_job(owner)
     first = job.deployment
@@ -142,11 +125,11 @@ def test_the_job_page_follows_a_failover_to_the_next_attempt() -> None:
         """What apps/jobs/failover.py records, then the new primary's stream."""
         second = DeploymentFactory(model=job.model, model_file=first.model_file)
         now = timezone.now()
-        JobAttempt.objects.create(
-            job=job, number=1, deployment=first, primary_id=first.primary_id, started_at=now
+        JobAttemptFactory(
+            job=job, number=1, deployment=first, primary=first.primary, started_at=now
         )
-        JobAttempt.objects.create(
-            job=job, number=2, deployment=second, primary_id=second.primary_id, started_at=now
+        JobAttemptFactory(
+            job=job, number=2, deployment=second, primary=second.primary, started_at=now
         )
         Job.objects.filter(pk=job.pk).update(deployment=second)
         key = job_stream_key(str(job.id), str(second.primary_id))

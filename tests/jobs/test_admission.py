@@ -13,27 +13,27 @@ from django.utils import timezone
 
 from apps.jobs import admission
 from apps.jobs.jobs import job_complete
-from apps.jobs.models import Deployment, Job
+from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState, JobState
-from apps.models_repo.models import Model, ModelFile
+from apps.models_repo.models import Model
 from racon.redis import get_redis
-from tests.factories import NodeFactory
+from tests.factories import DeploymentFactory, JobFactory, ModelFileFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
 def model() -> Model:
-    m = Model.objects.create(name="adm-model")
-    ModelFile.objects.create(model=m, file_name="m.gguf", sha256="c" * 64, size=1000)
-    return m
+    return ModelFileFactory(
+        model__name="adm-model", file_name="m.gguf", sha256="c" * 64, size=1000, n_layer=0
+    ).model
 
 
 def deployment(
     model: Model, *, n_parallel: int = 1, state: str = DeploymentState.READY
 ) -> Deployment:
     node = NodeFactory()
-    dep = Deployment.objects.create(
+    dep = DeploymentFactory(
         model=model,
         model_file=model.files.get(),
         state=state,
@@ -148,11 +148,9 @@ def test_the_sweep_reclaims_a_crashed_views_slot_lease_and_slots_of_finished_job
 ) -> None:
     dep = deployment(model, n_parallel=4)
     now = timezone.now()
-    running = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=now)
-    finished = Job.objects.create(
-        model=model, deployment=dep, state=JobState.COMPLETED, queued_at=now
-    )
-    crashed = Job.objects.create(model=model, deployment=dep, state=JobState.RUNNING, queued_at=now)
+    running = JobFactory(model=model, deployment=dep, state=JobState.RUNNING, queued_at=now)
+    finished = JobFactory(model=model, deployment=dep, state=JobState.COMPLETED, queued_at=now)
+    crashed = JobFactory(model=model, deployment=dep, state=JobState.RUNNING, queued_at=now)
     not_yet_written = uuid.uuid4()  # the fast path takes a slot before the job row exists
     t = time.time()
     for job in (running, finished, not_yet_written):
@@ -182,9 +180,7 @@ def test_the_sweep_drops_lapsed_waiters_and_keeps_live_ones(model: Model) -> Non
 
 def test_a_finished_job_gives_its_slot_back(model: Model) -> None:
     dep = deployment(model)
-    job = Job.objects.create(
-        model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now()
-    )
+    job = JobFactory(model=model, deployment=dep, state=JobState.RUNNING)
     assert admission.slot_try(deployment_id=dep.id, job_id=job.id, cap=1)
     assert job_complete(job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now())
     assert admission.slots_in_use([dep.id]) == {str(dep.id): 0}

@@ -24,11 +24,11 @@ from agent.protocol import node_queue_key
 from apps.jobs import kvcache, kvtransfer
 from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
-from apps.models_repo.models import Model, ModelFile
+from apps.models_repo.models import Model
 from apps.models_repo.profile import ModelProfile, synthetic_profile
 from apps.nodes.models import Event
 from racon.redis import get_redis
-from tests.factories import NodeFactory
+from tests.factories import DeploymentFactory, ModelFactory, ModelFileFactory, NodeFactory
 from tests.jobs.helpers import chat
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the fake agents answer from threads
@@ -40,11 +40,11 @@ F16 = 1
 
 @pytest.fixture
 def model() -> Model:
-    m = Model.objects.create(name="kv-header-model")
+    m = ModelFactory(name="kv-header-model")
     tiny = synthetic_profile(
         name="tiny", n_layer=N_LAYER, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=256
     )
-    ModelFile.objects.create(
+    ModelFileFactory(
         model=m, file_name="m.gguf", sha256="f" * 64, size=1000, n_layer=N_LAYER,
         profile=tiny.to_dict(),
     )  # fmt: skip
@@ -97,7 +97,7 @@ def slot_file(
 
 
 def deployment(model: Model) -> Deployment:
-    return Deployment.objects.create(
+    return DeploymentFactory(
         model=model, model_file=model.files.get(), state=DeploymentState.READY,
         primary=NodeFactory(), n_parallel=2, n_ctx=2048,
     )  # fmt: skip

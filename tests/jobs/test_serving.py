@@ -16,9 +16,9 @@ from agent.protocol import job_cancel_key, node_queue_key
 from apps.jobs import admission, serving
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DeploymentState, JobState
-from apps.models_repo.models import Model, ModelFile
+from apps.models_repo.models import Model
 from racon.redis import get_redis
-from tests.factories import NodeFactory
+from tests.factories import DeploymentFactory, ModelFileFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -29,16 +29,16 @@ class Short(Exception):
 
 @pytest.fixture
 def model() -> Model:
-    m = Model.objects.create(name="serve-model")
-    ModelFile.objects.create(model=m, file_name="m.gguf", sha256="d" * 64, size=1000)
-    return m
+    return ModelFileFactory(
+        model__name="serve-model", file_name="m.gguf", sha256="d" * 64, size=1000, n_layer=0
+    ).model
 
 
 def deployment(
     model: Model, *, n_parallel: int = 1, state: str = DeploymentState.READY, n_ctx: int = 2048
 ) -> Deployment:
     node = NodeFactory()
-    dep = Deployment.objects.create(
+    dep = DeploymentFactory(
         model=model,
         model_file=model.files.get(),
         state=state,
