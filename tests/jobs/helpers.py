@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from apps.jobs.models import Deployment
+from apps.jobs.states import DeploymentState
 from apps.models_repo.models import Model
 from apps.models_repo.profile import synthetic_profile
 from apps.nodes.states import NodeState
@@ -102,3 +103,14 @@ def ready_deployment(model: Model, node: Any) -> Deployment:
     )
     dep.nodes.set([node])
     return dep
+
+
+def planning_deployment(model: Model) -> Deployment:
+    """A deployment of ``model`` as the API makes it: PLANNING, no primary, n_ctx 512."""
+    return DeploymentFactory(
+        model=model,
+        model_file=model.files.get(),
+        state=DeploymentState.PLANNING,
+        primary=None,
+        request={"n_ctx": 512},
+    )

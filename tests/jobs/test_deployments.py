@@ -27,8 +27,8 @@ from apps.models_repo.models import Model
 from apps.nodes.models import Event
 from apps.nodes.states import NodeState
 from racon.redis import get_redis
-from tests.factories import NodeFactory
-from tests.jobs.helpers import nodes_with_replicas, ready_deployment
+from tests.factories import JobFactory, NodeFactory
+from tests.jobs.helpers import nodes_with_replicas, planning_deployment, ready_deployment
 from tests.support.fake_agents import FakeAgents
 
 pytestmark = pytest.mark.django_db
@@ -40,9 +40,7 @@ def test_node_lost_before_execution_triggers_a_revised_plan(model: Model, settin
     settings.DEPLOYMENT_RPC_TIMEOUT = 5
     settings.DEPLOYMENT_LOAD_TIMEOUT = 5
     a, b = nodes_with_replicas(model, 2)
-    dep = Deployment.objects.create(
-        model=model, model_file=model.files.get(), request={"n_ctx": 512}
-    )
+    dep = planning_deployment(model)
     first_choice = deployment_preview(
         model_file=model.files.get(), request=placement_request_from({"n_ctx": 512})
     ).primary_node_id
@@ -65,9 +63,7 @@ def test_node_lost_before_execution_triggers_a_revised_plan(model: Model, settin
 
 def test_impossible_placement_fails_with_the_refusal(model: Model) -> None:
     NodeFactory(state=NodeState.READY, ram_available=10 * 1024**2)
-    dep = Deployment.objects.create(
-        model=model, model_file=model.files.get(), request={"n_ctx": 512}
-    )
+    dep = planning_deployment(model)
     result = placement.deployment_place(deployment_id=dep.id)
     assert result.state == DeploymentState.FAILED
     assert "more memory" in result.error or "memory" in result.error
@@ -79,9 +75,7 @@ def test_member_lost_after_ready_fails_the_deployment_its_jobs_and_replaces_it(
 ) -> None:
     node = NodeFactory(state=NodeState.READY)
     dep = ready_deployment(model, node)
-    job = Job.objects.create(
-        model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now()
-    )
+    job = JobFactory(model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now())
     deployments_on_node_state(node_id=str(node.id), state=NodeState.OFFLINE, now=timezone.now())
     dep.refresh_from_db()
     job.refresh_from_db()
@@ -121,10 +115,10 @@ def test_a_stream_that_ended_finishes_its_job_and_a_silent_one_fails(
     node = NodeFactory()
     dep = ready_deployment(model, node)
     now = timezone.now()
-    ended = Job.objects.create(
+    ended = JobFactory(
         model=model, deployment=dep, state=JobState.RUNNING, queued_at=now, dispatched_at=now
     )
-    silent = Job.objects.create(
+    silent = JobFactory(
         model=model,
         deployment=dep,
         state=JobState.DISPATCHED,
@@ -198,7 +192,7 @@ def test_malformed_reports_are_refused_and_leave_nothing() -> None:
 
 
 def test_job_terminal_states_are_final(model: Model) -> None:
-    job = Job.objects.create(model=model, state=JobState.QUEUED, queued_at=timezone.now())
+    job = JobFactory(model=model, state=JobState.QUEUED, queued_at=timezone.now())
     assert job_fail(job_id=job.id, now=timezone.now(), error="x")
     assert not job_complete(
         job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now()
@@ -213,7 +207,7 @@ def test_a_running_job_shows_its_tokens_and_rate_from_the_stream(model: Model, c
     node = NodeFactory()
     dep = ready_deployment(model, node)
     started = timezone.now() - timedelta(seconds=10)
-    job = Job.objects.create(
+    job = JobFactory(
         model=model,
         deployment=dep,
         state=JobState.RUNNING,
@@ -245,9 +239,7 @@ def test_a_replica_claim_that_fails_its_hash_challenge_is_dropped_and_the_stores
 
     settings.DEPLOYMENT_RPC_TIMEOUT = 5
     (liar,) = nodes_with_replicas(model, 1)
-    dep = Deployment.objects.create(
-        model=model, model_file=model.files.get(), request={"n_ctx": 512}
-    )
+    dep = planning_deployment(model)
     with FakeAgents([str(liar.id)], liars={str(liar.id)}) as agents:
         placement.deployment_place(deployment_id=dep.id)
     kinds = [k for _, k in agents.seen]
@@ -267,9 +259,7 @@ def test_an_honest_replica_answers_its_challenge_and_is_used_without_a_copy(
     settings.DEPLOYMENT_RPC_TIMEOUT = 5
     settings.DEPLOYMENT_LOAD_TIMEOUT = 5
     (node,) = nodes_with_replicas(model, 1)
-    dep = Deployment.objects.create(
-        model=model, model_file=model.files.get(), request={"n_ctx": 512}
-    )
+    dep = planning_deployment(model)
     with FakeAgents([str(node.id)]) as agents:
         placed = placement.deployment_place(deployment_id=dep.id)
     assert placed.state == DeploymentState.READY, placed.error
