@@ -149,7 +149,9 @@ def _engine_refused(model: Model, engine: str) -> Response | None:
             "engine_unavailable",
             param="engine",
         )
-    if not Node.objects.filter(hardware__engines__contains=["vllm"]).exists():
+    # JSON containment is PostgreSQL's (SQLite has none): the inventories are read here.
+    inventories = Node.objects.filter(revoked_at__isnull=True).values_list("hardware", flat=True)
+    if not any("vllm" in ((hw or {}).get("engines") or []) for hw in inventories):
         return _error(
             "no node has the vLLM engine: on a node, run scripts/install-vllm.sh and start its "
             "agent with RACON_ENGINES=llamacpp,vllm",
