@@ -21,6 +21,7 @@ import pytest
 from apps.credits.models import Entry, EntryKind, Receipt
 from apps.jobs.models import Deployment, Job, JobAttempt
 from apps.nodes.models import Event
+from tests.support import timing
 
 from .harness import Controller, StartAgents, chat_ok, consumer_headers, stream_chat, wait_for
 
@@ -119,7 +120,9 @@ def _streamed_failover(controller: Controller, cluster: dict[str, Any]) -> None:
         b - a for a, b in zip(times[killed["chunk"] - 1 :], times[killed["chunk"] :], strict=False)
     )
     print(f"\nfailover gap (last token of attempt 1 -> first of attempt 2): {gap:.2f}s")
-    assert gap <= 50
+    # The engine's death is seen at once and the next replica is loaded already; the bound is
+    # for a busy machine (RACON_TEST_SLOWDOWN scales it), the figure is the print above.
+    assert gap <= timing.scaled(50)
     # The text is the greedy reference's: at least its first tokens, every token once.
     ref = cluster["reference"]
     print(f"failover text equals the reference: {out['text'] == ref}")
