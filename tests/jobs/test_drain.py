@@ -18,7 +18,7 @@ from apps.nodes.heartbeats import heartbeat_target
 from apps.nodes.models import Event, Node
 from apps.nodes.services import node_drain, node_undrain
 from apps.nodes.states import TRANSITIONS, NodeState
-from tests.factories import NodeFactory
+from tests.factories import JobFactory, NodeFactory
 from tests.jobs.helpers import nodes_with_replicas, ready_deployment
 from tests.support.fake_agents import FakeAgents
 
@@ -27,7 +27,7 @@ S = NodeState
 
 
 def running_job(model: Model, dep: Deployment, node: Any) -> Job:
-    job = Job.objects.create(
+    job = JobFactory(
         model=model,
         deployment=dep,
         state=JobState.RUNNING,

@@ -30,7 +30,7 @@ from apps.jobs.states import DeploymentState, JobState
 from apps.models_repo.models import Model
 from apps.nodes.models import Node
 from racon.redis import get_redis
-from tests.factories import NodeFactory
+from tests.factories import DeploymentFactory, NodeFactory
 from tests.jobs.helpers import placeable_model
 from tests.support.fake_agents import FakeAgents
 
@@ -105,7 +105,7 @@ def small_node() -> Node:
 
 
 def serving_deployment(model: Model, node: Node) -> Deployment:
-    dep = Deployment.objects.create(
+    dep = DeploymentFactory(
         model=model,
         model_file=model.files.get(),
         state=DeploymentState.READY,

@@ -30,7 +30,14 @@ from apps.nodes.states import NodeState
 from racon.celery import app
 from racon.redis import get_redis
 from tests.e2e.harness import BIN, ROOT, database_url
-from tests.factories import NodeFactory, deployment_for, funded_account, job_finish, job_for
+from tests.factories import (
+    DeploymentFactory,
+    NodeFactory,
+    deployment_for,
+    funded_account,
+    job_finish,
+    job_for,
+)
 from tests.support.processes import free_port, stop, wait_for
 
 pytestmark = [
@@ -143,9 +150,11 @@ def test_four_stalled_placements_leave_the_health_sweep_and_settlement_on_time(
         HEARTBEATS_ZSET, {str(late.id): now - 3600}
     )  # silent for an hour: the sweep takes it OFFLINE
     deps = [
-        Deployment.objects.create(
+        DeploymentFactory(
             model=model,
             model_file=model.files.get(),
+            state=DeploymentState.PLANNING,
+            primary=None,
             request={"n_ctx": 512, "pin_nodes": [str(n.id)]},
         )
         for n in stalled_nodes

@@ -21,7 +21,7 @@ from apps.jobs.states import DeploymentState
 from apps.models_repo.models import Model
 from apps.nodes.models import Event
 from racon.redis import get_redis
-from tests.factories import NodeFactory
+from tests.factories import DeploymentFactory, NodeFactory
 from tests.jobs.helpers import nodes_with_replicas, ready_deployment
 from tests.support.fake_agents import FakeAgents
 
@@ -53,9 +53,11 @@ def test_a_placed_deployment_records_the_slots_memory_allows_and_the_agent_gets_
 ) -> None:
     settings.DEFAULT_N_PARALLEL_MAX = 16
     (a,) = nodes_with_replicas(model, 1)
-    dep = Deployment.objects.create(
+    dep = DeploymentFactory(
         model=model,
         model_file=model.files.get(),
+        state=DeploymentState.PLANNING,
+        primary=None,
         request=placement_request_from({"n_ctx": 512}).to_dict(),
     )
     with RecordingAgents([str(a.id)]) as agents:
@@ -165,9 +167,11 @@ def test_concurrent_first_requests_create_one_deployment_between_them(
 def test_two_placements_at_once_put_their_replicas_on_different_nodes(model: Model) -> None:
     nodes = nodes_with_replicas(model, 2)
     deps = [
-        Deployment.objects.create(
+        DeploymentFactory(
             model=model,
             model_file=model.files.get(),
+            state=DeploymentState.PLANNING,
+            primary=None,
             request=placement_request_from({"n_ctx": 512}).to_dict(),
         )
         for _ in range(2)

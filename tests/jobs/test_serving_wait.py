@@ -24,12 +24,12 @@ from agent.protocol import HEARTBEATS_ZSET
 from apps.jobs import admission, serving
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DeploymentState, JobState
-from apps.models_repo.models import Model, Replica
+from apps.models_repo.models import Model
 from apps.nodes.models import Node
 from apps.nodes.services import node_transition
 from apps.nodes.states import NodeState
 from racon.redis import get_redis
-from tests.factories import NodeFactory
+from tests.factories import DeploymentFactory, NodeFactory, ReplicaFactory
 from tests.jobs.helpers import placeable_model
 from tests.support.fake_agents import FakeAgents
 
@@ -78,8 +78,12 @@ def test_a_request_sent_while_the_deployment_is_loading_is_served_once_it_turns_
     model: Model,
 ) -> None:
     node = NodeFactory()
-    dep = Deployment.objects.create(
-        model=model, model_file=model.files.get(), state=DeploymentState.LOADING, n_parallel=1
+    dep = DeploymentFactory(
+        model=model,
+        model_file=model.files.get(),
+        state=DeploymentState.LOADING,
+        primary=None,
+        n_parallel=1,
     )
     adm = open_(model)
     assert not adm.dispatched and adm.deployment_id == str(dep.id)
@@ -98,9 +102,7 @@ def test_a_request_while_the_only_node_is_still_registering_waits_and_is_served_
 ) -> None:
     settings.DEPLOYMENT_WAIT_SECONDS = 60
     node = NodeFactory(state=NodeState.REGISTERING, state_changed_at=timezone.now())
-    Replica.objects.create(
-        node=node, model_file=model.files.get(), path="/models/m.gguf", verified_at=timezone.now()
-    )
+    ReplicaFactory(node=node, model_file=model.files.get(), path="/models/m.gguf")
     before: dict[str, Any] = {}
     with FakeAgents([str(node.id)]):
         adm = open_(model)  # no deployment yet: one is created, and its placement is refused
