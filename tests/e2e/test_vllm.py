@@ -28,10 +28,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
-from httpx_sse import connect_sse
 
 from agent.protocol import kv_held_key
 from agent.runtime.vllm import engine_python, group_pids
@@ -39,7 +37,7 @@ from apps.jobs.models import Deployment, Job, JobAttempt
 from apps.nodes.models import Event, Node
 from racon.redis import get_redis
 
-from .harness import Controller, StartAgents, consumer_headers, wait_for
+from .harness import Controller, StartAgents, consumer_headers, stream_chat, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -101,42 +99,13 @@ def _direct(pid: int, path: str, body: dict[str, Any] | None) -> tuple[int, dict
     return resp.status, json.loads(data) if data.startswith(b"{") else {}
 
 
-def _stream(
-    controller: Controller,
-    headers: dict[str, str],
-    body: dict[str, Any],
-    stop_after: int | None = None,
-    on_chunk: Any = None,
-) -> dict[str, Any]:
-    out: dict[str, Any] = {"text": "", "chunks": 0, "usage": [], "error": None, "done": False}
-    with (
-        httpx.Client(timeout=300) as c,
-        connect_sse(
-            c, "POST", controller.url + "/v1/chat/completions", json=body, headers=headers
-        ) as sse,
-    ):
-        assert sse.response.status_code == 200, sse.response.read()
-        out["job"] = sse.response.headers.get("x-racon-job-id")
-        for ev in sse.iter_sse():
-            if ev.data == "[DONE]":
-                out["done"] = True
-                break
-            data = json.loads(ev.data)
-            if "error" in data:
-                out["error"] = data["error"]
-                continue
-            if data.get("usage"):
-                out["usage"].append(data["usage"])
-            for choice in data.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    out["text"] += piece
-                    out["chunks"] += 1
-                    if on_chunk is not None:
-                        on_chunk(out)
-            if stop_after is not None and out["chunks"] >= stop_after:
-                break  # the client goes away mid-stream
-    return out
+def _node_ready(node: Node, why: str) -> None:
+    """A node is BUSY while a job runs there (new deployments are not placed on it)."""
+    wait_for(lambda: Node.objects.get(pk=node.pk).state == "READY", 120, f"the node READY ({why})")
+
+
+class _Gone(Exception):
+    """The client goes away mid-stream."""
 
 
 def test_vllm_deployment_serves_fails_over_and_cancels(
@@ -209,7 +178,15 @@ def test_vllm_deployment_serves_fails_over_and_cancels(
         "max_tokens": 400,
         "stream": True,
     }
-    gone = _stream(controller, headers, long_ask, stop_after=4)
+    gone: dict[str, Any] = {}
+
+    def leave_after_four(out: dict[str, Any]) -> None:
+        if out["chunks"] >= 4:
+            gone.update(out)
+            raise _Gone
+
+    with pytest.raises(_Gone):
+        stream_chat(controller, headers, long_ask, on_chunk=leave_after_four)
     cancelled = wait_for(
         lambda: Job.objects.filter(
             pk=gone["job"], state__in=["CANCELLED", "COMPLETED", "FAILED"]
@@ -234,11 +211,7 @@ def test_vllm_deployment_serves_fails_over_and_cancels(
     )
     print(f"\nvLLM KV events, tokens held per slot: {held}")
     # The node is BUSY while a job runs there: READY again once vLLM dropped the cancelled one.
-    wait_for(
-        lambda: Node.objects.get(pk=node.pk).state == "READY",
-        120,
-        "the node READY again (no job left on it after the cancel)",
-    )
+    _node_ready(node, "no job left on it after the cancel")
     ldep = _deploy(controller, n_ctx=1024, n_parallel=1, allow_same_node=True)
     assert wait_for(lambda: _settled(ldep), 240, "the llama.cpp replica") == "READY"
     assert Deployment.objects.get(pk=ldep).engine == "llamacpp"
@@ -255,7 +228,7 @@ def test_vllm_deployment_serves_fails_over_and_cancels(
             killed["deployment"] = str(job.deployment_id)
             os.killpg(pid, signal.SIGKILL)  # the engine and its engine core
 
-    out = _stream(
+    out = stream_chat(
         controller,
         headers,
         {
@@ -296,6 +269,7 @@ def test_vllm_deployment_serves_fails_over_and_cancels(
     )
     reg = controller.post("/api/admin/models", {"path": str(broken), "name": "smollm2-broken"})
     assert reg.status_code == 201, reg.text
+    _node_ready(node, "the failed-over job ended")
     resp = controller.post(
         "/api/admin/deployments",
         {"model": "smollm2-broken", "engine": "vllm", "n_ctx": 512, "n_parallel": 1},
