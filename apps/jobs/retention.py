@@ -32,6 +32,7 @@ from racon.redis import get_redis
 from .models import Job, JobAttempt
 from .states import JOB_TERMINAL
 
+ARCHIVE_PREFIX = "racon:archive:"  # + a node's stream key: the owner's replay copy
 MARK_KEY = "racon:retention:streams:mark"  # epoch seconds of the last job ended that was swept
 FOLLOWERS_KEY = "racon:streams:followers:{job}"  # ZSET: follower token -> lease end (epoch s)
 _BATCH = 2000
@@ -39,6 +40,13 @@ _BATCH = 2000
 
 def _followers_key(job_id: Any) -> str:
     return FOLLOWERS_KEY.format(job=str(job_id))
+
+
+def stream_archive_key(key: str) -> str:
+    """Where a released stream's replay copy lives: outside every node's prefix, so the node that
+    wrote it can neither read, grow nor keep it; it expires STREAM_TTL_SECONDS after the job's end
+    (the job page's "kept for an hour")."""
+    return ARCHIVE_PREFIX + key
 
 
 def stream_follow_begin(*, job_id: Any) -> str:
@@ -89,7 +97,15 @@ def job_stream_release(*, job_id: Any) -> int:
     if not rows:
         return 0
     keys = _stream_keys(rows)
-    return int(get_redis().unlink(*keys)) if keys else 0
+    if not keys:
+        return 0
+    # The node's copy goes; the owner's job page replays a controller-owned copy for an hour.
+    pipe = get_redis().pipeline()
+    for key in keys:
+        pipe.copy(key, stream_archive_key(key), replace=True)
+        pipe.expire(stream_archive_key(key), STREAM_TTL_SECONDS)
+    pipe.unlink(*keys)
+    return int(pipe.execute()[-1])
 
 
 def job_streams_prune(*, now: datetime) -> int:

@@ -412,6 +412,10 @@ class StreamFollower:
         """The current attempt's entries, from its primary's stream, counted as relayed."""
         r = get_async_redis()
         key = job_stream_key(self.job_id, self.node_id)
+        if self.watch and not await r.exists(key):
+            # Released from the node's prefix at the job's end: replay the controller's copy.
+            archived = retention.stream_archive_key(key)
+            key = archived if await r.exists(archived) else key
         last_id = "0-0"
         expected = 0
         idle_since = renewed = time.monotonic()
