@@ -336,9 +336,17 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(
         from racon.redis import get_redis
 
         def stream_ended() -> Any:
-            keys = list(get_redis().scan_iter(match=f"racon:n:*:job:{cancel_job}"))
-            last = get_redis().xrevrange(keys[0], count=1) if keys else []
-            return last and last[0][1].get("type") in ("done", "error") and last[0][1]
+            # The node's stream is released at the job's end (a copy under racon:archive: stays
+            # for the job page); the primary's last entry is in one or the other.
+            for pattern in (
+                f"racon:n:*:job:{cancel_job}",
+                f"racon:archive:racon:n:*:job:{cancel_job}",
+            ):
+                for key in get_redis().scan_iter(match=pattern):
+                    last = get_redis().xrevrange(key, count=1)
+                    if last and last[0][1].get("type") in ("done", "error"):
+                        return last[0][1]
+            return None
 
         final = wait_for(stream_ended, 5, "the primary to stop generating")
         assert final.get("finish_reason") in ("cancelled", "error"), final
