@@ -201,7 +201,9 @@ def _the_node_its_pay_and_the_tray(
         settings = tmp_path / "config" / "racon-desktop" / "settings.json"
         wait_for(
             lambda: (
-                settings.exists() and json.loads(settings.read_text())["notify"]["paused"] is False
+                settings.exists()
+                # The file holds other state too (written atomically): wait for the switch.
+                and (json.loads(settings.read_text()).get("notify") or {}).get("paused") is False
             ),
             30,
             "the switch saved",
