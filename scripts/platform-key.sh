@@ -54,8 +54,15 @@ detect_backends() {
   if { command -v hipcc >/dev/null 2>&1 || command -v hipconfig >/dev/null 2>&1; } && [ -e /dev/kfd ]; then
     found="$found hip"
   fi
-  if command -v glslc >/dev/null 2>&1 && [ -f /usr/include/vulkan/vulkan.h ] \
-    && { ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so ' || ls /usr/lib/*/libvulkan.so /usr/lib*/libvulkan.so /usr/local/lib/libvulkan.so >/dev/null 2>&1; }; then
+  # The loader is looked for where Debian and others put it, as join.py does, not through
+  # `ldconfig -p | grep -q`: under pipefail that pipeline fails when grep quits early and ldconfig's
+  # list is over a pipe's 64 KiB (SIGPIPE), as it is once the desktop's libraries are installed; a
+  # CI run built llama.cpp without Vulkan that way. ldconfig is in /usr/sbin, off a user's PATH too.
+  local loader=""
+  for f in /usr/lib/*/libvulkan.so /usr/lib*/libvulkan.so /usr/local/lib/libvulkan.so; do
+    [ -e "$f" ] && loader="$f"
+  done
+  if command -v glslc >/dev/null 2>&1 && [ -f /usr/include/vulkan/vulkan.h ] && [ -n "$loader" ]; then
     found="$found vulkan"
   fi
   echo "$found"

@@ -6,6 +6,7 @@ Bad inputs end with one clear line on stderr, a non-zero exit and nothing instal
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -132,6 +133,15 @@ def test_the_join_program_computes_the_same_platform_key_as_the_build() -> None:
         [str(ROOT / "scripts/platform-key.sh")], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert key == expected
+    # A plain user's PATH has no /usr/sbin: the key (and so the build's GPU backends) is the same.
+    plain = subprocess.run(
+        [str(ROOT / "scripts/platform-key.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/")},
+    ).stdout.strip()
+    assert plain == expected
 
 
 def test_the_controller_and_the_builder_hash_the_agent_source_alike() -> None:
