@@ -34,6 +34,7 @@ from agent.tunnel import TunnelTls
 from racon.tls import ca_load_or_create, issue_leaf
 from tests.smollm2 import NAME, smollm2_path
 from tests.support.processes import free_port
+from tests.support.unavailable import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -415,7 +416,7 @@ def redis_client() -> Iterator[Any]:
     try:
         r.ping()
     except redis.RedisError as exc:
-        pytest.skip(f"Redis not reachable at {REDIS_URL}: {exc}")
+        unavailable(f"Redis not reachable at {REDIS_URL}: {exc}")
     created: list[str] = []
     r.test_keys = created  # type: ignore[attr-defined]
     yield r

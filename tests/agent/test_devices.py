@@ -3,8 +3,6 @@ primary's --device list. The last test reads the real list on Mesa's lavapipe.""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +11,9 @@ import pytest
 from agent.hardware.devices import DeviceScanner, classify, describe, gpu_infos, run_child
 from agent.protocol import GpuInfo
 from agent.runtime.server import plan_device_names, server_args
+from tests.support.lavapipe import LVP_ICD, require_lavapipe
 
 MiB = 1 << 20
-LVP_ICD = Path("/usr/share/vulkan/icd.d/lvp_icd.x86_64.json")
 
 
 def dev(
@@ -127,23 +125,8 @@ def test_llama_server_gets_exactly_the_plans_devices() -> None:
     assert plan_device_names(older) is None and "--device" not in server_args(older, Path("/m"), 1)
 
 
-def _lavapipe_build() -> None:
-    lib = Path(sys.prefix) / "llama.cpp" / "lib"
-    missing = [
-        str(p) for p in (lib / "libggml-vulkan.so", LVP_ICD) if not p.exists()
-    ]  # the Vulkan build, Mesa's software device
-    if missing:
-        why = (
-            f"the Vulkan GPU path needs {', '.join(missing)}: scripts/install-vulkan.sh, then the "
-            "llama.cpp build (make test runs both, as root with apt)"
-        )
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-
-
 def test_ggml_lists_lavapipe_as_vulkan0_only_when_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    _lavapipe_build()
+    require_lavapipe()
     monkeypatch.setenv("VK_ICD_FILENAMES", str(LVP_ICD))
     monkeypatch.delenv("GGML_VK_VISIBLE_DEVICES", raising=False)
     plain = run_child()

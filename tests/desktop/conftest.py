@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.unavailable import unavailable
+
 TOOLS = (
     "xvfb-run",
     "dbus-run-session",
@@ -38,10 +40,10 @@ def desktop_ready() -> None:
     missing = desktop_missing()
     if missing is None:
         return
-    why = f"the desktop app's packages are missing ({missing}): scripts/install-desktop.sh"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{why} must install them under CI (make test runs it as root with apt)")
-    pytest.skip(why)
+    unavailable(
+        f"the desktop app's packages are missing ({missing}): scripts/install-desktop.sh",
+        under_ci="must install them under CI (make test runs it as root with apt)",
+    )
 
 
 @pytest.fixture(scope="session")

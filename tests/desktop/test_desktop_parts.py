@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
-import os
 import re
 from datetime import date
 from pathlib import Path
@@ -24,6 +23,7 @@ from racon_desktop.agent_api import (
 )
 
 from agent.identity import Identity, save_identity
+from tests.support.unavailable import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "desktop" / "racon_desktop"
@@ -31,10 +31,10 @@ PKG = ROOT / "desktop" / "racon_desktop"
 
 def _app() -> object:
     if importlib.util.find_spec("pytauri_wheel") is None:
-        why = "pytauri-wheel (the 'desktop' extra) is missing: make install"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{why} (under CI it must be installed)")
-        pytest.skip(why)
+        unavailable(
+            "pytauri-wheel (the 'desktop' extra) is missing: make install",
+            under_ci="(under CI it must be installed)",
+        )
     from racon_desktop import app
 
     return app

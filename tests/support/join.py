@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.unavailable import unavailable
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,7 +22,7 @@ def system_python312() -> str:
     ).stdout.strip()
     path = os.path.realpath(found) if found else ""
     if not path or path.startswith(str(ROOT)):
-        pytest.skip("no system Python 3.12+ outside the repository's venv")
+        unavailable("no system Python 3.12+ outside the repository's venv: scripts/find-python.sh")
     return path
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from tests.e2e.harness import Controller, make_account_with_key, start_agent
 from tests.support.processes import free_port, wait_for
+from tests.support.unavailable import unavailable
 
 LVP_ICD = Path("/usr/share/vulkan/icd.d/lvp_icd.x86_64.json")
 BUILD = Path(sys.prefix) / "llama.cpp"
@@ -28,11 +29,27 @@ def require_lavapipe() -> None:
     if missing:
         why = (
             f"the Vulkan GPU path needs {', '.join(missing)}: scripts/install-vulkan.sh, then the "
-            "llama.cpp build (make test runs both, as root with apt)"
+            f"llama.cpp build (make test runs both, as root with apt); {_build_facts()}"
         )
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
+        unavailable(why)
+
+
+def _build_facts() -> str:
+    """What the venv's build and this machine say, so that a failure names its cause: the build's
+    backends, the key scripts/platform-key.sh computes now, and a GPU build's failure marker."""
+    root = Path(__file__).resolve().parents[2]
+    backends = BUILD / "BACKENDS"
+    built = backends.read_text().strip() if backends.exists() else "unknown"
+    key = subprocess.run(
+        [str(root / "scripts/platform-key.sh")], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    facts = f"the venv's build ({BUILD.resolve()}) has backends {built!r}; platform-key.sh: {key!r}"
+    failed = Path(str(BUILD.resolve()).replace("-cpu-rpc", "-cpu-rpc-vulkan", 1) + ".failed")
+    if "-vulkan" not in BUILD.resolve().name and failed.exists():
+        facts += (
+            f"; the Vulkan build failed before: {failed.read_text().strip()!r} (delete {failed})"
+        )
+    return facts
 
 
 def lavapipe_env() -> dict[str, str]:

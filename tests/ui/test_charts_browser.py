@@ -11,7 +11,6 @@ test-artifacts/screenshots/ (the README's come from here: docs/img/).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ import httpx
 import pytest
 
 from tests.e2e.harness import BIN, ROOT, Controller, start_agent, stop_agent, wait_for
+from tests.support.unavailable import unavailable
 
 CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = ROOT / "test-artifacts" / "screenshots"
@@ -37,10 +37,10 @@ pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.django_db(transa
 @pytest.fixture
 def chromium() -> Path:
     if not CHROMIUM.exists():
-        why = "Debian's chromium is not installed (/usr/bin/chromium): scripts/install-chromium.sh"
-        if os.environ.get("CI") == "true":
-            pytest.fail(why + " (run by make test) did not install it")
-        pytest.skip(why)
+        unavailable(
+            "Debian's chromium is not installed (/usr/bin/chromium): scripts/install-chromium.sh",
+            under_ci="(run by make test) did not install it",
+        )
     return CHROMIUM
 
 
