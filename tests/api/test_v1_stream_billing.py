@@ -9,30 +9,23 @@ entries it chooses: a forged ``n``, or more tokens than the job's ``max_tokens``
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from agent.protocol import job_cancel_key, node_queue_key
-from agent.runtime.stream import DirectStreamWriter, entry
+from agent.protocol import job_cancel_key
+from agent.runtime.stream import DirectStreamWriter
 from apps.jobs.models import Deployment, Job
-from apps.jobs.states import DeploymentState, JobState
-from apps.models_repo.models import Model, ModelFile
+from apps.jobs.states import JobState
 from racon.redis import get_redis
-from tests.factories import NodeFactory
 
+from .hostile import HostilePrimary, done, forged, post, ready_deployment
 from .live import Daphne, run_daphne
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-OPERATOR = {"Authorization": "Bearer test-operator-key"}
-
-# What the hostile primary writes for a job: a function of its writer.
-Script = Callable[[DirectStreamWriter], None]
 
 
 @pytest.fixture
@@ -43,75 +36,7 @@ def daphne(tmp_path: Path) -> Iterator[Daphne]:
 
 @pytest.fixture
 def dep() -> Deployment:
-    m = Model.objects.create(name="live-model")
-    mf = ModelFile.objects.create(model=m, file_name="live.gguf", sha256="d" * 64, size=1000)
-    node = NodeFactory()
-    d = Deployment.objects.create(
-        model=m,
-        model_file=mf,
-        state=DeploymentState.READY,
-        primary=node,
-        n_parallel=1,
-        n_ctx=512,
-        plan={
-            "primary_node_id": str(node.id),
-            "devices": [
-                {"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30}
-            ],
-        },
-    )
-    d.nodes.set([node])
-    return d
-
-
-class HostilePrimary:
-    """Takes the node's run_job commands and writes each job's stream by ``script``."""
-
-    def __init__(self, node_id: str, script: Script) -> None:
-        self.node_id, self.script = node_id, script
-        self.jobs: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> HostilePrimary:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        r = get_redis()
-        while not self._stop.is_set():
-            got = r.blpop([node_queue_key(self.node_id)], timeout=1)
-            if got is None:
-                continue
-            cmd = json.loads(got[1])
-            if cmd["kind"] != "run_job":
-                continue
-            job_id = cmd["payload"]["job_id"]
-            self.jobs.append(job_id)
-            w = DirectStreamWriter(r, job_id, threading.Event(), node_id=self.node_id, attempt=1)
-            self.script(w)
-
-
-def forged(w: DirectStreamWriter, text: str, ids: list[int], **fields: str) -> None:
-    """One chunk entry as the agent writes it, with fields the node chose over it."""
-    w._write([{**entry(w._next(), "chunk", text, ids=ids, attempt=w.attempt), **fields}])
-
-
-def done(w: DirectStreamWriter, finish: str, completion_tokens: int) -> None:
-    w.done(finish, {"prompt_tokens": 5, "completion_tokens": completion_tokens})  # type: ignore[typeddict-item]
-
-
-def post(daphne: Daphne, **body: Any) -> httpx.Response:
-    return httpx.post(
-        daphne.url + "/v1/completions",
-        json={"model": "live-model", "prompt": "Say hello.", **body},
-        headers=OPERATOR,
-        timeout=60,
-    )
+    return ready_deployment()
 
 
 def sse_events(resp: httpx.Response) -> list[dict[str, Any]]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,11 +20,21 @@ from apps.jobs.models import Deployment, Job
 from apps.jobs.states import JobState
 from racon.redis import get_redis
 
-from .live import Daphne
-from .test_v1_stream_billing import HostilePrimary, daphne, dep, done, forged, post
+from .hostile import HostilePrimary, done, forged, post, ready_deployment
+from .live import Daphne, run_daphne
 
 pytestmark = pytest.mark.django_db(transaction=True)
-__all__ = ["daphne", "dep"]  # the fixtures, shared with the billing tests
+
+
+@pytest.fixture
+def daphne(tmp_path: Path) -> Iterator[Daphne]:
+    with run_daphne(tmp_path, API_CACHE_SECONDS="300") as d:
+        yield d
+
+
+@pytest.fixture
+def dep() -> Deployment:
+    return ready_deployment()
 
 
 def gone_within(key: str, seconds: float) -> bool:

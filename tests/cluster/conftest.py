@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-import redis
 
 from tests.smollm2 import smollm2_path
 
@@ -18,6 +15,7 @@ from .harness import (
     Cluster,
     LinkSpec,
     host_profile,
+    links_by_name,
     namespace_cluster,
     shared_cpu_benchmark,
     skip_reason,
@@ -51,17 +49,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
-
-
-def links_by_name(cl: Cluster) -> dict[tuple[str, str], dict[str, Any]]:
-    ids = {v: k for k, v in cl.node_ids().items()}
-    r = redis.Redis.from_url(cl.redis_url, decode_responses=True)
-    out = {}
-    for pair, raw in r.hgetall("racon:links").items():
-        a, _, b = pair.partition("|")
-        if a in ids and b in ids:
-            out[(ids[a], ids[b])] = json.loads(raw)
-    return out
 
 
 @pytest.fixture(scope="module")

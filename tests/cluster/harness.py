@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 from agent.hardware.benchmark import measure_gflops, measure_mem_bandwidth
 from racon.embedded import redis_server_binary
@@ -547,3 +548,14 @@ def host_profile(*, ram_bytes: int, benchmark: dict[str, float]) -> dict[str, An
         "memory": {"total": ram_bytes, "available": ram_bytes},
         "benchmark": benchmark,
     }
+
+
+def links_by_name(cl: Cluster) -> dict[tuple[str, str], dict[str, Any]]:
+    ids = {v: k for k, v in cl.node_ids().items()}
+    r = redis.Redis.from_url(cl.redis_url, decode_responses=True)
+    out = {}
+    for pair, raw in r.hgetall("racon:links").items():
+        a, _, b = pair.partition("|")
+        if a in ids and b in ids:
+            out[(ids[a], ids[b])] = json.loads(raw)
+    return out

@@ -18,8 +18,15 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import links_by_name
-from .harness import BIN, OPERATOR_KEY, RPC_PORT, Cluster, shared_cpu_benchmark, wait_for
+from .harness import (
+    BIN,
+    OPERATOR_KEY,
+    RPC_PORT,
+    Cluster,
+    links_by_name,
+    shared_cpu_benchmark,
+    wait_for,
+)
 
 N_CTX = 512
 MAX_TOKENS = 40
