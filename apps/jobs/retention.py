@@ -49,6 +49,25 @@ def stream_archive_key(key: str) -> str:
     return ARCHIVE_PREFIX + key
 
 
+def job_stream_entries(*, job_id: Any, node_id: Any = None) -> list[tuple[str, dict[str, str]]]:
+    """A job's stream entries, wherever they are now: a node's own key while it is there, the
+    controller's copy (stream_archive_key) once job_stream_release moved it. From ``node_id``'s
+    stream, or else from every primary the job had (each attempt's); [] when none is left. The one
+    reader of a finished job's entries (the job page's live watcher picks its key the same way, in
+    apps.jobs.streams)."""
+    if node_id is not None:
+        keys = [job_stream_key(str(job_id), str(node_id))]
+    else:
+        keys = _stream_keys(
+            list(Job.objects.filter(pk=job_id).values_list("pk", "deployment__primary_id"))
+        )
+    r = get_redis()
+    entries: list[tuple[str, dict[str, str]]] = []
+    for key in keys:
+        entries += r.xrange(key) or r.xrange(stream_archive_key(key))
+    return entries
+
+
 def stream_follow_begin(*, job_id: Any) -> str:
     """Register a follower of the job's stream; the token ends it (stream_follow_end)."""
     token = uuid.uuid4().hex

@@ -11,9 +11,7 @@ from typing import Any
 
 import pytest
 
-from agent.protocol import job_stream_key
-from apps.jobs.retention import stream_archive_key
-from racon.redis import get_redis
+from apps.jobs.retention import job_stream_entries
 
 from .harness import (
     Controller,
@@ -31,10 +29,7 @@ MODEL = "smollm2-kvt"
 
 def engine_usage(job_id: str, node_id: str) -> dict[str, Any]:
     """The agent's own usage report in the job's stream (``done`` entry): prompt_cached etc."""
-    # The node's stream is released at the job's end; the controller keeps a copy (retention.py).
-    key = job_stream_key(job_id, node_id)
-    entries = get_redis().xrange(key) or get_redis().xrange(stream_archive_key(key))
-    for _, fields in entries:
+    for _, fields in job_stream_entries(job_id=job_id, node_id=node_id):
         if fields.get("type") == "done":
             usage: dict[str, Any] = json.loads(fields.get("usage") or "{}")
             return usage

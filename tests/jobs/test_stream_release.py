@@ -63,6 +63,20 @@ def test_a_finished_jobs_stream_is_deleted_at_its_end_not_after_a_grace(
     assert not get_redis().exists(key)
 
 
+def test_a_released_jobs_entries_are_read_from_the_controllers_copy(
+    client: Client, settings: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    settings.JOB_STREAM_KEEP_SECONDS = 3600
+    job, primary, key = running_job_with_stream()
+    before = retention.job_stream_entries(job_id=job.pk)
+    assert [f["seq"] for _, f in before] == ["0", "1", "2"]
+    finish_by_report(client, django_capture_on_commit_callbacks, job, primary)
+    assert not get_redis().exists(key)  # the node's copy is gone; the reader finds the other
+    assert retention.job_stream_entries(job_id=job.pk) == before
+    assert retention.job_stream_entries(job_id=job.pk, node_id=primary.pk) == before
+    assert retention.job_stream_entries(job_id=job.pk, node_id=uuid.uuid4()) == []
+
+
 def test_a_followed_stream_outlives_the_jobs_end_until_its_last_follower_stops(
     client: Client, settings: Any, django_capture_on_commit_callbacks: Any
 ) -> None:
