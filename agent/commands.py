@@ -50,7 +50,7 @@ from agent.protocol import (
 from agent.redis_link import RedisLink
 from agent.registry import DeploymentRegistry
 from agent.runtime import PrimaryHandle, RpcWorkerHandle, Runtime, RuntimeErrorReport
-from agent.runtime.ggml_matmul import run_child as run_matmul_child
+from agent.runtime.ggml_matmul import GpuChallengeSteps, StepRefused
 from agent.runtime.primary import PlanError, check_memory, validate_plan_shape
 from agent.runtime.stream import append_done, append_error
 from agent.state import CommandError
@@ -143,6 +143,12 @@ class Commands:
         self.on_rpc_worker_started = on_rpc_worker_started
         self.log_dir = config.state_dir / "logs"
         self.rpc_worker: RpcWorkerHandle | None = None
+        self.gpu_challenges = GpuChallengeSteps(
+            max_side=GPU_CHALLENGE_MAX_SIDE,
+            max_k=GPU_CHALLENGE_MAX_K,
+            device_name=GPU_DEVICE_NAME,
+            timeout=GPU_CHALLENGE_TIMEOUT_S,
+        )
         self.table: dict[str, Handler] = {
             "rpc_start": self.rpc_start,
             "rpc_stop": self.rpc_stop,
@@ -549,32 +555,14 @@ class Commands:
         return {"digest": speed_challenge_digest(seed=seed, n=n, reps=reps)}
 
     def gpu_challenge(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """One matrix product on one of this node's GPUs, run through its own llama.cpp build in a
-        child process (agent/runtime/ggml_matmul.py); the controller times it and checks the
-        answer (apps/nodes/gpu_challenges.py). Bounded so a command cannot pin the node."""
+        """One step of the two-phase GPU challenge on one of this node's GPUs (prepare, ping, run,
+        reveal: agent/runtime/ggml_matmul.py), run through its own llama.cpp build in a child
+        process; the controller times the run and checks the answer (apps/nodes/gpu_challenges.py).
+        Bounded so a command cannot pin the node."""
         try:
-            device = str(payload["device"])
-            seed, m, n, k = (int(payload[key]) for key in ("seed", "m", "n", "k"))
-        except (KeyError, TypeError, ValueError):
-            raise CommandError(
-                "malformed gpu_challenge: needs device and integer seed, m, n and k"
-            ) from None
-        if not (
-            GPU_DEVICE_NAME.fullmatch(device)
-            and 0 <= seed < 2**63
-            and 1 <= m <= GPU_CHALLENGE_MAX_SIDE
-            and 1 <= n <= GPU_CHALLENGE_MAX_SIDE
-            and 1 <= k <= GPU_CHALLENGE_MAX_K
-        ):
-            raise CommandError(
-                "malformed gpu_challenge: a GPU's llama.cpp name, 0 <= seed < 2^63, "
-                f"1 <= m, n <= {GPU_CHALLENGE_MAX_SIDE}, 1 <= k <= {GPU_CHALLENGE_MAX_K}"
-            )
-        request = {"device": device, "seed": seed, "m": m, "n": n, "k": k}
-        got = run_matmul_child(request, timeout=GPU_CHALLENGE_TIMEOUT_S)
-        if "answer" not in got:
-            raise CommandError(f"gpu_challenge on {device}: {got.get('error', 'no answer')}")
-        return {"answer": str(got["answer"]), "device": device}
+            return self.gpu_challenges.step(payload)
+        except StepRefused as exc:
+            raise CommandError(f"gpu_challenge: {exc}") from None
 
     def fetch_model(self, payload: dict[str, Any]) -> dict[str, Any]:
         for key in ("sha256", "file_name", "url"):

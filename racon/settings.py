@@ -344,8 +344,8 @@ CELERY_TASK_ANNOTATIONS = {
         "time_limit": SPEED_CHALLENGE_TIME_LIMIT + 30,
     },
     "racon.jobs.gpu_challenge": {
-        "soft_time_limit": 2 * GPU_CHALLENGE_TIMEOUT_SECONDS + 30,
-        "time_limit": 2 * GPU_CHALLENGE_TIMEOUT_SECONDS + 60,
+        "soft_time_limit": 4 * GPU_CHALLENGE_TIMEOUT_SECONDS + 30,  # four steps
+        "time_limit": 4 * GPU_CHALLENGE_TIMEOUT_SECONDS + 60,
     },
 }
 STREAM_IDLE_TIMEOUT_SECONDS = envfloat("STREAM_IDLE_TIMEOUT_SECONDS", 60.0)

@@ -8,8 +8,10 @@
 #      scripts/build-llama.sh (RACON_LLAMA_BACKENDS=cuda: the same script, key and patches as a node);
 #   2. writes a random-weight model of SmolLM2's shape with gguf-py (the 98 MB model cannot travel);
 #   3. runs the agent's device inventory: ggml (in a child process) and NVML must see the same GPU;
-#   3b. runs the GPU speed challenge on CUDA0 as the controller would (the agent's ggml child, the
-#      round trip timed, Freivalds' check): at the controller's default size and at the largest;
+#   3b. runs the GPU speed challenge on CUDA0 as the controller would, in its two phases (the
+#      agent's ggml child prepares the seeded inputs on the GPU untimed; only the nonce's product
+#      B·D·Aᵀ is timed, to its digest; the residues then match the digest and pass Freivalds'):
+#      at the controller's default size and at the largest the agent accepts;
 #   4. times a prompt pass on the GPU through llama-server (what a GPU speed claim stands for);
 #   5. runs llama-server with every layer on CUDA0 at 1, 16 and 64 concurrent streams.
 # Usage: scripts/device-check.sh [TREE]   (exit 0: every step ran, the inventory matched and the
@@ -41,7 +43,7 @@ PYTHONPATH="$tree/gguf-py" "$PY" "$here/device_check.py" model "$work/model.gguf
 say "3. the agent's device inventory (ggml through $prefix, NVML)"
 export RACON_LLAMA_SERVER="$prefix/bin/llama-server"
 ( cd "$root" && PYTHONPATH="$root" "$PY" "$here/device_check.py" inventory ); inv=$?
-say "3b. the GPU speed challenge on CUDA0 (the agent's ggml child; Freivalds; timed here)"
+say "3b. the GPU speed challenge on CUDA0 (the agent's ggml child: prepare untimed, the nonce timed; digest + Freivalds)"
 ( cd "$root" && PYTHONPATH="$root" "$PY" "$here/device_check.py" gpu-challenge CUDA0 1024 1024 16384 900000 ); chal=$?
 ( cd "$root" && PYTHONPATH="$root" "$PY" "$here/device_check.py" gpu-challenge CUDA0 1024 1024 65536 ) || chal=1
 port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -5,7 +5,8 @@
     device_check.py inventory               NVML and ggml (the agent's own code) must see the same GPUs
     device_check.py gpu-timing URL          a timed prompt pass on the GPU through llama-server
     device_check.py gpu-challenge DEV [M N K [CLAIM]]  the GPU speed challenge on DEV (CUDA0), as
-                                            the controller runs it: warm-up, timed product, Freivalds
+                                            the controller runs it: prepare (untimed), the nonce's
+                                            product timed to its digest, reveal, Freivalds
     device_check.py streams URL N [N ...]   N concurrent streamed completions: aggregate tok/s, TTFT
 
 Only the standard library, numpy, httpx and nvidia-ml-py (pynvml) are needed, plus the agent
@@ -129,34 +130,57 @@ def gpu_timing(url: str) -> None:
 
 
 def gpu_challenge(device: str, m: int, n: int, k: int, claims: list[float]) -> int:
-    """The controller's GPU speed challenge (apps/nodes/gpu_challenges.py) without the controller:
-    the agent's own child (agent.runtime.ggml_matmul) computes the seeded product on ``device``
-    through the build at RACON_LLAMA_SERVER, the round trip is timed here, less a 32^3 warm-up's
-    fixed costs (at most half), and the answer is checked with Freivalds' algorithm. Prints the
-    measured figure and the verdict each claim would get (claimed > measured x 1.5 fails)."""
+    """The controller's GPU speed challenge (apps/nodes/gpu_challenges.py) without the controller,
+    in its two phases: the agent's own child (agent.runtime.ggml_matmul.ChallengeChild) prepares
+    the seed's inputs on ``device`` through the build at RACON_LLAMA_SERVER (untimed), a ping
+    measures the pipe's round trip, then only the nonce is timed, from its send to the digest of
+    B·D·Aᵀ; the residues follow untimed and must hash to that digest and pass Freivalds' check.
+    Prints the measured figure and the verdict each claim would get (claimed > measured x 1.5
+    fails), with the controller's allowance (the ping, at most a quarter of the timed step)."""
+    import base64  # noqa: PLC0415
     import secrets  # noqa: PLC0415
 
-    from agent.hardware.gpu_challenge import challenge_flops, freivalds_check  # noqa: PLC0415
-    from agent.runtime.ggml_matmul import run_child  # noqa: PLC0415
+    from agent.hardware.gpu_challenge import (  # noqa: PLC0415
+        challenge_flops,
+        freivalds_check,
+        residue_digest,
+    )
+    from agent.runtime.ggml_matmul import ChallengeChild  # noqa: PLC0415
 
-    def timed(mm: int, nn: int, kk: int) -> tuple[bool, float, str]:
-        seed = secrets.randbits(63)
-        req = {"device": device, "seed": seed, "m": mm, "n": nn, "k": kk}
-        started = time.perf_counter()
-        got = run_child(req, timeout=600)
-        seconds = time.perf_counter() - started
-        ok = "answer" in got and freivalds_check(got["answer"], seed=seed, m=mm, n=nn, k=kk)
-        return ok, seconds, str(got.get("error", ""))
-
-    warm_ok, overhead, error = timed(32, 32, 32)
-    print(f"gpu challenge warm-up on {device}: 32^3 in {overhead:.3f} s, correct {warm_ok} {error}")
-    ok, seconds, error = timed(m, n, k)
-    allowance = min(overhead, 20.0, seconds / 2)
+    seed, nonce = secrets.randbits(63), secrets.randbits(63)
+    started = time.perf_counter()
+    child = ChallengeChild({"device": device, "seed": seed, "m": m, "n": n, "k": k})
+    try:
+        ready = child.ask(None, timeout=400)
+        prepare_s = time.perf_counter() - started
+        if ready.get("ready") is not True:
+            print(f"gpu challenge on {device}: prepare FAIL {ready.get('error', ready)}")
+            return 1
+        t = time.perf_counter()
+        pong = child.ask({"ping": "x"}, timeout=60)
+        overhead = time.perf_counter() - t
+        t = time.perf_counter()
+        ran = child.ask({"nonce": nonce}, timeout=400)
+        seconds = time.perf_counter() - t
+        got = child.ask({"reveal": True}, timeout=60)
+    finally:
+        child.close()
+    answer = str(got.get("answer", ""))
+    ok = (
+        pong.get("pong") == "x"
+        and ran.get("nonce") == nonce
+        and residue_digest(base64.b64decode(answer), nonce=nonce) == ran.get("digest")
+        and freivalds_check(answer, seed=seed, nonce=nonce, m=m, n=n, k=k)
+    )
+    error = str(ran.get("error") or got.get("error") or "")
+    allowance = min(overhead, 20.0, seconds / 4)
     flops = challenge_flops(m=m, n=n, k=k)
     measured = flops / max(seconds - allowance, 1e-6) / 1e9 if ok else 0.0
-    print(f"gpu challenge on {device}: {m}x{n}x{k} ({flops / 1e9:.3g} GFLOP) in {seconds:.3f} s "
-          f"(less {allowance:.3f} s), Freivalds {'PASS' if ok else 'FAIL ' + error}, "
-          f"measured {measured:.4g} GFLOPS")  # fmt: skip
+    print(f"gpu challenge on {device}: prepared {m}x{n}x{k} in {prepare_s:.3f} s (untimed: "
+          f"inputs, upload, a zero-scale warm-up run), ping {overhead * 1000:.1f} ms")  # fmt: skip
+    print(f"gpu challenge on {device}: {flops / 1e9:.3g} GFLOP from the nonce to the digest in "
+          f"{seconds:.3f} s (less {allowance:.3f} s), digest+Freivalds "
+          f"{'PASS' if ok else 'FAIL ' + error}, measured {measured:.4g} GFLOPS")  # fmt: skip
     for claim in claims:
         verdict = "verified" if ok and claim <= measured * 1.5 else "failed"
         print(f"gpu challenge verdict for a {claim:g} GFLOPS claim: {verdict}")

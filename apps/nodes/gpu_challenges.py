@@ -5,14 +5,29 @@ reads every prompt), and the figure is the agent's own claim. Until a challenge 
 scheduler plans the GPU at a floor (apps/jobs/selectors.py, _gpu_speed) and never makes its node
 the primary while another node can be.
 
-The challenge: the node multiplies two matrices from a fresh seed on the named device, through its
-own llama.cpp build (agent/runtime/ggml_matmul.py, in a child of the agent), and answers the
-product mod a small prime; the controller checks it with Freivalds' algorithm
-(agent/hardware/gpu_challenge.py) and times the round trip itself. A tiny warm-up challenge just
-before measures the fixed costs (the child's start, the backend's initialisation), and at most
-that much, never more than GPU_CHALLENGE_OVERHEAD_MAX_SECONDS nor half the timed round trip, is
-subtracted. The measured figure is a lower bound on the device's speed: it includes the inputs'
-generation and transfer.
+The challenge has two phases, so that only the work is timed, never the inputs' making or
+transfer (agent/hardware/gpu_challenge.py has the arithmetic, agent/runtime/ggml_matmul.py the
+node's side), each a gpu_challenge command of one step:
+
+1. ``prepare`` (untimed): a fresh challenge id and seed; the node builds A and B from the seed on
+   the named device, through its own llama.cpp build in a child of the agent, runs the graph once
+   with a zero scale (the fixed costs) and answers that it is ready, naming the challenge, the
+   device and the shape: anything else fails;
+2. ``ping`` (untimed): a token through the same path (Redis, the agent, the child, the report):
+   the channel's own round trip, of which at most GPU_CHALLENGE_OVERHEAD_MAX_SECONDS and never
+   more than a quarter of the timed step is subtracted;
+3. ``run`` (timed): only now a fresh nonce, which gives the diagonal D of ``C = B·D·Aᵀ``: nothing
+   computed during prepare saves the product (a guess of D saves the terms it guessed right,
+   1/64 of them on average). The controller times from sending the nonce to receiving the
+   answer, which must name the challenge and echo this nonce (an answer for another nonce is
+   stale) with a sha256 of C mod 251: the node commits to its product before the clock stops;
+4. ``reveal`` (untimed): the residues, m·n bytes; they must have that shape, hash to the
+   committed digest, and pass Freivalds' check against this seed and nonce.
+
+A step's answer comes only as the result of that step's command, whose id exists only once the
+controller sent it (apps/nodes/commands.py refuses a result for any other): a node cannot answer
+a step before it is asked. The measured figure is the product's FLOPs over the timed step, less
+that allowance.
 
 - wrong or missing answer, or too late for the claim (claimed > measured × SPEED_CHALLENGE_SLACK):
   failed, with an event naming the claimed and the measured figures; the node's GPUs stay at the
@@ -29,6 +44,7 @@ keeps (gpu_challenge_kept): hardware["gpu_challenge"] = {"last_at", "failed"} an
 from __future__ import annotations
 
 import math
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -38,7 +54,12 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-from agent.hardware.gpu_challenge import challenge_flops, freivalds_check
+from agent.hardware.gpu_challenge import (
+    answer_decode,
+    challenge_flops,
+    freivalds_check,
+    residue_digest,
+)
 from racon.celery import task_send_on_commit
 from racon.redis import get_redis
 
@@ -47,7 +68,7 @@ from .events import event_record
 from .models import EventCategory, Node
 
 STATE_KEY = "gpu_challenge"
-WARMUP_SIDE = 32  # the warm-up product: 32×32×32, nothing but the fixed costs
+DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class ChallengeRefused(Exception):
@@ -136,26 +157,6 @@ def gpu_challenge_size(claimed_gflops: float | None) -> tuple[int, int, int]:
     return side, side, max(16, min(int(settings.GPU_CHALLENGE_MAX_K), k))
 
 
-def _round_trip(
-    *, node_id: Any, device: str, seed: int, m: int, n: int, k: int
-) -> tuple[str | None, str, float]:
-    """Send one gpu_challenge and wait: (answer or None, error, seconds as the controller saw)."""
-    timeout = float(settings.GPU_CHALLENGE_TIMEOUT_SECONDS)
-    started = time.monotonic()
-    command_id = command_send(
-        node_id=node_id,
-        kind="gpu_challenge",
-        payload={"device": device, "seed": seed, "m": m, "n": n, "k": k},
-    )
-    result = command_wait(command_id=command_id, timeout=timeout)
-    elapsed = time.monotonic() - started
-    if not result:
-        return None, f"no answer within {timeout:.0f} s", elapsed
-    if not result.get("ok"):
-        return None, str(result.get("error") or "refused"), elapsed
-    return str(result.get("answer") or ""), "", elapsed
-
-
 def node_gpu_challenge(*, node_id: Any, now: datetime, device: str | None = None) -> GpuVerdict:
     """Challenge one unverified GPU of the node (the first, or ``device``); record the verdict.
 
@@ -171,7 +172,7 @@ def node_gpu_challenge(*, node_id: Any, now: datetime, device: str | None = None
         raise ChallengeRefused(f"no unverified GPU named {device}", code="nothing_to_challenge")
     # One at a time per node: the rate limit's record is written at the end.
     lock = get_redis().set(
-        _lock_key(node.pk), "1", nx=True, ex=int(settings.GPU_CHALLENGE_TIMEOUT_SECONDS) * 2 + 60
+        _lock_key(node.pk), "1", nx=True, ex=int(settings.GPU_CHALLENGE_TIMEOUT_SECONDS) * 4 + 60
     )
     if not lock:
         raise ChallengeRefused("a GPU challenge of this node is running", code="rate_limited")
@@ -181,24 +182,122 @@ def node_gpu_challenge(*, node_id: Any, now: datetime, device: str | None = None
         get_redis().delete(_lock_key(node.pk))
 
 
+class StepFailed(Exception):
+    """A step of the challenge that the node did not answer as the protocol says."""
+
+
+def _step(*, node_id: Any, payload: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Send one gpu_challenge step and wait: (the node's result, seconds as the controller saw
+    them, from the send to the result). A refusal or no answer is a StepFailed."""
+    timeout = float(settings.GPU_CHALLENGE_TIMEOUT_SECONDS)
+    started = time.monotonic()
+    command_id = command_send(node_id=node_id, kind="gpu_challenge", payload=payload)
+    result = command_wait(command_id=command_id, timeout=timeout)
+    elapsed = time.monotonic() - started
+    step = payload["step"]
+    if not result:
+        raise StepFailed(f"no answer to {step} within {timeout:.0f} s")
+    if not result.get("ok"):
+        raise StepFailed(f"{step} refused: {str(result.get('error') or 'no reason given')[:300]}")
+    if result.get("challenge_id") != payload["challenge_id"]:
+        raise StepFailed(
+            f"the answer to {step} names challenge {str(result.get('challenge_id'))[:80]!r}, "
+            f"not {payload['challenge_id']}"
+        )
+    return result, elapsed
+
+
+def _prepare(
+    *, node_id: Any, challenge_id: str, device: str, seed: int, shape: tuple[int, ...]
+) -> float:
+    m, n, k = shape
+    payload = {"step": "prepare", "challenge_id": challenge_id, "device": device,
+               "seed": seed, "m": m, "n": n, "k": k}  # fmt: skip
+    got, elapsed = _step(node_id=node_id, payload=payload)
+    said = (got.get("device"), got.get("m"), got.get("n"), got.get("k"))
+    if got.get("ready") is not True or said != (device, m, n, k):
+        raise StepFailed(
+            f"the answer to prepare is not a ready for {device} at {m}x{n}x{k}: "
+            f"ready {got.get('ready')!r}, {said[0]!r} at {said[1]!r}x{said[2]!r}x{said[3]!r}"
+        )
+    return elapsed
+
+
+def _ping(*, node_id: Any, challenge_id: str) -> float:
+    token = secrets.token_hex(8)
+    got, elapsed = _step(
+        node_id=node_id, payload={"step": "ping", "challenge_id": challenge_id, "token": token}
+    )
+    if got.get("pong") != token:
+        raise StepFailed(f"the answer to ping is not its token: {str(got.get('pong'))[:80]!r}")
+    return elapsed
+
+
+def _run(*, node_id: Any, challenge_id: str, nonce: int) -> tuple[str, float]:
+    """The timed step: (the committed digest, seconds from the nonce's send to the answer)."""
+    got, elapsed = _step(
+        node_id=node_id, payload={"step": "run", "challenge_id": challenge_id, "nonce": nonce}
+    )
+    if got.get("nonce") != nonce:
+        raise StepFailed(
+            f"the answer to run is for nonce {str(got.get('nonce'))[:40]}, not this one "
+            "(a stale or precomputed answer)"
+        )
+    digest = got.get("digest")
+    if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
+        raise StepFailed("the answer to run has no digest (64 hex digits) of the product")
+    return digest, elapsed
+
+
+def _reveal(
+    *, node_id: Any, challenge_id: str, seed: int, nonce: int, digest: str, shape: tuple[int, ...]
+) -> None:
+    m, n, k = shape
+    got, _ = _step(node_id=node_id, payload={"step": "reveal", "challenge_id": challenge_id})
+    answer = got.get("answer")
+    if not isinstance(answer, str):
+        raise StepFailed("the answer to reveal has no product")
+    residues = answer_decode(answer, m=m, n=n)
+    if residues is None:
+        raise StepFailed(
+            f"the revealed product is not {m}x{n} residues ({len(answer)} base64 characters, "
+            f"{m * n} bytes expected)"
+        )
+    if residue_digest(residues.tobytes(), nonce=nonce) != digest:
+        raise StepFailed("the revealed product is not the one the timed answer committed to")
+    # Checked only after the timed step (the check never competes with the timed work).
+    if not freivalds_check(answer, seed=seed, nonce=nonce, m=m, n=n, k=k):
+        raise StepFailed("the product was wrong")
+
+
 def _challenge(*, node: Node, gpu: dict[str, Any], now: datetime) -> GpuVerdict:
     name = str(gpu["device"])
     claimed = float(gpu.get("gflops") or 0) or None
     m, n, k = gpu_challenge_size(claimed)
-    warm_seed, seed = secrets.randbits(63), secrets.randbits(63)
-    w = WARMUP_SIDE
-    warm, error, overhead = _round_trip(node_id=node.pk, device=name, seed=warm_seed, m=w, n=w, k=w)
-    warm_ok = warm is not None and freivalds_check(warm, seed=warm_seed, m=w, n=w, k=w)
-    answer, elapsed = None, 0.0
-    if warm_ok:
-        answer, error, elapsed = _round_trip(node_id=node.pk, device=name, seed=seed, m=m, n=n, k=k)
-    elif warm is not None:
-        error = "the warm-up product was wrong"
-    # Checked only after the answer arrived (the check never competes with the timed work).
-    correct = answer is not None and freivalds_check(answer, seed=seed, m=m, n=n, k=k)
-    if answer is not None and not correct:
-        error = "the product was wrong"
-    allowance = min(overhead, float(settings.GPU_CHALLENGE_OVERHEAD_MAX_SECONDS), elapsed / 2)
+    shape = (m, n, k)
+    challenge_id, seed = secrets.token_hex(16), secrets.randbits(63)
+    prepare_s = overhead = elapsed = 0.0
+    correct, error = False, ""
+    try:
+        prepare_s = _prepare(
+            node_id=node.pk, challenge_id=challenge_id, device=name, seed=seed, shape=shape
+        )
+        overhead = _ping(node_id=node.pk, challenge_id=challenge_id)
+        # Drawn only now: nothing before this send can depend on it.
+        nonce = secrets.randbits(63)
+        digest, elapsed = _run(node_id=node.pk, challenge_id=challenge_id, nonce=nonce)
+        _reveal(
+            node_id=node.pk,
+            challenge_id=challenge_id,
+            seed=seed,
+            nonce=nonce,
+            digest=digest,
+            shape=shape,
+        )
+        correct = True
+    except StepFailed as exc:
+        error = str(exc)
+    allowance = min(overhead, float(settings.GPU_CHALLENGE_OVERHEAD_MAX_SECONDS), elapsed / 4)
     flops = challenge_flops(m=m, n=n, k=k)
     measured = float(f"{flops / max(elapsed - allowance, 1e-6) / 1e9:.4g}") if correct else 0.0
     slack = float(settings.SPEED_CHALLENGE_SLACK)
@@ -226,6 +325,7 @@ def _challenge(*, node: Node, gpu: dict[str, Any], now: datetime) -> GpuVerdict:
         "n": n,
         "k": k,
         "seconds": round(elapsed, 3),
+        "prepare_seconds": round(prepare_s, 3),
         "overhead_seconds": round(allowance, 3),
         "correct": correct,
     }

@@ -1,7 +1,8 @@
 """GPU claims timed on the GPU, for real (issue 25 item 4): real `node-agent` processes lend
-lavapipe as Vulkan0, and the controller's challenge runs a matrix product on Vulkan0 through the
-agent's own llama.cpp build (a child of the agent), checks it with Freivalds' algorithm and times
-the round trip. An honest node passes at its measured figure; a node claiming 900 TFLOPS for the
+lavapipe as Vulkan0, and the controller's two-phase challenge has the agent's own llama.cpp build
+(a child of the agent) prepare the seeded inputs on Vulkan0 untimed, times only the step from a
+fresh nonce to the digest of the nonce's product, and checks the revealed product against the
+digest and with Freivalds' algorithm. An honest node passes at its measured figure; a node claiming 900 TFLOPS for the
 same device answers correctly, far too late for its claim, and fails with an event naming both
 figures. Products stay tiny: lavapipe is about 36x slower than the CPU build.
 
@@ -80,6 +81,8 @@ def test_lavapipe_challenge_verifies_an_honest_node_and_fails_a_900_tflops_claim
                 1024,
                 16,
             )
+            # Two phases: the inputs' making and upload (prepare) are outside the timed step.
+            assert event.data["prepare_seconds"] > 0 and event.data["seconds"] > 0, event.data
 
             claims = Node.objects.get(name="vk-claims")
             verdict = node_gpu_challenge(node_id=claims.id, now=timezone.now())

@@ -11,14 +11,26 @@ import time
 from datetime import timedelta
 from typing import Any, cast
 
+import numpy as np
 import pytest
 from django.test import Client
 from django.utils import timezone
 
-from agent.hardware.gpu_challenge import freivalds_check, reference_answer
-from agent.protocol import node_queue_key
+from agent.hardware.gpu_challenge import (
+    SCALE_MAX,
+    answer_encode,
+    challenge_inputs,
+    freivalds_check,
+    nonce_scale,
+    reference_answer,
+    reference_product,
+    residue_digest,
+    residues,
+)
+from agent.protocol import new_id, node_queue_key
 from apps.jobs.selectors import gpu_verified
 from apps.nodes.commands import command_result_accept
+from apps.nodes.errors import ReportRefused
 from apps.nodes.gpu_challenges import (
     ChallengeRefused,
     gpu_challenge_due,
@@ -56,35 +68,64 @@ def gpu_node(*, claimed: float | None = None, software: bool = False) -> Node:
 
 
 class GpuAgent(threading.Thread):
-    """Answers the node's gpu_challenge commands: with the product (numpy here, the GPU in the
-    agent), late (after ``delay`` seconds), or wrongly."""
+    """Answers the node's gpu_challenge steps from its real Redis queue as the agent's
+    GpuChallengeSteps does (the product by numpy here, on the GPU in the agent), or breaks the
+    protocol one way (``mode``): a late run (``delay``), a wrong product committed to, a product
+    that ignores the nonce (precomputed during prepare), a stale nonce, a reveal that is not the
+    committed product, a ready for another shape, a reveal of the wrong size."""
 
     def __init__(self, node_id: str, *, mode: str = "honest", delay: float = 0.0) -> None:
         super().__init__(daemon=True)
         self.node_id, self.mode, self.delay = node_id, mode, delay
         self.seen: list[dict[str, Any]] = []
+        self.prepared: dict[str, Any] = {}
+        self.raw = b""
+        self.stop = threading.Event()
 
     def run(self) -> None:
-        for _ in range(2):  # the warm-up, then the timed product
-            got = get_redis().blpop([node_queue_key(self.node_id)], timeout=30)
+        while not self.stop.is_set():
+            got = get_redis().blpop([node_queue_key(self.node_id)], timeout=1)
             if got is None:
-                return
+                continue
             cmd = json.loads(got[1])
             self.seen.append(cmd)
-            p = cmd["payload"]
-            answer = reference_answer(seed=p["seed"], m=p["m"], n=p["n"], k=p["k"])
-            if p["m"] > 32:  # the timed product, not the warm-up
-                time.sleep(self.delay)
-                if self.mode == "wrong":
-                    raw = bytearray(base64.b64decode(answer))
-                    raw[7] = (raw[7] + 1) % 251
-                    answer = base64.b64encode(bytes(raw)).decode()
+            result = self.answer(cmd["payload"])
             command_result_accept(
                 node_id=self.node_id,
                 command_id=cmd["id"],
-                payload={"ok": True, "answer": answer, "device": p["device"]},
+                payload={"ok": True, "challenge_id": cmd["payload"]["challenge_id"], **result},
                 now=timezone.now(),
             )
+
+    def answer(self, p: dict[str, Any]) -> dict[str, Any]:
+        step = p["step"]
+        if step == "prepare":
+            self.prepared = p
+            k = p["k"] + 1 if self.mode == "other_shape" else p["k"]
+            return {"ready": True, "device": p["device"], "m": p["m"], "n": p["n"], "k": k}
+        if step == "ping":
+            return {"pong": p["token"]}
+        q = self.prepared
+        if step == "run":
+            nonce = p["nonce"]
+            time.sleep(self.delay)
+            if self.mode == "precomputed":  # B·Aᵀ from the prepare, the nonce ignored
+                a, b = challenge_inputs(seed=q["seed"], m=q["m"], n=q["n"], k=q["k"])
+                product = b.astype(np.float32) @ a.astype(np.float32).T
+            else:
+                product = reference_product(
+                    seed=q["seed"], nonce=nonce, m=q["m"], n=q["n"], k=q["k"]
+                )
+            flipped = bytearray(residues(product))
+            if self.mode == "wrong":
+                flipped[7] = (flipped[7] + 1) % 251
+            self.raw = bytes(flipped)
+            digest = residue_digest(self.raw, nonce=nonce)
+            if self.mode == "uncommitted":  # answers at once, computes later
+                digest = "0" * 64
+            return {"nonce": nonce + 1 if self.mode == "stale" else nonce, "digest": digest}
+        raw = self.raw[:-1] if self.mode == "short" else self.raw
+        return {"answer": base64.b64encode(raw).decode()}
 
 
 def challenged(node: Node, **agent: Any) -> Any:
@@ -93,18 +134,36 @@ def challenged(node: Node, **agent: Any) -> Any:
     try:
         return node_gpu_challenge(node_id=node.id, now=timezone.now())
     finally:
+        stand_in.stop.set()
         stand_in.join(30)
 
 
 def test_freivalds_accepts_the_product_and_refuses_one_wrong_entry() -> None:
-    answer = reference_answer(seed=7, m=40, n=24, k=300)
-    assert freivalds_check(answer, seed=7, m=40, n=24, k=300)
+    answer = reference_answer(seed=7, nonce=11, m=40, n=24, k=300)
+    assert freivalds_check(answer, seed=7, nonce=11, m=40, n=24, k=300)
     raw = bytearray(base64.b64decode(answer))
     raw[123] = (raw[123] + 1) % 251
-    assert not freivalds_check(base64.b64encode(bytes(raw)).decode(), seed=7, m=40, n=24, k=300)
-    assert not freivalds_check(answer, seed=8, m=40, n=24, k=300)  # another seed's matrices
-    assert not freivalds_check(answer[:-8], seed=7, m=40, n=24, k=300)  # short
-    assert not freivalds_check("not base64!", seed=7, m=40, n=24, k=300)
+    wrong = base64.b64encode(bytes(raw)).decode()
+    assert not freivalds_check(wrong, seed=7, nonce=11, m=40, n=24, k=300)
+    assert not freivalds_check(answer, seed=8, nonce=11, m=40, n=24, k=300)  # another seed
+    assert not freivalds_check(answer[:-8], seed=7, nonce=11, m=40, n=24, k=300)  # short
+    assert not freivalds_check("not base64!", seed=7, nonce=11, m=40, n=24, k=300)
+
+
+def test_the_nonce_changes_the_product_so_nothing_before_it_answers() -> None:
+    seed, m, n, k = 7, 40, 24, 300
+    one, other = (reference_answer(seed=seed, nonce=x, m=m, n=n, k=k) for x in (11, 12))
+    assert one != other
+    assert not freivalds_check(one, seed=seed, nonce=12, m=m, n=n, k=k)  # another nonce's
+    # What a node could compute during prepare: B·Aᵀ, or the product for a guessed D.
+    a, b = challenge_inputs(seed=seed, m=m, n=n, k=k)
+    plain = answer_encode(b.astype(np.float32) @ a.astype(np.float32).T)
+    assert not freivalds_check(plain, seed=seed, nonce=11, m=m, n=n, k=k)
+    d = nonce_scale(nonce=11, k=k)
+    assert d.min() >= -SCALE_MAX and d.max() <= SCALE_MAX and (d != 0).all()
+    assert len(set(d.tolist())) > SCALE_MAX  # both signs, most magnitudes
+    # Exact in float32: the largest sum the agent's bounds allow stays below 2**24.
+    assert SCALE_MAX * 65536 < 2**24
 
 
 def test_an_honest_gpu_without_a_claim_is_verified_at_its_measured_figure() -> None:
@@ -138,6 +197,53 @@ def test_a_wrong_product_fails_the_challenge() -> None:
     assert verdict.outcome == "failed" and verdict.measured == 0.0
     event = Event.objects.get(node=node, kind="GPU_CHALLENGE_FAILED")
     assert "wrong" in event.message and event.data["correct"] is False
+
+
+@pytest.mark.parametrize(
+    ("mode", "why", "last"),
+    [
+        ("precomputed", "the product was wrong", "reveal"),
+        ("stale", "not this one (a stale or precomputed answer)", "run"),
+        ("uncommitted", "not the one the timed answer committed to", "reveal"),
+        ("other_shape", "not a ready for CUDA0 at 64x64x", "prepare"),
+        ("short", "not 64x64 residues", "reveal"),
+    ],
+)
+def test_an_answer_out_of_protocol_fails_naming_why(mode: str, why: str, last: str) -> None:
+    node = gpu_node(claimed=1.0)
+    stand_in = GpuAgent(str(node.id), mode=mode)
+    stand_in.start()
+    try:
+        verdict = node_gpu_challenge(node_id=node.id, now=timezone.now())
+    finally:
+        stand_in.stop.set()
+        stand_in.join(30)
+    assert verdict.outcome == "failed" and verdict.measured == 0.0, verdict
+    assert why in verdict.message, verdict.message
+    # Each step only after the one before was answered as the protocol says, none after a fault.
+    steps = [c["payload"]["step"] for c in stand_in.seen]
+    order = ["prepare", "ping", "run", "reveal"]
+    assert steps == order[: order.index(last) + 1]
+    # The nonce went out only in the run, after the node said it was ready.
+    assert [c["payload"]["step"] for c in stand_in.seen if "nonce" in c["payload"]] == (
+        ["run"] if "run" in steps else []
+    )
+    event = Event.objects.get(node=node, kind="GPU_CHALLENGE_FAILED")
+    assert why in event.message and event.data["correct"] is False
+
+
+def test_a_step_answered_before_it_is_asked_is_refused() -> None:
+    """A result can only answer a command the controller sent: a run's answer sent ahead (the
+    node guessing the command) has no command to answer."""
+    node = gpu_node()
+    with pytest.raises(ReportRefused) as refused:
+        command_result_accept(
+            node_id=node.id,
+            command_id=new_id(),
+            payload={"ok": True, "challenge_id": "ab" * 16, "nonce": 1, "digest": "0" * 64},
+            now=timezone.now(),
+        )
+    assert refused.value.code == "unknown_command"
 
 
 def test_at_most_one_challenge_per_node_per_hour(settings: Any) -> None:
@@ -198,6 +304,7 @@ def test_operator_api_queues_refuses_and_clears(client: Client) -> None:
                 url, {"device": "CUDA0"}, content_type="application/json", headers=OPERATOR
             )
         finally:
+            stand_in.stop.set()
             stand_in.join(30)
 
     resp = ask()
