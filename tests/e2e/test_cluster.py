@@ -333,20 +333,16 @@ def test_spread_deployment_over_three_agents_serves_the_openai_sdk(
             "the disconnected job to end",
         )
         assert cancelled["state"] == "CANCELLED", cancelled
-        from racon.redis import get_redis
+        from apps.jobs.retention import job_stream_entries
 
         def stream_ended() -> Any:
-            # The node's stream is released at the job's end (a copy under racon:archive: stays
-            # for the job page); the primary's last entry is in one or the other.
-            for pattern in (
-                f"racon:n:*:job:{cancel_job}",
-                f"racon:archive:racon:n:*:job:{cancel_job}",
-            ):
-                for key in get_redis().scan_iter(match=pattern):
-                    last = get_redis().xrevrange(key, count=1)
-                    if last and last[0][1].get("type") in ("done", "error"):
-                        return last[0][1]
-            return None
+            # The primary's last entry, from its stream or, once released, the controller's copy.
+            ends = [
+                fields
+                for _, fields in job_stream_entries(job_id=cancel_job)
+                if fields.get("type") in ("done", "error")
+            ]
+            return ends[-1] if ends else None
 
         final = wait_for(stream_ended, 5, "the primary to stop generating")
         assert final.get("finish_reason") in ("cancelled", "error"), final
