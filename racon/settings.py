@@ -322,6 +322,9 @@ DEPLOYMENT_LOAD_TIMEOUT = envfloat(
 # A vLLM primary (issue 30): torch and vLLM start, then a one-token probe; 42 s idle, minutes on a
 # loaded machine (FACTS.md).
 VLLM_LOAD_TIMEOUT = envfloat("VLLM_LOAD_TIMEOUT", 900.0)
+# A deployment left to the scheduler gets vLLM from this many concurrent slots (issue 30:
+# vLLM's batching wins at several streams, llama.cpp per stream); apps/jobs/scheduler/vllm.py.
+VLLM_AUTO_MIN_PARALLEL = envint("VLLM_AUTO_MIN_PARALLEL", 4)
 MODEL_FETCH_TIMEOUT = envfloat(
     "MODEL_FETCH_TIMEOUT", 1800.0
 )  # a node fetching a model file from the controller

@@ -37,13 +37,12 @@ from racon.redis import get_redis
 from . import selectors
 from .deployments import (
     deployment_create,
-    deployment_preview,
+    deployment_plan,
     deployment_stop,
-    engine_model_file,
     placement_request_from,
 )
 from .filters import DeploymentFilter, JobFilter
-from .jobs import job_cancel
+from .jobs import DeploymentError, job_cancel
 from .models import Deployment, Job
 from .reports import ReportRateLimited, report_accept
 from .scheduler import PlacementRefused
@@ -59,9 +58,10 @@ class PlacementIn(serializers.Serializer):
     engine = serializers.ChoiceField(
         choices=Engine.choices,
         required=False,
-        default="llamacpp",
-        help_text="llamacpp (llama-server, the default) or vllm (one node, a safetensors model "
-        "directory)",
+        help_text="llamacpp (llama-server, split over nodes where needed) or vllm (one node, a "
+        "safetensors model directory). Omitted: the scheduler's choice, vllm where the model has "
+        "a directory, one node with the engine holds it and the deployment serves several "
+        "streams at once (VLLM_AUTO_MIN_PARALLEL), else llamacpp; the preview says which and why",
     )
     n_ctx = serializers.IntegerField(required=False, min_value=128, max_value=1_048_576)
     n_parallel = serializers.IntegerField(
@@ -281,15 +281,18 @@ class DeploymentPreviewApi(APIView):
         if isinstance(resolved, Response):
             return resolved
         model, v = resolved
-        if (refused := _engine_refused(model, v.get("engine", "llamacpp"))) is not None:
+        if (refused := _engine_refused(model, v.get("engine", "auto"))) is not None:
             return refused
-        mf = engine_model_file(model, v.get("engine", "llamacpp"))
-        if mf is None:
+        if not model.files.exists():
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
         try:
-            plan = deployment_preview(model_file=mf, request=placement_request_from(v))
+            plan, mf, _ = deployment_plan(
+                model=model, request=placement_request_from({"engine": "auto", **v})
+            )
         except PlacementRefused as exc:
             return _refused(exc)
+        except DeploymentError as exc:
+            return _error(str(exc), 404, "not_found")
         body = plan.to_dict()
         for d in body["devices"]:
             d["node_name"] = selectors.node_name(d["node_id"])
@@ -327,17 +330,25 @@ class DeploymentListCreateApi(GenericAPIView):
         if isinstance(resolved, Response):
             return resolved
         model, v = resolved
-        if (refused := _engine_refused(model, v.get("engine", "llamacpp"))) is not None:
+        if (refused := _engine_refused(model, v.get("engine", "auto"))) is not None:
             return refused
-        req = placement_request_from(v)
-        mf = engine_model_file(model, v.get("engine", "llamacpp"))
-        if mf is None:
+        if not model.files.exists():
             return _error(f"model {model.name!r} has no registered file", 404, "not_found")
         try:
-            deployment_preview(model_file=mf, request=req)  # refuse impossible constraints up front
+            # Refuse impossible constraints up front; an omitted engine is settled here.
+            plan, _, req = deployment_plan(
+                model=model, request=placement_request_from({"engine": "auto", **v})
+            )
         except PlacementRefused as exc:
             return _refused(exc)
-        dep = deployment_create(model=model, request=req, now=timezone.now())
+        except DeploymentError as exc:
+            return _error(str(exc), 404, "not_found")
+        dep = deployment_create(
+            model=model,
+            request=req,
+            now=timezone.now(),
+            engine_reason=None if v.get("engine") else plan.explanation[0],
+        )
         dep.refresh_from_db()
         return Response(DeploymentOut(dep).data, status=202)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -33,7 +34,16 @@ from racon.transitions import transition_guarded
 from . import admission, kvcache, selectors
 from .jobs import DeploymentError, _uuid_or_refuse, job_cancel, job_fail
 from .models import Deployment, Job
-from .scheduler import CostModel, PlacementRequest, Plan, VllmModel, plan_placement, plan_vllm
+from .scheduler import (
+    CostModel,
+    PlacementRefused,
+    PlacementRequest,
+    Plan,
+    VllmModel,
+    choose_engine,
+    plan_placement,
+    plan_vllm,
+)
 from .states import (
     DEPLOYMENT_ACTIVE,
     DEPLOYMENT_PENDING,
@@ -174,6 +184,54 @@ def deployment_preview(
         _record_placement_latency(time.perf_counter() - t0)
 
 
+def deployment_plan(
+    *, model: Model, request: PlacementRequest, exclude_deployment: Any = None
+) -> tuple[Plan, ModelFile, PlacementRequest]:
+    """The plan for a deployment of ``model``, the file it serves, and the request with its
+    engine settled. ``request.engine`` "auto" (the operator named none): the scheduler plans
+    both engines and picks one (scheduler.choose_engine), its reason first in the plan's
+    explanation; a named engine is planned as is (PlacementRefused when it cannot be placed;
+    DeploymentError when the model has no file for it)."""
+    if request.engine != "auto":
+        model_file = engine_model_file(model, request.engine)
+        if model_file is None:
+            raise DeploymentError(f"model {model.name!r} has no registered file")
+        plan = deployment_preview(
+            model_file=model_file, request=request, exclude_deployment=exclude_deployment
+        )
+        return plan, model_file, request
+    tried: dict[str, tuple[ModelFile, Plan | PlacementRefused] | None] = {}
+    for engine in ("vllm", "llamacpp"):
+        mf = engine_model_file(model, engine)
+        if mf is None:
+            tried[engine] = None
+            continue
+        asked = replace(request, engine=engine)
+        try:
+            tried[engine] = (
+                mf,
+                deployment_preview(
+                    model_file=mf, request=asked, exclude_deployment=exclude_deployment
+                ),
+            )
+        except PlacementRefused as exc:
+            tried[engine] = (mf, exc)
+    vllm, llama = tried["vllm"], tried["llamacpp"]
+    engine, why = choose_engine(
+        vllm=vllm[1] if vllm else None,
+        llamacpp=llama[1] if llama else None,
+        min_parallel=int(settings.VLLM_AUTO_MIN_PARALLEL),
+    )
+    chosen = tried[engine]
+    if chosen is None:
+        raise DeploymentError(f"model {model.name!r} has no registered file")
+    model_file, outcome = chosen
+    if isinstance(outcome, PlacementRefused):
+        raise outcome
+    plan = replace(outcome, explanation=(why, *outcome.explanation))
+    return plan, model_file, replace(request, engine=engine)
+
+
 def _record_placement_latency(seconds: float) -> None:
     r = get_redis()
     with r.pipeline(transaction=False) as pipe:
@@ -188,9 +246,26 @@ def scheduler_cost_model() -> CostModel:
 
 
 def deployment_create(
-    *, model: Model, request: PlacementRequest, now: datetime, auto: bool = False
+    *,
+    model: Model,
+    request: PlacementRequest,
+    now: datetime,
+    auto: bool = False,
+    engine_reason: str | None = None,
 ) -> Deployment:
-    """Record a deployment (PLANNING) and ask Celery to place it once this transaction commits."""
+    """Record a deployment (PLANNING) and ask Celery to place it once this transaction commits.
+
+    ``request.engine`` "auto": the scheduler picks the engine now (deployment_plan), and the
+    event says which and why; a model neither engine can place gets llama.cpp, whose placement
+    then fails with its own reason, as before. ``engine_reason``: why the scheduler chose the
+    engine of a request settled already (the API's deployment_plan)."""
+    engine_why = engine_reason
+    if request.engine == "auto":
+        try:
+            plan, _, request = deployment_plan(model=model, request=request)
+            engine_why = plan.explanation[0]
+        except PlacementRefused:
+            request = replace(request, engine="llamacpp")
     model_file = engine_model_file(model, request.engine)
     if model_file is None:
         raise DeploymentError(f"model {model.name!r} has no registered file")
@@ -212,7 +287,11 @@ def deployment_create(
             deployment_id=dep.id,
             new_state=D.PLANNING,
             message=f"{'automatic ' if auto else ''}deployment of {model.name}",
-            data={"request": request.to_dict(), "auto": auto},
+            data={
+                "request": request.to_dict(),
+                "auto": auto,
+                **({"engine_reason": engine_why} if engine_why else {}),
+            },
         )
         task_send_on_commit("racon.jobs.place_deployment", deployment_id=str(dep.id))
     return dep
@@ -468,7 +547,7 @@ def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
             if replacement is not None:
                 return replacement
         return deployment_create(
-            model=model, request=placement_request_from({}), now=now, auto=True
+            model=model, request=placement_request_from({"engine": "auto"}), now=now, auto=True
         )
 
 

@@ -170,3 +170,108 @@ def test_a_model_directory_whose_file_differs_from_its_manifest_is_refused(
     (d / "SHA256SUMS").unlink()
     resp = client.post("/api/admin/models", {"path": str(d)}, "application/json", headers=OPERATOR)
     assert resp.status_code == 400 and "no SHA256SUMS manifest" in resp.json()["error"]["message"]
+
+
+# --- the scheduler's choice when the operator names no engine ---------------------------------
+
+
+def _dual_model(*, directory: bool = True) -> Model:
+    """SmolLM2's figures: a placeable GGUF (tiny 30-layer profile) and, unless ``directory`` is
+    False, its safetensors directory as registered (config.json figures, bfloat16 files)."""
+    from apps.models_repo.profile import synthetic_profile
+    from tests.factories import ModelFactory, ModelFileFactory
+
+    m = ModelFactory(name="smol-engine")
+    tiny = synthetic_profile(
+        name="tiny", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152
+    )
+    ModelFileFactory(
+        model=m, file_name="m.gguf", size=100 * 1024**2, n_layer=30, profile=tiny.to_dict()
+    )
+    if directory:
+        ModelFileFactory(
+            model=m,
+            file_name="smol-st",
+            format="safetensors",
+            quantization="bfloat16",
+            size=270_000_000,
+            n_layer=30,
+            n_embd=576,
+            n_head=9,
+            n_head_kv=3,
+        )
+    return m
+
+
+def _engines_node(name: str, *engines: str) -> None:
+    from tests.factories import hardware_profile
+
+    NodeFactory(name=name, hardware={**hardware_profile(), "engines": list(engines)})
+
+
+def _preview(client: Client, **body: object) -> dict[str, object]:
+    resp = client.post(
+        "/api/admin/deployments/preview",
+        {"model": "smol-engine", "n_ctx": 512, **body},
+        "application/json",
+        headers=OPERATOR,
+    )
+    assert resp.status_code == 200, resp.content
+    out: dict[str, object] = resp.json()
+    return out
+
+
+def test_the_scheduler_picks_vllm_for_several_streams_and_says_why(client: Client) -> None:
+    from apps.nodes.models import Event
+
+    _dual_model()
+    _engines_node("has-vllm", "llamacpp", "vllm")
+    body = _preview(client, n_parallel=8)
+    why = str(body["explanation"][0])  # type: ignore[index]
+    assert body["engine"] == "vllm" and body["n_parallel"] == 8, body
+    assert why.startswith("engine vllm (the scheduler's choice)"), why
+    assert "8 concurrent streams" in why and "aggregate throughput" in why
+    assert "cannot be split over ggml-rpc" in str(body["explanation"][1])  # type: ignore[index]
+    # Slots left to memory: as many as fit (at least VLLM_AUTO_MIN_PARALLEL here): vLLM too.
+    assert _preview(client)["engine"] == "vllm"
+    resp = client.post(
+        "/api/admin/deployments",
+        {"model": "smol-engine", "n_ctx": 512, "n_parallel": 8},
+        "application/json",
+        headers=OPERATOR,
+    )
+    assert resp.status_code == 202, resp.content
+    dep = Deployment.objects.get(pk=resp.json()["id"])
+    assert dep.engine == "vllm" and dep.model_file.format == "safetensors"
+    assert dep.request["engine"] == "vllm"
+    created = Event.objects.get(deployment_id=dep.id, kind="DEPLOYMENT_CREATED")
+    assert created.data["engine_reason"].startswith("engine vllm (the scheduler's choice)")
+
+
+def test_the_scheduler_keeps_llamacpp_and_says_why(client: Client) -> None:
+    _dual_model()
+    _engines_node("has-vllm", "llamacpp", "vllm")
+    # One stream: llama.cpp is faster per stream.
+    one = _preview(client, n_parallel=1)
+    assert one["engine"] == "llamacpp", one
+    assert "faster per stream" in str(one["explanation"][0])  # type: ignore[index]
+    # The operator's explicit choice wins, both ways, with no scheduler's reason.
+    explicit = _preview(client, n_parallel=8, engine="llamacpp")
+    assert explicit["engine"] == "llamacpp"
+    assert not any("scheduler's choice" in str(x) for x in explicit["explanation"])  # type: ignore[attr-defined]
+    assert _preview(client, n_parallel=1, engine="vllm")["engine"] == "vllm"
+
+
+def test_without_a_vllm_node_or_a_directory_the_scheduler_says_why_not(client: Client) -> None:
+    m = _dual_model()
+    _engines_node("llama-only", "llamacpp")
+    body = _preview(client, n_parallel=8)
+    assert body["engine"] == "llamacpp"
+    why = str(body["explanation"][0])  # type: ignore[index]
+    assert why.startswith("engine llamacpp (the scheduler's choice): not vLLM"), why
+    assert "no eligible node has the vLLM engine" in why
+    m.files.filter(format="safetensors").delete()
+    _engines_node("has-vllm", "llamacpp", "vllm")
+    body = _preview(client, n_parallel=8)
+    assert body["engine"] == "llamacpp"
+    assert "no safetensors directory" in str(body["explanation"][0])  # type: ignore[index]

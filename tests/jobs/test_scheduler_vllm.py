@@ -88,3 +88,31 @@ def test_no_node_with_the_engine_is_refused_naming_the_install() -> None:
     cluster = ClusterSnapshot(nodes=(node("a", 16, engines=("llamacpp",)),))
     with pytest.raises(PlacementRefused, match="install-vllm.sh"):
         plan_vllm(SMOL, cluster, PlacementRequest(engine="vllm"))
+
+
+def test_the_scheduler_chooses_an_engine_and_says_why() -> None:
+    from apps.jobs.scheduler import choose_engine
+
+    cluster = ClusterSnapshot(nodes=(node("a", 16),))
+    many = plan_vllm(SMOL, cluster, PlacementRequest(n_ctx=1024, n_parallel=8, engine="vllm"))
+    one = plan_vllm(SMOL, cluster, PlacementRequest(n_ctx=1024, n_parallel=1, engine="vllm"))
+    profile = synthetic_profile(
+        name="tiny", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152
+    )
+    llama = plan_placement(profile, cluster, PlacementRequest(n_ctx=1024, n_parallel=8))
+    engine, why = choose_engine(vllm=many, llamacpp=llama, min_parallel=4)
+    assert engine == "vllm" and "8 concurrent streams" in why
+    engine, why = choose_engine(vllm=one, llamacpp=llama, min_parallel=4)
+    assert engine == "llamacpp" and "faster per stream" in why
+    # Few streams, but llama.cpp cannot place it (or the model has no GGUF): vLLM after all.
+    refused = PlacementRefused("no node holds 40 GiB")
+    engine, why = choose_engine(vllm=one, llamacpp=refused, min_parallel=4)
+    assert engine == "vllm" and "no node holds 40 GiB" in why
+    assert choose_engine(vllm=one, llamacpp=None)[0] == "vllm"
+    # No directory, or vLLM refused: llama.cpp, naming why.
+    engine, why = choose_engine(vllm=None, llamacpp=llama)
+    assert engine == "llamacpp" and "no safetensors directory" in why
+    engine, why = choose_engine(vllm=PlacementRefused("no single node"), llamacpp=llama)
+    assert engine == "llamacpp" and "not vLLM, no single node" in why
+    # Nothing but a directory vLLM cannot place: vLLM's refusal is the answer.
+    assert choose_engine(vllm=PlacementRefused("no single node"), llamacpp=None)[0] == "vllm"

@@ -70,7 +70,7 @@ from .inputs import (
 )
 from .plan import PlacementRefused, Plan, PlanDevice, fmt_bytes
 from .search import plan_placement
-from .vllm import VllmModel, plan_vllm
+from .vllm import VllmModel, choose_engine, plan_vllm
 
 __all__ = [
     "DEFAULT_COST",
@@ -88,6 +88,7 @@ __all__ = [
     "Plan",
     "PlanDevice",
     "VllmModel",
+    "choose_engine",
     "compute_buffer_bytes",
     "fmt_bytes",
     "hop_s",

@@ -172,3 +172,61 @@ def plan_vllm(model: VllmModel, cluster: ClusterSnapshot, request: PlacementRequ
         engine="vllm",
         kv_bytes=kv,
     )
+
+
+# Where each engine wins (FACTS.md "vLLM on the CPU", bench/engines.py): side by side on one core,
+# vLLM made 0.55-0.67x llama-server's single-stream speed and 2.1-3.2x its aggregate at 8
+# concurrent streams. So the scheduler picks vLLM for a deployment that serves several streams at
+# once, and llama.cpp for one or few.
+VLLM_AUTO_MIN_PARALLEL = 4
+
+
+def choose_engine(
+    *,
+    vllm: Plan | PlacementRefused | None,
+    llamacpp: Plan | PlacementRefused | None,
+    min_parallel: int = VLLM_AUTO_MIN_PARALLEL,
+) -> tuple[str, str]:
+    """The scheduler's engine for a deployment the operator left to it, and why (the preview's
+    first line). ``vllm``/``llamacpp``: each engine's plan, its refusal, or None when the model
+    has no file that engine runs (no safetensors directory, no GGUF).
+
+    vLLM when the model has a directory, a node with the engine holds it whole, and the plan
+    serves at least ``min_parallel`` streams at once (vLLM's batching wins there); or when
+    llama.cpp cannot place the model at all. Otherwise llama.cpp, which is faster per stream
+    and can split a model over several nodes.
+    """
+    if vllm is None:
+        return "llamacpp", (
+            "engine llamacpp (the scheduler's choice): the model has no safetensors directory, "
+            "and vLLM on the CPU cannot run GGUF"
+        )
+    if isinstance(vllm, PlacementRefused):
+        if llamacpp is None:  # nothing else can serve it: vLLM's refusal is the answer
+            return "vllm", f"engine vllm: the model has no GGUF for llama.cpp; {vllm.reason}"
+        return "llamacpp", f"engine llamacpp (the scheduler's choice): not vLLM, {vllm.reason}"
+    llama_out = (
+        "the model has no GGUF"
+        if llamacpp is None
+        else f"llama.cpp cannot place it ({llamacpp.reason})"
+        if isinstance(llamacpp, PlacementRefused)
+        else None
+    )
+    if llama_out is not None:
+        return "vllm", (
+            f"engine vllm (the scheduler's choice): {llama_out}, and one node with the vLLM "
+            "engine holds the model directory"
+        )
+    if vllm.n_parallel < min_parallel:
+        return "llamacpp", (
+            f"engine llamacpp (the scheduler's choice): {vllm.n_parallel} concurrent "
+            f"stream{'s' if vllm.n_parallel != 1 else ''}, and below {min_parallel} llama.cpp is "
+            "faster per stream (vLLM made 0.55-0.67x its single-stream speed); ask for "
+            "engine vllm to override"
+        )
+    return "vllm", (
+        "engine vllm (the scheduler's choice): a safetensors directory, one node with the vLLM "
+        f"engine holds it, and {vllm.n_parallel} concurrent streams, where vLLM's "
+        "batching gives more aggregate throughput (2.1-3.2x llama.cpp's at 8 streams, with a "
+        "shorter time to first token); ask for engine llamacpp to override"
+    )
