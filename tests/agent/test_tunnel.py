@@ -23,6 +23,7 @@ from agent.tunnel import (
     reachable,
 )
 from tests.agent.harness import free_port
+from tests.support.flipping_relay import FlippingRelay
 
 tls_mod = pytest.importorskip("racon.tls", reason="the controller's CA needs cryptography")
 
@@ -203,57 +204,13 @@ def test_a_new_deployments_key_replaces_the_old_one(tunnel: Any, ca: Any) -> Non
         fresh.close()
 
 
-class FlippingRelay:
-    """An on-path host between the primary and the worker: forwards both ways and, once told,
-    flips one bit of the next chunk going to the worker."""
-
-    def __init__(self, target_port: int) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(4)
-        self.port = self.sock.getsockname()[1]
-        self.target = target_port
-        self.flip = threading.Event()
-        self.flipped = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                a, _ = self.sock.accept()
-            except OSError:
-                return
-            b = socket.create_connection(("127.0.0.1", self.target))
-            threading.Thread(target=self._pump, args=(a, b, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(b, a, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, to_worker: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if to_worker and self.flip.is_set() and not self.flipped.is_set():
-                    data = data[:-1] + bytes([data[-1] ^ 0x01])  # in the record's tag
-                    self.flipped.set()
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def test_a_byte_flipped_on_the_path_after_the_handshake_breaks_that_connection(
     tunnel: Any, ca: Any
 ) -> None:
     server, up, _ = tunnel
     key, tls = secrets.token_hex(32), deployment_tls(ca, "dep-1")
     server.authorize("dep-1", key, "127.0.0.1", tls)
-    relay = FlippingRelay(server.port)
+    relay = FlippingRelay(("127.0.0.1", server.port))
     client = TunnelClient(
         remote_host="127.0.0.1", remote_port=relay.port, deployment_id="dep-1", key_hex=key,
         tls=tls,
