@@ -203,7 +203,9 @@ def main() -> int:
             )
         finally:
             stop_group(proc)
-        dep = cl.deploy([node], spread=False, n_ctx=args.n_ctx, n_parallel=slots)
+        # Named: with its directory registered and slots >= VLLM_AUTO_MIN_PARALLEL, the
+        # scheduler's own choice for this model would be vLLM.
+        dep = cl.deploy([node], spread=False, n_ctx=args.n_ctx, n_parallel=slots, engine="llamacpp")
         results["racon-llamacpp"] = measure(url, cl.ctl.api_key, levels, args, "RACoN-llama.cpp")
     print(
         "\nstreams | RACoN-vLLM | bare vLLM | RACoN-llama.cpp | RACoN-vLLM/bare | "
