@@ -41,7 +41,10 @@ from racon.embedded import redis_server_binary
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 PREFIX = "racon-"
-NS_RE = re.compile(r"^racon-([0-9a-f]{8})-h\d+$")
+# Every prefix a test gives its clusters (test_gpu_split.py: "gp-racon-"): a killed run's
+# namespaces are swept whatever their prefix, by their owner file (the cluster id's).
+STALE_PREFIXES = ("racon-", "gp-racon-")
+NS_RE = re.compile("^(?:" + "|".join(map(re.escape, STALE_PREFIXES)) + r")([0-9a-f]{8})-h\d+$")
 OWNERS = Path("/run/racon-cluster")
 PORTS = range(19100, 19200)
 RPC_PORT = 19150  # inside each namespace
@@ -75,7 +78,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def cleanup_stale() -> list[str]:
-    """Delete namespaces with our prefix whose owning test process is gone."""
+    """Delete namespaces with one of our prefixes whose owning test process is gone (a live
+    run's, whose owner file names a live pid, are left alone)."""
     removed = []
     out = sh("ip", "netns", "list", check=False).stdout
     for line in out.splitlines():

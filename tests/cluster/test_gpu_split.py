@@ -121,3 +121,42 @@ def test_a_split_over_vulkan0_on_one_host_and_an_rpc_worker_on_another_serves_cp
             raise
         finally:
             cl.stop_agents()
+
+
+def test_stale_gp_namespaces_are_swept_and_a_live_runs_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cleanup_stale sweeps this test's "gp-racon-" namespaces too when their owner is gone (a
+    killed run), and never a live run's, whatever the prefix. `ip` is stood in for: this needs no
+    root and touches no real namespace."""
+    dead = 2**22 + 12345  # above Linux's largest pid_max (2**22): no such process
+    while harness._pid_alive(dead):
+        dead += 1
+    owners = tmp_path / "owners"
+    owners.mkdir()
+    (owners / "0badc0de.pid").write_text(str(dead))
+    (owners / "1badc0de.pid").write_text(str(dead))
+    (owners / "c0ffee00.pid").write_text(str(os.getpid()))
+    listed = [
+        "gp-racon-0badc0de-h1 (id: 3)", "gp-racon-0badc0de-h2 (id: 4)",  # stale
+        "racon-1badc0de-h1",  # stale, the default prefix
+        "gp-racon-c0ffee00-h1", "racon-c0ffee00-h2",  # live
+        "gp-racon-abcdef12-h1",  # no owner file: a run killed before it wrote one
+        "racon-hh-0badc0de-h1", "other-0badc0de-h1",  # not the harness's
+    ]  # fmt: skip
+    deleted: list[str] = []
+
+    def fake_sh(*argv: str, check: bool = True) -> Any:
+        if argv[:3] == ("ip", "netns", "del"):
+            deleted.append(argv[3])
+        out = "\n".join(listed) if argv[:3] == ("ip", "netns", "list") else ""
+        return type("Done", (), {"stdout": out, "returncode": 0})()
+
+    monkeypatch.setattr(harness, "sh", fake_sh)
+    monkeypatch.setattr(harness, "OWNERS", owners)
+    removed = harness.cleanup_stale()
+    assert removed == deleted == [
+        "gp-racon-0badc0de-h1", "gp-racon-0badc0de-h2", "racon-1badc0de-h1",
+        "gp-racon-abcdef12-h1",
+    ]  # fmt: skip
+    assert (owners / "c0ffee00.pid").exists() and not (owners / "0badc0de.pid").exists()
