@@ -232,6 +232,14 @@ def test_an_answer_out_of_protocol_fails_naming_why(mode: str, why: str, last: s
     assert why in event.message and event.data["correct"] is False
 
 
+def test_a_run_answered_after_the_step_timeout_fails(settings: Any) -> None:
+    settings.GPU_CHALLENGE_TIMEOUT_SECONDS = 1.0
+    node = gpu_node()  # no claim: only the timeout can fail it
+    verdict = challenged(node, delay=2.5)
+    assert verdict.outcome == "failed" and verdict.measured == 0.0, verdict
+    assert "no answer to run within 1 s" in verdict.message, verdict.message
+
+
 def test_a_step_answered_before_it_is_asked_is_refused() -> None:
     """A result can only answer a command the controller sent: a run's answer sent ahead (the
     node guessing the command) has no command to answer."""
