@@ -40,6 +40,7 @@ from agent.protocol import (
 )
 from agent.runtime import LoadFailed
 from agent.runtime.child import child_env, log_tail
+from agent.runtime.prompting import template_request
 from agent.runtime.server import (
     ServerPrimary,
     _Cancelled,
@@ -308,6 +309,7 @@ class VllmPrimary(ServerPrimary):
                 "(no config.json); vLLM on the CPU cannot run GGUF files",
                 data={"deployment_id": self.deployment_id},
             )
+        self.template_has_tools = chat_template_knows_tools(self.model_path)
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         kv_endpoint = self._kv_subscribe(python)
@@ -511,6 +513,9 @@ class VllmPrimary(ServerPrimary):
         return round((time.perf_counter() - t0) * 1000, 1)
 
     def _prompt_ids(self, j: _Job) -> list[int]:
+        """The job's prompt as token ids: chat through vLLM's /tokenize with the model's own
+        template (tools as llama-server gets them: prompting.template_request), then the token
+        ids an earlier attempt already streamed."""
         job = j.job
         if job.get("kind", "chat") == "chat":
             messages = job.get("messages")
@@ -518,16 +523,14 @@ class VllmPrimary(ServerPrimary):
                 raise _RequestError(
                     "chat job needs a non-empty 'messages' list", code="invalid_request"
                 )
-            plain = [
-                {"role": str(m.get("role")), "content": str(m.get("content") or "")}
-                for m in messages
-                if isinstance(m, dict)
-            ]
+            request = template_request(job, template_has_tools=self.template_has_tools)
             body: dict[str, Any] = {
                 "model": self.deployment_id,
-                "messages": plain,
+                "messages": request["messages"],
                 "add_generation_prompt": True,
             }
+            if request.get("tools"):
+                body["tools"] = request["tools"]
         else:
             prompt = job.get("prompt")
             if not isinstance(prompt, str):
@@ -554,10 +557,14 @@ class VllmPrimary(ServerPrimary):
         try:
             if self.r.exists(job_cancel_key(job_id, self.node_id)):
                 raise _Cancelled
-            if job.get("json_schema") is not None or job.get("tools"):
+            if job.get("json_schema") is not None and job.get("resume_tokens"):
+                # vLLM's structured outputs constrain an output from its first token: unlike
+                # llama-server (generation_prompt), it has no way to start the grammar past the
+                # text already streamed, so a constrained output cannot resume here.
                 raise _RequestError(
-                    "json_schema and tools are not served by a vLLM deployment yet; use a "
-                    "llama.cpp deployment of this model",
+                    "a schema-constrained output (response_format json_schema or a forced tool "
+                    "call) cannot be resumed on a vLLM replica: vLLM's structured outputs "
+                    "start the schema at the first token; resume it on a llama.cpp replica",
                     code="invalid_request",
                 )
             ids = self._prompt_ids(j)
@@ -668,9 +675,34 @@ def _completion_body(job: dict[str, Any], ids: list[int], model: str, room: int)
     }
     if job.get("seed") is not None:
         body["seed"] = int(job["seed"])
+    if job.get("json_schema") is not None:
+        # vLLM's structured outputs (guided decoding, xgrammar): the output matches the schema,
+        # response_format's or a forced tool call's (apps/api/v1/agentic.py), as llama-server's
+        # json_schema grammar does.
+        body["structured_outputs"] = {"json": job["json_schema"]}
     if job.get("logprobs"):
         body["logprobs"] = max(1, int(job.get("top_logprobs") or 0))
     return body
+
+
+def chat_template_knows_tools(model_dir: Path) -> bool:
+    """Whether the model directory's chat template renders tools itself (it reads ``tools``), as
+    llama-server's /props caps say for a GGUF. SmolLM2's does not: the agent then describes the
+    tools in the system message (prompting.template_request)."""
+    texts: list[str] = []
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        texts.append(jinja.read_text(errors="replace"))
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, str):
+        texts.append(template)
+    elif isinstance(template, list):
+        texts += [str(t.get("template") or "") for t in template if isinstance(t, dict)]
+    return any("tools" in t for t in texts)
 
 
 def _probs(lp: dict[str, Any] | None, top: int) -> list[dict[str, Any]]:
@@ -709,6 +741,7 @@ def make_primary(python: Path | None = None, **kw: Any) -> VllmPrimary:
 __all__ = [
     "ENGINE_NAMES",
     "VllmPrimary",
+    "chat_template_knows_tools",
     "enabled_engines",
     "engine_python",
     "make_primary",

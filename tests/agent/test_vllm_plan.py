@@ -126,3 +126,31 @@ def test_a_model_directory_linked_into_the_models_dir_is_offered(tmp_path: Path)
     assert confined_model_path(models, str(elsewhere)) == elsewhere.resolve()
     with pytest.raises(OutsideModelsDir):
         confined_model_path(models, str(tmp_path / "cache"))  # its parent is not
+
+
+def test_a_schema_goes_to_vllm_as_structured_outputs() -> None:
+    from agent.runtime.vllm import _completion_body
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = _completion_body({"json_schema": schema, "max_tokens": 8}, [1, 2], "d1", 100)
+    assert body["structured_outputs"] == {"json": schema}
+    assert "structured_outputs" not in _completion_body({"max_tokens": 8}, [1, 2], "d1", 100)
+
+
+def test_whether_a_model_directorys_template_renders_tools(tmp_path: Path) -> None:
+    import json
+
+    from agent.runtime.vllm import chat_template_knows_tools
+
+    plain = "{% for m in messages %}<|im_start|>{{ m['role'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": plain}))
+    assert not chat_template_knows_tools(tmp_path)
+    with_tools = "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}" + plain
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "default", "template": with_tools}]})
+    )
+    assert chat_template_knows_tools(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert not chat_template_knows_tools(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(with_tools)
+    assert chat_template_knows_tools(tmp_path)

@@ -5,6 +5,8 @@ One agent with RACON_ENGINES=llamacpp,vllm, one vLLM server for the whole test (
   from the model directory its models dir holds, the deployment goes READY;
 - a chat streamed through /v1/chat/completions with the OpenAI SDK gives the tokens vLLM gives
   when asked directly at temperature 0;
+- response_format json_schema gives JSON that validates, and a named tool_choice a tool call
+  (vLLM's structured outputs, the same contracts as llama-server's grammar);
 - a client that disconnects cancels the job;
 - vLLM's KV events, subscribed by the agent on loopback, reach the node's key (what each slot
   still holds); with a llama.cpp replica of the same model beside it, a follow-up of the
@@ -30,6 +32,7 @@ from typing import Any
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from agent.protocol import kv_held_key
 from agent.runtime.vllm import engine_python, group_pids
@@ -49,6 +52,26 @@ MODEL_DIR = (
 )
 CONVERSATION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 LOAD_TIMEOUT = float(os.environ.get("RACON_VLLM_LOAD_TIMEOUT", "900"))
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    # Bounded: llama.cpp's grammar caps an integer at 16 digits, vLLM's (xgrammar) follows the
+    # schema only, and SmolLM2 at temperature 0 writes digits until max_tokens without a bound.
+    population: int = Field(ge=0, le=100_000_000)
 
 
 def _need_engine() -> None:
@@ -170,6 +193,37 @@ def test_vllm_deployment_serves_fails_over_and_cancels(
     assert direct["choices"][0]["message"]["content"] == text
     assert direct["usage"]["completion_tokens"] == usage.completion_tokens
     assert direct["usage"]["prompt_tokens"] == usage.prompt_tokens
+
+    # 2b. response_format json_schema and tools, through vLLM's structured outputs: the answer is
+    # JSON that validates against the schema; a named tool_choice comes back as tool_calls.
+    # The SDK's TypedDicts for messages, response_format and tools: plain dicts here.
+    city_format: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "City", "schema": City.model_json_schema(), "strict": True},
+    }
+    describe: Any = [{"role": "user", "content": "Describe Paris as JSON."}]
+    structured = client.chat.completions.create(
+        model=MODEL, messages=describe, max_tokens=120, temperature=0, response_format=city_format
+    )
+    assert structured.choices[0].finish_reason == "stop", structured
+    City.model_validate_json(structured.choices[0].message.content or "")
+    weather_ask: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    called = client.chat.completions.create(
+        model=MODEL,
+        messages=weather_ask,
+        tools=[WEATHER],
+        tool_choice=named,
+        max_tokens=80,
+        temperature=0,
+    )
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
 
     # 3. A client that goes away mid-stream cancels the job on the vLLM replica.
     long_ask = {
