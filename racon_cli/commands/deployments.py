@@ -79,8 +79,9 @@ def deploy(
         str | None,
         typer.Option(
             "--engine",
-            help="llamacpp (the default: llama-server, split over nodes when needed) or vllm "
-            "(one node, the model's safetensors directory).",
+            help="llamacpp (llama-server, split over nodes when needed) or vllm (one node, the "
+            "model's safetensors directory). Omitted: the scheduler's choice (--preview says "
+            "which and why).",
         ),
     ] = None,
     allow_same_node: Annotated[
