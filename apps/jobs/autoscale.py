@@ -41,6 +41,7 @@ from .deployments import (
     deployment_create,
     deployment_preview,
     deployment_stop,
+    engine_model_file,
     placement_request_from,
 )
 from .models import Deployment
@@ -198,10 +199,11 @@ def _replica_add(
     *, model: Model, serving: list[Deployment], now: datetime, wait: float, depth: int
 ) -> tuple[Deployment | None, str]:
     """Place one more replica when a node can host it: (the deployment, "") or (None, why not)."""
-    model_file = model.files.exclude(format="safetensors").order_by("-created_at").first()
+    request = _replica_request(model=model, serving=serving)
+    # The file the copy's engine serves (the template's engine: a vLLM replica's directory).
+    model_file = engine_model_file(model, request.engine)
     if model_file is None:
         return None, "the model has no registered file"
-    request = _replica_request(model=model, serving=serving)
     try:
         plan = deployment_preview(model_file=model_file, request=request)
     except PlacementRefused as exc:

@@ -340,3 +340,41 @@ def test_deployments_rest_output_shows_replicas_slots_in_use_and_queue_depth(
     assert one["model_queue_depth"] == 1
     detail = client.get(f"/api/admin/deployments/{d1.id}", headers=OPERATOR).json()
     assert (detail["slots_in_use"], detail["replicas"]) == (3, 2)
+
+
+def test_a_vllm_replicas_copy_is_planned_from_its_directory(model: Model) -> None:
+    """The autoscaler copies the newest replica's request, engine included: a vLLM replica's copy
+    is planned and recorded with the model's safetensors directory, not its GGUF."""
+    from apps.jobs.autoscale import _replica_add
+    from tests.factories import ModelFileFactory, hardware_profile
+
+    directory = ModelFileFactory(
+        model=model,
+        file_name="smol-st",
+        format="safetensors",
+        quantization="bfloat16",
+        size=270_000_000,
+        n_layer=30,
+        n_embd=576,
+        n_head=9,
+        n_head_kv=3,
+    )
+    # A GGUF that would not fit a node as vLLM loads a directory: planning the copy from it
+    # instead of the directory would refuse the copy.
+    model.files.exclude(pk=directory.pk).update(size=64 * GiB)
+    a = NodeFactory(name="va", hardware={**hardware_profile(), "engines": ["llamacpp", "vllm"]})
+    NodeFactory(name="vb", hardware={**hardware_profile(), "engines": ["llamacpp", "vllm"]})
+    first = DeploymentFactory(
+        model=model,
+        model_file=directory,
+        engine="vllm",
+        primary=a,
+        n_parallel=8,
+        n_ctx=512,
+        request=placement_request_from({"engine": "vllm", "n_ctx": 512, "n_parallel": 8}).to_dict(),
+    )
+    first.nodes.set([a])
+    dep, why = _replica_add(model=model, serving=[first], now=timezone.now(), wait=5.0, depth=2)
+    assert dep is not None, why
+    dep.refresh_from_db()
+    assert dep.engine == "vllm" and dep.model_file_id == directory.id
