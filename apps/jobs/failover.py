@@ -186,6 +186,21 @@ def job_failover_dispatch(
     }
 
 
+def failover_engine_excludes(*, job_id: Any, model_id: Any) -> set[str]:
+    """The model's replicas a job cannot resume on: a schema-constrained output (``json_schema``:
+    a response_format's or a forced tool call's) cannot resume on vLLM, whose structured output
+    starts at the first token (agent/runtime/vllm.py), so it goes to a llama.cpp replica."""
+    params = Job.objects.filter(pk=job_id).values_list("params", flat=True).first() or {}
+    if not isinstance(params, dict) or params.get("json_schema") is None:
+        return set()
+    return {
+        str(pk)
+        for pk in Deployment.objects.filter(model_id=model_id, engine="vllm").values_list(
+            "pk", flat=True
+        )
+    }
+
+
 def job_failover_route(
     *, model_id: Any, exclude: Collection[Any], now: datetime
 ) -> Deployment | None:

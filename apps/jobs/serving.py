@@ -44,6 +44,7 @@ from racon import cache
 from . import admission, kvcache, retention, selectors, streams
 from .deployments import deployment_ensure
 from .failover import (
+    failover_engine_excludes,
     job_failover_begin,
     job_failover_dispatch,
     job_failover_left,
@@ -560,6 +561,10 @@ async def job_failover(
             return FailoverTarget(done=True)  # the dead attempt had produced everything asked for
         deadline = time.monotonic() + wait
         exclude = {str(old_dep)} if old_dep else set()
+        if follower.ids:  # a resume: not where the job's output constraint cannot resume
+            exclude |= await pooled(failover_engine_excludes)(
+                job_id=adm.job_id, model_id=adm.model_id
+            )
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
