@@ -349,10 +349,17 @@ def _placement_input(request: HttpRequest) -> tuple[Model | None, dict[str, Any]
     nodes = [n for n in request.POST.getlist("nodes") if n]
     if nodes and Node.objects.filter(pk__in=nodes).count() != len(set(nodes)):
         return model, {}, "Unknown node in the selection."
+    engine = request.POST.get("engine") or ""
+    if engine not in ("", "llamacpp", "vllm"):
+        return model, {}, "engine must be llamacpp, vllm, or empty (the scheduler's choice)."
+    why = deployment_services.engine_unavailable(model, engine)
+    if why is not None:
+        return model, {}, why[0].upper() + why[1:] + "."
     return (
         model,
         {
             **data,
+            "engine": engine or "auto",  # empty: the scheduler chooses, and the preview says why
             "nodes": nodes,
             "spread": request.POST.get("spread") == "on",
             "allow_same_node": request.POST.get("allow_same_node") == "on",
@@ -367,24 +374,23 @@ def deployment_preview(request: HttpRequest) -> HttpResponse:
     model, data, error = _placement_input(request)
     ctx: dict[str, Any] = {"error": error}
     if not error and model is not None:
-        mf = model.files.exclude(format="safetensors").order_by("-created_at").first()
-        if mf is None:
+        try:
+            planned, mf, _ = deployment_services.deployment_plan(
+                model=model, request=placement_request_from(data)
+            )
+        except PlacementRefused as exc:
+            ctx["error"] = exc.reason
+        except DeploymentError:
             ctx["error"] = f"Model {model.name} has no registered file."
         else:
-            try:
-                plan = deployment_services.deployment_preview(
-                    model_file=mf, request=placement_request_from(data)
-                ).to_dict()
-            except PlacementRefused as exc:
-                ctx["error"] = exc.reason
-            else:
-                ctx.update(
-                    plan=plan,
-                    model=model,
-                    n_layer=mf.n_layer,
-                    bar=ui_render.placement_bar(plan, n_layer=mf.n_layer),
-                    explanation=ui_render.explanation(plan),
-                )
+            plan = planned.to_dict()
+            ctx.update(
+                plan=plan,
+                model=model,
+                n_layer=mf.n_layer,
+                bar=ui_render.placement_bar(plan, n_layer=mf.n_layer),
+                explanation=ui_render.explanation(plan),
+            )
     return render(
         request, "ui/deployments/list.html#preview", ctx, status=422 if ctx["error"] else 200
     )
@@ -401,15 +407,18 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
         )
     model, data, error = _placement_input(request)
     if not error and model is not None:
-        req = placement_request_from(data)
         try:
-            mf = model.files.exclude(format="safetensors").order_by("-created_at").first()
-            if mf is None:
-                raise DeploymentError(f"model {model.name} has no registered file")
-            deployment_services.deployment_preview(
-                model_file=mf, request=req
-            )  # refuse impossible constraints up front, as the API does
-            deployment_create(model=model, request=req, now=timezone.now())
+            # Refuse impossible constraints up front, as the API does; an empty engine is
+            # settled here, and the event says why.
+            planned, _, req = deployment_services.deployment_plan(
+                model=model, request=placement_request_from(data)
+            )
+            deployment_create(
+                model=model,
+                request=req,
+                now=timezone.now(),
+                engine_reason=planned.explanation[0] if data.get("engine") == "auto" else None,
+            )
         except PlacementRefused as exc:
             error = exc.reason
         except DeploymentError as exc:

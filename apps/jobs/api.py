@@ -39,6 +39,7 @@ from .deployments import (
     deployment_create,
     deployment_plan,
     deployment_stop,
+    engine_unavailable,
     placement_request_from,
 )
 from .filters import DeploymentFilter, JobFilter
@@ -137,29 +138,10 @@ def _resolve(request_data: dict[str, Any]) -> tuple[Model, dict[str, Any]] | Res
 
 def _engine_refused(model: Model, engine: str) -> Response | None:
     """A 400 naming why the engine cannot serve the model, or None (issue 30)."""
-    if engine != "vllm":
+    why = engine_unavailable(model, engine)
+    if why is None:
         return None
-    if not model.files.filter(format__iexact="safetensors").exists():
-        formats = sorted({f.upper() for f in model.files.values_list("format", flat=True)})
-        return _error(
-            f"model {model.name!r} has only {'/'.join(formats) or 'no'} files: vLLM on the CPU "
-            "cannot run GGUF; register its safetensors model directory first "
-            "(racon models add DIR)",
-            400,
-            "engine_unavailable",
-            param="engine",
-        )
-    # JSON containment is PostgreSQL's (SQLite has none): the inventories are read here.
-    inventories = Node.objects.filter(revoked_at__isnull=True).values_list("hardware", flat=True)
-    if not any("vllm" in ((hw or {}).get("engines") or []) for hw in inventories):
-        return _error(
-            "no node has the vLLM engine: on a node, run scripts/install-vllm.sh and start its "
-            "agent with RACON_ENGINES=llamacpp,vllm",
-            400,
-            "engine_unavailable",
-            param="engine",
-        )
-    return None
+    return _error(why, 400, "engine_unavailable", param="engine")
 
 
 def _refused(exc: PlacementRefused) -> Response:

@@ -144,6 +144,27 @@ def placement_request_from(data: dict[str, Any]) -> PlacementRequest:
     )
 
 
+def engine_unavailable(model: Model, engine: str) -> str | None:
+    """Why ``engine`` cannot serve ``model`` at all (the API's 400, the UI's error), or None."""
+    if engine != "vllm":
+        return None
+    if not model.files.filter(format__iexact="safetensors").exists():
+        formats = sorted({f.upper() for f in model.files.values_list("format", flat=True)})
+        return (
+            f"model {model.name!r} has only {'/'.join(formats) or 'no'} files: vLLM on the CPU "
+            "cannot run GGUF; register its safetensors model directory first "
+            "(racon models add DIR)"
+        )
+    # JSON containment is PostgreSQL's (SQLite has none): the inventories are read here.
+    inventories = Node.objects.filter(revoked_at__isnull=True).values_list("hardware", flat=True)
+    if not any("vllm" in ((hw or {}).get("engines") or []) for hw in inventories):
+        return (
+            "no node has the vLLM engine: on a node, run scripts/install-vllm.sh and start its "
+            "agent with RACON_ENGINES=llamacpp,vllm"
+        )
+    return None
+
+
 def engine_model_file(model: Model, engine: str) -> ModelFile | None:
     """The file an engine serves: vLLM the model's safetensors directory, llama.cpp its newest
     other file (the GGUF)."""
