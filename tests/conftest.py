@@ -69,7 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from django.core.management.base import CommandError
     from django.test import TransactionTestCase
 
-    flush = TransactionTestCase._fixture_teardown
+    flush = TransactionTestCase._fixture_teardown  # type: ignore[attr-defined]  # Django's own
 
     def fixture_teardown(self: TransactionTestCase) -> None:
         for attempt in range(1, FLUSH_TRIES + 1):
@@ -83,7 +83,7 @@ def pytest_configure(config: pytest.Config) -> None:
                     raise
                 time.sleep(attempt)
 
-    TransactionTestCase._fixture_teardown = fixture_teardown
+    TransactionTestCase._fixture_teardown = fixture_teardown  # type: ignore[attr-defined]
 
 
 # --- suite time per area (the README's table) ----------------------------------------------------

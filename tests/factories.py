@@ -10,11 +10,11 @@ from __future__ import annotations
 import hashlib
 import uuid
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import factory
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.utils import timezone
 from factory.django import DjangoModelFactory
 
@@ -26,6 +26,19 @@ from apps.jobs.states import DeploymentState, JobState
 from apps.models_repo.models import Model, ModelFile, Replica
 from apps.nodes.models import EnrollmentToken, Event, EventCategory, Node
 from apps.nodes.states import NodeState
+
+T = TypeVar("T")
+
+if TYPE_CHECKING:
+
+    class TypedFactory(DjangoModelFactory[T]):
+        """What calling a factory returns, for mypy: factory_boy's ``Factory()`` runs through an
+        unannotated metaclass ``__call__``, so mypy would read it as the factory itself."""
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> T: ...  # type: ignore[misc]
+
+else:
+    TypedFactory = DjangoModelFactory
 
 
 def hardware_profile(
@@ -54,7 +67,7 @@ def hardware_profile(
     }
 
 
-class UserFactory(DjangoModelFactory[AbstractBaseUser]):
+class UserFactory(TypedFactory[User]):
     class Meta:
         model = get_user_model()
 
@@ -63,21 +76,21 @@ class UserFactory(DjangoModelFactory[AbstractBaseUser]):
 
     @classmethod
     def _after_postgeneration(
-        cls, instance: AbstractBaseUser, create: bool, results: dict[str, Any] | None = None
+        cls, instance: User, create: bool, results: dict[str, Any] | None = None
     ) -> None:
         """Save the hashed password set after creation (factory_boy stops doing it on its own)."""
         if create:
             instance.save()
 
 
-class AccountFactory(DjangoModelFactory[Account]):
+class AccountFactory(TypedFactory[Account]):
     class Meta:
         model = Account
 
     name = factory.Sequence(lambda n: f"acct-{n}")
 
 
-class ApiKeyFactory(DjangoModelFactory[ApiKey]):
+class ApiKeyFactory(TypedFactory[ApiKey]):
     """A stored key whose plaintext nobody knows (``key_for`` makes one a test can send)."""
 
     class Meta:
@@ -90,7 +103,7 @@ class ApiKeyFactory(DjangoModelFactory[ApiKey]):
     scopes = factory.LazyFunction(lambda: [ApiKey.SCOPE_INFERENCE])
 
 
-class EnrollmentTokenFactory(DjangoModelFactory[EnrollmentToken]):
+class EnrollmentTokenFactory(TypedFactory[EnrollmentToken]):
     """A stored token whose plaintext nobody knows (``tests.support.enrollment.issue`` makes one
     an agent can enroll with)."""
 
@@ -104,7 +117,7 @@ class EnrollmentTokenFactory(DjangoModelFactory[EnrollmentToken]):
     expires_at = factory.LazyFunction(lambda: timezone.now() + timedelta(hours=1))
 
 
-class NodeFactory(DjangoModelFactory[Node]):
+class NodeFactory(TypedFactory[Node]):
     class Meta:
         model = Node
 
@@ -124,7 +137,7 @@ class NodeFactory(DjangoModelFactory[Node]):
     mem_bandwidth_gbps = 20.0
 
 
-class ModelFactory(DjangoModelFactory[Model]):
+class ModelFactory(TypedFactory[Model]):
     class Meta:
         model = Model
 
@@ -132,7 +145,7 @@ class ModelFactory(DjangoModelFactory[Model]):
     price_weight_permille = 1000
 
 
-class ModelFileFactory(DjangoModelFactory[ModelFile]):
+class ModelFileFactory(TypedFactory[ModelFile]):
     class Meta:
         model = ModelFile
 
@@ -143,7 +156,7 @@ class ModelFileFactory(DjangoModelFactory[ModelFile]):
     n_layer = 32
 
 
-class ReplicaFactory(DjangoModelFactory[Replica]):
+class ReplicaFactory(TypedFactory[Replica]):
     class Meta:
         model = Replica
 
@@ -153,7 +166,7 @@ class ReplicaFactory(DjangoModelFactory[Replica]):
     verified_at = factory.LazyFunction(timezone.now)
 
 
-class DeploymentFactory(DjangoModelFactory[Deployment]):
+class DeploymentFactory(TypedFactory[Deployment]):
     """A READY deployment of a new model file, its primary a new node (no plan: see
     ``deployment_for`` for one with a plan over given nodes)."""
 
@@ -166,7 +179,7 @@ class DeploymentFactory(DjangoModelFactory[Deployment]):
     primary = factory.SubFactory(NodeFactory)
 
 
-class JobFactory(DjangoModelFactory[Job]):
+class JobFactory(TypedFactory[Job]):
     class Meta:
         model = Job
 
@@ -176,7 +189,7 @@ class JobFactory(DjangoModelFactory[Job]):
     queued_at = factory.LazyFunction(timezone.now)
 
 
-class JobAttemptFactory(DjangoModelFactory[JobAttempt]):
+class JobAttemptFactory(TypedFactory[JobAttempt]):
     class Meta:
         model = JobAttempt
 
@@ -185,7 +198,7 @@ class JobAttemptFactory(DjangoModelFactory[JobAttempt]):
     started_at = factory.LazyFunction(timezone.now)
 
 
-class MinuteRollupFactory(DjangoModelFactory[MinuteRollup]):
+class MinuteRollupFactory(TypedFactory[MinuteRollup]):
     class Meta:
         model = MinuteRollup
 
@@ -193,7 +206,7 @@ class MinuteRollupFactory(DjangoModelFactory[MinuteRollup]):
     scope = "pool"
 
 
-class EventFactory(DjangoModelFactory[Event]):
+class EventFactory(TypedFactory[Event]):
     class Meta:
         model = Event
 
@@ -290,7 +303,7 @@ def funded_account(amount: int, **kw: Any) -> Account:
     return acct
 
 
-def key_for(account: Account, scopes: tuple[str, ...] = ("inference",)) -> dict[str, str]:
+def key_for(account: Account, scopes: tuple[str, ...] = ("inference",)) -> dict[str, Any]:
     """A new key of ``account`` with ``scopes``, as the test client's Authorization header."""
     _, plaintext = api_key_create(name="k", account_id=account.pk, scopes=list(scopes))
     return {"HTTP_AUTHORIZATION": f"Bearer {plaintext}"}

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -25,7 +25,7 @@ from tests.factories import ModelFactory, UserFactory
 pytestmark = pytest.mark.django_db
 
 
-def bearer(key: str) -> dict[str, str]:
+def bearer(key: str) -> dict[str, Any]:
     return {"HTTP_AUTHORIZATION": f"Bearer {key}"}
 
 
@@ -60,7 +60,7 @@ def test_a_keys_scope_key_cannot_mint_a_key_that_outlives_it(client: Client) -> 
     child = resp.json()
     assert child["expires_at"] is not None
     assert abs(
-        timezone.datetime.fromisoformat(child["expires_at"].replace("Z", "+00:00")) - parent_expiry
+        datetime.fromisoformat(child["expires_at"].replace("Z", "+00:00")) - parent_expiry
     ) < timedelta(seconds=1)
     # Asked for one that expires after the parent: refused, naming the rule.
     later = (parent_expiry + timedelta(days=30)).isoformat()

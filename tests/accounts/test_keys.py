@@ -27,10 +27,10 @@ from tests.factories import (
 )
 
 pytestmark = pytest.mark.django_db
-OPERATOR = {"HTTP_AUTHORIZATION": "Bearer test-operator-key"}
+OPERATOR: dict[str, Any] = {"HTTP_AUTHORIZATION": "Bearer test-operator-key"}
 
 
-def bearer(key: str) -> dict[str, str]:
+def bearer(key: str) -> dict[str, Any]:
     return {"HTTP_AUTHORIZATION": f"Bearer {key}"}
 
 

@@ -167,7 +167,7 @@ def test_load_and_run_job_streams_tokens_and_reports_usage(h: Harness) -> None:
     assert entries[-1]["type"] == "done"
     assert json.loads(entries[-1]["usage"])["completion_tokens"] == len(FAKE_TOKENS)
     # Every command was acknowledged once its report was accepted.
-    wait(lambda: h.r.llen(node_processing_key(agent.node_id)) == 0)
+    wait(lambda: h.r.llen(node_processing_key(str(agent.node_id))) == 0)
     beat = h.controller.wait_for(
         lambda c: [b for b in c.heartbeats if dep in b["telemetry"]["primaries"]]
     )
@@ -306,7 +306,7 @@ def test_bad_commands_are_reported_clearly_and_never_crash_the_agent(
     assert needle in res["error"]
     assert agent.state == AgentState.READY
     assert h.controller.result(h.send(agent, "rescan_models"))["ok"]
-    wait(lambda: h.r.llen(node_processing_key(agent.node_id)) == 0)
+    wait(lambda: h.r.llen(node_processing_key(str(agent.node_id))) == 0)
 
 
 def test_malformed_json_is_reported_and_dropped(h: Harness) -> None:
@@ -316,7 +316,7 @@ def test_malformed_json_is_reported_and_dropped(h: Harness) -> None:
         lambda c: [r for r in c.reports if r["kind"] == "command_result" and not r["payload"]["ok"]]
     )[0]
     assert "not JSON" in report["payload"]["error"] and report["command_id"] is None
-    wait(lambda: h.r.llen(node_processing_key(agent.node_id)) == 0)
+    wait(lambda: h.r.llen(node_processing_key(str(agent.node_id))) == 0)
 
 
 def test_a_job_for_an_unknown_deployment_ends_its_stream_with_an_error(h: Harness) -> None:
@@ -381,10 +381,10 @@ def test_controller_5xx_on_reports_delays_the_ack_until_accepted(h: Harness) -> 
     h.controller.fail_reports = 3
     cid = h.send(agent, "rescan_models")
     h.controller.wait_for(lambda c: c.rejected_reports >= 1)
-    assert h.r.llen(node_processing_key(agent.node_id)) == 1  # taken, not yet acknowledged
+    assert h.r.llen(node_processing_key(str(agent.node_id))) == 1  # taken, not yet acknowledged
     res = h.controller.result(cid, timeout=20)
     assert res["ok"]
-    wait(lambda: h.r.llen(node_processing_key(agent.node_id)) == 0)
+    wait(lambda: h.r.llen(node_processing_key(str(agent.node_id))) == 0)
     assert len(h.controller.results_for(cid)) == 1
 
 
@@ -392,7 +392,7 @@ def test_a_duplicate_command_id_runs_once(h: Harness) -> None:
     agent = h.start()
     cid = h.send(agent, "rescan_models")
     h.controller.result(cid)
-    wait(lambda: h.r.llen(node_processing_key(agent.node_id)) == 0)
+    wait(lambda: h.r.llen(node_processing_key(str(agent.node_id))) == 0)
     h.send(agent, "rescan_models", cid=cid)  # re-delivered
     marker = h.send(agent, "rpc_start")
     h.controller.result(marker)  # commands run in order, so the duplicate was seen by now
@@ -400,7 +400,7 @@ def test_a_duplicate_command_id_runs_once(h: Harness) -> None:
     first, again = (r["payload"] for r in h.controller.results_for(cid))
     assert first["ok"] and again["ok"] is False and again["code"] == "command_replayed"
     assert len([r for r in h.controller.reports if r["kind"] == "models"]) == 1
-    wait(lambda: h.r.llen(node_processing_key(agent.node_id)) == 0)
+    wait(lambda: h.r.llen(node_processing_key(str(agent.node_id))) == 0)
 
 
 def test_a_command_left_in_processing_by_a_crash_runs_after_restart(h: Harness) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -50,7 +51,7 @@ def test_scan_finds_gguf_files_and_resolve_finds_them_by_sha(tmp_path: Path) -> 
 
 
 def ranged_server(data: bytes, *, fail_after: int | None = None, corrupt_times: int = 0):  # type: ignore[no-untyped-def]
-    state = {"requests": [], "corrupt": corrupt_times, "failed": False}
+    state: dict[str, Any] = {"requests": [], "corrupt": corrupt_times, "failed": False}
 
     def handler(request: httpx.Request) -> httpx.Response:
         rng = request.headers.get("Range")

@@ -12,10 +12,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
+from agent.protocol import LoadPrimaryPayload
 from agent.runtime import LoadFailed
 from agent.runtime.ggml import load_llama_cpp_backends
 from agent.runtime.rpc_worker import RpcWorker
@@ -136,13 +137,13 @@ def test_a_split_across_two_rpc_workers_generates_what_a_local_run_does(
     plan["deployment_id"] = "dep-split"
     primary = ServerPrimary(
         node_id="node-rt",
-        plan=plan,
+        plan=cast(LoadPrimaryPayload, plan),
         model_path=MODEL,
         redis_client=redis_client,
         redis_url=REDIS_URL,  # type: ignore[arg-type]
         log_path=tmp_path / "primary.log",
         on_event=events,
-        on_job_finished=finished.append,
+        on_job_finished=lambda p: finished.append(dict(p)),
         on_exit=lambda d: None,
     )
     try:
@@ -207,7 +208,7 @@ def test_a_plan_naming_an_unreachable_worker_fails_to_load_cleanly(
     }
     primary = ServerPrimary(
         node_id="node-rt",
-        plan=plan,
+        plan=cast(LoadPrimaryPayload, plan),
         model_path=MODEL,
         redis_client=redis_client,
         redis_url=REDIS_URL,  # type: ignore[arg-type]
@@ -274,8 +275,10 @@ def _batching_primary(
         "n_gpu_layers": 0, "n_ctx": 256, "n_parallel": 4, "n_threads": 2, **plan_extra,
     }  # fmt: skip
     return ServerPrimary(
-        node_id="node-rt", plan=plan, model_path=MODEL, redis_client=redis_client, redis_url=REDIS_URL,  # type: ignore[arg-type]
-        log_path=tmp_path / "batch.log", on_event=Events(), on_job_finished=finished.append, on_exit=lambda d: None,
+        node_id="node-rt", plan=cast(LoadPrimaryPayload, plan), model_path=MODEL,
+        redis_client=redis_client, redis_url=REDIS_URL,  # type: ignore[arg-type]
+        log_path=tmp_path / "batch.log", on_event=Events(),
+        on_job_finished=lambda p: finished.append(dict(p)), on_exit=lambda d: None,
     )  # fmt: skip
 
 

@@ -107,10 +107,10 @@ def test_kv_blocks_from_events_say_how_much_of_a_sequence_is_cached() -> None:
 def test_the_engine_is_told_to_publish_kv_events_to_loopback_only() -> None:
     import json
 
-    args = server_args(_plan(), Path("/m"), 4321, "tcp://127.0.0.1:5999")
+    args = server_args(validate_plan_shape(_plan()), Path("/m"), 4321, "tcp://127.0.0.1:5999")
     config = json.loads(args[args.index("--kv-events-config") + 1])
     assert config["endpoint"] == "tcp://127.0.0.1:5999" and config["publisher"] == "zmq"
-    assert "--kv-events-config" not in server_args(_plan(), Path("/m"), 4321)
+    assert "--kv-events-config" not in server_args(validate_plan_shape(_plan()), Path("/m"), 4321)
 
 
 def test_a_model_directory_linked_into_the_models_dir_is_offered(tmp_path: Path) -> None:

@@ -190,10 +190,10 @@ def test_chat_stream_matches_vllm_direct(primary: tuple[VllmPrimary, list[Any]])
     # (whole blocks of the prompt and the answer).
     key = kv_held_key(p.node_id, p.deployment_id)
     end = time.monotonic() + 60
-    while not (r.get(key) and json.loads(r.get(key)).get("0")):
+    while not json.loads(r.get(key) or "{}").get("0"):
         assert time.monotonic() < end, f"no KV events for slot 0: {r.get(key)}"
         time.sleep(0.2)
-    held = json.loads(r.get(key))["0"]
+    held = json.loads(r.get(key) or "{}")["0"]
     assert 0 < held <= len(prompt_ids) + len(ids) and held % p.kv.block_size == 0, held
 
     # A second attempt resuming after the first 6 tokens continues with the same tokens.

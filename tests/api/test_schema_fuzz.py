@@ -96,7 +96,7 @@ def _send(client: Client, case: Any) -> Response:
     if isinstance(body, str):
         body = body.encode()
     headers = {
-        k: v
+        k: str(v, "latin-1") if isinstance(v, bytes) else v
         for k, v in prepared.headers.items()
         if k.lower() not in ("content-length", "content-type")
     }
@@ -105,13 +105,14 @@ def _send(client: Client, case: Any) -> Response:
         prepared.method or "GET",
         prepared.path_url,
         data=body,
-        content_type=prepared.headers.get("Content-Type", "application/octet-stream"),
+        content_type=str(prepared.headers.get("Content-Type", "application/octet-stream")),
         headers=headers,
     )
     elapsed = time.perf_counter() - started
-    content = (
-        b"".join(resp.streaming_content) if getattr(resp, "streaming", False) else resp.content
+    streamed = (
+        getattr(resp, "streaming_content", None) if getattr(resp, "streaming", False) else None
     )
+    content = b"".join(streamed) if streamed is not None else resp.content
     return Response(
         status_code=resp.status_code,
         headers={k: [v] for k, v in resp.headers.items()},

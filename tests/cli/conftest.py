@@ -4,8 +4,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import Result
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from racon_cli.main import app
 from tests.e2e.harness import Controller

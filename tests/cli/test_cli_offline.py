@@ -134,7 +134,7 @@ def test_diagnose_of_a_node_the_endpoint_does_not_know_passes_the_reason_on(
             )
         return _nodes(request) or httpx.Response(404)
 
-    res = _run(monkeypatch, tmp_path, handler, "diagnose", NODE["id"])
+    res = _run(monkeypatch, tmp_path, handler, "diagnose", str(NODE["id"]))
     assert (
         res.exit_code == EXIT_API and one_error_line(res) == "error: 404 not found: node vanished"
     )

@@ -343,7 +343,7 @@ def join_env(hh: Household, host: str, home: Path, **extra: str) -> dict[str, st
         if os.environ.get("RACON_LLAMA_BACKENDS")
         else {}
     )
-    return clean_env(home, RACON_NODE_NAME=host, GGML_NO_BACKTRACE="1", **backends, **extra)
+    return clean_env(home, {**backends, **extra}, RACON_NODE_NAME=host, GGML_NO_BACKTRACE="1")
 
 
 def run_line(

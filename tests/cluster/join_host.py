@@ -47,16 +47,14 @@ def host_env(cl: Cluster, host: str, home: Path, name: str) -> dict[str, str]:
     name, the address peers reach it on and its RPC port): nothing from this process."""
     return clean_env(
         home,
+        # A machine's own choice of llama.cpp backends travels with it (GPU nodes, README).
+        {"RACON_LLAMA_BACKENDS": os.environ["RACON_LLAMA_BACKENDS"]}
+        if os.environ.get("RACON_LLAMA_BACKENDS")
+        else {},
         RACON_NODE_NAME=name,
         RACON_ADVERTISE_ADDRESS=cl.hosts[host].address,
         RACON_RPC_PORT=str(RPC_PORT),
         GGML_NO_BACKTRACE="1",
-        # A machine's own choice of llama.cpp backends travels with it (GPU nodes, README).
-        **(
-            {"RACON_LLAMA_BACKENDS": os.environ["RACON_LLAMA_BACKENDS"]}
-            if os.environ.get("RACON_LLAMA_BACKENDS")
-            else {}
-        ),
     )
 
 

@@ -19,6 +19,7 @@ The fixture (`household_lan`, tests/cluster/conftest.py) is shared by the sessio
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import socket
@@ -555,7 +556,7 @@ def test_from_the_intruder_a_nodes_ggml_rpc_and_llama_server_are_out_of_reach(
         for addr, port in found:
             assert addr in ("127.0.0.1", "::1"), f"llama-server listens on {addr}:{port}"
             servers.append((target, address, port))
-        said = lan.hh.call("intruder", lambda a=address: probe(a, 50052))
+        said = lan.hh.call("intruder", functools.partial(probe, address, 50052))
         print(f"intruder -> {target} ggml-rpc {address}:50052: {said}")
         assert "ANSWERED" not in said, f"{target}: {said}"
         # The probe reached the node: its RPC tunnel logged the refusal of the intruder.
@@ -574,7 +575,7 @@ def test_from_the_intruder_a_nodes_ggml_rpc_and_llama_server_are_out_of_reach(
         servers.append(("controller", lan.ctl.address, port))
     assert servers, "the split deployments' primaries run a llama-server"
     for target, address, port in servers:
-        said = lan.hh.call("intruder", lambda a=address, p=port: probe(a, p))
+        said = lan.hh.call("intruder", functools.partial(probe, address, port))
         print(f"intruder -> {target} llama-server {address}:{port}: {said}")
         assert said.startswith("refused"), said
 

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.credits.urls")]
 GiB = 1024**3
 
 
-def node_auth(node: Node, credential: str = "cred") -> dict[str, str]:
+def node_auth(node: Node, credential: str = "cred") -> dict[str, Any]:
     return {"HTTP_AUTHORIZATION": f"Node {node.id}:{credential}"}
 
 

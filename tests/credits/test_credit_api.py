@@ -25,7 +25,7 @@ from tests.factories import (
 )
 
 pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.credits.urls")]
-OPERATOR = {"HTTP_AUTHORIZATION": "Bearer test-operator-key"}
+OPERATOR: dict[str, Any] = {"HTTP_AUTHORIZATION": "Bearer test-operator-key"}
 
 
 @pytest.fixture

@@ -148,6 +148,7 @@ def run_steps(cfg: dict[str, Any], steps: list[tuple[Any, ...]]) -> None:
         charged = entry.data["charged"]
         assert 0 <= charged <= entry.data["cost"] and entry.data["held"] == hold
         # the consumer gets back exactly the hold less the charge (its own earnings are separate legs)
+        assert job.account_id is not None
         refund = entry.postings.filter(account_id=job.account_id, beneficiary__isnull=True)
         assert sum(p.amount for p in refund) == hold - charged
         paid = sum(p.amount for p in entry.postings.filter(beneficiary__isnull=False))

@@ -4,7 +4,7 @@ standby reward pays for its VRAM only once apps/nodes/gpu_challenges.py verified
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -39,23 +39,17 @@ def gpu(**over: Any) -> dict[str, Any]:
 def test_an_unverified_gpus_vram_earns_no_standby_until_its_challenge_passes(
     standby: Any, now: Any
 ) -> None:
-    claims: Node = cast(
-        Node,
-        NodeFactory(
-            hardware=hardware_profile(gpus=[gpu()]),
-            ram_available=8 * GIB,
-            vram_free=80 * GIB,
-            state_changed_at=now - timedelta(hours=2),
-        ),
+    claims: Node = NodeFactory(
+        hardware=hardware_profile(gpus=[gpu()]),
+        ram_available=8 * GIB,
+        vram_free=80 * GIB,
+        state_changed_at=now - timedelta(hours=2),
     )
-    verified: Node = cast(
-        Node,
-        NodeFactory(
-            hardware=hardware_profile(gpus=[gpu(verified_gflops=50_000.0)]),
-            ram_available=8 * GIB,
-            vram_free=80 * GIB,
-            state_changed_at=now - timedelta(hours=2),
-        ),
+    verified: Node = NodeFactory(
+        hardware=hardware_profile(gpus=[gpu(verified_gflops=50_000.0)]),
+        ram_available=8 * GIB,
+        vram_free=80 * GIB,
+        state_changed_at=now - timedelta(hours=2),
     )
     credit_standby_reward(now=now)
     # One period (10 min) at 1000 µ/GiB·h: 8 GiB for the claim alone, 88 GiB once verified.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -305,7 +306,7 @@ def replica_per_node(
         return bool(d["state"] == "READY")
 
     for dep_id in deps.values():
-        wait_for(lambda dep_id=dep_id: ready(dep_id), 180, "every replica READY")
+        wait_for(functools.partial(ready, dep_id), 180, "every replica READY")
     return deps
 
 

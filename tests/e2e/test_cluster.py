@@ -58,9 +58,11 @@ def direct_local_run(model_path: Path, times: int = 3) -> list[str]:
         model_path=str(model_path), n_ctx=N_CTX, n_threads=2, flash_attn=True, verbose=False
     )  # the primary runs -fa auto
     texts = [
-        llm.create_chat_completion(messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)[
-            "choices"
-        ][0]["message"]["content"]
+        str(
+            llm.create_chat_completion(messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)[
+                "choices"
+            ][0]["message"]["content"]
+        )
         for _ in range(times)
     ]
     del llm

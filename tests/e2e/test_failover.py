@@ -9,6 +9,7 @@ the killed deployment is re-dispatched; a non-streamed request fails over the sa
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -83,7 +84,7 @@ def cluster(controller: Controller, serving_agents: StartAgents) -> dict[str, An
     agents, _ = serving_agents("failover", names, MODEL)
     deps = [_replica(controller, n) for n in names]
     for d in deps:
-        wait_for(lambda d=d: _ready(d), 180, "both replicas READY")
+        wait_for(functools.partial(_ready, d), 180, "both replicas READY")
     headers = consumer_headers("failover-consumer")
     # The greedy reference, run alone (CLARIFICATIONS, "Output identity").
     ref = chat_ok(controller, headers, GREEDY)

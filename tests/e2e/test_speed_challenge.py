@@ -5,6 +5,7 @@ figure follows."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def test_an_honest_claim_is_confirmed_and_an_inflated_one_is_cut_by_timed_work(
                         ctl, tok, name, tmp_path, extra=["--hardware-profile", str(profile)]
                     )
                 )
-                got = wait_for(lambda n=n: verdicts(n), 120, f"{name}'s speed challenge")
+                got = wait_for(functools.partial(verdicts, n), 120, f"{name}'s speed challenge")
             # The inflated claim's work is sized to its claim, and given 10x that time: on a loaded
             # machine the honest answer can come too late, which fails the claim outright.
             assert got["honest"] == "SPEED_VERIFIED" and got["inflated"] in (

@@ -88,7 +88,7 @@ def test_a_draining_node_moves_its_deployment_first_and_is_drained_after_its_las
     )
     assert Deployment.objects.get(pk=old.pk).state == DeploymentState.STOPPED
     assert Node.objects.get(pk=a.pk).state == S.DRAINED
-    events = list(
+    events: list[tuple[Any, ...]] = list(
         Event.objects.order_by("created_at", "id").values_list("kind", "job_id", "node_id")
     )
     completed = events.index(("JOB_COMPLETED", job.id, None))

@@ -16,7 +16,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -98,7 +98,7 @@ def model(tmp_path: Path) -> Model:
 def small_node() -> Node:
     """A READY node too small for any new placement: the dead replica's automatic replacement is
     refused at once, so the failover goes to the one other serving deployment, deterministically."""
-    node = cast(Node, NodeFactory(ram_total=1, ram_available=1))
+    node = NodeFactory(ram_total=1, ram_available=1)
     node.hardware["memory"] = {"total": 1, "available": 1}
     node.save()
     return node

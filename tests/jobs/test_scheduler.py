@@ -27,7 +27,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
-def _smollm2() -> Path:
+def _smollm2_path() -> Path:
     """The real model: checkout, user cache, else downloaded once (tests/smollm2.py)."""
     from tests.smollm2 import NAME, smollm2_path
 
@@ -37,7 +37,7 @@ def _smollm2() -> Path:
         return Path(__file__).resolve().parents[2] / "var" / "models" / NAME
 
 
-SMOLLM2 = _smollm2()
+SMOLLM2 = _smollm2_path()
 
 
 @functools.cache

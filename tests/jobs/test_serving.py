@@ -89,7 +89,7 @@ def test_a_free_slot_dispatches_at_once_with_the_hold_in_the_jobs_transaction(mo
     assert held == [(adm.job_id, JobState.QUEUED)]
     assert Job.objects.get(pk=adm.job_id).state == JobState.DISPATCHED
     assert admission.slots_in_use([dep.id]) == {str(dep.id): 1}
-    command = json.loads(get_redis().lindex(node_queue_key(str(dep.primary_id)), 0))
+    command = json.loads(get_redis().lrange(node_queue_key(str(dep.primary_id)), 0, 0)[0])
     assert command["kind"] == "run_job" and command["payload"]["job_id"] == adm.job_id
     assert adm.prompt_bound is not None and adm.prompt_bound > 0
 
@@ -105,7 +105,7 @@ def test_a_refused_hold_leaves_no_job_no_slot_and_tells_the_primary_to_cancel(mo
     assert not Job.objects.exists()
     assert admission.slots_in_use([dep.id]) == {str(dep.id): 0}
     # The run_job was pushed before the row: the primary finds the cancel flag.
-    command = json.loads(get_redis().lindex(node_queue_key(str(dep.primary_id)), 0))
+    command = json.loads(get_redis().lrange(node_queue_key(str(dep.primary_id)), 0, 0)[0])
     assert get_redis().get(job_cancel_key(command["payload"]["job_id"], str(dep.primary_id))) == "1"
 
 

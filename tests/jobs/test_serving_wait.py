@@ -107,6 +107,7 @@ def test_a_request_while_the_only_node_is_still_registering_waits_and_is_served_
     with FakeAgents([str(node.id)]):
         adm = open_(model)  # no deployment yet: one is created, and its placement is refused
         first = adm.deployment_id
+        assert first is not None
 
         def turn_ready() -> None:
             try:

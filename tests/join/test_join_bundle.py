@@ -88,7 +88,7 @@ def own() -> tuple[str, str]:
 def run_line(home: Path, **extra: str) -> subprocess.CompletedProcess[str]:
     _, token = enrollment_token_issue(account_id=AccountFactory().id, label="b", now=timezone.now())
     line = join.join_command_line(token=token)
-    env = clean_env(home, with_python=False, RACON_JOIN_ROUTE="bundle", **extra)
+    env = clean_env(home, extra, with_python=False, RACON_JOIN_ROUTE="bundle")
     return subprocess.run(
         ["sh", "-c", line + " -s -- --node-name b1"], capture_output=True, text=True, env=env,
         cwd=home / "work", timeout=120,

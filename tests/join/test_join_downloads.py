@@ -62,7 +62,7 @@ def run_line(token: str, home: Path, **extra: str) -> subprocess.CompletedProces
     route has its own tests (tests/join/test_join_bundle.py), and asking for it here would have
     the controller build a bundle for this fake wheelhouse first."""
     line = join.join_command_line(token=token)
-    env = clean_env(home, **{"RACON_JOIN_ROUTE": "python", **extra})
+    env = clean_env(home, {"RACON_JOIN_ROUTE": "python", **extra})
     return subprocess.run(
         ["sh", "-c", line], capture_output=True, text=True, env=env,
         cwd=home / "work", timeout=120,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.test import Client
@@ -25,10 +26,10 @@ from tests.support.join import ROOT, clean_env, system_python312
 pytestmark = pytest.mark.django_db
 
 
-def issue(**kw: object) -> tuple[EnrollmentToken, str]:
+def issue(**kw: Any) -> tuple[EnrollmentToken, str]:
     return enrollment_token_issue(
         account_id=AccountFactory().id, label="join", now=timezone.now(), **kw
-    )  # type: ignore[arg-type]
+    )
 
 
 def run_sh(script: str, home: Path, **env_kw: object) -> subprocess.CompletedProcess[str]:

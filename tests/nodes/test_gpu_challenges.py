@@ -9,7 +9,7 @@ import json
 import threading
 import time
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
@@ -64,7 +64,7 @@ def gpu_node(*, claimed: float | None = None, software: bool = False) -> Node:
         gpu["gflops"] = claimed
     if software:
         gpu["software"] = True
-    return cast(Node, NodeFactory(hardware=hardware_profile(gpus=[gpu])))
+    return NodeFactory(hardware=hardware_profile(gpus=[gpu]))
 
 
 class GpuAgent(threading.Thread):

@@ -87,7 +87,7 @@ def test_random_transition_sequences_follow_the_table_and_log_every_move(steps: 
     from django.utils import timezone
 
     node = NodeFactory(state=S.UNINITIALIZED)
-    state = S.UNINITIALIZED
+    state: str = S.UNINITIALIZED
     moves = flips = 0
     flips_before = int(get_redis().get(BUSY_FLIPS_KEY) or 0)
     for target in steps:

@@ -232,6 +232,16 @@ def test_credits_minted_spent_and_burned_follow_the_ledger(
     settings.CREDITS_MICRO_PER_TOKEN = 1_000
     account = account_for_user(user=UserFactory())
     credit_adjust(account_id=account.id, amount=-1_000_000, reason="correction", now=now)
+
+    def hold(j: Job) -> None:
+        credit_reserve(
+            account_id=j.account_id,
+            job_id=j.id,
+            max_tokens=j.max_tokens,
+            model_price_permille=j.model.price_weight_permille,
+            now=now,
+        )
+
     job = job_create(
         model=model_file.model,
         account_id=account.id,
@@ -242,13 +252,7 @@ def test_credits_minted_spent_and_burned_follow_the_ledger(
         stream=False,
         request_id="r",
         now=now,
-        hold=lambda j: credit_reserve(
-            account_id=j.account_id,
-            job_id=j.id,
-            max_tokens=j.max_tokens,
-            model_price_permille=j.model.price_weight_permille,
-            now=now,
-        ),
+        hold=hold,
     )
     Job.objects.filter(pk=job.id).update(state="RUNNING", dispatched_at=now)
     job_complete(

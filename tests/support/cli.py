@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from click.testing import Result
+from typer.testing import Result
 
 Run = Callable[..., Result]
 

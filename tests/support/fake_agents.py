@@ -7,7 +7,7 @@ import hashlib
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 from django.utils import timezone
 
@@ -80,7 +80,7 @@ class FakeAgents:
             data = f.read(p["length"]) if honest else b"not the file"
         return hashlib.sha256(bytes.fromhex(p["nonce"]) + data).hexdigest()
 
-    def __enter__(self) -> FakeAgents:
+    def __enter__(self) -> Self:
         self.thread.start()
         return self
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,16 @@ def system_python312() -> str:
     return path
 
 
-def clean_env(home: Path, *, with_python: bool = True, **extra: str) -> dict[str, str]:
+def clean_env(
+    home: Path,
+    env_extra: Mapping[str, str] | None = None,
+    *,
+    with_python: bool = True,
+    **extra: str,
+) -> dict[str, str]:
     """A machine that has never seen the repository: scratch HOME, no user site-packages, no pip
-    cache, a PATH with only the system directories (and a python3.12 when asked)."""
+    cache, a PATH with only the system directories (and a python3.12 when asked); ``env_extra``
+    and ``extra`` are added to it."""
     bin_dir = home / ".bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     if with_python:
@@ -56,5 +64,6 @@ def clean_env(home: Path, *, with_python: bool = True, **extra: str) -> dict[str
                 == 0
             ):
                 pytest.skip(f"{found} is Python 3.12+: cannot simulate a machine without it")
+    env.update(env_extra or {})
     env.update(extra)
     return env

@@ -9,7 +9,7 @@ from apps.credits.models import Receipt
 from apps.jobs.models import Deployment, Job
 from apps.nodes.models import Node
 
-HTMX = {"HTTP_HX_REQUEST": "true"}
+HTMX: dict[str, Any] = {"HTTP_HX_REQUEST": "true"}
 
 
 @dataclass
