@@ -286,6 +286,7 @@ def main() -> int:
                 anchor.wait(10)
             except subprocess.TimeoutExpired:
                 anchor.kill()
+    print(f"== done; {load_average()} ==", flush=True)
     return 0
 
 
