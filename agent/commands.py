@@ -13,7 +13,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
@@ -43,6 +43,7 @@ from agent.protocol import (
     SAMPLING_DEFAULTS,
     JobFinishedPayload,
     LoadPrimaryPayload,
+    RunJobPayload,
     is_private_address,
     job_cancel_key,
     probe_key,
@@ -351,7 +352,7 @@ class Commands:
             raise CommandError(error)
         return {"job_id": job_id, "accepted": True}
 
-    def _submit_job(self, primary: PrimaryHandle, job: dict[str, Any]) -> str | None:
+    def _submit_job(self, primary: PrimaryHandle, job: RunJobPayload) -> str | None:
         """Hand a job to its primary; on failure end the job and return why."""
         try:
             primary.submit(job)
@@ -775,7 +776,7 @@ def _load_result(dep_id: str, model: Path, loaded: dict[str, Any]) -> dict[str, 
     }
 
 
-def validate_job(payload: dict[str, Any]) -> dict[str, Any]:
+def validate_job(payload: Mapping[str, Any]) -> RunJobPayload:
     """A run_job payload checked, with the defaults filled in (SAMPLING_DEFAULTS for sampling)."""
     job = dict(payload)
     if not isinstance(job.get("deployment_id"), str) or not job["deployment_id"]:
@@ -814,7 +815,7 @@ def validate_job(payload: dict[str, Any]) -> dict[str, Any]:
         raise CommandError("malformed run_job: 'stop' must be a list of strings")
     job["stop"] = stop
     _validate_agentic(job)
-    return job
+    return cast(RunJobPayload, job)  # every field it reads was checked above
 
 
 def _validate_agentic(job: dict[str, Any]) -> None:

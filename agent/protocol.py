@@ -247,12 +247,14 @@ class RunJobPayload(TypedDict):
     messages: NotRequired[list[dict[str, Any]]]
     prompt: NotRequired[str]
     max_tokens: int
-    temperature: float
-    top_p: float
+    # The sampling fields: a controller always sends them; the agent fills a missing one from
+    # SAMPLING_DEFAULTS (agent.commands.validate_job), so a reader may find them all.
+    temperature: NotRequired[float]
+    top_p: NotRequired[float]
     stop: list[str]
     seed: NotRequired[int | None]
-    presence_penalty: float
-    frequency_penalty: float
+    presence_penalty: NotRequired[float]
+    frequency_penalty: NotRequired[float]
     attempt: NotRequired[int]  # the job attempt (1 first; failover adds one); stamped on entries
     resume_tokens: NotRequired[list[int]]  # failover: token ids an earlier attempt streamed
     # Tools (docs/design/serving.md, "Tool calls, structured output and logprobs"): OpenAI's
@@ -268,6 +270,8 @@ class RunJobPayload(TypedDict):
     # KV cache coordinator (docs/design/serving.md): the llama-server slot to run in, the one
     # holding the conversation's prefix; absent or -1: llama-server picks one
     id_slot: NotRequired[int]
+    # Set by the agent when the command arrives (the job's TTFT counts from it); never sent.
+    _received_at: NotRequired[float]
 
 
 class SamplingParams(TypedDict):

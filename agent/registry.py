@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from agent.protocol import JobFinishedPayload, LoadPrimaryPayload
+from agent.protocol import JobFinishedPayload, LoadPrimaryPayload, RunJobPayload
 from agent.runtime import PrimaryHandle
 
 
@@ -30,7 +30,7 @@ class Deployment:
     state: DeploymentState = DeploymentState.LOADING
     primary: PrimaryHandle | None = None
     loading: PrimaryHandle | None = None  # the handle while load() runs, so shutdown can stop it
-    pending: list[dict[str, Any]] = field(default_factory=list)  # jobs that arrived while loading
+    pending: list[RunJobPayload] = field(default_factory=list)  # jobs that arrived while loading
     result: dict[str, Any] = field(default_factory=dict)
 
 
@@ -73,7 +73,7 @@ class DeploymentRegistry:
 
     def mark_loaded(
         self, dep_id: str, primary: PrimaryHandle, result: dict[str, Any]
-    ) -> list[dict[str, Any]] | None:
+    ) -> list[RunJobPayload] | None:
         """LOADING → LOADED; returns the jobs that waited for it, or None if it was removed."""
         with self._lock:
             dep = self._deployments.get(dep_id)
@@ -107,7 +107,7 @@ class DeploymentRegistry:
 
     # --- jobs -----------------------------------------------------------------------------------
 
-    def add_job(self, job: dict[str, Any]) -> tuple[Deployment | None, bool]:
+    def add_job(self, job: RunJobPayload) -> tuple[Deployment | None, bool]:
         """Track a job on its deployment: (the deployment or None, whether it waits for the load)."""
         with self._lock:
             dep = self._deployments.get(job["deployment_id"])

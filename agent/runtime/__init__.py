@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
-from agent.protocol import JobFinishedPayload, LoadPrimaryPayload
+from agent.protocol import JobFinishedPayload, LoadPrimaryPayload, RunJobPayload
 
 if TYPE_CHECKING:
     from agent.tunnel import TunnelTls
@@ -64,7 +64,7 @@ class PrimaryHandle(Protocol):
 
     def load(self) -> dict[str, Any]: ...
 
-    def submit(self, job: dict[str, Any]) -> None: ...
+    def submit(self, job: RunJobPayload) -> None: ...
 
     def cancel(self, job_id: str) -> bool: ...
 

@@ -19,6 +19,7 @@ from agent.protocol import (
     JobFinishedPayload,
     LoadPrimaryPayload,
     PublicAddressError,
+    RunJobPayload,
     StreamUsage,
     is_private_address,
 )
@@ -160,12 +161,12 @@ class FakePrimary:
             "load_log": [],
         }
 
-    def submit(self, job: dict[str, Any]) -> None:
+    def submit(self, job: RunJobPayload) -> None:
         if not self._alive:
             raise LoadFailed(f"deployment {self.deployment_id}: primary process is not running")
         with self._lock:
             self._jobs[job["job_id"]] = threading.Event()
-        self._q.put(job)
+        self._q.put(dict[str, Any](job))
 
     def cancel(self, job_id: str) -> bool:
         with self._lock:

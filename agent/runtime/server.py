@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from agent.protocol import (
     SAMPLING_DEFAULTS,
     JobFinishedPayload,
     LoadPrimaryPayload,
+    RunJobPayload,
     StreamUsage,
     job_cancel_key,
 )
@@ -361,10 +362,10 @@ class ServerPrimary:
 
     # --- jobs ---------------------------------------------------------------------------------
 
-    def submit(self, job: dict[str, Any]) -> None:
+    def submit(self, job: RunJobPayload) -> None:
         if not self.alive:
             raise LoadFailed(f"deployment {self.deployment_id}: primary process is not running")
-        j = _Job(job)
+        j = _Job(dict[str, Any](job))  # the runtime reads the job as the JSON it came as
         with self._lock:
             self._jobs[job["job_id"]] = j
         j.thread = threading.Thread(
@@ -892,7 +893,7 @@ def template_has_tools(props: dict[str, Any]) -> bool:
     return bool(caps.get("supports_tools") and caps.get("supports_tool_calls"))
 
 
-def _completion_body(job: dict[str, Any], prompt: str | list[Any]) -> dict[str, Any]:
+def _completion_body(job: Mapping[str, Any], prompt: str | list[Any]) -> dict[str, Any]:
     """/completion's body: the job's own sampling, every token id returned, the slot's prompt cache on."""
     max_tokens = int(job.get("max_tokens") or 0)
     body: dict[str, Any] = {

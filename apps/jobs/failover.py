@@ -115,19 +115,16 @@ def job_failover_dispatch(
         left = int(job.max_tokens) - len(resume_tokens)
         if job.state in JOB_TERMINAL or left <= 0:
             raise DeploymentError("job is no longer open")
-        payload = {
-            **job_run_payload(
-                job_id=job.id,
-                deployment_id=deployment.id,
-                kind=job.kind,
-                max_tokens=left,
-                params=job.params,
-            ),
-            "resume_tokens": list(resume_tokens),
-            "attempt": attempt,
-        }
-        if id_slot is not None:  # the llama-server slot the KV coordinator pinned it to
-            payload["id_slot"] = id_slot
+        payload = job_run_payload(
+            job_id=job.id,
+            deployment_id=deployment.id,
+            kind=job.kind,
+            max_tokens=left,
+            params=job.params,
+            id_slot=id_slot,  # the llama-server slot the KV coordinator pinned it to
+            attempt=attempt,
+            resume_tokens=list(resume_tokens),
+        )
         # An earlier attempt's failover on this same node set its cancel key (job_failover_begin):
         # left there, it would cancel this attempt as soon as the primary saw it (found by the
         # reliability suite: "The request was cancelled." after a failover back to a node).

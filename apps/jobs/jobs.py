@@ -12,11 +12,12 @@ import logging
 import uuid
 from collections.abc import Callable, Collection
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from django.db import transaction
 from django.db.models import Q, QuerySet, Sum
 
+from agent.protocol import RunJobPayload
 from apps.models_repo.models import Model
 from apps.nodes.commands import command_send, job_cancel_flag
 from apps.nodes.errors import ReportRefused
@@ -177,16 +178,37 @@ def job_create(
 
 
 def job_run_payload(
-    *, job_id: Any, deployment_id: Any, kind: str, max_tokens: int, params: dict[str, Any]
-) -> dict[str, Any]:
-    """The run_job command's payload (protocol.RunJobPayload)."""
-    return {
-        "job_id": str(job_id),
-        "deployment_id": str(deployment_id),
-        "kind": kind,
-        "max_tokens": max_tokens,
-        **params,
-    }
+    *,
+    job_id: Any,
+    deployment_id: Any,
+    kind: str,
+    max_tokens: int,
+    params: dict[str, Any],
+    id_slot: int | None = None,
+    attempt: int | None = None,
+    resume_tokens: list[int] | None = None,
+) -> RunJobPayload:
+    """The run_job command's payload. ``params`` is the job's stored request, the fields the /v1
+    serializers validated (messages or prompt, sampling, stop, tools...: RunJobPayload's own);
+    ``id_slot``: the llama-server slot the KV cache coordinator pinned; ``attempt`` and
+    ``resume_tokens``: a failover's."""
+    payload = cast(
+        RunJobPayload,
+        {
+            **params,
+            "job_id": str(job_id),
+            "deployment_id": str(deployment_id),
+            "kind": kind,
+            "max_tokens": max_tokens,
+        },
+    )
+    if id_slot is not None:
+        payload["id_slot"] = id_slot
+    if attempt is not None:
+        payload["attempt"] = attempt
+    if resume_tokens is not None:
+        payload["resume_tokens"] = resume_tokens
+    return payload
 
 
 def _record_dispatch(*, job: Job, deployment: Deployment, now: datetime) -> bool:
@@ -232,9 +254,8 @@ def job_dispatch(
             kind=job.kind,
             max_tokens=job.max_tokens,
             params=job.params,
+            id_slot=id_slot,
         )
-        if id_slot is not None:
-            payload["id_slot"] = id_slot
         command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
         if not _record_dispatch(job=job, deployment=deployment, now=now):
             job_cancel_flag(job_id=str(job.id), node_id=str(deployment.primary_id))

@@ -255,18 +255,17 @@ def _admission_start(*, adm: Admission, route: kvcache.Route, create: dict[str, 
         deployment_id=fast.id, job_id=job_id, cap=fast.n_parallel
     ):
         try:
+            slot = kvcache.slot_claim(
+                route=route, deployment_id=fast.id, job_id=job_id, n_parallel=fast.n_parallel
+            )
             payload = job_run_payload(
                 job_id=job_id,
                 deployment_id=fast.id,
                 kind=kind,
                 max_tokens=max_tokens,
                 params=params,
+                id_slot=slot,
             )
-            slot = kvcache.slot_claim(
-                route=route, deployment_id=fast.id, job_id=job_id, n_parallel=fast.n_parallel
-            )
-            if slot is not None:
-                payload["id_slot"] = slot
             command_send(node_id=fast.primary_id, kind="run_job", payload=payload)
             job_create(**create, dispatched_to=fast)
         except BaseException:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -71,7 +72,7 @@ def _credential_hash_of(node_id: str) -> str:
     return str(found or "")
 
 
-def command_send(*, node_id: Any, kind: str, payload: dict[str, Any]) -> str:
+def command_send(*, node_id: Any, kind: str, payload: Mapping[str, Any]) -> str:
     """Append a command, signed with the node's command key, to the node's own queue and
     remember which node it went to.
 
@@ -81,16 +82,16 @@ def command_send(*, node_id: Any, kind: str, payload: dict[str, Any]) -> str:
     issued_at = time.time()
     node = str(node_id)
     # Signed as the agent will read it back (int keys become strings, tuples lists).
-    payload = json.loads(json.dumps(payload))
+    wire: dict[str, Any] = json.loads(json.dumps(payload))
     key = node_command_key(node_id=node, credential_hash=_credential_hash_of(node))
     body = {
         "id": command_id,
         "kind": kind,
-        "payload": payload,
+        "payload": wire,
         "issued_at": issued_at,
         "node_id": node,
         "sig": command_signature(
-            key, node_id=node, command_id=command_id, kind=kind, payload=payload,
+            key, node_id=node, command_id=command_id, kind=kind, payload=wire,
             issued_at=issued_at,
         ),
     }  # fmt: skip

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import pytest
 
 from agent.commands import validate_job
-from agent.protocol import SAMPLING_DEFAULTS, JobFinishedPayload, LoadPrimaryPayload
+from agent.protocol import SAMPLING_DEFAULTS, JobFinishedPayload, LoadPrimaryPayload, RunJobPayload
 from agent.registry import DeploymentRegistry, DeploymentState
 from agent.runtime import PrimaryHandle
 from agent.state import CommandError
@@ -17,8 +17,10 @@ def plan(dep: str = "dep-1") -> LoadPrimaryPayload:
     return cast(LoadPrimaryPayload, {"deployment_id": dep, "model_name": "tiny", "sha256": "ab"})
 
 
-def job(job_id: str, dep: str = "dep-1") -> dict[str, Any]:
-    return {"job_id": job_id, "deployment_id": dep}
+def job(job_id: str, dep: str = "dep-1") -> RunJobPayload:
+    return validate_job(
+        {"job_id": job_id, "deployment_id": dep, "prompt": "x", "kind": "completion"}
+    )
 
 
 def test_a_job_for_a_loading_deployment_waits_and_is_handed_over_on_load() -> None:
@@ -80,7 +82,7 @@ def test_run_job_sampling_defaults_are_openais() -> None:
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
     }
-    assert {k: filled[k] for k in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS
+    assert {k: dict(filled)[k] for k in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS
     assert filled["max_tokens"] == 256 and filled["stop"] == []
 
 

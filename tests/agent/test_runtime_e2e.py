@@ -16,7 +16,8 @@ from typing import Any, cast
 
 import pytest
 
-from agent.protocol import LoadPrimaryPayload
+from agent.commands import validate_job
+from agent.protocol import LoadPrimaryPayload, RunJobPayload
 from agent.runtime import LoadFailed
 from agent.runtime.ggml import load_llama_cpp_backends
 from agent.runtime.rpc_worker import RpcWorker
@@ -231,14 +232,14 @@ STORY = [{"role": "user", "content": "Write a short story about a lighthouse kee
 COLOURS = [{"role": "user", "content": "List the colours of the rainbow, one per line."}]
 
 
-def _job(messages: list[dict[str, str]], redis_client: Any, **kw: Any) -> dict[str, Any]:
+def _job(messages: list[dict[str, str]], redis_client: Any, **kw: Any) -> RunJobPayload:
     job = {
         "job_id": new_job_id(redis_client), "deployment_id": "dep-batch", "kind": "chat",
         "messages": messages, "max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "stop": [],
         "presence_penalty": 0.0, "frequency_penalty": 0.0,
     }  # fmt: skip
     job.update(kw)
-    return job
+    return validate_job(job)  # as the agent takes a run_job
 
 
 def _wait_finished(
