@@ -365,8 +365,8 @@ class StreamEntry(TypedDict):
     seq: str
     type: Literal["chunk", "done", "error"]
     text: str
-    finish_reason: str
-    usage: str
+    finish_reason: NotRequired[str]  # done and error only
+    usage: NotRequired[str]  # done and error only
     attempt: NotRequired[str]  # the job attempt this entry belongs to ("1" when absent)
     ids: NotRequired[str]  # chunk: JSON list of the token ids it carries
     n: NotRequired[str]  # chunk: number of tokens (len(ids)); the controller sums these
@@ -374,6 +374,9 @@ class StreamEntry(TypedDict):
     # chunk, when the job asked for logprobs: JSON list, one per token of ``ids``, of OpenAI's
     # {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}
     probs: NotRequired[str]
+    # chunk of several tokens (coalesced): JSON list of each token's share of ``text`` in
+    # characters, so a reader can cut the chunk on a token boundary
+    lens: NotRequired[str]
 
 
 class StreamUsage(TypedDict):

@@ -24,7 +24,7 @@ import select
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from redis.backoff import NoBackoff
@@ -33,6 +33,7 @@ from redis.retry import Retry
 from agent.protocol import (
     STREAM_MAXLEN,
     STREAM_TTL_SECONDS,
+    StreamEntry,
     StreamUsage,
     job_cancel_key,
     job_stream_key,
@@ -63,7 +64,7 @@ _READ_BACK_SLACK = 64
 
 def entry(
     seq: int,
-    type_: str,
+    type_: Literal["chunk", "done", "error"],
     text: str = "",
     finish_reason: str = "",
     usage: Any = None,
@@ -73,13 +74,13 @@ def entry(
     code: str = "",
     probs: list[dict[str, Any]] | None = None,
     lens: list[int] | None = None,
-) -> dict[str, str]:
+) -> StreamEntry:
     """One stream entry (protocol.StreamEntry; docs/design/serving.md, the stream protocol).
 
     A chunk may carry several tokens (coalesced): ``lens`` gives each token's share of ``text``
     in characters, so a reader can cut the chunk on a token boundary; written only for more than
     one token (one token owns the whole text). A chunk has no ``finish_reason`` or ``usage``."""
-    out = {"seq": str(seq), "attempt": str(attempt), "type": type_, "text": text}
+    out: StreamEntry = {"seq": str(seq), "attempt": str(attempt), "type": type_, "text": text}
     if type_ == "chunk":
         out["ids"] = json.dumps(ids or [], separators=(",", ":"))
         if lens is not None and len(lens) > 1:
@@ -188,7 +189,7 @@ class StreamWriter:
             if entries:
                 self._write(entries)
 
-    def _write(self, entries: list[dict[str, str]]) -> None:
+    def _write(self, entries: list[StreamEntry]) -> None:
         final = entries[-1]["type"] != "chunk"
         pending = entries
         tries = 0
@@ -256,7 +257,7 @@ class StreamWriter:
         if cancelled:
             self.cancel.set()
 
-    def _send(self, entries: list[dict[str, str]], final: bool) -> bool:
+    def _send(self, entries: list[StreamEntry], final: bool) -> bool:
         """One batch in one transaction, one round trip; returns whether the cancel key is set.
 
         Sent on a client that never retries by itself (``no_retry_client``): a lost connection
@@ -272,7 +273,7 @@ class StreamWriter:
         self._expire_set = True
         return bool(results[-1])
 
-    def _not_landed(self, entries: list[dict[str, str]]) -> list[dict[str, str]]:
+    def _not_landed(self, entries: list[StreamEntry]) -> list[StreamEntry]:
         """The entries of a batch that are not in the stream: a transaction lands whole, so all
         of them or none, told by the newest entry of this attempt."""
         rows = self.r.xrevrange(self.key, count=len(entries) + _READ_BACK_SLACK)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from agent.protocol import job_stream_key
+from agent.protocol import StreamEntry, job_stream_key
 from agent.runtime.stream import DirectStreamWriter, StreamWriter, entry
 from racon.embedded import EmbeddedRedis, start_redis
 
@@ -200,5 +200,5 @@ def test_the_read_back_counts_only_this_attempts_entries(private_redis: Embedded
     client.close()
 
 
-def _chunks(w: StreamWriter, n: int) -> list[dict[str, str]]:
+def _chunks(w: StreamWriter, n: int) -> list[StreamEntry]:
     return [entry(w._next(), "chunk", f"t{i}", ids=[i], attempt=w.attempt) for i in range(n)]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
-from agent.protocol import node_queue_key
+from agent.protocol import StreamEntry, node_queue_key
 from agent.runtime.stream import DirectStreamWriter, entry
 from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
@@ -87,7 +87,9 @@ class HostilePrimary:
 
 def forged(w: DirectStreamWriter, text: str, ids: list[int], **fields: str) -> None:
     """One chunk entry as the agent writes it, with fields the node chose over it."""
-    w._write([{**entry(w._next(), "chunk", text, ids=ids, attempt=w.attempt), **fields}])
+    chosen: dict[str, object] = dict(entry(w._next(), "chunk", text, ids=ids, attempt=w.attempt))
+    chosen.update(fields)
+    w._write([cast(StreamEntry, chosen)])  # a node's stream is its claim, not the protocol
 
 
 def done(w: DirectStreamWriter, finish: str, completion_tokens: int) -> None:
