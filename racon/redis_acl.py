@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 from django.conf import settings
 
 from agent.protocol import node_key_pattern
+from racon.ids import NodeId
 
 log = logging.getLogger("racon.redis_acl")
 
@@ -48,7 +48,7 @@ class AclUnavailable(RuntimeError):
     """The controller's Redis user cannot manage ACL users (say which setting to change)."""
 
 
-def node_username(node_id: Any) -> str:
+def node_username(node_id: NodeId) -> str:
     return f"node-{node_id}"
 
 
@@ -57,7 +57,7 @@ def _admin() -> redis.Redis:
     return redis.Redis.from_url(settings.REDIS_URL, decode_responses=True, socket_timeout=10)
 
 
-def node_acl_grant(*, node_id: Any) -> str:
+def node_acl_grant(*, node_id: NodeId) -> str:
     """Create (or reset) the node's user with a new password; returns the password.
 
     Raises AclUnavailable when this Redis refuses ACL SETUSER (an old server, or a controller
@@ -68,7 +68,7 @@ def node_acl_grant(*, node_id: Any) -> str:
         "reset",
         "on",
         f">{password}",
-        f"~{node_key_pattern(str(node_id))}",
+        f"~{node_key_pattern(node_id)}",
         "resetchannels",
         *NODE_RULES,
     ]
@@ -86,7 +86,7 @@ def node_acl_grant(*, node_id: Any) -> str:
     return password
 
 
-def node_acl_revoke(*, node_id: Any) -> None:
+def node_acl_revoke(*, node_id: NodeId) -> None:
     """Delete the node's user; Redis drops its open connections with it."""
     client = _admin()
     try:
@@ -97,7 +97,7 @@ def node_acl_revoke(*, node_id: Any) -> None:
         client.close()
 
 
-def node_redis_url(*, node_id: Any) -> str:
+def node_redis_url(*, node_id: NodeId) -> str:
     """The Redis URL handed to a node at enrollment: its own user when NODE_REDIS_ACL is on."""
     base = settings.AGENT_REDIS_URL
     if not settings.NODE_REDIS_ACL:

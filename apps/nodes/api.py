@@ -25,6 +25,7 @@ from rest_framework.views import APIView
 from agent.protocol import PROTOCOL_VERSION, REPORT_KINDS, SUPPORTED_PROTOCOL_VERSIONS
 from apps.accounts.models import Account
 from apps.accounts.principal import request_account_id
+from racon import ids
 from racon.net import client_address
 from racon.pagination import LimitPagination
 from racon.redis_acl import AclUnavailable, node_redis_url
@@ -39,6 +40,7 @@ from .enrollment import (
     enrollment_token_issue,
     enrollment_token_revoke,
     hardware_bounds_errors,
+    node_authenticate,
     node_enroll,
     node_id_valid,
     node_reenroll_allow,
@@ -289,7 +291,7 @@ class AgentEnrollApi(APIView):
                     status=status.HTTP_400_BAD_REQUEST,
                 )
         try:
-            redis_url = node_redis_url(node_id=node.id)
+            redis_url = node_redis_url(node_id=ids.node_id(node.id))
         except AclUnavailable as exc:
             return Response(
                 {"error": {"message": str(exc), "code": "redis_acl_unavailable"}},
@@ -307,6 +309,50 @@ class AgentEnrollApi(APIView):
         return Response(
             body, status=status.HTTP_201_CREATED if enrollment.created else status.HTTP_200_OK
         )
+
+
+class AgentRedisApi(APIView):
+    """POST /api/agent/redis: the node's Redis URL as it is now (node credential).
+
+    An agent asks when its Redis stays unreachable or refuses its user: the controller's embedded
+    Redis starts empty on another port at each `make run`, and its ACL users live only in memory,
+    so the URL handed out at enrollment goes stale when the controller restarts. With NODE_REDIS_ACL
+    the node's user is granted again with a new password (racon/redis_acl.py), so only the caller
+    holds it; a revoked node gets 401 like everywhere else."""
+
+    authentication_classes: list[Any] = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(
+        request=None, responses={200: dict, 401: dict, 503: dict}, operation_id="agent_redis"
+    )
+    def post(self, request: Request) -> Response:
+        creds = node_credentials(request)
+        if creds is None:
+            return Response(
+                {
+                    "error": {
+                        "message": "missing or malformed 'Authorization: Node <id>:<credential>'",
+                        "code": "missing_credential",
+                    }
+                },
+                status=status.HTTP_401_UNAUTHORIZED,
+            )
+        try:
+            node = node_authenticate(node_id=creds[0], credential=creds[1])
+        except NodeAuthError as exc:
+            return Response(
+                {"error": {"message": str(exc), "code": exc.code}},
+                status=status.HTTP_401_UNAUTHORIZED,
+            )
+        try:
+            redis_url = node_redis_url(node_id=ids.node_id(node.id))
+        except AclUnavailable as exc:
+            return Response(
+                {"error": {"message": str(exc), "code": "redis_acl_unavailable"}},
+                status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            )
+        return Response({"redis_url": redis_url})
 
 
 class AgentProtocolApi(APIView):

@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from agent.protocol import is_private_address
+from racon import ids
 from racon.redis import get_redis
 from racon.redis_acl import node_acl_revoke
 
@@ -572,4 +573,4 @@ def node_revoke(*, node_id: Any, now: datetime) -> None:
         node_transition(node_id=node_id, to=S.OFFLINE, now=now, message="revoked")
     get_redis().delete(_meta_key(node_id))
     if settings.NODE_REDIS_ACL:
-        node_acl_revoke(node_id=node_id)  # and Redis drops the node's open connections
+        node_acl_revoke(node_id=ids.node_id(node_id))  # and Redis drops its open connections
