@@ -70,12 +70,26 @@ publish() {
   say "published to $dest"
 }
 
-if [ "$force" = 0 ] && [ -f "$out/$name" ] && [ -f "$out/manifest.json" ]; then
-  publish
-  say "cached: $out/$name ($(du -m "$out/$name" | cut -f1) MiB)"
-  echo "$out/$name"
-  exit 0
+use_cached() {
+  if [ "$force" = 0 ] && [ -f "$out/$name" ] && [ -f "$out/manifest.json" ]; then
+    publish
+    say "cached: $out/$name ($(du -m "$out/$name" | cut -f1) MiB)"
+    echo "$out/$name"
+    exit 0
+  fi
+}
+use_cached
+
+# One build at a time per cache (two checkouts' controllers, or a test beside a join): they share
+# the tools venv, which a second pip run would tear down under the first. The second waits, then
+# finds the first one's bundle when the key is the same.
+mkdir -p "$CACHE/bundle"
+exec 9>"$CACHE/bundle/.lock"
+if ! flock -n 9; then
+  say "another bundle build is running; waiting for it"
+  flock 9
 fi
+use_cached
 
 tools="$CACHE/bundle/tools/venv-$pyver"
 stamp="$tools/.racon-$(printf '%s %s' "$PYINSTALLER_VERSION" "$reqs" | sha256sum | cut -c1-16)"

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ _FLAG_RE = re.compile(r"^[a-z0-9_.]{1,40}$")
 _NAME_RE = re.compile(r"^node-agent-[A-Za-z0-9_.+-]{1,200}\.tar\.gz$")
 _build_lock = threading.Lock()
 _build: dict[str, subprocess.Popen[bytes]] = {}
+_build_failed_at: dict[int, float] = {}  # id(failed build) -> when it was first seen failed
+RETRY_AFTER_SECONDS = 60.0
 HOW_TO_BUILD = (
     "build one on a machine like this one with `racon bundle build` (from a checkout: "
     "scripts/build-bundle.sh) and have the operator upload it with `racon bundle upload FILE`; "
@@ -128,7 +131,11 @@ def start_build() -> bool:
         if proc is not None and proc.poll() is None:
             return True
         if proc is not None and proc.returncode != 0:
-            return False  # a failed build is not retried in a loop: its log says why
+            # A failed build is not retried in a loop (its log says why), but once the last try is
+            # RETRY_AFTER_SECONDS old: a transient failure must not need a controller restart.
+            failed_at = _build_failed_at.setdefault(id(proc), time.monotonic())
+            if time.monotonic() - failed_at < RETRY_AFTER_SECONDS:
+                return False
         log_path = Path(settings.VAR_DIR) / "build-bundle.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("building the agent bundle for %s, log: %s", own_platform_key(), log_path)

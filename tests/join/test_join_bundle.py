@@ -218,3 +218,27 @@ def test_the_wheelhouse_manifest_lists_the_bundle(served: Path, client: Client) 
         "sha256": f["sha256"],
     }  # fmt: skip
     assert all(s["abi"] != key for s in body.get("served", []))
+
+
+def test_a_failed_bundle_build_is_retried_after_a_pause_not_in_a_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    """A controller whose first build failed (two builds once clobbered a shared venv) builds
+    again once the failure is RETRY_AFTER_SECONDS old, without a restart."""
+    runs = tmp_path / "runs"
+    builder = tmp_path / "build-bundle.sh"
+    builder.write_text(f"#!/bin/sh\necho run >> {runs}\nexit 1\n")
+    builder.chmod(0o755)
+    settings.VAR_DIR = tmp_path / "var"
+    monkeypatch.setattr(bundles, "BUILDER", builder)
+    monkeypatch.setattr(bundles, "_build", {})
+    monkeypatch.setattr(bundles, "_build_failed_at", {})
+    assert bundles.start_build() is True
+    bundles._build["proc"].wait(timeout=30)
+    assert bundles.start_build() is False  # failed just now: not again at once
+    assert bundles.start_build() is False
+    assert runs.read_text().count("run") == 1
+    monkeypatch.setattr(bundles, "RETRY_AFTER_SECONDS", 0.0)
+    assert bundles.start_build() is True  # the pause is over: one more try
+    bundles._build["proc"].wait(timeout=30)
+    assert runs.read_text().count("run") == 2
