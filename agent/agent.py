@@ -17,6 +17,7 @@ The parts talk back through the callbacks they are given here, never through thi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -30,7 +31,7 @@ from agent.dispatcher import Dispatcher
 from agent.envelope import CommandGuard
 from agent.hardware import HardwareSource, hardware_source
 from agent.heartbeat import HeartbeatLoop
-from agent.identity import Identity, ensure_private_dir, load_identity
+from agent.identity import Identity, ensure_private_dir, load_identity, save_identity
 from agent.lending import (
     LendingMonitor,
     LendingPolicy,
@@ -102,7 +103,11 @@ class Agent:
         self._metrics: MetricsServer | None = None
         self.sha_cache = ShaCache(config.state_dir)
         self.registry = DeploymentRegistry()
-        self.redis = RedisLink(ca_file=ca)
+        # An operator's --redis-url is kept as given; the controller's is asked again when it
+        # goes stale (its Redis restarted elsewhere: agent/redis_link.py).
+        self.redis = RedisLink(
+            ca_file=ca, refresh=None if config.redis_url else self._redis_url_refresh
+        )
         self.outbox = Outbox(
             self.client,
             on_revoked=self._on_revoked,
@@ -308,6 +313,14 @@ class Agent:
         self.set_state(
             *lifecycle.runtime_checks(self.runtime, self.config, self.commands, self.outbox)
         )
+
+    def _redis_url_refresh(self) -> str:
+        """The node's Redis URL from the controller now, kept in the stored identity too."""
+        url = self.client.redis_url()
+        if self.identity is not None and url != self.identity.redis_url:
+            self.identity = dataclasses.replace(self.identity, redis_url=url)
+            save_identity(self.config.state_dir, self.identity)
+        return url
 
     def _adopt(self, identity: Identity) -> None:
         self.identity = identity

@@ -308,6 +308,15 @@ class ControllerClient:
             self.request("POST", "/api/agent/heartbeat", json=hb, retries=retries),
         )
 
+    def redis_url(self) -> str:
+        """The node's Redis URL as the controller has it now (POST /api/agent/redis): granted
+        again, for when the one from enrollment went stale (the controller's Redis restarted)."""
+        body = self.request("POST", "/api/agent/redis", retries=0)
+        url = body.get("redis_url") if isinstance(body, dict) else None
+        if not isinstance(url, str) or not url:
+            raise ControllerError("redis response lacks 'redis_url'")
+        return url
+
     def report(
         self, report: Report, *, retries: int | None = None, stop: threading.Event | None = None
     ) -> dict[str, Any]:

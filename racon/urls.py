@@ -20,6 +20,7 @@ from apps.nodes import gpu_challenge_api
 agent_urls = [
     path("enroll", nodes_api.AgentEnrollApi.as_view(), name="agent-enroll"),
     path("heartbeat", nodes_api.agent_heartbeat, name="agent-heartbeat"),
+    path("redis", nodes_api.AgentRedisApi.as_view(), name="agent-redis"),
     path("reports", jobs_api.AgentReportsApi.as_view(), name="agent-reports"),
     path("models/<str:sha256>", models_api.model_file_download, name="agent-model-file"),
     path("kv/<str:transfer_id>", kvtransfer_api.kv_blob, name="agent-kv-blob"),
