@@ -17,6 +17,7 @@ from apps.models_repo.models import Model
 from apps.nodes.commands import command_send, job_cancel_clear, job_cancel_flag
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
+from racon import ids
 from racon.redis import get_redis
 
 from . import admission, selectors
@@ -57,7 +58,7 @@ def job_failover_begin(
     if job is None or job.state in JOB_TERMINAL:
         return False
     admission.failover_begin(job_id=job_id, seconds=wait_seconds + 60)
-    job_cancel_flag(job_id=str(job_id), node_id=str(node_id))
+    job_cancel_flag(job_id=ids.job_id(job_id), node_id=ids.node_id(node_id))
     dep = job.deployment
     with transaction.atomic():
         if attempt == 1 and not JobAttempt.objects.filter(job_id=job_id).exists():
@@ -111,6 +112,8 @@ def job_failover_dispatch(
         deployment = Deployment.objects.get(
             pk=deployment.pk
         )  # placed while the caller waited: its primary now
+        if deployment.primary_id is None:  # a command to no node would sit in a "None" queue
+            raise DeploymentError(f"deployment {deployment.id} has no primary")
         job = Job.objects.only("id", "kind", "max_tokens", "params", "state").get(pk=job_id)
         left = int(job.max_tokens) - len(resume_tokens)
         if job.state in JOB_TERMINAL or left <= 0:
@@ -128,7 +131,7 @@ def job_failover_dispatch(
         # An earlier attempt's failover on this same node set its cancel key (job_failover_begin):
         # left there, it would cancel this attempt as soon as the primary saw it (found by the
         # reliability suite: "The request was cancelled." after a failover back to a node).
-        job_cancel_clear(job_id=str(job.id), node_id=str(deployment.primary_id))
+        job_cancel_clear(job_id=ids.job_id(job.id), node_id=ids.node_id(deployment.primary_id))
         command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
         plan = deployment.plan or {}
         placement = dispatch_placement(deployment)
@@ -171,7 +174,8 @@ def job_failover_dispatch(
                 },
             )
     except BaseException:
-        job_cancel_flag(job_id=str(job_id), node_id=str(deployment.primary_id))
+        if deployment.primary_id is not None:
+            job_cancel_flag(job_id=ids.job_id(job_id), node_id=ids.node_id(deployment.primary_id))
         admission.slot_release(deployment_id=deployment.id, job_id=job_id)
         raise
     finally:

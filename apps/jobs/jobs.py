@@ -25,6 +25,7 @@ from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory, Node
 from apps.nodes.services import node_drain_advance
 from apps.nodes.states import NodeState
+from racon import ids
 from racon.celery import task_send_on_commit
 from racon.transitions import transition_guarded
 
@@ -247,6 +248,8 @@ def job_dispatch(
     ``id_slot``: the llama-server slot the KV cache coordinator pinned (apps/jobs/kvcache.py).
     """
     try:
+        if deployment.primary_id is None:  # a command to no node would sit in a "None" queue
+            raise DeploymentError(f"deployment {deployment.id} has no primary")
         job = Job.objects.only("id", "kind", "max_tokens", "params").get(pk=job_id)
         payload = job_run_payload(
             job_id=job.id,
@@ -258,7 +261,7 @@ def job_dispatch(
         )
         command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
         if not _record_dispatch(job=job, deployment=deployment, now=now):
-            job_cancel_flag(job_id=str(job.id), node_id=str(deployment.primary_id))
+            job_cancel_flag(job_id=ids.job_id(job.id), node_id=ids.node_id(deployment.primary_id))
             raise DeploymentError("job is no longer queued")
     except BaseException:
         admission.slot_release(deployment_id=deployment.id, job_id=job_id)
@@ -425,7 +428,7 @@ def job_cancel(
         and job.deployment.primary_id
         and job.state in JOB_IN_FLIGHT
     ):
-        job_cancel_flag(job_id=str(job_id), node_id=str(job.deployment.primary_id))
+        job_cancel_flag(job_id=ids.job_id(job_id), node_id=ids.node_id(job.deployment.primary_id))
         command_send(
             node_id=job.deployment.primary_id, kind="cancel_job", payload={"job_id": str(job_id)}
         )

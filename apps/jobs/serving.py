@@ -39,7 +39,7 @@ from apps.nodes.commands import command_send, job_cancel_flag
 from apps.nodes.models import Node
 from apps.nodes.selectors import heartbeat_ages
 from apps.nodes.states import PLACEABLE, NodeState
-from racon import cache
+from racon import cache, ids
 
 from . import admission, kvcache, retention, selectors, streams
 from .deployments import deployment_ensure
@@ -269,7 +269,7 @@ def _admission_start(*, adm: Admission, route: kvcache.Route, create: dict[str, 
             command_send(node_id=fast.primary_id, kind="run_job", payload=payload)
             job_create(**create, dispatched_to=fast)
         except BaseException:
-            job_cancel_flag(job_id=str(job_id), node_id=str(fast.primary_id))
+            job_cancel_flag(job_id=ids.job_id(job_id), node_id=ids.node_id(fast.primary_id))
             admission.slot_release(deployment_id=fast.id, job_id=job_id)
             kvcache.slot_release(route=route, job_id=job_id)
             raise
@@ -743,7 +743,7 @@ def admission_cancel(*, adm: Admission) -> None:
         return
     try:
         if adm.primary_id:
-            job_cancel_flag(job_id=adm.job_id, node_id=adm.primary_id)
+            job_cancel_flag(job_id=ids.job_id(adm.job_id), node_id=ids.node_id(adm.primary_id))
     except Exception:
         log.warning("could not set the cancel flag", exc_info=True)
     admission_finish_in_background(adm=adm, outcome="cancelled", error="client disconnected")

@@ -21,6 +21,7 @@ from agent.protocol import (
     new_id,
     node_queue_key,
 )
+from racon.ids import JobId, NodeId
 from racon.redis import get_redis, get_redis_blocking
 
 from .errors import ReportRefused
@@ -32,14 +33,14 @@ from .services import _meta_key
 CANCEL_FLAG_TTL_SECONDS = 3600
 
 
-def job_cancel_flag(*, job_id: Any, node_id: Any) -> None:
+def job_cancel_flag(*, job_id: JobId, node_id: NodeId) -> None:
     """Ask the job's runtime on ``node_id`` to stop: it polls this flag between tokens."""
-    get_redis().set(job_cancel_key(str(job_id), str(node_id)), 1, ex=CANCEL_FLAG_TTL_SECONDS)
+    get_redis().set(job_cancel_key(job_id, node_id), 1, ex=CANCEL_FLAG_TTL_SECONDS)
 
 
-def job_cancel_clear(*, job_id: Any, node_id: Any) -> None:
+def job_cancel_clear(*, job_id: JobId, node_id: NodeId) -> None:
     """Lift a cancel flag (a job handed back to the same primary after a failover)."""
-    get_redis().delete(job_cancel_key(str(job_id), str(node_id)))
+    get_redis().delete(job_cancel_key(job_id, node_id))
 
 
 def _result_key(command_id: str) -> str:
