@@ -669,7 +669,7 @@ class NodeRevokeApi(APIView):
     @extend_schema(request=None, responses=NodeOut)
     def post(self, request: Request, node_id: str) -> Response:
         get_object_or_404(Node, pk=node_id)
-        node_revoke(node_id=node_id, now=timezone.now())
+        node_revoke(node_id=ids.node_id(node_id), now=timezone.now())
         return Response(NodeOut(Node.objects.get(pk=node_id)).data)
 
 
@@ -684,7 +684,7 @@ class NodeAllowReenrollApi(APIView):
     @extend_schema(request=None, responses={200: Out, 404: AgentErrorSerializer})
     def post(self, request: Request, node_id: str) -> Response:
         get_object_or_404(Node, pk=node_id)
-        window = node_reenroll_allow(node_id=node_id, now=timezone.now())
+        window = node_reenroll_allow(node_id=ids.node_id(node_id), now=timezone.now())
         return Response({"node_id": str(node_id), "window_seconds": window})
 
 

@@ -19,6 +19,7 @@ from django.db import IntegrityError, transaction
 
 from agent.protocol import is_private_address
 from racon import ids
+from racon.ids import NodeId
 from racon.redis import get_redis
 from racon.redis_acl import node_acl_revoke
 
@@ -430,7 +431,7 @@ def _enroll_locked(
     }
     if existing is not None:
         # The operator's permission, if that is what let it through, is used up now.
-        get_redis().delete(_reenroll_key(existing.pk))
+        get_redis().delete(_reenroll_key(ids.node_id(existing.pk)))
         Node.objects.filter(pk=existing.pk).update(**fields)
         node = Node.objects.get(pk=existing.pk)
         created = False
@@ -491,7 +492,7 @@ def _node_presented(*, machine_id: str, presented: tuple[str, str] | None) -> No
     return node
 
 
-def _reenroll_key(node_id: Any) -> str:
+def _reenroll_key(node_id: NodeId) -> str:
     return f"racon:reenroll:{node_id}"
 
 
@@ -504,7 +505,7 @@ def _reenroll_check(*, existing: Node, presented: tuple[str, str] | None) -> Non
         and hmac.compare_digest(existing.credential_hash, credential_hash(presented[1]))
     ):
         return
-    if get_redis().exists(_reenroll_key(existing.pk)):
+    if get_redis().exists(_reenroll_key(ids.node_id(existing.pk))):
         return
     why = (
         "the credential presented is not its current one"
@@ -519,12 +520,12 @@ def _reenroll_check(*, existing: Node, presented: tuple[str, str] | None) -> Non
     )
 
 
-def node_reenroll_allow(*, node_id: Any, now: datetime, ttl_seconds: int | None = None) -> int:
+def node_reenroll_allow(*, node_id: NodeId, now: datetime, ttl_seconds: int | None = None) -> int:
     """Operator action: let the next enrollment of this node's machine take it over without its
     credential (once, within ttl_seconds). Returns the window in seconds."""
     ttl = int(ttl_seconds or settings.NODE_REENROLL_WINDOW_SECONDS)
     node = Node.objects.get(pk=node_id)
-    get_redis().set(_reenroll_key(node.pk), 1, ex=ttl)
+    get_redis().set(_reenroll_key(ids.node_id(node.pk)), 1, ex=ttl)
     event_record(
         kind="NODE_REENROLL_ALLOWED",
         category=EventCategory.SECURITY,
@@ -536,7 +537,7 @@ def node_reenroll_allow(*, node_id: Any, now: datetime, ttl_seconds: int | None 
     return ttl
 
 
-def node_id_valid(node_id: Any) -> bool:
+def node_id_valid(node_id: object) -> bool:
     """Whether ``node_id`` is a UUID (a malformed one is refused before any lookup). Pure."""
     try:
         uuid.UUID(str(node_id))
@@ -559,7 +560,7 @@ def node_authenticate(*, node_id: str, credential: str) -> Node:
     return node
 
 
-def node_revoke(*, node_id: Any, now: datetime) -> None:
+def node_revoke(*, node_id: NodeId, now: datetime) -> None:
     """Revoke a node's credential: its heartbeats and reports get 401 from now on."""
     with transaction.atomic():
         Node.objects.filter(pk=node_id).update(revoked_at=now)
@@ -573,4 +574,4 @@ def node_revoke(*, node_id: Any, now: datetime) -> None:
         node_transition(node_id=node_id, to=S.OFFLINE, now=now, message="revoked")
     get_redis().delete(_meta_key(node_id))
     if settings.NODE_REDIS_ACL:
-        node_acl_revoke(node_id=ids.node_id(node_id))  # and Redis drops its open connections
+        node_acl_revoke(node_id=node_id)  # and Redis drops the node's open connections

@@ -19,6 +19,7 @@ from typing import Any
 from django.conf import settings
 
 from agent.protocol import NODE_PREFIX, node_processing_key, node_queue_key
+from racon import ids
 from racon.redis import get_redis
 
 from .enrollment import node_revoke
@@ -95,7 +96,7 @@ def nodes_redis_bound_check(*, now: datetime) -> list[str]:
             ),
             data={"bytes": size, "keys": keys, "bound": bound},
         )
-        node_revoke(node_id=node_id, now=now)
+        node_revoke(node_id=ids.node_id(node_id), now=now)
         revoked.append(node_id)
     for node_id in over:  # revoked now or before: what it left goes
         _delete_prefix(node_id)

@@ -10,6 +10,7 @@ from django.test import Client
 from django.utils import timezone
 
 from apps.nodes.enrollment import node_revoke
+from racon import ids
 from tests.factories import NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -34,6 +35,6 @@ def test_no_credential_a_wrong_one_or_a_revoked_node_is_401_with_its_code(client
     assert ask(client, None).json()["error"]["code"] == "missing_credential"
     wrong = ask(client, f"Node {node.pk}:not-it")
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_credential"
-    node_revoke(node_id=node.pk, now=timezone.now())
+    node_revoke(node_id=ids.node_id(node.pk), now=timezone.now())
     gone = ask(client, f"Node {node.pk}:cred")
     assert gone.status_code == 401 and gone.json()["error"]["code"] == "node_revoked"

@@ -13,6 +13,7 @@ from apps.nodes.enrollment import enrollment_token_issue, node_revoke
 from apps.nodes.models import Event, Node
 from apps.nodes.services import node_drain, node_health_sweep
 from apps.nodes.states import NodeState
+from racon import ids
 from racon.redis import get_redis
 from tests.factories import AccountFactory, hardware_profile
 
@@ -138,7 +139,7 @@ def test_single_silent_node_among_many_goes_offline(client: Client, settings: An
 def test_revoked_node_heartbeat_gets_401_and_changes_nothing(client: Client) -> None:
     node_id, cred = enroll(client)
     beat(client, node_id, cred, state="READY")
-    node_revoke(node_id=node_id, now=timezone.now())
+    node_revoke(node_id=ids.node_id(node_id), now=timezone.now())
     state_before = Node.objects.get(pk=node_id).state
     resp = beat(client, node_id, cred, state="READY")
     assert resp.status_code == 401
