@@ -418,7 +418,7 @@ def redis_client() -> Iterator[Any]:
     except redis.RedisError as exc:
         unavailable(f"Redis not reachable at {REDIS_URL}: {exc}")
     created: list[str] = []
-    r.test_keys = created  # type: ignore[attr-defined]
+    r.test_keys = created
     yield r
     # Only what this test made: its node's keys and its jobs' keys.
     for pattern in created:

@@ -414,7 +414,7 @@ def test_a_command_left_in_processing_by_a_crash_runs_after_restart(h: Harness) 
     h.r.rpush(node_processing_key(node), raw)  # taken, then crashed
     h.start(cfg)
     assert h.controller.result(cid)["ok"]
-    wait(lambda: h.r.llen(node_processing_key(node)) == 0)  # type: ignore[arg-type]
+    wait(lambda: h.r.llen(node_processing_key(node)) == 0)
 
 
 def test_probe_links_and_rescan_send_their_reports(h: Harness) -> None:

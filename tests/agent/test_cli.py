@@ -168,8 +168,8 @@ def test_doctor_checks_the_pieces_and_writes_a_bundle_without_the_credential(
     assert "1 GGUF file(s)" in out.stdout
     with tarfile.open(bundle) as tar:
         names = tar.getnames()
-        report = json.loads(tar.extractfile("doctor.json").read())  # type: ignore[union-attr]
-        blob = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())  # type: ignore[union-attr]
+        report = json.loads(tar.extractfile("doctor.json").read())
+        blob = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())
     assert "doctor.json" in names and "identity.json" not in names
     assert "agent.log" in names and "logs/primary-dep1.log" in names
     assert b"TOPSECRETCRED" not in blob and b"hunter2" not in blob

@@ -28,7 +28,7 @@ def test_overwriting_keeps_mode_0600_even_with_a_permissive_umask(tmp_path: Path
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert load_identity(tmp_path).credential == "c2"  # type: ignore[union-attr]
+    assert load_identity(tmp_path).credential == "c2"
 
 
 def test_missing_identity_is_none_and_corrupt_identity_is_an_error(tmp_path: Path) -> None:

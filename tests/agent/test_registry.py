@@ -31,7 +31,7 @@ def test_a_job_for_a_loading_deployment_waits_and_is_handed_over_on_load() -> No
     assert dep is not None and queued
     primary = cast(PrimaryHandle, object())
     assert reg.mark_loaded("dep-1", primary, {"n_ctx": 512}) == [job("j1")]
-    assert reg.get("dep-1").state == DeploymentState.LOADED  # type: ignore[union-attr]
+    assert reg.get("dep-1").state == DeploymentState.LOADED
     assert reg.telemetry() == {"primaries": ["dep-1"], "loading": [], "jobs": ["j1"]}
     assert reg.models_loaded() == [{"deployment_id": "dep-1", "model": "tiny"}]
 

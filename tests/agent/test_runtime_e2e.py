@@ -141,7 +141,7 @@ def test_a_split_across_two_rpc_workers_generates_what_a_local_run_does(
         plan=cast(LoadPrimaryPayload, plan),
         model_path=MODEL,
         redis_client=redis_client,
-        redis_url=REDIS_URL,  # type: ignore[arg-type]
+        redis_url=REDIS_URL,
         log_path=tmp_path / "primary.log",
         on_event=events,
         on_job_finished=lambda p: finished.append(dict(p)),
@@ -212,7 +212,7 @@ def test_a_plan_naming_an_unreachable_worker_fails_to_load_cleanly(
         plan=cast(LoadPrimaryPayload, plan),
         model_path=MODEL,
         redis_client=redis_client,
-        redis_url=REDIS_URL,  # type: ignore[arg-type]
+        redis_url=REDIS_URL,
         log_path=tmp_path / "p.log",
         on_event=Events(),
         on_job_finished=lambda p: None,
@@ -277,7 +277,7 @@ def _batching_primary(
     }  # fmt: skip
     return ServerPrimary(
         node_id="node-rt", plan=cast(LoadPrimaryPayload, plan), model_path=MODEL,
-        redis_client=redis_client, redis_url=REDIS_URL,  # type: ignore[arg-type]
+        redis_client=redis_client, redis_url=REDIS_URL,
         log_path=tmp_path / "batch.log", on_event=Events(),
         on_job_finished=lambda p: finished.append(dict(p)), on_exit=lambda d: None,
     )  # fmt: skip

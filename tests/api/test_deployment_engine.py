@@ -227,11 +227,11 @@ def test_the_scheduler_picks_vllm_for_several_streams_and_says_why(client: Clien
     _dual_model()
     _engines_node("has-vllm", "llamacpp", "vllm")
     body = _preview(client, n_parallel=8)
-    why = str(body["explanation"][0])  # type: ignore[index]
+    why = str(body["explanation"][0])
     assert body["engine"] == "vllm" and body["n_parallel"] == 8, body
     assert why.startswith("engine vllm (the scheduler's choice)"), why
     assert "8 concurrent streams" in why and "aggregate throughput" in why
-    assert "cannot be split over ggml-rpc" in str(body["explanation"][1])  # type: ignore[index]
+    assert "cannot be split over ggml-rpc" in str(body["explanation"][1])
     # Slots left to memory: as many as fit (at least VLLM_AUTO_MIN_PARALLEL here): vLLM too.
     assert _preview(client)["engine"] == "vllm"
     resp = client.post(
@@ -254,7 +254,7 @@ def test_the_scheduler_keeps_llamacpp_and_says_why(client: Client) -> None:
     # One stream: llama.cpp is faster per stream.
     one = _preview(client, n_parallel=1)
     assert one["engine"] == "llamacpp", one
-    assert "faster per stream" in str(one["explanation"][0])  # type: ignore[index]
+    assert "faster per stream" in str(one["explanation"][0])
     # The operator's explicit choice wins, both ways, with no scheduler's reason.
     explicit = _preview(client, n_parallel=8, engine="llamacpp")
     assert explicit["engine"] == "llamacpp"
@@ -267,11 +267,11 @@ def test_without_a_vllm_node_or_a_directory_the_scheduler_says_why_not(client: C
     _engines_node("llama-only", "llamacpp")
     body = _preview(client, n_parallel=8)
     assert body["engine"] == "llamacpp"
-    why = str(body["explanation"][0])  # type: ignore[index]
+    why = str(body["explanation"][0])
     assert why.startswith("engine llamacpp (the scheduler's choice): not vLLM"), why
     assert "no eligible node has the vLLM engine" in why
     m.files.filter(format="safetensors").delete()
     _engines_node("has-vllm", "llamacpp", "vllm")
     body = _preview(client, n_parallel=8)
     assert body["engine"] == "llamacpp"
-    assert "no safetensors directory" in str(body["explanation"][0])  # type: ignore[index]
+    assert "no safetensors directory" in str(body["explanation"][0])

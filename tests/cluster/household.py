@@ -110,7 +110,7 @@ class Household:
         kind, value = result[0]
         if kind == "err":
             raise value
-        return value  # type: ignore[no-any-return]
+        return value
 
 
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -331,7 +331,7 @@ def test_logprobs_come_per_token_with_the_asked_alternatives_streamed_or_not(
     resp = cluster.chat.completions.create(**kw)
     lp = resp.choices[0].logprobs
     assert lp is not None and lp.content
-    assert len(lp.content) == resp.usage.completion_tokens  # type: ignore[union-attr]
+    assert len(lp.content) == resp.usage.completion_tokens
     assert "".join(t.token for t in lp.content) == resp.choices[0].message.content
     for t in lp.content:
         assert t.logprob <= 0 and bytes(t.bytes or []).decode(errors="replace")
@@ -386,10 +386,10 @@ def test_unsupported_parameters_and_embeddings_are_400s_naming_them(cluster: Ope
         cluster.chat.completions.create(
             model=MODEL, messages=ASK, logit_bias={"1": 5}, max_tokens=4
         )
-    assert exc.value.body["param"] == "logit_bias"  # type: ignore[index]
+    assert exc.value.body["param"] == "logit_bias"
     with pytest.raises(openai.BadRequestError) as exc:
         cluster.embeddings.create(model=MODEL, input="hello")
-    assert exc.value.body["code"] == "embeddings_not_supported"  # type: ignore[index]
+    assert exc.value.body["code"] == "embeddings_not_supported"
 
 
 # --- a framework: langchain-openai's bind_tools, a tool loop end to end ------------------------------

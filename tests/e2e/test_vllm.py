@@ -171,7 +171,7 @@ def test_vllm_deployment_serves_fails_over_and_cancels(
     )
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=CONVERSATION,  # type: ignore[arg-type]
+        messages=CONVERSATION,
         max_tokens=24,
         temperature=0,
         stream=True,

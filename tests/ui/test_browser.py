@@ -103,7 +103,7 @@ def test_an_operator_runs_the_cluster_from_the_browser(
     page.click("text=Create token")
     command = page.locator("#agent-command")
     expect(command).to_contain_text("node-agent --foreground --controller-url")
-    token = re.search(r"RACON_ENROLLMENT_TOKEN=(\S+)", command.inner_text()).group(1)  # type: ignore[union-attr]
+    token = re.search(r"RACON_ENROLLMENT_TOKEN=(\S+)", command.inner_text()).group(1)
     expect(page.locator("#token-table")).to_contain_text("browser-box")
     shot(page, "02-token-created")
 

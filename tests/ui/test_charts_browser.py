@@ -192,7 +192,7 @@ def test_charts_names_and_views_for_an_operator_and_a_contributor(
         assert tokens > 0
         wait_for(lambda: Receipt.objects.filter(node_id=node["id"]).count() >= N, 60, "N receipts")
         earned = int(Receipt.objects.filter(node_id=node["id"]).aggregate(c=Sum("credits"))["c"])
-        job_id = str(jobs.first().id)  # type: ignore[union-attr]
+        job_id = str(jobs.first().id)
         _flush(live)
 
         from playwright.sync_api import expect, sync_playwright
