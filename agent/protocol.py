@@ -126,7 +126,9 @@ CommandKind = Literal[
     "fetch_model",  # FetchModelPayload
     "hash_challenge",  # {"sha256", "path", "offset", "length", "nonce"} → {"digest"}
     "speed_challenge",  # {"seed", "n", "reps"} → {"digest"} (agent.hardware.benchmark)
-    "gpu_challenge",  # {"step", "challenge_id", …}: prepare → ready, ping → pong, run {"nonce"} → {"digest"}, reveal → {"answer"} (agent.runtime.ggml_matmul)
+    # {"step", "challenge_id", …}: prepare → ready, ping → pong, run {"nonce"} → {"digest"},
+    # reveal → {"answer"} (agent.runtime.ggml_matmul)
+    "gpu_challenge",
     "kv_save",  # {"deployment_id", "slot", "transfer_id", "upload_url"} → {"sha256", "size", ...}
     "kv_restore",  # {"deployment_id", "slot", "transfer_id", "url", "sha256", "size"} → {"n_restored", ...}
     "set_lending",  # {"lending": LendingPolicy.to_wire()} → {"lending", "saved"} (the owner's, from the UI)
