@@ -6,9 +6,11 @@
 
 What it starts, all on loopback, all stopped on exit (also on errors and Ctrl-C):
 
-- its own Redis: the embedded redis-server (FACTS.md) when REDIS_URL is unset, else REDIS_URL with
-  dedicated database numbers (11 for the app, 10 for Celery's broker; only those two are flushed,
-  so two runs against one REDIS_URL at once would disturb each other);
+- its own Redis: the embedded redis-server (FACTS.md) when REDIS_URL is unset (nodes get their
+  own Redis users, NODE_REDIS_ACL, as in production), else REDIS_URL with dedicated database
+  numbers (11 for the app, 10 for Celery's broker; only those two are flushed, so two runs against
+  one REDIS_URL at once would disturb each other) and NODE_REDIS_ACL=false: a node's own user may
+  not SELECT a numbered database;
 - its own SQLite database file in a temporary directory (migrated here);
 - the controller (daphne + a Celery worker with beat) through tests/e2e/harness.run_controller,
   with production heartbeat timings so background chatter is what a real deployment has;
@@ -112,6 +114,11 @@ def bench_environment(workdir: Path) -> Iterator[BenchEnv]:
     if os.environ.get("REDIS_URL"):
         app_url = _with_db(os.environ["REDIS_URL"], APP_REDIS_DB)
         broker_url = _with_db(os.environ["REDIS_URL"], BROKER_REDIS_DB)
+        # A node's own Redis user (NODE_REDIS_ACL) may not SELECT, so it cannot reach a numbered
+        # database, and the ACLs of a shared Redis are not a bench's to change: the nodes get the
+        # controller's URL here (the agents inherit this). The embedded Redis below keeps per-node
+        # users, as in production (database 0 needs no SELECT).
+        os.environ["NODE_REDIS_ACL"] = "false"
     else:
         from racon.embedded import start_redis
 
