@@ -326,6 +326,19 @@ def report_level(streams: int, sides: dict[str, list[Turn]]) -> None:
             f"{'PASS' if extra <= GOAL_TTFT_EXTRA_MS else 'FAIL'}"
         )
     print(line + (f"  errors: {errors}" if errors else ""), flush=True)
+    # Each turn's figure, in the order run: one slow turn (the shared machine) shows here.
+    print(
+        "    turns tok/s: "
+        + "; ".join(
+            f"{side} " + ", ".join(f"{t.aggregate:.1f}" for t in sides[side]) for side in sides
+        )
+        + "; slowest request: "
+        + ", ".join(
+            f"{side} {max((r.seconds for t in sides[side] for r in t.results), default=0):.1f} s"
+            for side in sides
+        ),
+        flush=True,
+    )
     for side in sides:
         for t in sides[side]:
             for e in t.errors[:2]:

@@ -570,6 +570,10 @@ def main() -> int:
                     for k in cpu
                 },
             }
+            # The subtraction measures nothing where the requests' own work is (nearly) all of
+            # the level's CPU: few tokens per request (256 streams, --quick) on a noisy machine.
+            left = sum(cpu.values()) - sum(req.values())
+            unmeasured = left <= 0.1 * sum(cpu.values())
             for label, per in rows.items():
                 total_us = sum(per.values())
                 rate = 1e6 / max(total_us, 1e-9)
@@ -584,6 +588,13 @@ def main() -> int:
                     if label == "relay"
                     else ""
                 )
+                if label == "relay" and unmeasured:
+                    verdict = (
+                        "UNMEASURED: the requests' own work (one token each) is "
+                        f"{100 * sum(req.values()) / max(1e-9, sum(cpu.values())):.0f} % of the "
+                        "level's CPU; more tokens per request (no --quick) measure the relay"
+                    )
+                    rate = float("nan")
                 print(
                     f"{head} | {label:>12} {per['agent']:>7.1f} {per['redis']:>7.1f} "
                     f"{per['daphne']:>7.1f} {per['celery']:>7.1f} {total_us:>7.1f} | "
