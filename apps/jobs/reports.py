@@ -17,6 +17,7 @@ from django.conf import settings
 
 from apps.models_repo.services import replicas_sync
 from apps.nodes.commands import command_result_accept
+from apps.nodes.enrollment import node_engines_update
 from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
 from apps.nodes.lending import (
@@ -211,6 +212,9 @@ def _dispatch(
             message=str(payload.get("message", ""))[:500],
             data=data,
         )
+        hardware = data.get("hardware")
+        if name == "HARDWARE_UPDATED" and isinstance(hardware, dict) and "engines" in hardware:
+            node_engines_update(node_id=node_id, engines=hardware["engines"], now=now)
         if name in ("HARDWARE_UPDATED", "LENDING_POLICY") and isinstance(data.get("lending"), dict):
             try:
                 node_lending_claim(node_id=node_id, policy=data["lending"], now=now)

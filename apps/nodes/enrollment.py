@@ -29,9 +29,7 @@ from .events import event_record
 from .gpu_challenges import gpu_challenge_kept
 from .models import EnrollmentToken, EventCategory, Node
 from .services import _cache_node, _meta_key, node_transition
-from .states import (
-    NodeState,
-)
+from .states import Engine, NodeState
 
 S = NodeState
 
@@ -575,3 +573,38 @@ def node_revoke(*, node_id: NodeId, now: datetime) -> None:
     get_redis().delete(_meta_key(node_id))
     if settings.NODE_REDIS_ACL:
         node_acl_revoke(node_id=node_id)  # and Redis drops the node's open connections
+
+
+def node_engines_update(*, node_id: Any, engines: Any, now: datetime) -> list[str]:
+    """A resumed agent's engines (HARDWARE_UPDATED at its start): RACON_ENGINES may have changed
+    since enrollment, as when `make run` is started again with vllm. A claim like the enrolled one
+    (only "where vLLM could go"; a node without the engine fails its load, with the log): known
+    names only, else ValueError naming the field. Returns the engines now stored."""
+    known = {str(e) for e in Engine.values}
+    if not isinstance(engines, list) or not engines or len(engines) > len(known):
+        raise ValueError(f"hardware.engines must be a list of 1 to {len(known)} engine names")
+    bad = [e for e in engines if not isinstance(e, str) or e not in known]
+    if bad:
+        raise ValueError(
+            f"hardware.engines names an unknown engine {bad[0]!r} (known: {sorted(known)})"
+        )
+    wanted = sorted(set(engines))
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(pk=node_id).first()
+        if node is None:
+            raise ValueError("unknown node")
+        hardware = dict(node.hardware or {})
+        if sorted(hardware.get("engines") or ["llamacpp"]) == wanted:
+            return wanted
+        before = hardware.get("engines") or ["llamacpp"]
+        hardware["engines"] = wanted
+        Node.objects.filter(pk=node_id).update(hardware=hardware)
+        event_record(
+            kind="NODE_ENGINES_CHANGED",
+            category=EventCategory.MANAGEMENT,
+            now=now,
+            node_id=node_id,
+            message=f"engines {', '.join(before)} → {', '.join(wanted)}",
+            data={"before": before, "engines": wanted},
+        )
+    return wanted
