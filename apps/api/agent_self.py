@@ -32,32 +32,12 @@ from agent.lending import PolicyError
 from apps.api.ui_lending import FIELDS, form_field, form_values, lending_document
 from apps.credits import selectors as credit_selectors
 from apps.jobs.models import Job
-from apps.nodes.api import node_credentials
+from apps.nodes.api import node_or_401
 from apps.nodes.commands import command_send
-from apps.nodes.enrollment import NodeAuthError, node_authenticate
 from apps.nodes.lending import lending_view, node_lending_owner_set
 from apps.nodes.models import Event, Node
 
 __all__ = ["AgentEarningsApi", "AgentLendingApi", "AgentSelfApi"]
-
-
-def _node_or_401(request: Request) -> Node | Response:
-    creds = node_credentials(request)
-    if creds is None:
-        return Response(
-            {
-                "error": {
-                    "message": "missing or malformed 'Authorization: Node <id>:<credential>'",
-                    "code": "missing_credential",
-                }
-            },
-            status=401,
-        )
-    try:
-        return node_authenticate(node_id=creds[0], credential=creds[1])
-    except (NodeAuthError, ValueError) as exc:
-        code = getattr(exc, "code", "invalid_credential")
-        return Response({"error": {"message": str(exc), "code": code}}, status=401)
 
 
 def _last_challenge_failure(node: Node) -> dict[str, Any] | None:
@@ -102,7 +82,7 @@ class AgentSelfApi(APIView):
 
     @extend_schema(responses={200: dict, 401: dict}, operation_id="agent_self")
     def get(self, request: Request) -> Response:
-        node = _node_or_401(request)
+        node = node_or_401(request)
         if isinstance(node, Response):
             return node
         now = timezone.now()
@@ -136,7 +116,7 @@ class AgentEarningsApi(APIView):
 
     @extend_schema(responses={200: dict, 400: dict, 401: dict}, operation_id="agent_earnings")
     def get(self, request: Request) -> Response:
-        node = _node_or_401(request)
+        node = node_or_401(request)
         if isinstance(node, Response):
             return node
         raw = request.query_params.get("days")
@@ -197,7 +177,7 @@ class AgentLendingApi(APIView):
 
     @extend_schema(responses={200: dict, 401: dict}, operation_id="agent_lending_get")
     def get(self, request: Request) -> Response:
-        node = _node_or_401(request)
+        node = node_or_401(request)
         if isinstance(node, Response):
             return node
         return Response(self._body(node))
@@ -207,7 +187,7 @@ class AgentLendingApi(APIView):
         operation_id="agent_lending_set",
     )  # fmt: skip
     def put(self, request: Request) -> Response:
-        node = _node_or_401(request)
+        node = node_or_401(request)
         if isinstance(node, Response):
             return node
         if not isinstance(request.data, dict):

@@ -213,6 +213,40 @@ def node_credentials(request: Any) -> tuple[str, str] | None:
 # --- agent endpoints --------------------------------------------------------------------------
 
 
+def node_or_401(request: Request) -> Node | Response:
+    """The node whose credential the request carries (Authorization: Node <id>:<credential>), or
+    the 401 naming why (coded: missing_credential, invalid_credential, node_revoked, ...)."""
+    creds = node_credentials(request)
+    if creds is None:
+        return Response(
+            {
+                "error": {
+                    "message": "missing or malformed 'Authorization: Node <id>:<credential>'",
+                    "code": "missing_credential",
+                }
+            },
+            status=status.HTTP_401_UNAUTHORIZED,
+        )
+    try:
+        return node_authenticate(node_id=creds[0], credential=creds[1])
+    except (NodeAuthError, ValueError) as exc:
+        code = getattr(exc, "code", "invalid_credential")
+        return Response(
+            {"error": {"message": str(exc), "code": code}}, status=status.HTTP_401_UNAUTHORIZED
+        )
+
+
+def redis_url_or_503(node: Node) -> str | Response:
+    """The node's Redis URL (its own ACL user, granted now), or 503 when Redis refuses ACLs."""
+    try:
+        return node_redis_url(node_id=ids.node_id(node.id))
+    except AclUnavailable as exc:
+        return Response(
+            {"error": {"message": str(exc), "code": "redis_acl_unavailable"}},
+            status=status.HTTP_503_SERVICE_UNAVAILABLE,
+        )
+
+
 class AgentEnrollApi(APIView):
     """Exchange an administrator-issued enrollment token for a node id and credential."""
 
@@ -290,13 +324,9 @@ class AgentEnrollApi(APIView):
                     {"error": {"message": f"lending policy: {exc}", "code": "invalid_policy"}},
                     status=status.HTTP_400_BAD_REQUEST,
                 )
-        try:
-            redis_url = node_redis_url(node_id=ids.node_id(node.id))
-        except AclUnavailable as exc:
-            return Response(
-                {"error": {"message": str(exc), "code": "redis_acl_unavailable"}},
-                status=status.HTTP_503_SERVICE_UNAVAILABLE,
-            )
+        redis_url = redis_url_or_503(node)
+        if isinstance(redis_url, Response):
+            return redis_url
         body = {
             "node_id": str(node.id),
             "credential": enrollment.credential,
@@ -327,31 +357,12 @@ class AgentRedisApi(APIView):
         request=None, responses={200: dict, 401: dict, 503: dict}, operation_id="agent_redis"
     )
     def post(self, request: Request) -> Response:
-        creds = node_credentials(request)
-        if creds is None:
-            return Response(
-                {
-                    "error": {
-                        "message": "missing or malformed 'Authorization: Node <id>:<credential>'",
-                        "code": "missing_credential",
-                    }
-                },
-                status=status.HTTP_401_UNAUTHORIZED,
-            )
-        try:
-            node = node_authenticate(node_id=creds[0], credential=creds[1])
-        except NodeAuthError as exc:
-            return Response(
-                {"error": {"message": str(exc), "code": exc.code}},
-                status=status.HTTP_401_UNAUTHORIZED,
-            )
-        try:
-            redis_url = node_redis_url(node_id=ids.node_id(node.id))
-        except AclUnavailable as exc:
-            return Response(
-                {"error": {"message": str(exc), "code": "redis_acl_unavailable"}},
-                status=status.HTTP_503_SERVICE_UNAVAILABLE,
-            )
+        node = node_or_401(request)
+        if isinstance(node, Response):
+            return node
+        redis_url = redis_url_or_503(node)
+        if isinstance(redis_url, Response):
+            return redis_url
         return Response({"redis_url": redis_url})
 
 
