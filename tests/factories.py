@@ -250,6 +250,30 @@ def deployment_for(
     return dep
 
 
+def live_deployment(*, n_ctx: int = 512) -> Deployment:
+    """A READY one-slot, one-node deployment of ``live-model`` whose primary a live /v1 test plays
+    at the Redis edge (tests/api/live.py's FakePrimary, tests/api/hostile.py's HostilePrimary)."""
+    m = Model.objects.create(name="live-model")
+    mf = ModelFile.objects.create(model=m, file_name="live.gguf", sha256="d" * 64, size=1000)
+    node = NodeFactory()
+    d = Deployment.objects.create(
+        model=m,
+        model_file=mf,
+        state=DeploymentState.READY,
+        primary=node,
+        n_parallel=1,
+        n_ctx=n_ctx,
+        plan={
+            "primary_node_id": str(node.id),
+            "devices": [
+                {"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30}
+            ],
+        },
+    )
+    d.nodes.set([node])
+    return d
+
+
 def job_for(
     *,
     account: Account | None,

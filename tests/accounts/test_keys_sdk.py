@@ -15,10 +15,9 @@ import pytest
 from apps.accounts.models import Account, ApiKey
 from apps.api.auth import api_key_revoke
 from apps.jobs.models import Deployment, Job
-from apps.jobs.states import DeploymentState, JobState
-from apps.models_repo.models import Model, ModelFile
+from apps.jobs.states import JobState
 from tests.api import live
-from tests.factories import NodeFactory
+from tests.factories import live_deployment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 OPERATOR = {"Authorization": "Bearer test-operator-key"}
@@ -33,25 +32,7 @@ def daphne(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[live.Dap
 
 @pytest.fixture
 def dep() -> Deployment:
-    m = Model.objects.create(name="live-model")
-    mf = ModelFile.objects.create(model=m, file_name="live.gguf", sha256="e" * 64, size=1000)
-    node = NodeFactory()
-    d = Deployment.objects.create(
-        model=m,
-        model_file=mf,
-        state=DeploymentState.READY,
-        primary=node,
-        n_parallel=1,
-        n_ctx=512,
-        plan={
-            "primary_node_id": str(node.id),
-            "devices": [
-                {"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30}
-            ],
-        },
-    )
-    d.nodes.set([node])
-    return d
+    return live_deployment()
 
 
 def test_a_contributors_key_is_charged_to_their_account_and_refused_once_revoked(

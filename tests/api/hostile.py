@@ -17,10 +17,8 @@ import httpx
 from agent.protocol import StreamEntry, node_queue_key
 from agent.runtime.stream import DirectStreamWriter, entry
 from apps.jobs.models import Deployment
-from apps.jobs.states import DeploymentState
-from apps.models_repo.models import Model, ModelFile
 from racon.redis import get_redis
-from tests.factories import NodeFactory
+from tests.factories import live_deployment
 
 from .live import Daphne
 
@@ -32,25 +30,7 @@ Script = Callable[[DirectStreamWriter], None]
 
 def ready_deployment() -> Deployment:
     """A READY one-node deployment of ``live-model`` whose primary a HostilePrimary plays."""
-    m = Model.objects.create(name="live-model")
-    mf = ModelFile.objects.create(model=m, file_name="live.gguf", sha256="d" * 64, size=1000)
-    node = NodeFactory()
-    d = Deployment.objects.create(
-        model=m,
-        model_file=mf,
-        state=DeploymentState.READY,
-        primary=node,
-        n_parallel=1,
-        n_ctx=512,
-        plan={
-            "primary_node_id": str(node.id),
-            "devices": [
-                {"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30}
-            ],
-        },
-    )
-    d.nodes.set([node])
-    return d
+    return live_deployment()
 
 
 class HostilePrimary:

@@ -20,10 +20,9 @@ from apps.api.auth import api_key_create, api_key_revoke
 from apps.credits.ledger import account_create, credit_adjust
 from apps.jobs import admission
 from apps.jobs.models import Deployment, Job
-from apps.jobs.states import DeploymentState, JobState
-from apps.models_repo.models import Model, ModelFile
+from apps.jobs.states import JobState
 from racon.redis import get_redis
-from tests.factories import NodeFactory
+from tests.factories import live_deployment
 
 from .live import Daphne, FakePrimary, run_daphne
 
@@ -46,25 +45,7 @@ def daphne(tmp_path: Path) -> Iterator[Daphne]:
 
 @pytest.fixture
 def dep() -> Deployment:
-    m = Model.objects.create(name="live-model")
-    mf = ModelFile.objects.create(model=m, file_name="live.gguf", sha256="d" * 64, size=1000)
-    node = NodeFactory()
-    d = Deployment.objects.create(
-        model=m,
-        model_file=mf,
-        state=DeploymentState.READY,
-        primary=node,
-        n_parallel=1,
-        n_ctx=512,
-        plan={
-            "primary_node_id": str(node.id),
-            "devices": [
-                {"node_id": str(node.id), "device": "CPU", "layer_start": 0, "layer_end": 30}
-            ],
-        },
-    )
-    d.nodes.set([node])
-    return d
+    return live_deployment()
 
 
 def admission_keys() -> list[str]:
