@@ -592,7 +592,8 @@ def main() -> int:
                     verdict = (
                         "UNMEASURED: the requests' own work (one token each) is "
                         f"{100 * sum(req.values()) / max(1e-9, sum(cpu.values())):.0f} % of the "
-                        "level's CPU; more tokens per request (no --quick) measure the relay"
+                        "level's CPU, so the relay's share is lost in its noise (more tokens per "
+                        "request, --tokens and --n-ctx, measure it)"
                     )
                     rate = float("nan")
                 print(
