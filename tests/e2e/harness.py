@@ -24,6 +24,8 @@ from tests.support.processes import free_port, stop, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+# The live controller's SECRET_KEY: a test that signs a command as the controller does uses it.
+SECRET_KEY = "e2e-secret-key-" + "k" * 40
 
 
 def smollm2_path() -> Path:
@@ -88,7 +90,7 @@ def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
         "DEBUG": "false",
         "LOG_FORMAT": "json",
         "LOG_LEVEL": "INFO",
-        "SECRET_KEY": "e2e-secret-key-" + "k" * 40,
+        "SECRET_KEY": SECRET_KEY,
         # Live controllers of one test session share the test Redis: each gets its own task queue.
         "CELERY_TASK_DEFAULT_QUEUE": (queue := f"racon-e2e-{port}"),
         # One worker takes both of its queues here (settings: placement has its own queue).

@@ -5,15 +5,23 @@ One agent with RACON_ENGINES=llamacpp,vllm, one vLLM server for the whole test (
   from the model directory its models dir holds, the deployment goes READY;
 - a chat streamed through /v1/chat/completions with the OpenAI SDK gives the tokens vLLM gives
   when asked directly at temperature 0;
+- a second attempt resuming from token ids (failover's run_job, signed as the controller signs
+  it) continues on the vLLM replica with the very tokens vLLM's greedy answer has after them;
 - response_format json_schema gives JSON that validates, and a named tool_choice a tool call
   (vLLM's structured outputs, the same contracts as llama-server's grammar);
 - a client that disconnects cancels the job;
 - vLLM's KV events, subscribed by the agent on loopback, reach the node's key (what each slot
   still holds); with a llama.cpp replica of the same model beside it, a follow-up of the
-  conversation goes back to the vLLM replica that holds its prefix; killed mid-stream, the
-  stream continues on the llama.cpp replica (two attempts, one stream);
+  conversation goes back to the vLLM replica that holds its prefix; when its API server is
+  killed mid-stream, the stream continues on the llama.cpp replica (two attempts, one stream),
+  and VllmPrimary.stop() (a primary adopting the server's process group) ends the rest of the
+  group: no process of it and no shared-memory segment the server had is left; the controller's
+  replacement of the dead deployment is refused (one replica per node), so no second server;
 - a model directory vLLM cannot load fails its deployment, with the engine's last log lines in
   the event; nothing of either server outlives it.
+
+This is the suite's one real vLLM server (issue 30: one per test run); the agent-level checks
+that had a server of their own (tests/agent/test_vllm_runtime.py) live here around it.
 
 Needs the engine venv and the converted SmolLM2 directory (scripts/install-vllm.sh). Outside CI
 without them it skips with one line; under CI=true it fails naming the install step.
@@ -27,6 +35,7 @@ import json
 import os
 import shutil
 import signal
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +44,14 @@ import pytest
 from pydantic import BaseModel, Field
 
 from agent.protocol import kv_held_key
-from agent.runtime.vllm import engine_python, group_pids
+from agent.runtime.vllm import VllmPrimary, engine_python, group_pids, shm_segments
 from apps.jobs.models import Deployment, Job, JobAttempt
+from apps.nodes.commands import command_send
 from apps.nodes.models import Event, Node
 from racon.redis import get_redis
+from tests.agent.harness import read_stream
 
-from .harness import Controller, StartAgents, consumer_headers, stream_chat, wait_for
+from .harness import SECRET_KEY, Controller, StartAgents, consumer_headers, stream_chat, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -122,6 +133,25 @@ def _direct(pid: int, path: str, body: dict[str, Any] | None) -> tuple[int, dict
     return resp.status, json.loads(data) if data.startswith(b"{") else {}
 
 
+def _adopt(pid: int, node: Node, deployment_id: str, log_dir: Path) -> VllmPrimary:
+    """A VllmPrimary holding the agent's vLLM server's process group, so that the test can end
+    that server with VllmPrimary.stop() itself (the agent's own primary is in another process)."""
+    plan: Any = {"deployment_id": deployment_id, "n_parallel": 1, "n_ctx": 1024, "engine": "vllm"}
+    p = VllmPrimary(
+        plan=plan,
+        model_path=MODEL_DIR,
+        redis_client=get_redis(),
+        redis_url="",
+        log_path=log_dir / "adopted-vllm.log",
+        on_event=lambda *_: None,
+        on_job_finished=lambda *_: None,
+        on_exit=lambda _: None,
+        node_id=str(node.id),
+    )
+    p._pgid = pid  # the group stop() ends: the server started it with start_new_session
+    return p
+
+
 def _node_ready(node: Node, why: str) -> None:
     """A node is BUSY while a job runs there (new deployments are not placed on it)."""
     wait_for(lambda: Node.objects.get(pk=node.pk).state == "READY", 120, f"the node READY ({why})")
@@ -132,7 +162,11 @@ class _Gone(Exception):
 
 
 def test_vllm_deployment_serves_fails_over_and_cancels(
-    controller: Controller, serving_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
+    controller: Controller,
+    serving_agents: StartAgents,
+    monkeypatch: pytest.MonkeyPatch,
+    settings: Any,
+    tmp_path: Path,
 ) -> None:
     _need_engine()
     monkeypatch.setenv("RACON_ENGINES", "llamacpp,vllm")
@@ -193,6 +227,60 @@ def test_vllm_deployment_serves_fails_over_and_cancels(
     assert direct["choices"][0]["message"]["content"] == text
     assert direct["usage"]["completion_tokens"] == usage.completion_tokens
     assert direct["usage"]["prompt_tokens"] == usage.prompt_tokens
+
+    # 2a. A resumed attempt on the vLLM replica: failover's run_job (attempt 2, the token ids an
+    # earlier attempt streamed), signed with the node's command key as the controller signs it,
+    # continues with the very tokens vLLM's greedy answer has after those ids.
+    status, tokenized = _direct(
+        pid,
+        "/tokenize",
+        {"model": vdep, "messages": CONVERSATION, "add_generation_prompt": True},
+    )
+    assert status == 200, tokenized
+    status, greedy = _direct(
+        pid,
+        "/v1/completions",
+        {
+            "model": vdep,
+            "prompt": tokenized["tokens"],
+            "max_tokens": 16,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
+    assert status == 200, greedy
+    ids = greedy["choices"][0]["token_ids"]
+    assert len(ids) == 16, greedy
+    # The live controller's SECRET_KEY: the node's command key derives from it.
+    settings.SECRET_KEY = SECRET_KEY
+    resumed = str(uuid.uuid4())
+    command_send(
+        node_id=node.id,
+        kind="run_job",
+        payload={
+            "job_id": resumed,
+            "deployment_id": vdep,
+            "kind": "chat",
+            "messages": CONVERSATION,
+            "max_tokens": 10,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "stop": [],
+            "attempt": 2,
+            "resume_tokens": ids[:6],
+        },
+    )
+
+    def resumed_rows() -> list[dict[str, str]] | None:
+        rows = read_stream(get_redis(), resumed)
+        return rows if rows and rows[-1]["type"] in ("done", "error") else None
+
+    rows = wait_for(resumed_rows, 300, "the resumed attempt to end")
+    assert rows[-1]["type"] == "done", rows[-1]
+    assert [int(row["seq"]) for row in rows] == list(range(len(rows)))
+    assert {row["attempt"] for row in rows} == {"2"}
+    assert [t for row in rows if row["type"] == "chunk" for t in json.loads(row["ids"])] == ids[6:]
+    _node_ready(node, "the resumed attempt ended")
 
     # 2b. response_format json_schema and tools, through vLLM's structured outputs: the answer is
     # JSON that validates against the schema; a named tool_choice comes back as tool_calls.
@@ -264,6 +352,9 @@ def test_vllm_deployment_serves_fails_over_and_cancels(
         "the vLLM replica's KV events",
     )
     print(f"\nvLLM KV events, tokens held per slot: {held}")
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    block = int(argv[argv.index(b"--block-size") + 1])
+    assert all(n % block == 0 for n in json.loads(held).values()), (held, block)  # whole blocks
     # The node is BUSY while a job runs there: READY again once vLLM dropped the cancelled one.
     _node_ready(node, "no job left on it after the cancel")
     ldep = _deploy(controller, n_ctx=1024, n_parallel=1, allow_same_node=True)
@@ -275,12 +366,18 @@ def test_vllm_deployment_serves_fails_over_and_cancels(
         {"role": "user", "content": "Now count slowly from one to forty, in words."},
     ]
     killed: dict[str, Any] = {}
+    adopted = _adopt(pid, node, vdep, tmp_path)
+    adopted.shm = shm_segments(group_pids(pid))  # what the server has mapped, as load() records
 
     def kill_vllm(out: dict[str, Any]) -> None:
         if out["chunks"] == 6 and not killed:
             job = Job.objects.get(pk=out["job"])
             killed["deployment"] = str(job.deployment_id)
-            os.killpg(pid, signal.SIGKILL)  # the engine and its engine core
+            # The API server dies at once (a crash, as the agent sees one; a SIGTERM lets vLLM
+            # answer the stream with an error instead); stop() then ends the rest of its group
+            # (the engine core) and unlinks the shared memory.
+            os.kill(pid, signal.SIGKILL)
+            adopted.stop()
 
     out = stream_chat(
         controller,
@@ -306,7 +403,23 @@ def test_vllm_deployment_serves_fails_over_and_cancels(
     assert str(attempts[0].deployment_id) == vdep and str(attempts[1].deployment_id) == ldep
     assert attempts[1].completion_tokens > 0
     assert Event.objects.filter(kind="JOB_FAILOVER", job_id=job.id).count() == 1
-    wait_for(lambda: group_pids(pid) == [], 30, "no process of the killed vLLM server left")
+    wait_for(lambda: group_pids(pid) == [], 30, "no process of vLLM's group left after stop()")
+    left_shm = [s for s in adopted.shm if Path(s).exists()]
+    assert not left_shm, f"shared memory left behind: {adopted.shm}"
+    # The controller replaces the dead deployment; with the llama.cpp replica on the only node,
+    # the replacement is refused, so this stays the run's one vLLM server (issue 30).
+    replaced = wait_for(
+        lambda: Event.objects.filter(kind="DEPLOYMENT_REPLACED", deployment_id=vdep).first(),
+        60,
+        "the dead vLLM deployment's replacement",
+    )
+    wait_for(
+        lambda: Event.objects.filter(
+            kind="PLACEMENT_REFUSED", deployment_id=replaced.data["replacement"]
+        ).exists(),
+        60,
+        "the replacement refused (one replica per node)",
+    )
 
     # 5. A directory vLLM cannot load (its weights are not safetensors): FAILED, with the
     # engine's own last lines in the event.
