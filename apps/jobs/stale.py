@@ -6,6 +6,7 @@ import logging
 from datetime import datetime
 
 from django.conf import settings
+from django.db.models import Max
 
 from agent.protocol import job_stream_key
 from racon.redis import get_redis
@@ -46,6 +47,7 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
         Job.objects.filter(state__in=JOB_IN_FLIGHT)
         .select_related("deployment")
         .only("id", "dispatched_at", "queued_at", "kind", "params", "deployment__primary_id")
+        .annotate(attempt=Max("attempts__number"), attempt_started=Max("attempts__started_at"))
     )
     for job in running:
         if r.exists(admission.failover_key(job.id)):
@@ -58,7 +60,14 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
         last = r.xrevrange(job_stream_key(str(job.id), node), count=1) if node else []
         if last:
             entry_id, fields = last[0]
-            if fields.get("type") in ("done", "error"):
+            # A failover to a replica on the same node writes the next attempt into the same
+            # stream: an earlier attempt's end is not this job's end (its reader moved on).
+            current = int(job.attempt or 1)  # annotated above
+            try:
+                earlier = int(fields.get("attempt") or 1) < current
+            except ValueError:
+                earlier = False
+            if fields.get("type") in ("done", "error") and not earlier:
                 # Billed on the controller's own count of the stream, as the follower would have.
                 chunks, tokens = streams.stream_tally(job.id, node)
                 usage = streams.billed_usage(
@@ -91,6 +100,9 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
                 counts["finished_from_stream"] += int(done)
                 continue
             last_ts = int(entry_id.split("-")[0]) / 1000.0
+            started = job.attempt_started
+            if earlier and started is not None:
+                last_ts = max(last_ts, started.timestamp())
         else:
             last_ts = (job.dispatched_at or job.queued_at).timestamp()
         if now.timestamp() - last_ts > idle:

@@ -27,7 +27,7 @@ from apps.models_repo.models import Model
 from apps.nodes.models import Event
 from apps.nodes.states import NodeState
 from racon.redis import get_redis
-from tests.factories import JobFactory, NodeFactory
+from tests.factories import JobAttemptFactory, JobFactory, NodeFactory
 from tests.jobs.helpers import nodes_with_replicas, planning_deployment, ready_deployment
 from tests.support.fake_agents import FakeAgents
 
@@ -163,6 +163,35 @@ def test_a_stream_that_ended_finishes_its_job_and_a_silent_one_fails(
         and ended.stream_chunks == 2
     )
     assert silent.state == JobState.FAILED
+
+
+def test_an_earlier_attempts_error_on_the_same_node_does_not_end_the_retried_job(
+    model: Model, settings: Any
+) -> None:
+    """Failover to another replica on the same node writes attempt 2 into the same stream key:
+    attempt 1's error entry is not the job's end while attempt 2 runs (a vLLM e2e run once ended
+    a job FAILED whose stream had completed cleanly)."""
+    settings.STREAM_IDLE_TIMEOUT_SECONDS = 60
+    node = NodeFactory()
+    dep = ready_deployment(model, node)
+    now = timezone.now()
+    job = JobFactory(
+        model=model, deployment=dep, state=JobState.RUNNING, queued_at=now, dispatched_at=now
+    )
+    JobAttemptFactory(job=job, number=1, deployment=dep, primary=node, started_at=now)
+    JobAttemptFactory(job=job, number=2, deployment=dep, primary=node, started_at=now)
+    key = job_stream_key(str(job.id), str(node.id))
+    get_redis().xadd(key, {"seq": "0", "attempt": "1", "type": "error", "text": "engine died"})
+    counts = jobs_fail_stale(now=now + timedelta(seconds=30))
+    job.refresh_from_db()
+    assert counts["finished_from_stream"] == 0 and job.state == JobState.RUNNING
+    get_redis().xadd(
+        key,
+        {"seq": "0", "attempt": "2", "type": "done", "text": "", "finish_reason": "stop"},
+    )
+    assert jobs_fail_stale(now=now + timedelta(seconds=30))["finished_from_stream"] == 1
+    job.refresh_from_db()
+    assert job.state == JobState.COMPLETED
 
 
 def test_a_duplicate_report_is_applied_once() -> None:
