@@ -15,7 +15,9 @@ package from this checkout and gguf-py from the llama.cpp tree (PYTHONPATH).
 
 from __future__ import annotations
 
+import base64
 import json
+import secrets
 import statistics
 import sys
 import threading
@@ -137,9 +139,7 @@ def gpu_challenge(device: str, m: int, n: int, k: int, claims: list[float]) -> i
     B·D·Aᵀ; the residues follow untimed and must hash to that digest and pass Freivalds' check.
     Prints the measured figure and the verdict each claim would get (claimed > measured x 1.5
     fails), with the controller's allowance (the ping, at most a quarter of the timed step)."""
-    import base64  # noqa: PLC0415
-    import secrets  # noqa: PLC0415
-
+    # The agent package: the checkout on PYTHONPATH, needed by this subcommand only.
     from agent.hardware.gpu_challenge import (  # noqa: PLC0415
         challenge_flops,
         freivalds_check,
