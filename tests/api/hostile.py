@@ -16,9 +16,7 @@ import httpx
 
 from agent.protocol import StreamEntry, node_queue_key
 from agent.runtime.stream import DirectStreamWriter, entry
-from apps.jobs.models import Deployment
 from racon.redis import get_redis
-from tests.factories import live_deployment
 
 from .live import Daphne
 
@@ -26,11 +24,6 @@ OPERATOR = {"Authorization": "Bearer test-operator-key"}
 
 # What the hostile primary writes for a job: a function of its writer.
 Script = Callable[[DirectStreamWriter], None]
-
-
-def ready_deployment() -> Deployment:
-    """A READY one-node deployment of ``live-model`` whose primary a HostilePrimary plays."""
-    return live_deployment()
 
 
 class HostilePrimary:

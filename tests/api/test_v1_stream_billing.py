@@ -21,8 +21,9 @@ from agent.runtime.stream import DirectStreamWriter
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import JobState
 from racon.redis import get_redis
+from tests.factories import live_deployment
 
-from .hostile import HostilePrimary, done, forged, post, ready_deployment
+from .hostile import HostilePrimary, done, forged, post
 from .live import Daphne, run_daphne
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,7 +37,7 @@ def daphne(tmp_path: Path) -> Iterator[Daphne]:
 
 @pytest.fixture
 def dep() -> Deployment:
-    return ready_deployment()
+    return live_deployment()
 
 
 def sse_events(resp: httpx.Response) -> list[dict[str, Any]]:
