@@ -563,6 +563,8 @@ def main() -> int:
                 asyncio.run(run_level(url, key, MODEL_NAME, streams=streams, max_tokens=1))
             after = meter.read()
             req = {k: after[k] - before[k] for k in before}
+            n_req = streams * rounds
+            per_req = {k: 1e3 * v / max(1, n_req) for k, v in req.items()}
             rows = {
                 "all": {k: 1e6 * v / max(1, tokens) for k, v in cpu.items()},
                 "relay": {
@@ -607,6 +609,13 @@ def main() -> int:
                     ),
                     flush=True,
                 )
+            print(
+                f"{'':>7} {'':>8} {'':>14} | {'ms/request':>12} "
+                f"{per_req['agent']:>7.2f} {per_req['redis']:>7.2f} {per_req['daphne']:>7.2f} "
+                f"{per_req['celery']:>7.2f} {sum(per_req.values()):>7.2f} | CPU per request "
+                f"({n_req} one-token requests: admission, job rows, dispatch, finish, settlement)",
+                flush=True,
+            )
         # Added time per token: one stream, the engine paced, each token stamped with its
         # write time; the client's read time minus that is the relay's latency for the token.
         got, _ = asyncio.run(

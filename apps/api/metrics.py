@@ -67,14 +67,19 @@ def _hist_key(name: str) -> str:
 # --- recording -----------------------------------------------------------------------------------
 
 
-def job_finished_observe(*, job_id: Any, state: str, fields: dict[str, Any]) -> None:
-    """Count a finished job and observe its TTFT, tokens/s and queue wait (never fails the caller)."""
+def job_finished_observe(
+    *, job_id: Any, state: str, fields: dict[str, Any], row: tuple[Any, ...] | None = None
+) -> None:
+    """Count a finished job and observe its TTFT, tokens/s and queue wait (never fails the caller).
+    ``row``: the job's model name, queued_at, dispatched_at and finished_at when the caller has
+    them (the finish read them), else they are read here."""
     try:
-        row = (
-            Job.objects.filter(pk=job_id)
-            .values_list("model__name", "queued_at", "dispatched_at", "finished_at")
-            .first()
-        )
+        if row is None:
+            row = (
+                Job.objects.filter(pk=job_id)
+                .values_list("model__name", "queued_at", "dispatched_at", "finished_at")
+                .first()
+            )
         model = (row[0] if row else None) or "unknown"
         r = get_redis()
         with r.pipeline(transaction=False) as pipe:

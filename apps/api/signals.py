@@ -31,7 +31,7 @@ def _model_changed(**kwargs: Any) -> None:
 
 
 def _job_finished(*, job_id: Any, state: str, fields: dict[str, Any], **kwargs: Any) -> None:
-    job_finished_observe(job_id=job_id, state=state, fields=fields)
+    job_finished_observe(job_id=job_id, state=state, fields=fields, row=kwargs.get("row"))
 
 
 def connect() -> None:

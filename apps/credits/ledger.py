@@ -13,6 +13,7 @@ under the lock cannot be raced below. On SQLite the whole database is locked per
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Exists, F, OuterRef, Sum
+from django.db.models import BigIntegerField, Case, Exists, F, OuterRef, Q, Sum, Value, When
 from django.utils import timezone
 
 from apps.accounts.models import Account, AccountKind
@@ -97,17 +98,40 @@ def account_create(
     return acct
 
 
-def accounts_lock(ids: Iterable[Any]) -> dict[str, Account]:
-    """Lock the accounts in primary-key order (the one global lock order); all must exist."""
+def accounts_lock(ids: Iterable[Any], *, names: Iterable[str] = ()) -> dict[str, Account]:
+    """Lock the accounts in primary-key order (the one global lock order); all must exist.
+
+    ``names`` are system accounts (account_system), found by name in the same query, so that a
+    settlement or a hold resolves and locks its system accounts in one round trip; one that does
+    not exist yet is created (once, the first time it is used) and the lock is taken again.
+    """
     keys = sorted({account_key(i) for i in ids})
+    wanted = sorted(set(names))
+    query = Q(pk__in=keys)
+    if wanted:
+        query |= Q(name__in=wanted)
     rows = {
         account_key(a.pk): a
-        for a in Account.objects.select_for_update().filter(pk__in=keys).order_by("pk")
+        for a in Account.objects.select_for_update().filter(query).order_by("pk")
     }
     missing = [k for k in keys if k not in rows]
     if missing:
         raise ValueError(f"unknown account(s): {', '.join(missing)}")
+    found = {a.name for a in rows.values()}
+    absent = [n for n in wanted if n not in found]
+    if absent:
+        for name in absent:
+            account_system(name=name)
+        return accounts_lock(keys, names=wanted)
     return rows
+
+
+def account_named(accounts: dict[str, Account], name: str) -> Account:
+    """The account of this name among those accounts_lock returned."""
+    for acct in accounts.values():
+        if acct.name == name:
+            return acct
+    raise KeyError(name)
 
 
 # --- the ledger's one writer --------------------------------------------------------------------
@@ -139,6 +163,43 @@ def ledger_post(
     its floor raises InsufficientCredits. A second call with the same key — sequential,
     concurrent or after a crash — returns the first entry and writes nothing.
     """
+    return ledger_write(
+        key=key,
+        kind=kind,
+        postings=postings,
+        memo=memo,
+        now=now,
+        job_id=job_id,
+        node_id=node_id,
+        data=data,
+    )[0]
+
+
+def ledger_write(
+    *,
+    key: str,
+    kind: str,
+    postings: Sequence[PostingLine],
+    memo: str,
+    now: datetime,
+    job_id: Any = None,
+    node_id: Any = None,
+    data: dict[str, Any] | None = None,
+    locked: dict[str, Account] | None = None,
+    savepoint: bool = True,
+) -> tuple[Entry, bool]:
+    """ledger_post, and whether this call wrote the entry (False: the key's first entry).
+
+    ``locked``: accounts the caller already locked in this transaction (accounts_lock), whose
+    balances are current (ledger_write keeps them so): they are not locked again. Whether the key was written before
+    is answered by its unique index, not by a query first: the entry is inserted before any
+    balance moves, so a second writer's insert fails (a concurrent one's once the first commits)
+    and nothing of it stays.
+
+    ``savepoint=False`` (inside the caller's transaction): no savepoint of its own, so a key
+    written before raises IntegrityError, which leaves the caller's transaction to roll back:
+    the caller catches it outside its transaction (credit_settle_job).
+    """
     if not isinstance(key, str) or not key or len(key) > 200:
         raise ValueError("idempotency key must be a non-empty string of at most 200 characters")
     if kind not in EntryKind.values:
@@ -161,58 +222,94 @@ def ledger_post(
     for (account_id, _), amount in lines.items():
         net[account_id] = net.get(account_id, 0) + amount
 
-    existing = entry_existing(key=key, kind=kind)
-    if existing is not None:
-        return existing
+    write = functools.partial(
+        _entry_write,
+        key=key,
+        kind=kind,
+        lines=lines,
+        net=net,
+        memo=memo,
+        now=now,
+        job_id=job_id,
+        node_id=node_id,
+        data=data,
+        locked=locked,
+    )
+    if not savepoint:
+        with transaction.atomic(savepoint=False):
+            return write(), True
     try:
         with transaction.atomic():
-            accounts = accounts_lock(net)
-            # The first writer may have committed while we waited for the locks.
-            existing = entry_existing(key=key, kind=kind)
-            if existing is not None:
-                return existing
-            for account_id, delta in net.items():
-                acct = accounts[account_id]
-                after = acct.balance + delta
-                if abs(after) > MAX_AMOUNT:
-                    raise ValueError(
-                        f"account {acct.name} would overflow (limit ±2^62 micro-credits)"
-                    )
-                if delta < 0 and acct.floor is not None and after < acct.floor:
-                    raise InsufficientCredits(
-                        account_id=acct.pk, needed=-delta, available=acct.balance - acct.floor
-                    )
-            entry = Entry.objects.create(
-                idempotency_key=key,
-                kind=kind,
-                memo=memo[:500],
-                job_id=job_id,
-                node_id=node_id,
-                data=data or {},
-                created_at=now,
-            )
-            Posting.objects.bulk_create(
-                [
-                    Posting(
-                        entry=entry,
-                        account_id=account_id,
-                        amount=amount,
-                        beneficiary_id=beneficiary,
-                    )
-                    for (account_id, beneficiary), amount in sorted(
-                        lines.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")
-                    )
-                ]
-            )
-            for account_id, delta in sorted(net.items()):
-                if delta:
-                    Account.objects.filter(pk=account_id).update(balance=F("balance") + delta)
+            entry = write()
     except IntegrityError:
-        # Lost the race on the unique key: the winner's entry is committed and visible now.
+        # The key was written before (or by a concurrent writer, committed now): its entry.
         existing = entry_existing(key=key, kind=kind)
         if existing is None:
             raise
-        return existing
+        return existing, False
+    return entry, True
+
+
+def _entry_write(
+    *,
+    key: str,
+    kind: str,
+    lines: dict[tuple[str, str | None], int],
+    net: dict[str, int],
+    memo: str,
+    now: datetime,
+    job_id: Any,
+    node_id: Any,
+    data: dict[str, Any] | None,
+    locked: dict[str, Account] | None,
+) -> Entry:
+    """ledger_write's writes, in the caller's transaction."""
+    if locked is not None and all(a in locked for a in net):
+        accounts = locked
+    else:
+        accounts = accounts_lock(net)
+    # First, under the locks: a key written before (or by a writer we waited for) fails here on
+    # the unique index, before anything else is written.
+    entry = Entry.objects.create(
+        idempotency_key=key,
+        kind=kind,
+        memo=memo[:500],
+        job_id=job_id,
+        node_id=node_id,
+        data=data or {},
+        created_at=now,
+    )
+    for account_id, delta in net.items():
+        acct = accounts[account_id]
+        after = acct.balance + delta
+        if abs(after) > MAX_AMOUNT:
+            raise ValueError(f"account {acct.name} would overflow (limit ±2^62 micro-credits)")
+        if delta < 0 and acct.floor is not None and after < acct.floor:
+            raise InsufficientCredits(
+                account_id=acct.pk, needed=-delta, available=acct.balance - acct.floor
+            )
+    Posting.objects.bulk_create(
+        [
+            Posting(entry=entry, account_id=account_id, amount=amount, beneficiary_id=beneficiary)
+            for (account_id, beneficiary), amount in sorted(
+                lines.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")
+            )
+        ]
+    )
+    moved = {a: d for a, d in net.items() if d}
+    if moved:
+        # Every balance in one statement.
+        Account.objects.filter(pk__in=list(moved)).update(
+            balance=F("balance")
+            + Case(
+                *(When(pk=a, then=Value(d)) for a, d in sorted(moved.items())),
+                default=Value(0),
+                output_field=BigIntegerField(),
+            )
+        )
+        for a, d in moved.items():
+            if a in accounts:
+                accounts[a].balance += d  # the caller's locked rows stay current
     return entry
 
 

@@ -24,7 +24,15 @@ from apps.nodes.gpu_challenges import gpu_unverified_vram
 from apps.nodes.models import Node
 from apps.nodes.states import NodeState
 
-from .ledger import PostingLine, account_system, accounts_lock, entry_existing, ledger_post
+from .ledger import (
+    PostingLine,
+    account_named,
+    account_system,
+    accounts_lock,
+    entry_existing,
+    ledger_post,
+    ledger_write,
+)
 from .models import Entry, EntryKind
 from .receipts import Payout, receipts_issue
 from .rules import (
@@ -88,21 +96,27 @@ def credit_reserve(
     if amount == 0:
         return 0  # a free model: nothing to hold
     amount_check(amount, what="reservation")
-    holds = account_system(name=HOLDS)
-    entry = ledger_post(
-        key=f"reserve:{job_id}",
-        kind=EntryKind.RESERVE,
-        postings=[(account_id, -amount), (holds.pk, amount)],
-        memo=f"hold for job {job_id}: {prompt_tokens} prompt + {max_tokens} completion tokens",
-        now=now,
-        job_id=job_id,
-        data={
-            "prompt_tokens": prompt_tokens,
-            "max_tokens": max_tokens,
-            "price_permille": model_price_permille,
-            "micro_per_token": micro,
-        },
-    )
+    with transaction.atomic():
+        # The consumer and system:holds, found and locked in one query.
+        accounts = accounts_lock([account_id], names=[HOLDS])
+        holds = account_named(accounts, HOLDS)
+        entry, written = ledger_write(
+            key=f"reserve:{job_id}",
+            kind=EntryKind.RESERVE,
+            postings=[(account_id, -amount), (holds.pk, amount)],
+            memo=f"hold for job {job_id}: {prompt_tokens} prompt + {max_tokens} completion tokens",
+            now=now,
+            job_id=job_id,
+            data={
+                "prompt_tokens": prompt_tokens,
+                "max_tokens": max_tokens,
+                "price_permille": model_price_permille,
+                "micro_per_token": micro,
+            },
+            locked=accounts,
+        )
+    if written:
+        return amount
     return int(entry.postings.filter(account_id=holds.pk).aggregate(s=Sum("amount"))["s"] or 0)
 
 
@@ -162,9 +176,8 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
     """
 
     key = f"settle:{job_id}"
-    existing = entry_existing(key=key, kind=EntryKind.SETTLE)
-    if existing is not None:
-        return existing
+    # Settled before? The entry's unique key answers that when it is written (ledger_write),
+    # without a query first: a settlement runs once per job but for a lost task's redelivery.
     job = Job.objects.select_related("model", "deployment").get(pk=job_id)
     if job.state not in JOB_TERMINAL:
         raise JobNotTerminal(f"job {job_id} is {job.state}, not terminal")
@@ -188,91 +201,107 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
     cost = token_cost(tokens=tokens, price_permille=price, micro_per_token=micro)
     fee_permille = min(max(settings.CREDITS_FEE_PERMILLE, 0), 1000)
     primary_permille = settings.CREDITS_PRIMARY_SHARE_PERMILLE
-    holds, fees, escrow = (account_system(name=n) for n in (HOLDS, FEES, ESCROW))
     rules = _earning_rules()
 
-    with transaction.atomic():
-        held, consumer_id = job_hold(job_id=job.pk)
-        if consumer_id is None and job.account_id is not None:
-            consumer_id = account_key(job.account_id)
-        lock = {holds.pk, fees.pk, escrow.pk, *owners.values()}
-        if consumer_id is not None:
-            lock.add(consumer_id)
-        accounts = accounts_lock(lock)
-        existing = entry_existing(key=key, kind=EntryKind.SETTLE)
-        if existing is not None:
-            return existing  # a concurrent settlement won while we waited for the locks
+    try:
+        with transaction.atomic():
+            held, consumer_id = job_hold(job_id=job.pk)
+            if consumer_id is None and job.account_id is not None:
+                consumer_id = account_key(job.account_id)
+            lock = set(owners.values())
+            if consumer_id is not None:
+                lock.add(consumer_id)
+            # The system accounts are found by name in the same locking query.
+            accounts = accounts_lock(lock, names=[HOLDS, FEES, ESCROW])
+            holds, fees, escrow = (account_named(accounts, n) for n in (HOLDS, FEES, ESCROW))
+            escrow_before = escrow.balance
 
-        # Never more than the hold: usage is a node's claim until counted, and a forged figure
-        # (2,000,000,000 tokens) must not reach into the consumer's whole balance.
-        charge = 0 if consumer_id is None else min(cost, held)
-        fee = charge * fee_permille // 1000
-        pool = charge - fee
-        shares = _attempts_split(value=pool, parts=parts, primary_share_permille=primary_permille)
-        if not shares:
-            fee, pool = charge, 0  # nobody to pay (no plan): the value goes to fees
-
-        postings: list[PostingLine] = []
-        if held:
-            postings.append((holds.pk, -held))
-        if consumer_id is not None and held != charge:
-            postings.append((consumer_id, held - charge))
-        if fee:
-            postings.append((fees.pk, fee))
-        payouts: list[Payout] = []
-        for w in work:
-            owner = accounts[owners[w.node_id]]
-            amount = shares.get(w.node_id, 0)
-            escrowed = amount > 0 and _to_escrow(rules=rules, owner=owner)
-            payouts.append(
-                Payout(
-                    node_id=w.node_id,
-                    owner_id=owners[w.node_id],
-                    amount=amount,
-                    escrowed=escrowed,
-                    layers=w.layers,
-                    device_ms=w.device_ms,
-                    primary=w.node_id in primaries,
-                )
+            # Never more than the hold: usage is a node's claim until counted, and a forged figure
+            # (2,000,000,000 tokens) must not reach into the consumer's whole balance.
+            charge = 0 if consumer_id is None else min(cost, held)
+            fee = charge * fee_permille // 1000
+            pool = charge - fee
+            shares = _attempts_split(
+                value=pool, parts=parts, primary_share_permille=primary_permille
             )
-            if amount > 0:
-                postings.append((escrow.pk if escrowed else owner.pk, amount, owner.pk))
+            if not shares:
+                fee, pool = charge, 0  # nobody to pay (no plan): the value goes to fees
 
-        entry = ledger_post(
-            key=key,
-            kind=EntryKind.SETTLE,
-            postings=postings,
-            memo=f"job {job.pk} {job.state}: {tokens} tokens of {job.model.name}",
-            now=now,
-            job_id=job.pk,
-            data={
-                "state": job.state,
-                "prompt_tokens": job.prompt_tokens,
-                "completion_tokens": job.completion_tokens,
-                "price_permille": price,
-                "micro_per_token": micro,
-                "cost": cost,
-                "held": held,
-                "charged": charge,
-                "uncharged": cost - charge,
-                "fee": fee,
-                "value": pool,
-                "primary_node_id": primary,
-                "shares": {p.node_id: p.amount for p in payouts},
-                **(
-                    {
-                        "attempts": [
-                            {"primary_node_id": p.primary, "tokens": p.weight} for p in parts
-                        ]
-                    }
-                    if len(parts) > 1
-                    else {}
-                ),
-            },
-        )
-        receipts_issue(entry=entry, job=job, nodes=nodes, payouts=payouts, value=pool, now=now)
-        for owner_id in sorted({p.owner_id for p in payouts if p.amount > 0}):
-            _escrow_release_if_due(owner_id=owner_id, escrow_id=escrow.pk, trigger=key, now=now)
+            postings: list[PostingLine] = []
+            if held:
+                postings.append((holds.pk, -held))
+            if consumer_id is not None and held != charge:
+                postings.append((consumer_id, held - charge))
+            if fee:
+                postings.append((fees.pk, fee))
+            payouts: list[Payout] = []
+            for w in work:
+                owner = accounts[owners[w.node_id]]
+                amount = shares.get(w.node_id, 0)
+                escrowed = amount > 0 and _to_escrow(rules=rules, owner=owner)
+                payouts.append(
+                    Payout(
+                        node_id=w.node_id,
+                        owner_id=owners[w.node_id],
+                        amount=amount,
+                        escrowed=escrowed,
+                        layers=w.layers,
+                        device_ms=w.device_ms,
+                        primary=w.node_id in primaries,
+                    )
+                )
+                if amount > 0:
+                    postings.append((escrow.pk if escrowed else owner.pk, amount, owner.pk))
+
+            entry, _ = ledger_write(
+                key=key,
+                kind=EntryKind.SETTLE,
+                postings=postings,
+                memo=f"job {job.pk} {job.state}: {tokens} tokens of {job.model.name}",
+                now=now,
+                job_id=job.pk,
+                data={
+                    "state": job.state,
+                    "prompt_tokens": job.prompt_tokens,
+                    "completion_tokens": job.completion_tokens,
+                    "price_permille": price,
+                    "micro_per_token": micro,
+                    "cost": cost,
+                    "held": held,
+                    "charged": charge,
+                    "uncharged": cost - charge,
+                    "fee": fee,
+                    "value": pool,
+                    "primary_node_id": primary,
+                    "shares": {p.node_id: p.amount for p in payouts},
+                    **(
+                        {
+                            "attempts": [
+                                {"primary_node_id": p.primary, "tokens": p.weight} for p in parts
+                            ]
+                        }
+                        if len(parts) > 1
+                        else {}
+                    ),
+                },
+                locked=accounts,
+                savepoint=False,
+            )
+            receipts_issue(entry=entry, job=job, nodes=nodes, payouts=payouts, value=pool, now=now)
+            # Escrow's balance is what it holds for every owner together (each owner's part is never
+            # negative): with nothing held before and nothing escrowed now, no owner has any to release.
+            if escrow_before > 0 or any(p.escrowed and p.amount > 0 for p in payouts):
+                for owner_id in sorted({p.owner_id for p in payouts if p.amount > 0}):
+                    _escrow_release_if_due(
+                        owner_id=owner_id, escrow_id=escrow.pk, trigger=key, now=now
+                    )
+    except IntegrityError:
+        # Settled before, or by a concurrent settlement we waited for: the settlement's key (the
+        # entry's unique index) refused this one, and nothing of it stayed.
+        existing = entry_existing(key=key, kind=EntryKind.SETTLE)
+        if existing is None:
+            raise
+        return existing
     return entry
 
 

@@ -155,6 +155,14 @@ def job_create(
     dispatch, so the row, the hold and JOB_DISPATCHED are written while the primary evaluates the
     prompt.
     """
+    dispatch: dict[str, Any] = {}
+    node_ids: list[str] = []
+    if dispatched_to is not None:
+        # Born DISPATCHED: the row, its hold and JOB_DISPATCHED (QUEUED → DISPATCHED, as
+        # job_dispatch records it) in one transaction, without a transition of a row no one else
+        # can see yet.
+        node_ids = dispatch_node_ids(dispatched_to)
+        dispatch = _dispatch_fields(dispatched_to, now=now)
     with transaction.atomic():
         job = Job.objects.create(
             id=job_id or uuid.uuid4(),
@@ -167,14 +175,26 @@ def job_create(
             stream=stream,
             request_id=request_id,
             queued_at=now,
-            state=J.QUEUED,
+            state=J.DISPATCHED if dispatched_to is not None else J.QUEUED,
+            **dispatch,
         )
         if hold is not None:
             hold(job)
-        if dispatched_to is not None and not _record_dispatch(
-            job=job, deployment=dispatched_to, now=now
-        ):
-            raise DeploymentError("job is no longer queued")
+        if dispatched_to is not None:
+            event_record(
+                kind="JOB_DISPATCHED",
+                category=EventCategory.EXECUTION,
+                now=now,
+                job_id=job.id,
+                deployment_id=dispatched_to.id,
+                old_state=J.QUEUED,
+                new_state=J.DISPATCHED,
+                message=f"to deployment {dispatched_to.id}",
+                data={"nodes": node_ids},
+            )
+            if node_ids:
+                through = Job.nodes.through
+                through.objects.bulk_create([through(job_id=job.id, node_id=n) for n in node_ids])
     return job
 
 
@@ -212,10 +232,21 @@ def job_run_payload(
     return payload
 
 
+def _dispatch_fields(deployment: Deployment, *, now: datetime) -> dict[str, Any]:
+    """The job's fields that a dispatch to this deployment sets."""
+    plan = deployment.plan or {}
+    return {
+        "deployment_id": deployment.id,
+        "dispatched_at": now,
+        "placement": {
+            "devices": dispatch_placement(deployment),
+            "primary": plan.get("primary_node_id"),
+        },
+    }
+
+
 def _record_dispatch(*, job: Job, deployment: Deployment, now: datetime) -> bool:
     """QUEUED → DISPATCHED with the plan's nodes and layers (the JOB_DISPATCHED event)."""
-    plan = deployment.plan or {}
-    placement = dispatch_placement(deployment)
     node_ids = dispatch_node_ids(deployment)
     with transaction.atomic():
         moved = job_transition(
@@ -223,11 +254,7 @@ def _record_dispatch(*, job: Job, deployment: Deployment, now: datetime) -> bool
             to=J.DISPATCHED,
             expected=J.QUEUED,
             now=now,
-            fields={
-                "deployment_id": deployment.id,
-                "dispatched_at": now,
-                "placement": {"devices": placement, "primary": plan.get("primary_node_id")},
-            },
+            fields=_dispatch_fields(deployment, now=now),
             kind="JOB_DISPATCHED",
             message=f"to deployment {deployment.id}",
             data={"nodes": node_ids},
@@ -287,28 +314,65 @@ def dispatch_node_ids(deployment: Deployment) -> list[str]:
 
 
 def job_mark_running(*, job_id: Any, now: datetime) -> bool:
-    """DISPATCHED → RUNNING at the first token."""
-    return job_transition(
-        job_id=job_id, to=J.RUNNING, expected=J.DISPATCHED, now=now, fields={"first_token_at": now}
+    """DISPATCHED → RUNNING at the first token: one guarded UPDATE (the transition writes no
+    event, so it needs no read first; a job no longer DISPATCHED is left as it is)."""
+    return (
+        Job.objects.filter(pk=job_id, state=J.DISPATCHED).update(
+            state=J.RUNNING, first_token_at=now
+        )
+        == 1
     )
 
 
 def _finish(
-    *, job_id: Any, to: str, now: datetime, fields: dict[str, Any], kind: str, message: str
+    *,
+    job_id: Any,
+    to: str,
+    now: datetime,
+    fields: dict[str, Any],
+    kind: str,
+    message: str,
+    attempts: bool | None = None,
 ) -> bool:
-    job = Job.objects.filter(pk=job_id).values("state", "deployment_id").first()
+    """The guarded move to a terminal state, its event, its last attempt's end, and what follows
+    (slot, settlement, metrics, stream, drains). ``attempts=False``: the caller knows the job was
+    never failed over (it has no JobAttempt rows), so none is looked for."""
+    job = (
+        Job.objects.filter(pk=job_id)
+        .values("state", "deployment_id", "model__name", "queued_at", "dispatched_at")
+        .first()
+    )
     if job is None or job["state"] in JOB_TERMINAL:
         return False
+    src = str(job["state"])
     with transaction.atomic():  # the job's end and its last attempt's, seen together
-        moved = job_transition(
-            job_id=job_id,
-            to=to,
-            now=now,
-            fields={"finished_at": now, **fields},
-            kind=kind,
-            message=message,
+        # Guarded on the state just read (no second read): a writer that moved the job since
+        # (its first token, a report) makes it a no-op, and the guarded transition reads again.
+        moved = (
+            to in JOB_TRANSITIONS.get(src, ())
+            and Job.objects.filter(pk=job_id, state=src).update(state=to, finished_at=now, **fields)
+            == 1
         )
         if moved:
+            event_record(
+                kind=kind,
+                category=EventCategory.EXECUTION,
+                now=now,
+                job_id=job_id,
+                old_state=src,
+                new_state=to,
+                message=message,
+            )
+        else:
+            moved = job_transition(
+                job_id=job_id,
+                to=to,
+                now=now,
+                fields={"finished_at": now, **fields},
+                kind=kind,
+                message=message,
+            )
+        if moved and attempts is not False:
             _attempt_close(job_id=job_id, to=to, now=now, fields=fields)
     if moved:
         if job["deployment_id"]:
@@ -316,7 +380,12 @@ def _finish(
         task_send_on_commit(
             "racon.credits.settle_job", job_id=str(job_id)
         )  # credits' task, by name
-        _record_job_metrics(job_id=job_id, to=to, fields=fields)
+        _record_job_metrics(
+            job_id=job_id,
+            to=to,
+            fields=fields,
+            row=(job["model__name"], job["queued_at"], job["dispatched_at"], now),
+        )
         # The job's stream goes now unless someone still follows it (then at their end).
         transaction.on_commit(functools.partial(retention.job_stream_release, job_id=job_id))
         if job["deployment_id"]:
@@ -353,8 +422,12 @@ def _attempt_close(*, job_id: Any, to: str, now: datetime, fields: dict[str, Any
     )
 
 
-def _record_job_metrics(*, job_id: Any, to: str, fields: dict[str, Any]) -> None:
-    hooks.job_finished.send(sender=Job, job_id=job_id, state=to, fields=fields)
+def _record_job_metrics(
+    *, job_id: Any, to: str, fields: dict[str, Any], row: tuple[Any, ...] | None = None
+) -> None:
+    """``row``: the job's model name, queued_at, dispatched_at and finished_at, read with the
+    finish already (the metrics need not read them again)."""
+    hooks.job_finished.send(sender=Job, job_id=job_id, state=to, fields=fields, row=row)
 
 
 def job_complete(
@@ -365,8 +438,9 @@ def job_complete(
     chunks: int,
     now: datetime,
     device_seconds: dict[str, float] | None = None,
+    attempts: bool | None = None,
 ) -> bool:
-    """→ COMPLETED with usage and timings; settlement follows."""
+    """→ COMPLETED with usage and timings; settlement follows. ``attempts``: as _finish's."""
     fields = {
         "prompt_tokens": int(usage.get("prompt_tokens") or 0),
         "completion_tokens": int(usage.get("completion_tokens") or 0),
@@ -384,6 +458,7 @@ def job_complete(
         fields=fields,
         kind="JOB_COMPLETED",
         message=f"{fields['completion_tokens']} tokens, {fields['finish_reason']}",
+        attempts=attempts,
     )
 
 
@@ -395,8 +470,9 @@ def job_fail(
     during_execution: bool | None = None,
     usage: dict[str, Any] | None = None,
     chunks: int | None = None,
+    attempts: bool | None = None,
 ) -> bool:
-    """→ FAILED with the error; only what was delivered is charged."""
+    """→ FAILED with the error; only what was delivered is charged. ``attempts``: as _finish's."""
     fields: dict[str, Any] = {
         "error": error[:2000],
         "failed_during_execution": during_execution,
@@ -408,7 +484,13 @@ def job_fail(
     if chunks is not None:
         fields["stream_chunks"] = chunks
     return _finish(
-        job_id=job_id, to=J.FAILED, now=now, fields=fields, kind="JOB_FAILED", message=error[:300]
+        job_id=job_id,
+        to=J.FAILED,
+        now=now,
+        fields=fields,
+        kind="JOB_FAILED",
+        message=error[:300],
+        attempts=attempts,
     )
 
 
@@ -419,8 +501,10 @@ def job_cancel(
     reason: str = "cancelled",
     usage: dict[str, Any] | None = None,
     chunks: int | None = None,
+    attempts: bool | None = None,
 ) -> bool:
-    """→ CANCELLED; sets the cancel flag the primary checks between tokens."""
+    """→ CANCELLED; sets the cancel flag the primary checks between tokens. ``attempts``: as
+    _finish's."""
     job = Job.objects.filter(pk=job_id).select_related("deployment").first()
     if (
         job is not None
@@ -445,6 +529,7 @@ def job_cancel(
         fields=fields,
         kind="JOB_CANCELLED",
         message=reason[:300],
+        attempts=attempts,
     )
 
 

@@ -117,8 +117,10 @@ class Admission:
     account_id: Any = None
     queued_ts: float = 0.0
     prompt_bound: int | None = None
+    max_tokens: int | None = None  # the job's own: the follower cuts the stream there
     follower: streams.StreamFollower | None = None
     handed_off: bool = False  # the streaming body owns the job from here
+    failed_over: bool = False  # a failover began: the job may have JobAttempt rows
     finished: bool = False  # a finish (or a cancel) was recorded
     finishing: Future[None] | None = None  # the record of an end made off a cancelled task
     kv: kvcache.Route | None = None  # the KV cache coordinator's routing and slot (kvcache.py)
@@ -193,6 +195,7 @@ def admission_open(
         account_id=account_id,
         queued_ts=now.timestamp(),
         prompt_bound=prompt_bound,
+        max_tokens=max_tokens,
         kv=route,
         release=release,
     )
@@ -492,6 +495,7 @@ async def stream_open(*, adm: Admission) -> tuple[dict[str, str], AsyncIterator[
         node_id=adm.primary_id,
         prompt_bound=adm.prompt_bound,
         failover=failover,
+        max_tokens=adm.max_tokens,  # known: no read of the job before the first token
     )
     entries = adm.follower.entries()
     try:
@@ -539,6 +543,7 @@ async def job_failover(
         failure.message,
         follower.completion_tokens,
     )
+    adm.failed_over = True  # before: JobAttempt rows start in it
     began = await pooled(job_failover_begin)(
         job_id=adm.job_id,
         deployment_id=old_dep,
@@ -656,10 +661,37 @@ def admission_finish(
 ) -> None:
     """Record the job's end with the controller's own counts (streams.StreamFollower)."""
     adm.finished = True
-    admission_released(adm=adm)
-    kv_finish(adm=adm, outcome=outcome, entry=entry)
+    # The quota first (the key's next request may come at once); the stream's follower after
+    # the end is recorded, so that its release finds the job terminal and deletes the stream once.
+    follow_token, adm.follow_token = adm.follow_token, ""
+    try:
+        admission_released(adm=adm)
+        kv_finish(adm=adm, outcome=outcome, entry=entry)
+        _job_end(
+            adm=adm,
+            outcome=outcome,
+            entry=entry,
+            finish_reason=finish_reason,
+            error=error,
+            during=during,
+        )
+    finally:
+        adm.follow_token = follow_token
+        admission_released(adm=adm)
+
+
+def _job_end(
+    *,
+    adm: Admission,
+    outcome: Outcome,
+    entry: dict[str, str] | None,
+    finish_reason: str,
+    error: str,
+    during: bool | None,
+) -> None:
     now = timezone.now()
     chunks = adm.follower.chunks if adm.follower is not None else 0
+    attempts = None if adm.failed_over else False
     if outcome == "completed":
         job_complete(
             job_id=adm.job_id,
@@ -667,6 +699,7 @@ def admission_finish(
             finish_reason=finish_reason,
             chunks=chunks,
             now=now,
+            attempts=attempts,
         )
     elif outcome == "cancelled":
         job_cancel(
@@ -675,6 +708,7 @@ def admission_finish(
             reason=error or "client disconnected",
             usage=admission_usage(adm=adm, entry=entry, check=False),
             chunks=chunks,
+            attempts=attempts,
         )
     else:
         job_fail(
@@ -684,6 +718,7 @@ def admission_finish(
             during_execution=during,
             usage=admission_usage(adm=adm, entry=entry, check=False),
             chunks=chunks,
+            attempts=attempts,
         )
 
 

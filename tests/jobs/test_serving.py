@@ -17,6 +17,7 @@ from apps.jobs import admission, serving
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DeploymentState, JobState
 from apps.models_repo.models import Model
+from apps.nodes.models import Event
 from racon.redis import get_redis
 from tests.factories import DeploymentFactory, ModelFileFactory, NodeFactory
 
@@ -86,8 +87,13 @@ def test_a_free_slot_dispatches_at_once_with_the_hold_in_the_jobs_transaction(mo
         and adm.deployment_id == str(dep.id)
         and adm.primary_id == str(dep.primary_id)
     )
-    assert held == [(adm.job_id, JobState.QUEUED)]
-    assert Job.objects.get(pk=adm.job_id).state == JobState.DISPATCHED
+    # The fast path writes the job born DISPATCHED: the hold runs on that row, in its transaction.
+    assert held == [(adm.job_id, JobState.DISPATCHED)]
+    job = Job.objects.get(pk=adm.job_id)
+    assert job.state == JobState.DISPATCHED and job.deployment_id == dep.id
+    assert [n.pk for n in job.nodes.all()] == [dep.primary_id]
+    event = Event.objects.get(job_id=adm.job_id, kind="JOB_DISPATCHED")
+    assert (event.old_state, event.new_state) == (JobState.QUEUED, JobState.DISPATCHED)
     assert admission.slots_in_use([dep.id]) == {str(dep.id): 1}
     command = json.loads(get_redis().lrange(node_queue_key(str(dep.primary_id)), 0, 0)[0])
     assert command["kind"] == "run_job" and command["payload"]["job_id"] == adm.job_id
