@@ -24,12 +24,13 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.conf import settings  # noqa: E402
 
 from apps.api.routing import websocket_urlpatterns  # noqa: E402
-from apps.api.v1.asgi import PATH_PREFIX as V1_PREFIX  # noqa: E402
+from apps.api.v1.asgi import PATH_PREFIXES as INLINE_PREFIXES  # noqa: E402
 from apps.api.v1.asgi import InlineMiddlewareHandler  # noqa: E402
 from apps.nodes.api import heartbeat_handle, heartbeat_headers  # noqa: E402
 
 HEARTBEAT_PATH = "/api/agent/heartbeat"
-# /v1: the same Django middleware without a thread hop per hook (apps/api/v1/asgi.py).
+# /v1 and the agent's reports: the same Django middleware without a thread hop per hook
+# (apps/api/v1/asgi.py).
 v1_asgi = InlineMiddlewareHandler()
 
 
@@ -50,7 +51,7 @@ async def _read_body(receive: Any, limit: int) -> bytes | None:
 
 async def http_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     path = scope.get("path") or ""
-    if path.startswith(V1_PREFIX):
+    if path.startswith(INLINE_PREFIXES):
         await v1_asgi(scope, receive, send)
         return
     if path != HEARTBEAT_PATH:

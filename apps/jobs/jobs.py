@@ -55,8 +55,17 @@ def _uuid_or_refuse(value: Any, *, what: str) -> uuid.UUID:
 
 def job_primary_check(*, job_id: Any, node_id: Any) -> uuid.UUID:
     """The job's id, if the node is the primary of its plan (the one that runs it); ReportRefused if not."""
+    return _job_primary_row(job_id=job_id, node_id=node_id)[0]
+
+
+def _job_primary_row(*, job_id: Any, node_id: Any) -> tuple[uuid.UUID, dict[str, Any]]:
+    """job_primary_check, and the job's state, kind, params and deployment (one read)."""
     job_uuid = _uuid_or_refuse(job_id, what="job_id")
-    job = Job.objects.filter(pk=job_uuid).values("placement", "deployment__primary_id").first()
+    job = (
+        Job.objects.filter(pk=job_uuid)
+        .values("placement", "deployment__primary_id", "state", "kind", "params", "deployment_id")
+        .first()
+    )
     if job is None:
         raise ValueError(f"unknown job {job_uuid}")
     primaries = {
@@ -64,17 +73,19 @@ def job_primary_check(*, job_id: Any, node_id: Any) -> uuid.UUID:
         for p in (job["deployment__primary_id"], (job["placement"] or {}).get("primary"))
         if p
     }
-    # After a failover, each attempt's primary may still report on its own attempt (stale: ignored).
-    primaries |= {
-        str(p)
-        for p in JobAttempt.objects.filter(job_id=job_uuid).values_list("primary_id", flat=True)
-        if p
-    }
+    if str(node_id) not in primaries:
+        # After a failover, each attempt's primary may still report on its own attempt (stale:
+        # ignored); only then are the attempts read.
+        primaries |= {
+            str(p)
+            for p in JobAttempt.objects.filter(job_id=job_uuid).values_list("primary_id", flat=True)
+            if p
+        }
     if str(node_id) not in primaries:
         raise ReportRefused(
             f"node {node_id} is not the primary of job {job_uuid}'s plan", code="not_plan_member"
         )
-    return job_uuid
+    return job_uuid, dict(job)
 
 
 def drains_advance(*, deployments: QuerySet[Deployment], now: datetime) -> None:
@@ -543,12 +554,11 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
     if not job_id:
         raise ValueError("job_finished needs job_id")
     # Only the primary of the job's plan runs it: anyone else's report is refused, changing nothing.
-    job_id = job_primary_check(job_id=job_id, node_id=node_id)
+    job_id, job = _job_primary_row(job_id=job_id, node_id=node_id)
     status = payload.get("status")
     if status not in ("completed", "failed", "cancelled"):
         raise ValueError(f"unknown job status {status!r}")
-    job = Job.objects.filter(pk=job_id).values("state", "kind", "params", "deployment_id").first()
-    if job is None or job["state"] in JOB_TERMINAL:
+    if job["state"] in JOB_TERMINAL:
         return  # the stream reader (or a sweep) finished it first, as it usually does
     attempt = _report_attempt(payload)
     current = (

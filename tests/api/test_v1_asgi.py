@@ -1,5 +1,6 @@
-"""racon.asgi sends /v1 to its own Django handler (apps/api/v1/asgi.py): the same middleware and
-the same answer as Django's handler, without a hop to the sync thread per middleware hook."""
+"""racon.asgi sends /v1 and the agent's reports to their own Django handler (apps/api/v1/asgi.py):
+the same middleware and the same answer as Django's handler, without a hop to the sync thread per
+middleware hook."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _get(
-    monkeypatch: pytest.MonkeyPatch, app: Any, path: str, auth: str
+    monkeypatch: pytest.MonkeyPatch, app: Any, path: str, auth: str, method: str = "GET"
 ) -> tuple[int, dict[bytes, bytes], bytes, int]:
-    """(status, headers, body, sync-thread hops) of one GET through ``app``."""
+    """(status, headers, body, sync-thread hops) of one request through ``app``."""
     hops = [0]
     original = asgiref.sync.SyncToAsync.__init__
 
@@ -31,7 +32,7 @@ def _get(
     async def run() -> tuple[int, dict[bytes, bytes], bytes]:
         scope = {
             "type": "http",
-            "method": "GET",
+            "method": method,
             "path": path,
             "query_string": b"",
             "headers": [(b"host", b"127.0.0.1"), (b"authorization", auth.encode())],
@@ -69,4 +70,16 @@ def test_v1_gets_the_same_answer_and_headers_with_no_hop_per_middleware_hook(
     # Django's handler hops to the sync thread for each hook of each MiddlewareMixin; the /v1
     # handler only for the request signals (started, finished) and the view's own two
     # synchronous steps (the key, the models).
+    assert inline[3] <= 4 < django[3], (inline[3], django[3])
+
+
+def test_the_agents_reports_get_the_same_answer_with_one_hop_for_the_view(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    django = _get(monkeypatch, django_asgi, "/api/agent/reports", "Node x:y", method="POST")
+    inline = _get(monkeypatch, v1_asgi, "/api/agent/reports", "Node x:y", method="POST")
+    assert django[0] == inline[0] == 401, (django, inline)
+    assert django[2] == inline[2]
+    assert b"x-frame-options" in inline[1] and b"x-request-id" in inline[1]
+    # The request signals, the (synchronous) view itself and its response's close.
     assert inline[3] <= 4 < django[3], (inline[3], django[3])

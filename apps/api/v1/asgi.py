@@ -11,8 +11,10 @@ For /v1 those hooks do no I/O: the views are async, CSRF-exempt and authenticate
 bearer key; sessions, ``request.user`` and messages are lazy and never touched (a session is
 saved only when modified, SESSION_SAVE_EVERY_REQUEST is off). So this handler builds the same
 chain from settings.MIDDLEWARE, with each such middleware's hooks called in the event loop.
-racon/asgi.py sends /v1/ paths here and everything else to Django's own handler, so every
-other route keeps Django's behaviour unchanged.
+racon/asgi.py sends /v1/ paths here, and the agent's reports (every job ends with one: a sync
+DRF view, CSRF-exempt, the node's credential checked by the view itself, so the same holds; the
+view itself still runs in one hop), and everything else to Django's own handler, so every other
+route keeps Django's behaviour unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from django.core.handlers import base
 from django.core.handlers.asgi import ASGIHandler
 from django.utils.deprecation import MiddlewareMixin
 
-PATH_PREFIX = "/v1/"
+# /v1, and the agent's reports (one per job: its job_finished), a sync DRF view without
+# authentication middleware of Django's (the node's credential is checked by the view).
+PATH_PREFIXES = ("/v1/", "/api/agent/reports")
 
 
 async def _acall(self: Any, request: Any) -> Any:
