@@ -54,8 +54,11 @@ def direct_local_run(model_path: Path, times: int = 3) -> list[str]:
     from llama_cpp import Llama
 
     load_llama_cpp_backends()  # a GPU build's (GGML_BACKEND_DL) backends are modules in its lib/
+    # One thread: with two, on a machine where another process holds a core (make test-load),
+    # every step waited on the descheduled thread and this run did not end in 9 minutes. The
+    # greedy output does not depend on the thread count (each output row is one thread's work).
     llm = Llama(
-        model_path=str(model_path), n_ctx=N_CTX, n_threads=2, flash_attn=True, verbose=False
+        model_path=str(model_path), n_ctx=N_CTX, n_threads=1, flash_attn=True, verbose=False
     )  # the primary runs -fa auto
     texts = [
         str(
