@@ -22,7 +22,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import BigIntegerField, Case, Exists, F, OuterRef, Q, Sum, Value, When
+from django.db.models import BigIntegerField, Case, Exists, F, OuterRef, Sum, Value, When
 from django.utils import timezone
 
 from apps.accounts.models import Account, AccountKind
@@ -101,28 +101,26 @@ def account_create(
 def accounts_lock(ids: Iterable[Any], *, names: Iterable[str] = ()) -> dict[str, Account]:
     """Lock the accounts in primary-key order (the one global lock order); all must exist.
 
-    ``names`` are system accounts (account_system), found by name in the same query, so that a
-    settlement or a hold resolves and locks its system accounts in one round trip; one that does
-    not exist yet is created (once, the first time it is used) and the lock is taken again.
+    ``names`` are system accounts (account_system), found together in one query and created when
+    missing before any row is locked (a first use that created one while holding another
+    account's lock could deadlock with a concurrent first use), then locked with the others.
     """
-    keys = sorted({account_key(i) for i in ids})
+    keys = {account_key(i) for i in ids}
     wanted = sorted(set(names))
-    query = Q(pk__in=keys)
     if wanted:
-        query |= Q(name__in=wanted)
+        found = dict(Account.objects.filter(name__in=wanted).values_list("name", "pk"))
+        for name in wanted:
+            if name not in found:
+                found[name] = account_system(name=name).pk
+        keys |= {account_key(pk) for pk in found.values()}
+    ordered = sorted(keys)
     rows = {
         account_key(a.pk): a
-        for a in Account.objects.select_for_update().filter(query).order_by("pk")
+        for a in Account.objects.select_for_update().filter(pk__in=ordered).order_by("pk")
     }
-    missing = [k for k in keys if k not in rows]
+    missing = [k for k in ordered if k not in rows]
     if missing:
         raise ValueError(f"unknown account(s): {', '.join(missing)}")
-    found = {a.name for a in rows.values()}
-    absent = [n for n in wanted if n not in found]
-    if absent:
-        for name in absent:
-            account_system(name=name)
-        return accounts_lock(keys, names=wanted)
     return rows
 
 

@@ -96,28 +96,36 @@ def credit_reserve(
     if amount == 0:
         return 0  # a free model: nothing to hold
     amount_check(amount, what="reservation")
-    with transaction.atomic():
-        # The consumer and system:holds, found and locked in one query.
-        accounts = accounts_lock([account_id], names=[HOLDS])
-        holds = account_named(accounts, HOLDS)
-        entry, written = ledger_write(
-            key=f"reserve:{job_id}",
-            kind=EntryKind.RESERVE,
-            postings=[(account_id, -amount), (holds.pk, amount)],
-            memo=f"hold for job {job_id}: {prompt_tokens} prompt + {max_tokens} completion tokens",
-            now=now,
-            job_id=job_id,
-            data={
-                "prompt_tokens": prompt_tokens,
-                "max_tokens": max_tokens,
-                "price_permille": model_price_permille,
-                "micro_per_token": micro,
-            },
-            locked=accounts,
-        )
-    if written:
-        return amount
-    return int(entry.postings.filter(account_id=holds.pk).aggregate(s=Sum("amount"))["s"] or 0)
+    key = f"reserve:{job_id}"
+    try:
+        # One savepoint (in the job's transaction) or transaction: a key held before raises
+        # IntegrityError out of it, with nothing of this call left.
+        with transaction.atomic():
+            # The consumer and system:holds, found and locked in one query.
+            accounts = accounts_lock([account_id], names=[HOLDS])
+            holds = account_named(accounts, HOLDS)
+            ledger_write(
+                key=key,
+                kind=EntryKind.RESERVE,
+                postings=[(account_id, -amount), (holds.pk, amount)],
+                memo=f"hold for job {job_id}: {prompt_tokens} prompt + {max_tokens} completion tokens",
+                now=now,
+                job_id=job_id,
+                data={
+                    "prompt_tokens": prompt_tokens,
+                    "max_tokens": max_tokens,
+                    "price_permille": model_price_permille,
+                    "micro_per_token": micro,
+                },
+                locked=accounts,
+                savepoint=False,
+            )
+    except IntegrityError:
+        entry = entry_existing(key=key, kind=EntryKind.RESERVE)
+        if entry is None:
+            raise
+        return int(entry.postings.filter(account__name=HOLDS).aggregate(s=Sum("amount"))["s"] or 0)
+    return amount
 
 
 @dataclass
