@@ -503,7 +503,8 @@ def main() -> int:
         )
         agent = cl.agents[0].proc.pid
         redis_pid = cl.env.embedded.process.pid
-        daphne, celery = cl.ctl.procs[0].pid, cl.ctl.procs[1].pid
+        assert cl.ctl.worker is not None
+        daphne, celery = cl.ctl.procs[0].pid, cl.ctl.worker.pid
         meter = CpuMeter(
             {"agent": [agent], "redis": [redis_pid], "daphne": [daphne], "celery": [celery]},
             children={"celery"},

@@ -31,59 +31,43 @@ def now() -> Any:
     return timezone.now()
 
 
-# --- the flush between transactional tests ---------------------------------------------------
+# --- live controllers and the flush between transactional tests ---------------------------------
 #
-# A transaction=True test ends with Django's TRUNCATE of every table. A thread that outlived its
-# test (a request's background finish, a pool thread) can still hold a lock then: PostgreSQL
-# answers "deadlock detected" and Django reports only "couldn't be flushed". The flush is retried
-# (bounded), and each failure prints what it met: the database error, the threads still alive
-# and the other sessions on the test database. It never changes what a test asserts.
+# A transaction=True test ends with Django's TRUNCATE of every table. A live controller that
+# outlives tests (tests/e2e/harness.LIVE) would race it with its Celery tasks (a sweep, a
+# placement step, a settlement): its worker is stopped, and waited for, before such a test's
+# teardown, and started again before the next test that uses a live controller. Its daphne stays
+# up; it only answers requests.
 
-FLUSH_TRIES = 4
-
-
-def _flush_diagnostics(exc: BaseException) -> str:
-    import threading
-
-    from django.db import connection
-
-    lines = [f"flush failed: {exc!r}; cause: {exc.__cause__!r}"]
-    lines.append("threads: " + ", ".join(sorted(t.name for t in threading.enumerate())))
-    if connection.vendor == "postgresql":
-        try:
-            with connection.cursor() as cur:
-                cur.execute(
-                    "SELECT pid, state, wait_event_type, left(query, 160) FROM pg_stat_activity"
-                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                )
-                lines += [f"session {row}" for row in cur.fetchall()]
-        except Exception as err:  # diagnostics only
-            lines.append(f"pg_stat_activity unreadable: {err!r}")
-    return "\n".join(lines)
+_USES_LIVE = ("controller", "live")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    import os
-    import time
+def _live_controllers() -> list[Any]:
+    import sys
 
-    from django.core.management.base import CommandError
-    from django.test import TransactionTestCase
+    harness = sys.modules.get("tests.e2e.harness")
+    return list(harness.LIVE) if harness is not None else []
 
-    flush = TransactionTestCase._fixture_teardown  # type: ignore[attr-defined]  # Django's own
 
-    def fixture_teardown(self: TransactionTestCase) -> None:
-        for attempt in range(1, FLUSH_TRIES + 1):
-            try:
-                flush(self)
-                return
-            except CommandError as exc:
-                test = os.environ.get("PYTEST_CURRENT_TEST", "?")
-                print(f"\n[tests] {test}: flush attempt {attempt}\n{_flush_diagnostics(exc)}")
-                if attempt == FLUSH_TRIES:
-                    raise
-                time.sleep(attempt)
+def _truncates(item: pytest.Item) -> bool:
+    marker = item.get_closest_marker("django_db")
+    if marker is not None and marker.kwargs.get("transaction"):
+        return True
+    return "transactional_db" in getattr(item, "fixturenames", ())
 
-    TransactionTestCase._fixture_teardown = fixture_teardown  # type: ignore[attr-defined]
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if any(name in getattr(item, "fixturenames", ()) for name in _USES_LIVE):
+        for ctl in _live_controllers():
+            ctl.worker_up()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if _truncates(item):
+        for ctl in _live_controllers():
+            ctl.worker_down()
 
 
 # --- suite time per area (the README's table) ----------------------------------------------------

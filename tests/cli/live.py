@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import Controller, run_controller
+from tests.e2e.harness import Controller, run_controller, shared
 
 _shared: dict[str, Controller] = {}
 
@@ -27,12 +27,16 @@ def shared_controller(
         ctl = stack.enter_context(
             run_controller(
                 tmp_path_factory.mktemp("live-controller"),
-                # Factory-made nodes send no heartbeats: keep the sweep from marking them OFFLINE
-                # mid-test. Real agents heartbeat every second either way.
+                # It outlives each test: its worker stops for each flush (tests/conftest.py), and
+                # runs no beat, so no periodic task touches factory-made rows.
+                worker="tasks",
+                # Factory-made nodes send no heartbeats: wide windows keep them READY for any
+                # reader that ages them. Real agents heartbeat every second either way.
                 HEARTBEAT_DEGRADED_AFTER="600",
                 HEARTBEAT_OFFLINE_AFTER="1200",
             )
         )
+    stack.enter_context(shared(ctl))
     _shared["ctl"] = ctl
 
     def stop() -> None:

@@ -13,6 +13,7 @@ from .harness import (
     StartAgents,
     agents_serving_model,
     run_controller,
+    shared,
     smollm2_path,
 )
 
@@ -30,7 +31,7 @@ def controller(
 ) -> Iterator[Controller]:
     """One live controller (daphne + Celery worker and beat) for the e2e session."""
     with django_db_blocker.unblock():  # type: ignore[attr-defined]
-        with run_controller(tmp_path_factory.mktemp("controller")) as ctl:
+        with run_controller(tmp_path_factory.mktemp("controller")) as ctl, shared(ctl):
             yield ctl
 
 

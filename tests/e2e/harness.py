@@ -40,7 +40,9 @@ class Controller:
     url: str
     env: dict[str, str]
     workdir: Path
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)  # daphne
+    beat: bool = True
+    worker: subprocess.Popen[bytes] | None = None
 
     @property
     def api_key(self) -> str:
@@ -58,6 +60,70 @@ class Controller:
     def logs(self) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob("*.log")))
 
+    @property
+    def queue(self) -> str:
+        return self.env["CELERY_TASK_DEFAULT_QUEUE"]
+
+    def worker_up(self) -> None:
+        """Start the Celery worker (``beat``: it runs the beat schedule) unless it runs; wait for
+        /health to count it. A controller started with ``worker="tasks"`` runs no beat."""
+        if self.worker is not None and self.worker.poll() is None:
+            return
+        n = len(list(self.workdir.glob("celery*.log")))
+        argv = [str(BIN / "celery"), "-A", "racon", "worker", "-l", "info", "--concurrency", "3"]
+        if self.beat:
+            argv += ["-B", "-s", str(self.workdir / "beat-schedule")]
+        argv += ["-n", f"{self.queue}-{n}@%h", "-Q", f"{self.queue},{self.queue}.placement"]
+        self.worker = processes.start(argv, log_path=self.workdir / f"celery-{n}.log", env=self.env)
+        self.wait_healthy()
+
+    def worker_down(self) -> None:
+        """Stop the worker and wait until none of its processes is left: then no task of it (a
+        sweep, a placement, a settlement) touches the database (before a test's flush)."""
+        if self.worker is not None:
+            stop(self.worker, timeout=timing.scaled(20))
+            processes.group_gone(self.worker)
+            self.worker = None
+
+    def wait_healthy(self) -> None:
+        """Until /health answers 200 (without a worker: answers at all, since Celery counts
+        there); a process that exits fails at once, with the logs."""
+        procs = [*self.procs, *([self.worker] if self.worker is not None else [])]
+
+        def healthy() -> bool:
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(
+                        f"controller process exited with {p.returncode}:\n{self.logs()[-3000:]}"
+                    )
+            try:
+                status = httpx.get(self.url + "/health", timeout=2).status_code
+            except httpx.HTTPError:
+                return False
+            return status == 200 or self.worker is None
+
+        try:
+            wait_for(healthy, timing.scaled(60), "the controller's /health", interval=0.3)
+        except AssertionError as exc:
+            raise RuntimeError(f"{exc}:\n{self.logs()[-3000:]}") from None
+
+
+# Controllers that outlive a test (a session's): tests/conftest.py stops each one's worker before
+# a transactional test's flush and starts it again for the next test that uses a live controller.
+LIVE: list[Controller] = []
+
+
+@contextmanager
+def shared(ctl: Controller) -> Iterator[Controller]:
+    """``ctl`` outlives tests (a session fixture's): while in ``LIVE``, its worker is stopped before
+    each transactional test's flush (``Controller.worker_down``) and started again before the next
+    test that uses it (``worker_up``)."""
+    LIVE.append(ctl)
+    try:
+        yield ctl
+    finally:
+        LIVE.remove(ctl)
+
 
 def database_url() -> str:
     from django.db import connection
@@ -73,8 +139,16 @@ def database_url() -> str:
 
 
 @contextmanager
-def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
-    """daphne + a Celery worker with embedded beat, on the test database and test Redis."""
+def run_controller(
+    workdir: Path, *, worker: str = "beat", **overrides: str
+) -> Iterator[Controller]:
+    """daphne and a Celery worker, on the test database and test Redis.
+
+    ``worker``: ``"beat"`` (the worker runs the beat schedule, as ``make run`` does) or ``"tasks"``
+    (no beat). A controller that outlives tests goes through ``shared`` as well.
+    """
+    if worker not in ("beat", "tasks"):
+        raise ValueError(f"worker must be beat or tasks, not {worker!r}")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -92,16 +166,16 @@ def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
         "LOG_LEVEL": "INFO",
         "SECRET_KEY": SECRET_KEY,
         # Live controllers of one test session share the test Redis: each gets its own task queue.
-        "CELERY_TASK_DEFAULT_QUEUE": (queue := f"racon-e2e-{port}"),
+        "CELERY_TASK_DEFAULT_QUEUE": f"racon-e2e-{port}",
         # One worker takes both of its queues here (settings: placement has its own queue).
-        "CELERY_PLACEMENT_QUEUE": f"{queue}.placement",
+        "CELERY_PLACEMENT_QUEUE": f"racon-e2e-{port}.placement",
         # Session-wide live controllers outlive each test's database flush, which no cache hears
         # about (TRUNCATE sends no signal); tests/api/test_caches.py covers caching itself.
         "API_CACHE_SECONDS": "0",
         **overrides,
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)
-    ctl = Controller(url=url, env=env, workdir=workdir)
+    ctl = Controller(url=url, env=env, workdir=workdir, beat=worker == "beat")
     try:
         ctl.procs.append(
             processes.start(
@@ -110,47 +184,10 @@ def run_controller(workdir: Path, **overrides: str) -> Iterator[Controller]:
                 env=env,
             )
         )
-        ctl.procs.append(
-            processes.start(
-                [
-                    str(BIN / "celery"),
-                    "-A",
-                    "racon",
-                    "worker",
-                    "-B",
-                    "-l",
-                    "info",
-                    "--concurrency",
-                    "3",
-                    "-s",
-                    str(workdir / "beat-schedule"),
-                    "-n",
-                    f"e2e-{port}@%h",
-                    "-Q",
-                    f"{queue},{queue}.placement",
-                ],
-                log_path=workdir / "celery.log",
-                env=env,
-            )
-        )
-
-        def healthy() -> bool:
-            for p in ctl.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(
-                        f"controller process exited with {p.returncode}:\n{ctl.logs()[-3000:]}"
-                    )
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        try:
-            wait_for(healthy, timing.scaled(60), "the controller's /health", interval=0.3)
-        except AssertionError as exc:
-            raise RuntimeError(f"{exc}:\n{ctl.logs()[-3000:]}") from None
+        ctl.worker_up()
         yield ctl
     finally:
+        ctl.worker_down()
         for p in ctl.procs:
             stop(p)
 
@@ -211,6 +248,10 @@ def start_agent(
             "--rpc-port",
             str(rpc_port),
             "--no-benchmark",
+            # One thread each: two llama-servers of two threads on a busy two-core machine stall
+            # one another (and each test's timing). A test's own --max-threads comes later and wins.
+            "--max-threads",
+            "1",
             *(extra or []),
         ],
         log_path=log_path,

@@ -10,6 +10,7 @@ busy machine), never from an idle one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -104,6 +105,30 @@ def stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float 
         except ProcessLookupError:
             return
         proc.wait(timeout=5)
+
+
+def group_gone(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
+    """Wait until no process of ``proc``'s group is left (a stopped Celery worker's pool children
+    outlive their parent briefly); SIGKILL what is still there after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = alive(p for p in psutil.process_iter() if _pgid(p) == proc.pid)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            for p in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(left, timeout=5)
+            return
+        time.sleep(0.05)
+
+
+def _pgid(p: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(p.pid)
+    except OSError:
+        return None
 
 
 def alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
