@@ -73,7 +73,8 @@ class Controller:
         argv = [str(BIN / "celery"), "-A", "racon", "worker", "-l", "info", "--concurrency", "3"]
         if self.beat:
             argv += ["-B", "-s", str(self.workdir / "beat-schedule")]
-        argv += ["-n", f"{self.queue}-{n}@%h", "-Q", f"{self.queue},{self.queue}.placement"]
+        queues = f"{self.queue},{self.env['CELERY_PLACEMENT_QUEUE']}"
+        argv += ["-n", f"{self.queue}-{n}@%h", "-Q", queues]
         self.worker = processes.start(argv, log_path=self.workdir / f"celery-{n}.log", env=self.env)
         self.wait_healthy()
 
@@ -166,9 +167,9 @@ def run_controller(
         "LOG_LEVEL": "INFO",
         "SECRET_KEY": SECRET_KEY,
         # Live controllers of one test session share the test Redis: each gets its own task queue.
-        "CELERY_TASK_DEFAULT_QUEUE": f"racon-e2e-{port}",
+        "CELERY_TASK_DEFAULT_QUEUE": (queue := f"racon-e2e-{port}"),
         # One worker takes both of its queues here (settings: placement has its own queue).
-        "CELERY_PLACEMENT_QUEUE": f"racon-e2e-{port}.placement",
+        "CELERY_PLACEMENT_QUEUE": f"{queue}.placement",
         # Session-wide live controllers outlive each test's database flush, which no cache hears
         # about (TRUNCATE sends no signal); tests/api/test_caches.py covers caching itself.
         "API_CACHE_SECONDS": "0",
