@@ -166,28 +166,33 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
     interval = settings.HEARTBEAT_INTERVAL
     watched = list(
         Node.objects.filter(state__in=HEALTH_WATCHED, revoked_at__isnull=True).values_list(
-            "id", "state", "last_heartbeat_at", "state_changed_at"
+            "id", "state"
         )
     )
     if not watched:
         return SweepResult([], [], [])
     ids = [str(n[0]) for n in watched]
-    scores = get_redis().zmscore(HEARTBEATS_ZSET, ids)
+    r = get_redis()
+    scores = r.zmscore(HEARTBEATS_ZSET, ids)
+    lost: dict[str | bytes, float] = {
+        i: now.timestamp() for i, score in zip(ids, scores, strict=True) if score is None
+    }
+    if lost:
+        # Redis lost these nodes' heartbeat times (a restart without persistence, a flush): a
+        # watched node had one, since only a heartbeat brings a node online. The database's time
+        # of its last state change is no heartbeat: judged by it, a node READY for a minute went
+        # OFFLINE at once, and its deployments were failed, before its next beat a second later.
+        # Its clock starts now (NX: a beat that landed meanwhile stays); a silent node still goes
+        # DEGRADED, then OFFLINE, on the usual thresholds from here.
+        r.zadd(HEARTBEATS_ZSET, lost, nx=True)
+        scores = [lost.get(i, score) for i, score in zip(ids, scores, strict=True)]
     to_degrade: list[tuple[str, str, float]] = []
     to_offline: list[tuple[str, str, float]] = []
     live_count = 0
-    for (pk, state, last_db, changed_at), score in zip(watched, scores, strict=True):
+    for (pk, state), score in zip(watched, scores, strict=True):
         if state != S.DEGRADED:
             live_count += 1
-        last = (
-            score
-            if score is not None
-            else max(
-                (t.timestamp() for t in (last_db, changed_at) if t is not None),
-                default=now.timestamp(),
-            )
-        )
-        age = max(0.0, now.timestamp() - last)
+        age = max(0.0, now.timestamp() - float(score))
         verdict = health_state(
             age=age,
             interval=interval,
@@ -207,7 +212,6 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
         # Most of the cluster went silent in one sweep: far likelier a controller-side network
         # fault than that many machines failing together. Raise one event, keep them DEGRADED.
         suppressed = [n for n, _, _ in to_offline]
-        r = get_redis()
         if r.set(
             "racon:cluster:partition", now.timestamp(), nx=True, ex=int(max(60, interval * 12))
         ):

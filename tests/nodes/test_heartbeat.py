@@ -94,6 +94,25 @@ def test_sweep_marks_late_nodes_degraded_then_offline_and_heartbeat_restores(
     assert Event.objects.filter(node_id=node_id, kind="HEARTBEAT_RESTORED").count() == 1
 
 
+def test_heartbeat_times_lost_by_redis_start_the_clock_again_instead_of_offlining_the_node(
+    client: Client, settings: Any
+) -> None:
+    # A Redis restart without persistence (or a flush) loses the scores: the node, READY for a
+    # minute, is not judged by that minute-old state change before its next beat.
+    settings.HEARTBEAT_INTERVAL = 5
+    settings.MASS_FAILURE_MIN_NODES = 100
+    node_id, cred = enroll(client)
+    beat(client, node_id, cred, state="READY")
+    get_redis().delete("racon:hb:last")
+    later = timezone.now() + timedelta(seconds=60)
+    assert node_health_sweep(now=later) == node_health_sweep(now=later)  # nothing, twice
+    assert node_health_sweep(now=later).degraded == []
+    assert Node.objects.get(pk=node_id).state == S.READY
+    # Still silent from then on: DEGRADED, then OFFLINE, on the usual thresholds.
+    assert node_health_sweep(now=later + timedelta(seconds=16)).degraded == [node_id]
+    assert node_health_sweep(now=later + timedelta(seconds=46)).offline == [node_id]
+
+
 def test_agent_clock_skew_is_ignored(client: Client, settings: Any) -> None:
     settings.MASS_FAILURE_MIN_NODES = 100
     node_id, cred = enroll(client)
