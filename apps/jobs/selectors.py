@@ -135,11 +135,12 @@ def cluster_snapshot(
             ram_free = max(0, min(ram_free, lend.ram_bytes - reserved.get(nid, 0)))
         eff = float(settings.SCHEDULER_MEASURED_EFFICIENCY)
         # The engine runs on the physical cores (plan n_threads), or on the owner's thread cap.
-        # The compute benchmark (BLAS matmul) ran on every core, so a cap below the default lends
-        # that share of its GFLOPS. The bandwidth benchmark copies with one thread, so a cap of
-        # one thread or more reaches its figure: scaling it by the share too halved a one-thread
-        # host's bandwidth, and bench/multihost.py's two-host split measured 1.30x the prediction
-        # (0.90x without), tests/cluster (b) once 1.83x.
+        # The compute benchmark (BLAS matmul) ran on every core (never below one thread's rate:
+        # agent/hardware/benchmark.py), so a cap below the default lends that share of it. The
+        # bandwidth benchmark copies with one thread, so a cap of one thread or more reaches its
+        # figure: scaling it by the share too halved a one-thread host's bandwidth, and
+        # bench/multihost.py's two-host split measured 1.30x the prediction (0.90x without),
+        # tests/cluster (b) once 1.83x.
         default_threads = n.cpu_physical_cores or n.cpu_logical_cores or 1
         threads = max(1, min(default_threads, lend.threads or default_threads))
         share = threads / default_threads

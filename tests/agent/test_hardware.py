@@ -106,8 +106,23 @@ def test_benchmarks_are_cached_by_fingerprint(tmp_path: Path) -> None:
     assert len(calls) == 2
 
 
+def test_a_cached_figure_of_the_old_every_core_method_is_measured_again(tmp_path: Path) -> None:
+    # Written by an agent before METHOD 2: the compute figure timed every core at once.
+    (tmp_path / bench.CACHE_FILE).write_text(
+        json.dumps({"fp-a": {"gflops": 16.9, "mem_bandwidth_gbps": 3.0, "measured_at": 1.0}})
+    )
+    got = bench.cached_benchmarks(
+        tmp_path, "fp-a", runner=lambda: {"gflops": 190.0, "mem_bandwidth_gbps": 3.0}
+    )
+    assert got["gflops"] == 190.0
+    stored = json.loads((tmp_path / bench.CACHE_FILE).read_text())["fp-a"]
+    assert stored["method"] == bench.METHOD and stored["gflops"] == 190.0
+
+
 def test_real_benchmarks_measure_positive_figures() -> None:
     gflops = bench.measure_gflops(budget_s=0.1)
+    # One BLAS thread, in a child process: what the claim is made of (times the cores).
+    assert bench.measure_thread_gflops(budget_s=0.1) > 0
     gbps = bench.measure_mem_bandwidth(budget_s=0.1, size_mb=16)
     assert gflops > 0
     assert gbps > 0
