@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
@@ -68,6 +68,21 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if _truncates(item):
         for ctl in _live_controllers():
             ctl.worker_down()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed:
+        import sys
+
+        harness = sys.modules.get("tests.e2e.harness")
+        if harness is not None:
+            for title, text in harness.failure_sections():
+                report.sections.append((title, text))
+    return report
 
 
 # --- suite time per area (the README's table) ----------------------------------------------------

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -112,6 +113,10 @@ class Controller:
 # Controllers that outlive a test (a session's): tests/conftest.py stops each one's worker before
 # a transactional test's flush and starts it again for the next test that uses a live controller.
 LIVE: list[Controller] = []
+# Agents started and not stopped yet, and the last few stopped: a failing test's report carries
+# their logs' tails.
+AGENTS: list[AgentProc] = []
+STOPPED: deque[AgentProc] = deque(maxlen=3)
 
 
 @contextmanager
@@ -258,7 +263,9 @@ def start_agent(
         log_path=log_path,
         env=env,
     )
-    return AgentProc(name=name, proc=proc, state_dir=state, rpc_port=rpc_port, log_path=log_path)
+    agent = AgentProc(name=name, proc=proc, state_dir=state, rpc_port=rpc_port, log_path=log_path)
+    AGENTS.append(agent)
+    return agent
 
 
 def stop_agent(agent: AgentProc, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
@@ -270,6 +277,31 @@ def stop_agent(agent: AgentProc, sig: int = signal.SIGTERM, timeout: float = 20)
         except subprocess.TimeoutExpired:
             pass
     stop(agent.proc, signal.SIGKILL, timeout=5)
+    if agent in AGENTS:
+        AGENTS.remove(agent)
+        STOPPED.append(agent)
+
+
+def failure_sections(lines: int = 40) -> list[tuple[str, str]]:
+    """What a failing test's report adds: the tail of each running agent's log, and each live
+    controller's warnings and errors (its logs are JSON lines), so a failure in CI, whose files
+    are gone, still says what the agents and the controller saw."""
+    out = []
+    for agent in [*STOPPED, *AGENTS]:
+        tail = agent.log().splitlines()[-lines:]
+        how = "running" if agent in AGENTS else "stopped"
+        out.append((f"agent {agent.name} ({how}) log, last lines", "\n".join(tail)))
+    for ctl in LIVE:
+        said = [
+            line
+            for path in sorted(ctl.workdir.glob("*.log"))
+            for line in path.read_text(errors="replace").splitlines()
+            if '"WARNING"' in line or '"ERROR"' in line or "Traceback" in line
+        ]
+        out.append(
+            (f"live controller {ctl.url} warnings and errors, last", "\n".join(said[-lines:]))
+        )
+    return out
 
 
 def consumer_headers(name: str) -> dict[str, str]:
