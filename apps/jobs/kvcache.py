@@ -87,6 +87,9 @@ def rr_key(model_id: Any) -> str:
 
 
 TRANSFER_SWITCH_KEY = "racon:kv:transfer"  # STRING "on"/"off": overrides settings.KV_TRANSFER
+# HASH prefix hash → the deployment whose dropped state held it (deployment_drop): the turn that
+# follows records KV_OWNERSHIP_MOVED from there whether the drop came before its routing or after.
+DROPPED_KEY = "racon:kv:dropped"
 # A busy entry held by a state transfer, not a job: "kv-move:{transfer}:{expiry unix s}".
 MOVE_HOLDER = "kv-move:"
 
@@ -513,6 +516,14 @@ def job_finished(
         forget.append(owner.prefix)  # the conversation's older prefix, here or on its old owner
         if owner.deployment_id != dep:
             moved_from = owner.deployment_id
+    elif owner is None and len(route.chain) > 1:
+        # Its owner's state was dropped before this turn was routed (a drain's own step): the
+        # conversation moved all the same, from the deployment the drop names.
+        earlier = list(route.chain[:-1])
+        gone = [str(d) for d in r.hmget(DROPPED_KEY, earlier) if d]
+        if gone and gone[-1] != dep:
+            moved_from = gone[-1]
+        r.hdel(DROPPED_KEY, *earlier)
     _forget(r, forget)
     with r.pipeline(transaction=False) as pipe:
         pipe.hset(OWNERS_KEY, prefix, f"{dep}|{slot}|{tokens}")
@@ -589,6 +600,8 @@ def deployment_drop(*, deployment_id: Any, reason: str) -> int:
     for p in prefixes:
         r.hdel(OWNERS_KEY, p)
         r.zrem(LRU_KEY, p)
+    r.hset(DROPPED_KEY, mapping=dict.fromkeys(prefixes, dep))
+    r.expire(DROPPED_KEY, int(settings.KV_PREFIX_TTL_SECONDS))
     r.delete(dep_slots_key(dep), dep_busy_key(dep))
     r.hincrby(STATS_KEY, "dropped", len(prefixes))
     event_record(

@@ -205,3 +205,30 @@ def test_run_job_carries_the_slot_to_llama_server() -> None:
     )
     with pytest.raises(CommandError):
         validate_job({"deployment_id": "d", "messages": [SYSTEM], "id_slot": "0"})
+
+
+def test_a_drop_before_the_next_turn_is_routed_still_records_the_move(model: Model) -> None:
+    # A drain's own step drops the owner's state before the conversation's next turn is routed
+    # (make test-load saw it): that turn is a miss, and its end still says where the
+    # conversation went from, as when the routing found the owner gone itself.
+    a, b = deployment(model), deployment(model)
+    chain = kvcache.prefix_chain(model_id=model.id, kind="chat", params=chat("hi"))
+    seed = kvcache.Route(deployment=a, policy="prefix", reason="", chain=chain)
+    seed.slot, seed.slot_deployment_id = 1, str(a.id)
+    finish(seed, a, "j0")
+    assert kvcache.deployment_drop(deployment_id=a.id, reason="the replica stopped (drained)") == 1
+    Deployment.objects.filter(pk=a.pk).update(state=DeploymentState.STOPPED)
+    r = kvcache.route_request(
+        model_id=model.id, kind="chat", params=chat("hi", "ok", "more"), cached=False
+    )
+    assert r.deployment.id == b.id and r.owner is None and not r.hit
+    assert take(r, b, "j1") is not None
+    finish(r, b, "j1")
+    moved = Event.objects.get(kind="KV_OWNERSHIP_MOVED")
+    assert moved.data["from_deployment"] == str(a.id) and moved.data["to_deployment"] == str(b.id)
+    assert Event.objects.filter(kind="KV_STATE_DROPPED").count() == 1
+    # Told once: a later turn of the conversation, now owned by b, moves nothing.
+    later = kvcache.route_request(
+        model_id=model.id, kind="chat", params=chat("hi", "ok", "more", "x", "y"), cached=False
+    )
+    assert later.owner is not None and later.owner.deployment_id == str(b.id)
