@@ -44,6 +44,16 @@ def take(route: kvcache.Route, dep: Deployment, job: str) -> int | None:
     )
 
 
+def owned_by_first(model: Model) -> tuple[Deployment, Deployment]:
+    """Two replicas; the first owns the conversation "hi" (slot 1) after its first turn."""
+    a, b = deployment(model), deployment(model)
+    chain = kvcache.prefix_chain(model_id=model.id, kind="chat", params=chat("hi"))
+    seed = kvcache.Route(deployment=a, policy="prefix", reason="", chain=chain)
+    seed.slot, seed.slot_deployment_id = 1, str(a.id)
+    finish(seed, a, "j0")
+    return a, b
+
+
 def test_chain_follow_up_shares_the_earlier_hashes() -> None:
     first = kvcache.prefix_chain(model_id="m", kind="chat", params=chat("hi"))
     second = kvcache.prefix_chain(model_id="m", kind="chat", params=chat("hi", "hello", "more"))
@@ -165,11 +175,7 @@ def test_owner_full_waits_then_falls_back_and_ownership_moves(model: Model) -> N
 
 
 def test_an_owner_that_stops_serving_drops_its_state_with_an_event(model: Model) -> None:
-    a, b = deployment(model), deployment(model)
-    chain = kvcache.prefix_chain(model_id=model.id, kind="chat", params=chat("hi"))
-    seed = kvcache.Route(deployment=a, policy="prefix", reason="", chain=chain)
-    seed.slot, seed.slot_deployment_id = 1, str(a.id)
-    finish(seed, a, "j0")
+    a, b = owned_by_first(model)
     Deployment.objects.filter(pk=a.pk).update(state=DeploymentState.STOPPED)
     r = kvcache.route_request(
         model_id=model.id, kind="chat", params=chat("hi", "ok", "more"), cached=False
@@ -211,11 +217,7 @@ def test_a_drop_before_the_next_turn_is_routed_still_records_the_move(model: Mod
     # A drain's own step drops the owner's state before the conversation's next turn is routed
     # (make test-load saw it): that turn is a miss, and its end still says where the
     # conversation went from, as when the routing found the owner gone itself.
-    a, b = deployment(model), deployment(model)
-    chain = kvcache.prefix_chain(model_id=model.id, kind="chat", params=chat("hi"))
-    seed = kvcache.Route(deployment=a, policy="prefix", reason="", chain=chain)
-    seed.slot, seed.slot_deployment_id = 1, str(a.id)
-    finish(seed, a, "j0")
+    a, b = owned_by_first(model)
     assert kvcache.deployment_drop(deployment_id=a.id, reason="the replica stopped (drained)") == 1
     Deployment.objects.filter(pk=a.pk).update(state=DeploymentState.STOPPED)
     r = kvcache.route_request(
