@@ -504,10 +504,16 @@ def job_finished(
     prefix = route.chain[-1]
     tokens = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
     ttl = int(settings.KV_PREFIX_TTL_SECONDS)
-    old = r.hget(dep_slots_key(dep), str(slot))
+    owner = route.owner
+    # A miss with history may follow a drop (DROPPED_KEY): read in the slot's round trip.
+    earlier = list(route.chain[:-1]) if owner is None else []
+    with r.pipeline(transaction=False) as read:
+        read.hget(dep_slots_key(dep), str(slot))
+        if earlier:
+            read.hmget(DROPPED_KEY, earlier)
+        old, *dropped = read.execute()
     old_prefix = str(old).split("|")[0] if old else None
     moved_from: str | None = None
-    owner = route.owner
     displaced = 0
     if old_prefix and old_prefix != prefix and (owner is None or old_prefix != owner.prefix):
         displaced = 1  # another conversation's state in this slot was overwritten
@@ -516,16 +522,15 @@ def job_finished(
         forget.append(owner.prefix)  # the conversation's older prefix, here or on its old owner
         if owner.deployment_id != dep:
             moved_from = owner.deployment_id
-    elif owner is None and len(route.chain) > 1:
-        # Its owner's state was dropped before this turn was routed (a drain's own step): the
-        # conversation moved all the same, from the deployment the drop names.
-        earlier = list(route.chain[:-1])
-        gone = [str(d) for d in r.hmget(DROPPED_KEY, earlier) if d]
-        if gone and gone[-1] != dep:
-            moved_from = gone[-1]
-        r.hdel(DROPPED_KEY, *earlier)
+    # Its owner's state was dropped before this turn was routed (a drain's own step): the
+    # conversation moved all the same, from the deployment the drop names.
+    gone = [(p, str(d)) for p, d in zip(earlier, dropped[0] if dropped else [], strict=False) if d]
+    if gone and gone[-1][1] != dep:
+        moved_from = gone[-1][1]
     _forget(r, forget)
     with r.pipeline(transaction=False) as pipe:
+        if gone:
+            pipe.hdel(DROPPED_KEY, *(p for p, _ in gone))  # told once
         pipe.hset(OWNERS_KEY, prefix, f"{dep}|{slot}|{tokens}")
         pipe.zadd(LRU_KEY, {prefix: now})
         pipe.hset(dep_slots_key(dep), str(slot), f"{prefix}|{tokens}|{now!r}")
