@@ -12,7 +12,9 @@ that weighs a cached prefix against load (docs/design/serving.md, "KV cache coor
   have a TTL, an LRU order (``racon:kv:lru``) and a bound (``KV_PREFIX_MAX_ENTRIES``); evictions
   beyond it are an event (one per pass). The controller pins each job to a slot (``id_slot`` in
   run_job) and records which slots are busy (``racon:kv:dep:{dep}:busy``), so a miss takes the
-  least recently used free slot and never one a hit is about to use.
+  least recently used free slot and never one a hit is about to use. A request whose owner slot
+  is busy takes a free slot holding a copy of its prefix first (the same messages served twice
+  at once leave two copies, and the owner record names the later).
 - **Routing.** ``score = tokens saved − λ · (slots used + waiters) / slots`` per serving replica
   (λ = ``KV_ROUTE_LOAD_TOKENS``), as the SGLang and llm-d routers weigh prefix and load. The owner
   wins while its prefix is worth more than its queue; when it has no free slot the request waits
@@ -351,15 +353,17 @@ return 0
 def slot_claim(
     *, route: Route | None, deployment_id: Any, job_id: Any, n_parallel: int
 ) -> int | None:
-    """Pin the job to a slot of the deployment: the owner's when this is a hit and it is free, else
-    the least recently used free one (an empty one first). None for a policy that pins nothing."""
+    """Pin the job to a slot of the deployment: the owner's when this is a hit and it is free; else
+    a free slot that holds a copy of the request's prefix (the deepest: two requests with the same
+    messages served at once each leave one, and the owner record names only the last); else the
+    least recently used free one (an empty one first). None for a policy that pins nothing."""
     if route is None or route.policy != "prefix":
         return None
     dep = str(deployment_id)
     n = max(1, int(n_parallel))
     r = get_redis()
     now = time.time()
-    busy, live_jobs, last_use = _slot_view(r, dep, now)
+    busy, live_jobs, last_use, held = _slot_view(r, dep, now)
     stale = [
         s
         for s, j in busy.items()
@@ -372,10 +376,23 @@ def slot_claim(
     if want is not None and str(route.owner.deployment_id if route.owner else "") != dep:
         want = None
     order = [want] if want is not None and want < n and want not in taken else []
-    order += sorted((s for s in range(n) if s not in taken and s != want), key=last_use)
+    depth = {c: i + 1 for i, c in enumerate(route.chain)}
+    copies: dict[int, tuple[int, int]] = {}  # free slot → (depth of its prefix, its tokens)
+    for s, v in held.items():
+        prefix, tokens = (str(v).split("|") + ["0"])[:2]
+        if prefix in depth and s.isdigit() and int(s) < n and int(s) not in taken:
+            copies[int(s)] = (depth[prefix], int(tokens or 0))
+    order += sorted((s for s in copies if s != want), key=lambda s: -copies[s][0])
+    order += sorted(
+        (s for s in range(n) if s not in taken and s != want and s not in copies), key=last_use
+    )
     for slot in order:
         if r.hsetnx(dep_busy_key(dep), str(slot), str(job_id)):
-            if slot != want and want is not None:
+            if slot in copies and slot != want:
+                was = "owner slot busy" if want is not None else "no owner record"
+                route.hit, route.tokens_saved = True, copies[slot][1]
+                route.reason += f"; {was}: a copy of the prefix on slot {slot}"
+            elif slot != want and want is not None:
                 route.hit, route.tokens_saved = False, 0  # the owner's slot was taken meanwhile
                 route.reason += "; owner slot busy"
             r.expire(dep_busy_key(dep), int(settings.KV_PREFIX_TTL_SECONDS))
@@ -386,10 +403,11 @@ def slot_claim(
 
 def _slot_view(
     r: redis.Redis, dep: str, now: float
-) -> tuple[dict[Any, Any], set[str], Callable[[int], float]]:
+) -> tuple[dict[Any, Any], set[str], Callable[[int], float], dict[Any, Any]]:
     """One read of the deployment's slots: the busy pins (slot → holder), the jobs whose admission
-    slot is live at ``now``, and each slot's last use from its ownership record (0.0 for a slot
-    holding nothing, so sorting by it puts empty slots first, then the least recently used)."""
+    slot is live at ``now``, each slot's last use from its ownership record (0.0 for a slot
+    holding nothing, so sorting by it puts empty slots first, then the least recently used), and
+    the records themselves (slot → "prefix|tokens|last use")."""
     with r.pipeline(transaction=False) as pipe:
         pipe.hgetall(dep_busy_key(dep))
         pipe.hgetall(dep_slots_key(dep))
@@ -400,7 +418,7 @@ def _slot_view(
         v = held.get(str(slot))
         return float(str(v).split("|")[2]) if v else 0.0
 
-    return busy, {str(j) for j in live}, last_use
+    return busy, {str(j) for j in live}, last_use, held
 
 
 def _move_holds(holder: str, now: float) -> bool:
@@ -421,7 +439,7 @@ def slot_reserve(
     dep = str(deployment_id)
     r = get_redis()
     now = time.time()
-    busy, live_jobs, last_use = _slot_view(r, dep, now)
+    busy, live_jobs, last_use, _ = _slot_view(r, dep, now)
     taken = {int(s) for s, j in busy.items() if str(j) in live_jobs or _move_holds(str(j), now)}
     holder = f"{MOVE_HOLDER}{transfer_id}:{now + ttl!r}"
     for slot in sorted((s for s in range(max(1, int(n_parallel))) if s not in taken), key=last_use):
@@ -515,7 +533,11 @@ def job_finished(
     old_prefix = str(old).split("|")[0] if old else None
     moved_from: str | None = None
     displaced = 0
-    if old_prefix and old_prefix != prefix and (owner is None or old_prefix != owner.prefix):
+    if (
+        old_prefix
+        and old_prefix not in route.chain
+        and (owner is None or old_prefix != owner.prefix)
+    ):
         displaced = 1  # another conversation's state in this slot was overwritten
     forget = [old_prefix] if old_prefix and old_prefix != prefix else []
     if owner is not None and owner.prefix != prefix:

@@ -128,6 +128,42 @@ def test_a_miss_takes_the_least_recently_used_free_slot(model: Model) -> None:
     assert not gone.hit and kept.hit and kept.owner is not None and kept.owner.slot == 1
 
 
+def test_the_same_messages_twice_at_once_reuse_both_copies(model: Model) -> None:
+    """Two requests with the same messages served at once leave two slots holding them; the owner
+    record names the later. The next two at once take the owner's slot and the copy, not an
+    empty slot (which would prefill the whole prompt again)."""
+    dep = deployment(model, n_parallel=4)
+    first = [
+        kvcache.route_request(model_id=model.id, kind="chat", params=chat("hi"), cached=False)
+        for _ in range(2)
+    ]
+    assert [take(r, dep, f"a{i}") for i, r in enumerate(first)] == [0, 1]
+    for i, r in enumerate(first):
+        admission.slot_release(deployment_id=dep.id, job_id=f"a{i}")
+        finish(r, dep, f"a{i}")
+    again = [
+        kvcache.route_request(model_id=model.id, kind="chat", params=chat("hi"), cached=False)
+        for _ in range(2)
+    ]
+    assert all(r.owner is not None and r.owner.slot == 1 for r in again)
+    assert take(again[0], dep, "b0") == 1 and again[0].hit
+    assert take(again[1], dep, "b1") == 0  # the copy, not empty slot 2
+    assert again[1].hit and again[1].tokens_saved == 110
+    assert "a copy of the prefix on slot 0" in again[1].reason
+    for i, r in enumerate(again):
+        admission.slot_release(deployment_id=dep.id, job_id=f"b{i}")
+        finish(r, dep, f"b{i}")
+    stats = kvcache.stats()
+    assert stats["hits"] == 2 and stats["misses"] == 2 and stats["displaced"] == 0
+    # A follow-up still finds its owner; an unrelated request still takes an empty slot.
+    follow = kvcache.route_request(
+        model_id=model.id, kind="chat", params=chat("hi", "x", "y"), cached=False
+    )
+    assert follow.hit and take(follow, dep, "c0") in (0, 1)
+    other = kvcache.route_request(model_id=model.id, kind="chat", params=chat("ho"), cached=False)
+    assert take(other, dep, "c1") == 2 and not other.hit
+
+
 @override_settings(KV_PREFIX_MAX_ENTRIES=3)
 def test_lru_bound_evicts_the_oldest_with_one_event(model: Model) -> None:
     deps = [deployment(model, n_parallel=4) for _ in range(2)]
