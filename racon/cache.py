@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import redis
 from django.conf import settings
@@ -31,6 +31,9 @@ from racon.redis import get_redis
 log = logging.getLogger("racon.cache")
 
 CHANNEL = "racon:cache:invalidate"
+# How long a reader that missed waits for another reader's load of the same key before it loads
+# itself (a load is one or two indexed reads; this only bounds a stuck one).
+LOAD_WAIT_SECONDS = 5.0
 ALL = "*"  # published to clear every cache (used after a bulk change)
 
 _lock = threading.Lock()
@@ -42,13 +45,28 @@ _subscriber_stop = threading.Event()
 atexit.register(_subscriber_stop.set)
 
 
+class _Load:
+    """One key's load in flight: the readers that miss meanwhile wait for it (single flight)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ok = False
+        self.value: Any = None
+
+
 class TtlCache:
-    """One named cache: key → (value, expiry). Thread-safe; a None value is cached too."""
+    """One named cache: key → (value, expiry). Thread-safe; a None value is cached too.
+
+    One load per key at a time: the requests of a burst that all miss together (the entry expired,
+    or was cleared) wait for the first one's load instead of each running it, so a burst of 32
+    streams reads the database once, not 32 times, before its prompts leave (bench/relay.py and
+    bench/concurrency.py: time to first token at 16-32 streams)."""
 
     def __init__(self, name: str, max_entries: int = 4096) -> None:
         self.name = name
         self.max_entries = max_entries
         self._data: dict[Hashable, tuple[Any, float]] = {}
+        self._loading: dict[Hashable, _Load] = {}
         self._lock = threading.Lock()
         self._generation = 0
         self.hits = 0
@@ -66,8 +84,29 @@ class TtlCache:
                 return got[0]
             generation = self._generation
             self.misses += 1
-        value = loader()
+            load = self._loading.get(key)
+            mine = load is None
+            if load is None:
+                load = self._loading[key] = _Load()
+        if not mine:
+            # Another reader's load began before this miss: its value is as fresh as our own
+            # load would be. If it failed (or hangs), load here.
+            if load.done.wait(LOAD_WAIT_SECONDS) and load.ok:
+                return cast("V", load.value)
+            return loader()
+        try:
+            value = loader()
+        except BaseException:
+            with self._lock:
+                if self._loading.get(key) is load:
+                    del self._loading[key]
+            load.done.set()  # the waiters load themselves
+            raise
+        load.value, load.ok = value, True
         with self._lock:
+            if self._loading.get(key) is load:
+                del self._loading[key]
+            load.done.set()
             # An invalidation that arrived while the loader ran may describe a write the loader
             # did not see: keep the value out of the cache then (the next read loads again).
             if generation == self._generation:
@@ -83,6 +122,7 @@ class TtlCache:
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self._loading.clear()  # a load begun before the write: later misses load anew
             self._generation += 1
 
     def __len__(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,3 +185,91 @@ def test_the_cache_is_bounded(subscribed: None) -> None:
     for k in range(100):
         c.get(k, lambda: None)
     assert len(c) <= 10
+
+
+def _burst(c: cache.TtlCache, n: int, loader: Any) -> list[Any]:
+    """n readers of one key at once; returns what each got (or the exception it raised)."""
+    got: list[Any] = []
+
+    def read() -> None:
+        try:
+            got.append(c.get("k", loader))
+        except Exception as exc:  # the test looks at it
+            got.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return got
+
+
+def test_a_burst_of_misses_loads_once(subscribed: None) -> None:
+    """The requests of a burst that miss together wait for one load (single flight)."""
+    c = cache.TtlCache("burst")
+    release = threading.Event()
+    calls: list[int] = []
+
+    def load() -> str:
+        calls.append(1)
+        release.wait(30)  # held until every reader has missed
+        return "row"
+
+    waiter = threading.Thread(target=lambda: wait_for_misses(c, 8, release))
+    waiter.start()
+    got = _burst(c, 8, load)
+    waiter.join(30)
+    assert got == ["row"] * 8 and len(calls) == 1 and c.misses == 8
+    assert c.get("k", lambda: "again") == "row"  # cached
+
+
+def wait_for_misses(c: cache.TtlCache, n: int, release: threading.Event) -> None:
+    deadline = time.monotonic() + 30
+    while c.misses < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+
+
+def test_a_failed_load_lets_the_waiters_load_themselves(subscribed: None) -> None:
+    c = cache.TtlCache("failing")
+    release = threading.Event()
+    calls: list[int] = []
+
+    def load() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            release.wait(30)
+            raise RuntimeError("database went away")
+        return "row"
+
+    waiter = threading.Thread(target=lambda: wait_for_misses(c, 4, release))
+    waiter.start()
+    got = _burst(c, 4, load)
+    waiter.join(30)
+    assert sum(isinstance(g, RuntimeError) for g in got) == 1
+    assert [g for g in got if not isinstance(g, Exception)] == ["row"] * 3 and len(calls) == 4
+
+
+def test_a_miss_after_an_invalidation_does_not_wait_for_the_older_load(subscribed: None) -> None:
+    c = cache.TtlCache("inflight")
+    started, release = threading.Event(), threading.Event()
+
+    def old() -> str:
+        started.set()
+        release.wait(30)
+        return "old"
+
+    first = _burst_async(c, old)
+    assert started.wait(30)
+    c.clear()  # a write committed while the old load ran
+    assert c.get("k", lambda: "new") == "new"  # loads anew instead of taking the old value
+    release.set()
+    first.join(30)
+    assert c.get("k", lambda: "later") == "new"  # the old load was kept out of the cache
+
+
+def _burst_async(c: cache.TtlCache, loader: Any) -> threading.Thread:
+    t = threading.Thread(target=lambda: c.get("k", loader))
+    t.start()
+    return t
