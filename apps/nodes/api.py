@@ -47,7 +47,7 @@ from .enrollment import (
     node_revoke,
 )
 from .filters import EventFilter, NodeFilter
-from .heartbeats import NodeRateLimited, node_heartbeat, telemetry_clean
+from .heartbeats import NodeMirrorLost, NodeRateLimited, node_heartbeat, telemetry_clean
 from .lending import PolicyError, node_lending_claim
 from .links import link_matrix
 from .models import EnrollmentToken, Event, Node
@@ -467,6 +467,8 @@ async def heartbeat_handle(
         return 429, {
             "error": {"message": str(exc), "code": "rate_limited", "retry_after": exc.retry_after}
         }
+    except NodeMirrorLost as exc:
+        return 503, {"error": {"message": str(exc), "code": "mirror_lost", "retry_after": 1}}
     beat: dict[str, Any] = {
         "state": state,
         "heartbeat_interval": settings.HEARTBEAT_INTERVAL,
@@ -480,9 +482,9 @@ async def heartbeat_handle(
 
 
 def heartbeat_headers(status: int, payload: dict[str, Any]) -> dict[str, str]:
-    """The headers beside a heartbeat answer: a 429 says when to come back (Retry-After, whole
-    seconds, as the body's retry_after), so a client that reads only headers backs off too."""
-    if status != 429:
+    """The headers beside a heartbeat answer: a 429 or 503 says when to come back (Retry-After,
+    whole seconds, as the body's retry_after), so a client that reads only headers backs off too."""
+    if status not in (429, 503):
         return {}
     try:
         seconds = float(payload["error"]["retry_after"])

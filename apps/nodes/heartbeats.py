@@ -40,6 +40,12 @@ class NodeRateLimited(Exception):
         self.retry_after = retry_after
 
 
+class NodeMirrorLost(Exception):
+    """Redis lost the node's mirror again between its rebuild from the database and the retry (a
+    second restart or flush): a transient fault (503, which the agent retries), never a verdict
+    on the node's credential. Only the database says a node is revoked."""
+
+
 def _rate_key(node_id: Any) -> str:
     return f"racon:node:{node_id}:hb-rate"
 
@@ -186,7 +192,11 @@ async def node_heartbeat(
         if await sync_to_async(_meta_from_db)(node_id) is None:
             raise NodeAuthError("unknown node", code="unknown_node")
         result = await script(keys=keys, args=args)
-    if not result or result[0] == "revoked":
+        if not result:
+            raise NodeMirrorLost(
+                "the controller's Redis lost this node's record again while it was rebuilt; retry"
+            )
+    if result[0] == "revoked":
         raise NodeAuthError("node has been revoked", code="node_revoked")
     if result[0] == "rate":
         raise NodeRateLimited(

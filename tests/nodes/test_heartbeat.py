@@ -113,6 +113,40 @@ def test_heartbeat_times_lost_by_redis_start_the_clock_again_instead_of_offlinin
     assert node_health_sweep(now=later + timedelta(seconds=46)).offline == [node_id]
 
 
+def test_a_mirror_lost_again_while_it_is_rebuilt_is_a_retry_not_a_revocation(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis flushed (or restarted) twice in a row: once before a beat, once between the mirror's
+    rebuild and the retry. Only the database says a node is revoked: the beat is a 503 the agent
+    retries, never the 401 'revoked' that stops it (as tests/e2e flushing Redis between tests
+    could make it)."""
+    from apps.nodes import heartbeats
+
+    node_id, cred = enroll(client)
+    assert beat(client, node_id, cred, state="READY").status_code == 200
+    rebuild = heartbeats._meta_from_db
+
+    def rebuilt_then_lost(nid: str) -> Any:
+        got = rebuild(nid)
+        get_redis().flushdb()  # the second flush, between the rebuild and the retry
+        return got
+
+    monkeypatch.setattr(heartbeats, "_meta_from_db", rebuilt_then_lost)
+    get_redis().flushdb()
+    resp = beat(client, node_id, cred, state="READY")
+    assert resp.status_code == 503, resp.content
+    assert resp.json()["error"]["code"] == "mirror_lost" and resp["Retry-After"] == "1"
+    monkeypatch.setattr(heartbeats, "_meta_from_db", rebuild)
+    assert beat(client, node_id, cred, state="READY").status_code == 200
+    node = Node.objects.get(pk=node_id)
+    assert node.revoked_at is None and node.state == S.READY
+    # A revoked node is still refused after a flush: the rebuild reads the database.
+    node_revoke(node_id=ids.node_id(node_id), now=timezone.now())
+    get_redis().flushdb()
+    resp = beat(client, node_id, cred, state="READY")
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "node_revoked"
+
+
 def test_agent_clock_skew_is_ignored(client: Client, settings: Any) -> None:
     settings.MASS_FAILURE_MIN_NODES = 100
     node_id, cred = enroll(client)
