@@ -187,8 +187,9 @@ def test_the_cache_is_bounded(subscribed: None) -> None:
     assert len(c) <= 10
 
 
-def _burst(c: cache.TtlCache, n: int, loader: Any) -> list[Any]:
-    """n readers of one key at once; returns what each got (or the exception it raised)."""
+def _burst(c: cache.TtlCache, n: int, loader: Any, release: threading.Event) -> list[Any]:
+    """n readers of one key at once; ``release`` is set once all n have missed (the loader holds
+    on it). Returns what each reader got (or the exception it raised)."""
     got: list[Any] = []
 
     def read() -> None:
@@ -197,7 +198,14 @@ def _burst(c: cache.TtlCache, n: int, loader: Any) -> list[Any]:
         except Exception as exc:  # the test looks at it
             got.append(exc)
 
-    threads = [threading.Thread(target=read) for _ in range(n)]
+    def all_missed() -> None:
+        deadline = time.monotonic() + 30
+        while c.misses < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        release.set()
+
+    threads = [threading.Thread(target=all_missed)]
+    threads += [threading.Thread(target=read) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -216,19 +224,9 @@ def test_a_burst_of_misses_loads_once(subscribed: None) -> None:
         release.wait(30)  # held until every reader has missed
         return "row"
 
-    waiter = threading.Thread(target=lambda: wait_for_misses(c, 8, release))
-    waiter.start()
-    got = _burst(c, 8, load)
-    waiter.join(30)
+    got = _burst(c, 8, load, release)
     assert got == ["row"] * 8 and len(calls) == 1 and c.misses == 8
     assert c.get("k", lambda: "again") == "row"  # cached
-
-
-def wait_for_misses(c: cache.TtlCache, n: int, release: threading.Event) -> None:
-    deadline = time.monotonic() + 30
-    while c.misses < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    release.set()
 
 
 def test_a_failed_load_lets_the_waiters_load_themselves(subscribed: None) -> None:
@@ -243,10 +241,7 @@ def test_a_failed_load_lets_the_waiters_load_themselves(subscribed: None) -> Non
             raise RuntimeError("database went away")
         return "row"
 
-    waiter = threading.Thread(target=lambda: wait_for_misses(c, 4, release))
-    waiter.start()
-    got = _burst(c, 4, load)
-    waiter.join(30)
+    got = _burst(c, 4, load, release)
     assert sum(isinstance(g, RuntimeError) for g in got) == 1
     assert [g for g in got if not isinstance(g, Exception)] == ["row"] * 3 and len(calls) == 4
 
@@ -260,7 +255,7 @@ def test_a_miss_after_an_invalidation_does_not_wait_for_the_older_load(subscribe
         release.wait(30)
         return "old"
 
-    first = _burst_async(c, old)
+    first = _load_in_background(c, old)
     assert started.wait(30)
     c.clear()  # a write committed while the old load ran
     assert c.get("k", lambda: "new") == "new"  # loads anew instead of taking the old value
@@ -269,7 +264,7 @@ def test_a_miss_after_an_invalidation_does_not_wait_for_the_older_load(subscribe
     assert c.get("k", lambda: "later") == "new"  # the old load was kept out of the cache
 
 
-def _burst_async(c: cache.TtlCache, loader: Any) -> threading.Thread:
+def _load_in_background(c: cache.TtlCache, loader: Any) -> threading.Thread:
     t = threading.Thread(target=lambda: c.get("k", loader))
     t.start()
     return t
