@@ -95,29 +95,25 @@ class TtlCache:
                 return cast("V", load.value)
             return loader()
         try:
-            value = loader()
-        except BaseException:
+            load.value = loader()
+            load.ok = True
+        finally:
+            # Done either way: on a failure the waiters load themselves (and the error propagates).
             with self._lock:
                 if self._loading.get(key) is load:
                     del self._loading[key]
-            load.done.set()  # the waiters load themselves
-            raise
-        load.value, load.ok = value, True
-        with self._lock:
-            if self._loading.get(key) is load:
-                del self._loading[key]
-            load.done.set()
-            # An invalidation that arrived while the loader ran may describe a write the loader
-            # did not see: keep the value out of the cache then (the next read loads again).
-            if generation == self._generation:
-                if len(self._data) >= self.max_entries:
-                    # Bounded: unknown keys are cached too (as None), so a flood of them must
-                    # not grow the process.
-                    self._data = {k: v for k, v in self._data.items() if v[1] > now}
+                load.done.set()
+                # An invalidation that arrived while the loader ran may describe a write the
+                # loader did not see: keep the value out of the cache then (the next read loads).
+                if load.ok and generation == self._generation:
                     if len(self._data) >= self.max_entries:
-                        self._data.clear()
-                self._data[key] = (value, now + ttl)
-        return value
+                        # Bounded: unknown keys are cached too (as None), so a flood of them must
+                        # not grow the process.
+                        self._data = {k: v for k, v in self._data.items() if v[1] > now}
+                        if len(self._data) >= self.max_entries:
+                            self._data.clear()
+                    self._data[key] = (load.value, now + ttl)
+        return cast("V", load.value)
 
     def clear(self) -> None:
         with self._lock:
