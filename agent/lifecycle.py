@@ -308,17 +308,26 @@ def hand_off_jobs(
     registry: DeploymentRegistry, redis_link: RedisLink, node_id: str | None
 ) -> list[str]:
     """A pause with the failover handoff: end each running job's attempt here with the
-    ``node_paused`` code, which the controller's follower fails over to another replica (the
-    planned handoff: it then tells this primary to stop the attempt). Returns the job ids."""
-    r = redis_link.client
-    if r is None or node_id is None:
-        return []
+    ``node_paused`` code, which the controller's follower fails over to another replica.
+
+    The job's own writer writes that end (PrimaryHandle.hand_off), after the chunks it wrote and
+    with its attempt's number: an end appended from this thread could take the seq of a chunk
+    the job thread was writing at that moment (the reader then sees a gap) or carry the wrong
+    attempt. A job no primary runs yet (waiting for its deployment's load) gets the end
+    appended here. Returns the job ids."""
+    message = "the node's owner paused lending"
     handed: list[str] = []
-    for job_id, _dep in registry.running_jobs():
+    for job_id, dep_id in registry.running_jobs():
+        dep = registry.get(dep_id)
+        primary = dep.primary if dep is not None else None
         try:
-            append_error(
-                r, job_id, "the node's owner paused lending", node_id=node_id, code="node_paused"
-            )
+            if primary is not None and primary.hand_off(job_id, message, code="node_paused"):
+                handed.append(job_id)
+                continue
+            r = redis_link.client
+            if r is None or node_id is None:
+                continue
+            append_error(r, job_id, message, node_id=node_id, code="node_paused")
             handed.append(job_id)
         except Exception as exc:  # redis errors: the job then finishes here instead
             log.warning("job %s: cannot hand off: %s", job_id, exc)

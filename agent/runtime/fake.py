@@ -124,6 +124,7 @@ class FakePrimary:
         self._alive = False
         self._q: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._jobs: dict[str, threading.Event] = {}
+        self._handoffs: dict[str, tuple[str, str]] = {}  # job id → hand_off's (message, code)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._crashed: str | None = None
@@ -174,6 +175,16 @@ class FakePrimary:
         if ev is not None:
             ev.set()
         return ev is not None
+
+    def hand_off(self, job_id: str, message: str, *, code: str) -> bool:
+        """As ServerPrimary.hand_off: the job's own writer ends its attempt with this error."""
+        with self._lock:
+            ev = self._jobs.get(job_id)
+            if ev is None:
+                return False
+            self._handoffs[job_id] = (message, code)
+        ev.set()
+        return True
 
     def jobs(self) -> list[str]:
         with self._lock:
@@ -272,6 +283,17 @@ class FakePrimary:
             ttft_ms=ttft,
             tokens_per_s=None,
         )
+        with self._lock:
+            handoff = self._handoffs.pop(job_id, None)
+        if handoff is not None and finish == "cancelled":
+            writer.fail(handoff[0], usage, code=handoff[1])
+            return JobFinishedPayload(
+                job_id=job_id,
+                status="failed",
+                prompt_tokens=3,
+                completion_tokens=n,
+                error=handoff[0],
+            )
         writer.done(finish, usage)
         return JobFinishedPayload(
             job_id=job_id,

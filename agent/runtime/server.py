@@ -154,13 +154,15 @@ def server_args(
 
 
 class _Job:
-    __slots__ = ("job", "cancel", "conn", "thread")
+    __slots__ = ("job", "cancel", "conn", "thread", "handoff")
 
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
         self.cancel = threading.Event()
         self.conn: http.client.HTTPConnection | None = None
         self.thread: threading.Thread | None = None
+        # Set by hand_off: the error (message, code) this attempt ends with instead of "cancelled".
+        self.handoff: tuple[str, str] | None = None
 
 
 class _Cancelled(Exception):
@@ -382,6 +384,19 @@ class ServerPrimary:
         _shutdown(j.conn)
         return True
 
+    def hand_off(self, job_id: str, message: str, *, code: str) -> bool:
+        """End a running job's attempt here with an error (``code``: a failover cause, such as
+        node_paused), written by the job's own writer after what it streamed: one seq, the
+        attempt's number. False when the job is not running here."""
+        with self._lock:
+            j = self._jobs.get(job_id)
+            if j is None:
+                return False
+            j.handoff = (message, code)
+        j.cancel.set()
+        _shutdown(j.conn)
+        return True
+
     def jobs(self) -> list[str]:
         with self._lock:
             return list(self._jobs)
@@ -507,7 +522,7 @@ class ServerPrimary:
                 if j.cancel.is_set():
                     raise _Cancelled
         except _Cancelled:
-            finish = "cancelled"
+            finish, error = self._cancelled(j)
         except _RequestError as exc:
             error = exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -531,9 +546,17 @@ class ServerPrimary:
 
     # --- what every engine's job thread shares (this one's, and agent/runtime/vllm.py's) ---------
 
+    def _cancelled(self, j: _Job) -> tuple[str, _RequestError | None]:
+        """A job that stopped on its cancel flag: cancelled, or handed off (hand_off's error)."""
+        if j.handoff is not None:
+            return "stop", _RequestError(j.handoff[0], code=j.handoff[1])
+        return "cancelled", None
+
     def _broken_off(self, j: _Job, exc: Exception) -> tuple[str, _RequestError | None]:
         """A request to the engine that broke off: cancelled (the job's or the server's stop),
         the server's death (``__dead__``: the watcher's reason ends the job), or an error."""
+        if j.handoff is not None:
+            return "stop", _RequestError(j.handoff[0], code=j.handoff[1])
         if j.cancel.is_set() or self._stopping.is_set():
             return "cancelled", None
         if self._exited_within(2.0):

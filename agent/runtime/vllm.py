@@ -599,7 +599,7 @@ class VllmPrimary(ServerPrimary):
                 if j.cancel.is_set():
                     raise _Cancelled
         except _Cancelled:
-            finish = "cancelled"
+            finish, error = self._cancelled(j)
         except _RequestError as exc:
             error = exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
