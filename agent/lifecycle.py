@@ -327,7 +327,9 @@ def hand_off_jobs(
             r = redis_link.client
             if r is None or node_id is None:
                 continue
-            append_error(r, job_id, message, node_id=node_id, code="node_paused")
+            waiting = [j for j in (dep.pending if dep is not None else []) if j["job_id"] == job_id]
+            attempt = int(waiting[0].get("attempt") or 1) if waiting else 1
+            append_error(r, job_id, message, node_id=node_id, code="node_paused", attempt=attempt)
             handed.append(job_id)
         except Exception as exc:  # redis errors: the job then finishes here instead
             log.warning("job %s: cannot hand off: %s", job_id, exc)

@@ -67,12 +67,14 @@ def test_a_handed_off_job_ends_once_after_its_chunks_in_one_seq(
 def test_a_job_waiting_for_its_load_is_ended_in_its_stream(redis_client: Any, job_id: str) -> None:
     registry = DeploymentRegistry()
     registry.register({"deployment_id": "dep-loading", "rpc_endpoints": []})  # type: ignore[typeddict-item]
-    registry.add_job({"job_id": job_id, "deployment_id": "dep-loading"})  # type: ignore[typeddict-item]
+    registry.add_job({"job_id": job_id, "deployment_id": "dep-loading", "attempt": 2})  # type: ignore[typeddict-item]
     link = RedisLink()
     link.client = redis_client
     assert lifecycle.hand_off_jobs(registry, link, NODE) == [job_id]
     entries = read_stream(redis_client, job_id)
-    assert [(e["seq"], e["type"], e["code"]) for e in entries] == [("0", "error", "node_paused")]
+    assert [(e["seq"], e["type"], e["code"], e["attempt"]) for e in entries] == [
+        ("0", "error", "node_paused", "2")
+    ]
 
 
 def test_handing_off_a_job_the_primary_does_not_run_hands_nothing(
