@@ -4,15 +4,17 @@ middleware hook."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import asgiref.sync
 import pytest
 from asgiref.sync import async_to_sync
 from asgiref.testing import ApplicationCommunicator
+from django.db.backends.signals import connection_created
 
 from racon.asgi import django_asgi, v1_asgi
-from tests.factories import funded_account, key_for
+from tests.factories import NodeFactory, funded_account, key_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -83,3 +85,32 @@ def test_the_agents_reports_get_the_same_answer_with_one_hop_for_the_view(
     assert b"x-frame-options" in inline[1] and b"x-request-id" in inline[1]
     # The request signals, the (synchronous) view itself and its response's close.
     assert inline[3] <= 4 < django[3], (inline[3], django[3])
+
+
+def test_the_agents_reports_reuse_one_database_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under Django's handler each report's view runs on a thread made for that request, which
+    opens a database connection of its own (on PostgreSQL, a new server process per job's
+    report); the reports' handler keeps to the process's sync thread and its one connection."""
+    node = NodeFactory()
+    made: list[str] = []
+
+    def created(sender: Any, connection: Any, **kw: Any) -> None:
+        made.append(connection.alias)
+
+    connection_created.connect(created)
+    try:
+        counts = []
+        for app in (django_asgi, v1_asgi):
+            made.clear()
+            for _ in range(3):
+                status, *_ = _get(
+                    monkeypatch, app, "/api/agent/reports", f"Node {node.pk}:cred", method="POST"
+                )
+                assert status == 400  # the node is known (its row read), the empty body refused
+            counts.append(len(made))
+    finally:
+        connection_created.disconnect(created)
+        gc.collect()  # the connections Django's handler left in its requests' threads
+    assert counts[1] == 0 < counts[0], counts

@@ -15,6 +15,15 @@ racon/asgi.py sends /v1/ paths here, and the agent's reports (every job ends wit
 DRF view, CSRF-exempt, the node's credential checked by the view itself, so the same holds; the
 view itself still runs in one hop), and everything else to Django's own handler, so every other
 route keeps Django's behaviour unchanged.
+
+Nor does this handler open a ``ThreadSensitiveContext`` per request, as Django's does. Under one,
+every thread-sensitive ``sync_to_async`` of the request (the request_started/finished signals,
+the reports view, the /v1/models key check) runs on a thread made for that request, which opens
+a database connection of its own and leaves it to the garbage collector: a new connection (on
+PostgreSQL a new server process) for every agent report, so for every job. Without it, those
+calls run on the process's one sync thread, as the agents' heartbeats already do
+(racon/asgi.py), which keeps one connection. The request's heavy steps (admission, the stream,
+the finish) run on the shared pool (apps/jobs/serving.pooled) either way.
 """
 
 from __future__ import annotations
@@ -57,7 +66,13 @@ def inline(middleware: Any) -> Any:
 
 
 class InlineMiddlewareHandler(ASGIHandler):
-    """Django's ASGI handler with settings.MIDDLEWARE, each MiddlewareMixin made ``inline``."""
+    """Django's ASGI handler with settings.MIDDLEWARE, each MiddlewareMixin made ``inline``, and
+    no per-request ThreadSensitiveContext (the module's docstring says why)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
+        await self.handle(scope, receive, send)
 
     def load_middleware(self, is_async: bool = False) -> None:
         # BaseHandler.load_middleware imports each entry of settings.MIDDLEWARE by name; the
