@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -79,10 +80,26 @@ def stream_follow_begin(*, job_id: Any) -> str:
     return token
 
 
-def stream_follow_end(*, job_id: Any, token: str) -> int:
-    """End a follower; the job's streams go if it is terminal and no one else follows."""
-    get_redis().zrem(_followers_key(job_id), token)
-    return job_stream_release(job_id=job_id)
+def stream_follow_end(*, job_id: Any, token: str, ended_on: Iterable[Any] | None = None) -> int:
+    """End a follower; the job's streams go if it is terminal and no one else follows.
+
+    ``ended_on``: the caller has just recorded the job's end and knows the primaries its
+    attempts ran on (the /v1 relay: its follower saw every attempt). Then nothing is read from
+    the database, and the follower's end and the check for others take one round trip; a key it
+    missed is left to job_streams_prune."""
+    if ended_on is None:
+        get_redis().zrem(_followers_key(job_id), token)
+        return job_stream_release(job_id=job_id)
+    key = _followers_key(job_id)
+    pipe = get_redis().pipeline()
+    pipe.zrem(key, token)
+    pipe.zremrangebyscore(key, "-inf", time.time())
+    pipe.zcard(key)
+    if int(pipe.execute()[-1]) > 0:
+        return 0
+    return _streams_archive(
+        [job_stream_key(job_id, node) for node in sorted({*map(str, ended_on)})]
+    )
 
 
 def stream_followed(job_id: Any) -> bool:
@@ -115,7 +132,11 @@ def job_stream_release(*, job_id: Any) -> int:
     )
     if not rows:
         return 0
-    keys = _stream_keys(rows)
+    return _streams_archive(_stream_keys(rows))
+
+
+def _streams_archive(keys: list[str]) -> int:
+    """Delete a terminal job's stream keys, each kept as the controller's archived copy."""
     if not keys:
         return 0
     # The node's copy goes; the owner's job page replays a controller-owned copy for an hour.

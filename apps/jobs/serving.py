@@ -229,8 +229,9 @@ def create_args(**kw: Any) -> dict[str, Any]:
     return kw
 
 
-def admission_released(*, adm: Admission) -> None:
-    """Call the gate's release once (the job ended, or was never created)."""
+def admission_released(*, adm: Admission, ended_on: list[str] | None = None) -> None:
+    """Call the gate's release once (the job ended, or was never created). ``ended_on``: the
+    job's end is recorded and its attempts ran on these primaries (retention.stream_follow_end)."""
     release, adm.release = adm.release, None
     if release is not None:
         try:
@@ -240,7 +241,7 @@ def admission_released(*, adm: Admission) -> None:
     token, adm.follow_token = adm.follow_token, ""
     if token:
         try:
-            retention.stream_follow_end(job_id=adm.job_id, token=token)
+            retention.stream_follow_end(job_id=adm.job_id, token=token, ended_on=ended_on)
         except Exception:  # the follower's lease and the beat's sweep bound what stays
             log.warning("job %s: the stream release failed", adm.job_id, exc_info=True)
 
@@ -664,6 +665,7 @@ def admission_finish(
     # The quota first (the key's next request may come at once); the stream's follower after
     # the end is recorded, so that its release finds the job terminal and deletes the stream once.
     follow_token, adm.follow_token = adm.follow_token, ""
+    ended_on: list[str] | None = None
     try:
         admission_released(adm=adm)
         kv_finish(adm=adm, outcome=outcome, entry=entry)
@@ -675,9 +677,19 @@ def admission_finish(
             error=error,
             during=during,
         )
+        ended_on = _attempt_primaries(adm)
     finally:
         adm.follow_token = follow_token
-        admission_released(adm=adm)
+        admission_released(adm=adm, ended_on=ended_on)
+
+
+def _attempt_primaries(adm: Admission) -> list[str]:
+    """The primaries this request's attempts ran on, as its follower saw them."""
+    nodes = {adm.primary_id} if adm.primary_id else set()
+    if adm.follower is not None:
+        nodes.add(adm.follower.node_id)
+        nodes |= {str(f["from_node"]) for f in adm.follower.failovers}
+    return sorted(n for n in nodes if n)
 
 
 def _job_end(

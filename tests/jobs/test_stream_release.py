@@ -104,3 +104,28 @@ def test_a_follower_that_ends_before_the_job_leaves_the_stream_to_the_jobs_end(
     assert get_redis().exists(key)  # the job still runs: its stream stays
     finish_by_report(client, django_capture_on_commit_callbacks, job, primary)
     assert not get_redis().exists(key)
+
+
+def test_the_relays_end_releases_every_attempts_stream_it_saw_without_reading_the_job(
+    django_assert_num_queries: Any,
+) -> None:
+    """serving.admission_finish records the end, then names the primaries its follower saw:
+    each attempt's stream goes (archived), in no query, unless another follower remains."""
+    job, primary, key = running_job_with_stream()
+    other = NodeFactory()
+    moved = job_stream_key(str(job.pk), str(other.pk))  # a failed-over attempt's stream
+    r = get_redis()
+    r.xadd(moved, {"seq": 0, "attempt": 2, "type": "chunk", "text": "y", "ids": "[2]"})
+    relay = retention.stream_follow_begin(job_id=job.pk)
+    page = retention.stream_follow_begin(job_id=job.pk)
+    ended_on = [str(primary.pk), str(other.pk)]
+    with django_assert_num_queries(0):
+        assert retention.stream_follow_end(job_id=job.pk, token=relay, ended_on=ended_on) == 0
+    assert r.exists(key) and r.exists(moved)  # the page still follows
+    with django_assert_num_queries(0):
+        assert retention.stream_follow_end(job_id=job.pk, token=page, ended_on=ended_on) == 2
+    assert not r.exists(key) and not r.exists(moved)
+    archived = [
+        retention.job_stream_entries(job_id=job.pk, node_id=n) for n in (primary.pk, other.pk)
+    ]
+    assert [[f["seq"] for _, f in e] for e in archived] == [["0", "1", "2"], ["0"]]
