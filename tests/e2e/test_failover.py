@@ -19,9 +19,11 @@ from typing import Any
 import httpx
 import pytest
 
+from agent.protocol import job_stream_key
 from apps.credits.models import Entry, EntryKind, Receipt
 from apps.jobs.models import Deployment, Job, JobAttempt
 from apps.nodes.models import Event
+from racon.redis import get_redis
 from tests.support import timing
 
 from .harness import Controller, StartAgents, chat_ok, consumer_headers, stream_chat, wait_for
@@ -193,14 +195,20 @@ def _non_streamed_failover(controller: Controller, cluster: dict[str, Any]) -> N
     job = wait_for(
         lambda: (
             Job.objects.exclude(id__in=before)
-            .filter(state="RUNNING", completion_tokens=0)
+            .filter(state__in=["DISPATCHED", "RUNNING"], completion_tokens=0)
             .select_related("deployment")
             .first()
         ),
         60,
-        "the job running",
+        "the job dispatched",
+        interval=0.02,
     )
-    time.sleep(0.3)  # a few tokens in
+    # A few tokens in, read from the primary's stream itself: 80 tokens take well under a
+    # second here, so a fixed sleep after RUNNING (polled every 0.25 s) could kill an engine that
+    # had already finished the job (a fresh clone's CI: 0 attempts instead of 2).
+    stream = job_stream_key(str(job.id), str(job.deployment.primary_id))
+    r = get_redis()
+    wait_for(lambda: r.xlen(stream) >= 3, 60, "a few tokens in", interval=0.01)
     _kill_engine(job.deployment)
     t.join(240)
     resp = result["resp"]
