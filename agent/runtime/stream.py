@@ -303,8 +303,8 @@ def _coalesce_seconds() -> float:
 
 
 # The relay's coalescing (docs/design/serving.md, "The stream protocol"): the longest a token
-# waits in the agent while more keep arriving, and the most tokens in one entry. A token that
-# arrives alone (nothing more readable) is written at once, whatever the window.
+# waits in the agent for others, and the most tokens in one entry. Only a fast stream's tokens
+# wait (one that came at more than one token per window); a slow stream's are written at once.
 STREAM_COALESCE_SECONDS = _coalesce_seconds()
 STREAM_COALESCE_MAX_EVENTS = 256
 
@@ -318,7 +318,9 @@ class EventReader:
 
     ``batch()`` returns every ``data:`` event already received, and goes on reading while more
     is readable at once, for at most ``window`` seconds or ``max_events`` events: under load one
-    recv, one parse pass and one Redis entry carry many tokens; a lone token is returned at once.
+    recv, one parse pass and one Redis entry carry many tokens. A fast stream's batch (the last
+    one came at more than one event per window) stays open for the window; a slow stream's token
+    is returned at once.
     Chunked transfer coding (cpp-httplib's, one chunk per event) is decoded here, and a ``data:``
     line split across chunks or reads is joined. Returns None at the end of the body.
     """
@@ -340,8 +342,14 @@ class EventReader:
         self.eof = False
         self._poll = select.poll()
         self._poll.register(resp.fp.fileno(), select.POLLIN)  # the socket under the reader
+        self._returned_at: float | None = None  # when the last batch was handed on (monotonic)
+        self._fast = False  # the last batch came in at more than one event per window
 
     def batch(self) -> list[dict[str, Any]] | None:
+        """The events received, handed on at once unless the stream is fast: then the batch
+        stays open for the rest of the window, so that a fast stream's tokens travel a few at a
+        time (each waits at most ``window``) instead of one wake-up of every process per token.
+        A stream's first batch, a slow stream's and its last event are never held."""
         events: list[dict[str, Any]] = []
         first = 0.0
         while not self.eof:
@@ -354,12 +362,20 @@ class EventReader:
             if not events:
                 continue
             if events[-1].get("stop") or len(events) >= self.max_events:
-                return events
+                return self._handed(events)
             now = time.monotonic()
             first = first or now
-            if now - first >= self.window or not self._poll.poll(0):
-                return events
-        return events or None
+            left = first + self.window - now if self._fast else 0.0
+            if left <= 0 or not self._poll.poll(left * 1000):
+                return self._handed(events)
+        return self._handed(events) if events else None
+
+    def _handed(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        if self._returned_at is not None:
+            self._fast = (now - self._returned_at) / len(events) < self.window
+        self._returned_at = now
+        return events
 
     def _decode(self, data: bytes) -> None:
         if not self.chunked:

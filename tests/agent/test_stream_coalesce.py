@@ -1,8 +1,8 @@
 """The agent's relay reader (agent/runtime/stream.EventReader) against a real socket.
 
-Events already received are read together (one stream entry); an event that arrives alone is
-returned at once, never held for the window; chunked framing and lines split across chunks and
-reads are decoded exactly.
+Events already received are read together (one stream entry); a slow stream's event is returned
+at once, never held for the window, and a fast stream's are gathered for at most the window;
+chunked framing and lines split across chunks and reads are decoded exactly.
 """
 
 from __future__ import annotations
@@ -76,24 +76,55 @@ def test_events_already_received_come_as_one_batch() -> None:
     assert len(got) <= 2  # one recv, or two when the kernel split the write
 
 
-def test_a_lone_event_is_returned_at_once_whatever_the_window() -> None:
+def _timed(resp: http.client.HTTPResponse, window: float) -> tuple[list[list[int]], list[float]]:
+    """Each batch's tokens, and when it was handed on (seconds after the first)."""
+    reader = EventReader(resp, window=window)
+    got: list[list[int]] = []
+    at: list[float] = []
+    while (b := reader.batch()) is not None:
+        at.append(time.monotonic())
+        got.append([e["tokens"][0] for e in b])
+        if b[-1].get("stop"):
+            break
+    return got, [t - at[0] for t in at]
+
+
+def test_a_slow_streams_events_are_returned_at_once() -> None:
     def body(conn: socket.socket) -> None:
         for i in range(5):
             conn.sendall(frame(event(i, stop=i == 4) + b"\n\n"))
-            time.sleep(0.3)
+            time.sleep(0.4)
 
     with engine(body) as resp:
-        reader = EventReader(resp, window=10.0)
-        got, waits = [], []
-        t0 = time.monotonic()
+        got, at = _timed(resp, window=0.3)  # one event per 0.4 s: slower than one per window
+    assert got == [[0], [1], [2], [3], [4]]
+    # Each came as it was written (0.4 s apart), not held for the window after it.
+    assert at[-1] < 4 * 0.4 + 0.25, at
+
+
+def test_a_fast_streams_events_travel_together_each_held_at_most_the_window() -> None:
+    sent: list[float] = []
+
+    def body(conn: socket.socket) -> None:
+        for i in range(60):
+            sent.append(time.monotonic())
+            conn.sendall(frame(event(i, stop=i == 59) + b"\n\n"))
+            time.sleep(0.01)
+
+    with engine(body) as resp:
+        reader = EventReader(resp, window=0.1)  # ten events a window
+        got: list[list[int]] = []
+        late: list[float] = []  # how long each batch's first event was held
         while (b := reader.batch()) is not None:
-            waits.append(time.monotonic() - t0)
+            now = time.monotonic()
             got.append([e["tokens"][0] for e in b])
+            late.append(now - sent[got[-1][0]])
             if b[-1].get("stop"):
                 break
-    assert got == [[0], [1], [2], [3], [4]]
-    # Each came as it was written (0.3 s apart), not after the 10 s window.
-    assert waits[-1] < 10.0
+    assert [t for b in got for t in b] == list(range(60))
+    assert got[0] == [0]  # the first token is never held
+    assert len(got) < 30, got  # gathered: far fewer batches than events
+    assert max(late) < 0.1 + 0.25, late  # the window, and a busy machine's slack
 
 
 def test_lines_split_across_chunks_and_reads_are_joined() -> None:
