@@ -195,7 +195,12 @@ def _non_streamed_failover(controller: Controller, cluster: dict[str, Any]) -> N
     job = wait_for(
         lambda: (
             Job.objects.exclude(id__in=before)
-            .filter(state__in=["DISPATCHED", "RUNNING"], completion_tokens=0)
+            .filter(
+                model__name=MODEL,
+                max_tokens=GREEDY["max_tokens"],  # not a check of the replacement replica's
+                state__in=["DISPATCHED", "RUNNING"],
+                completion_tokens=0,
+            )
             .select_related("deployment")
             .first()
         ),
@@ -203,17 +208,27 @@ def _non_streamed_failover(controller: Controller, cluster: dict[str, Any]) -> N
         "the job dispatched",
         interval=0.02,
     )
-    # A few tokens in, read from the primary's stream itself: 80 tokens take well under a
-    # second here, so a fixed sleep after RUNNING (polled every 0.25 s) could kill an engine that
-    # had already finished the job (a fresh clone's CI: 0 attempts instead of 2).
+    # Tokens in, read from the primary's stream itself: a fixed sleep after RUNNING (polled every
+    # 0.25 s) could kill an engine that had already finished the job (a fresh clone's CI: 0
+    # attempts instead of 2). Nor is the text compared with the reference: the same greedy
+    # request gives another text when the replica has its prompt cached (llama.cpp evaluates it
+    # otherwise; seen here: "One number per line: 123456." and EOS at 14 tokens), so the check
+    # is that the answer goes on from what the killed attempt had streamed.
     stream = job_stream_key(str(job.id), str(job.deployment.primary_id))
     r = get_redis()
-    wait_for(lambda: r.xlen(stream) >= 3, 60, "a few tokens in", interval=0.01)
+    before_kill = wait_for(
+        lambda: (lambda got: got if len(got) >= 2 else None)(r.xrange(stream)),
+        60,
+        "two entries in",
+        interval=0.01,
+    )
     _kill_engine(job.deployment)
+    streamed = "".join(f.get("text", "") for _, f in before_kill if f.get("type") == "chunk")
     t.join(240)
     resp = result["resp"]
     assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["message"]["content"][:20] == cluster["reference"][:20]
+    content = resp.json()["choices"][0]["message"]["content"]
+    assert streamed and content.startswith(streamed), (streamed, content)
     assert JobAttempt.objects.filter(job_id=job.id).count() == 2
     wait_for(
         lambda: Job.objects.filter(pk=job.id, state="COMPLETED").exists(), 30, "the job COMPLETED"
