@@ -34,7 +34,8 @@ MODEL = "smollm2-failover"
 PROMPT = [
     {"role": "user", "content": "Count slowly from one to forty, in words, one number per line."}
 ]
-GREEDY = {"model": MODEL, "messages": PROMPT, "max_tokens": 80, "temperature": 0, "seed": 7}
+MAX_TOKENS = 80
+GREEDY = {"model": MODEL, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 7}
 
 
 def _replica(controller: Controller, node: str) -> str:
@@ -197,7 +198,7 @@ def _non_streamed_failover(controller: Controller, cluster: dict[str, Any]) -> N
             Job.objects.exclude(id__in=before)
             .filter(
                 model__name=MODEL,
-                max_tokens=GREEDY["max_tokens"],  # not a check of the replacement replica's
+                max_tokens=MAX_TOKENS,  # not a check of the replacement replica's
                 state__in=["DISPATCHED", "RUNNING"],
                 completion_tokens=0,
             )
