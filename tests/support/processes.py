@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,9 +26,29 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Ports for the processes tests start: below the kernel's ephemeral range (32768-60999 here, see
+# /proc/sys/net/ipv4/ip_local_port_range), where every outgoing connection takes its local port.
+# A port from bind(0) comes from that range, and a busy suite's connections took one between the
+# choice and the agent's own bind (a fresh clone's CI: "cannot open the RPC tunnel on
+# 127.0.0.1:48415: address already in use", so the node never measured its link).
+PORT_RANGE = range(20000, 32768)
+_handed: set[int] = set()  # never the same port twice in one run
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel has just handed out (bind 0); free until someone else takes it."""
-    with socket.socket() as s:
+    """A port no process holds now, outside the ephemeral range; free until someone binds it."""
+    for _ in range(500):
+        port = random.choice(PORT_RANGE)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    with socket.socket() as s:  # the range is taken: what the kernel hands out
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
