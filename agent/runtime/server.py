@@ -555,10 +555,8 @@ class ServerPrimary:
     def _broken_off(self, j: _Job, exc: Exception) -> tuple[str, _RequestError | None]:
         """A request to the engine that broke off: cancelled (the job's or the server's stop),
         the server's death (``__dead__``: the watcher's reason ends the job), or an error."""
-        if j.handoff is not None:
-            return "stop", _RequestError(j.handoff[0], code=j.handoff[1])
         if j.cancel.is_set() or self._stopping.is_set():
-            return "cancelled", None
+            return self._cancelled(j)  # hand_off sets the flag before it breaks the connection
         if self._exited_within(2.0):
             # The server died (an RPC peer crashed, or it was killed): the watcher ends this
             # job with the process's death reason, once, in order after what was streamed.
