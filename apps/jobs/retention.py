@@ -90,25 +90,23 @@ def stream_follow_end(*, job_id: Any, token: str, ended_on: Iterable[Any] | None
     if ended_on is None:
         get_redis().zrem(_followers_key(job_id), token)
         return job_stream_release(job_id=job_id)
-    key = _followers_key(job_id)
-    pipe = get_redis().pipeline()
-    pipe.zrem(key, token)
-    pipe.zremrangebyscore(key, "-inf", time.time())
-    pipe.zcard(key)
-    if int(pipe.execute()[-1]) > 0:
+    if stream_followed(job_id, leaving=token):
         return 0
     return _streams_archive(
         [job_stream_key(job_id, node) for node in sorted({*map(str, ended_on)})]
     )
 
 
-def stream_followed(job_id: Any) -> bool:
-    """Whether anyone follows the job's stream now (expired leases dropped)."""
+def stream_followed(job_id: Any, *, leaving: str | None = None) -> bool:
+    """Whether anyone follows the job's stream now (expired leases dropped); ``leaving``: a
+    follower's token, ended in the same round trip."""
     key = _followers_key(job_id)
     pipe = get_redis().pipeline()
+    if leaving is not None:
+        pipe.zrem(key, leaving)
     pipe.zremrangebyscore(key, "-inf", time.time())
     pipe.zcard(key)
-    return int(pipe.execute()[1]) > 0
+    return int(pipe.execute()[-1]) > 0
 
 
 def _stream_keys(rows: list[tuple[Any, Any]]) -> list[str]:
