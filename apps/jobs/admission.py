@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -339,6 +339,41 @@ def deployment_mark_dead(*, deployment_id: Any, seconds: float) -> None:
     """Routing skips this deployment at once, in every process, whatever its cached state says
     (a process's route cache may lag the invalidation broadcast by up to API_CACHE_SECONDS)."""
     get_redis().set(dead_key(deployment_id), "1", ex=max(1, int(seconds)))
+
+
+@dataclass(frozen=True)
+class Loads:
+    """Deployments' routing state as one read saw it: those marked dead, and the live slot
+    leases and live waiters of each."""
+
+    dead: frozenset[str]
+    used: dict[str, int]
+    waiting: dict[str, int]
+
+
+def loads_queue(
+    pipe: Any, deployment_ids: Sequence[str], *, now: float | datetime | None = None
+) -> Callable[[Iterator[Any]], Loads]:
+    """Queue on ``pipe`` (a non-transactional pipeline another module executes, so that routing
+    reads everything it needs in one round trip) the reads of the deployments' dead marks, slot
+    leases and waiters. The returned function takes the pipeline's results, as an iterator
+    positioned at the first of these, consumes exactly these, and gives the Loads."""
+    ids = list(deployment_ids)
+    if not ids:
+        return lambda results: Loads(frozenset(), {}, {})
+    t = _now(now)
+    pipe.mget([dead_key(d) for d in ids])
+    for key in (slots_key, waitlease_key):
+        for d in ids:
+            pipe.zcount(key(d), f"({t!r}", "+inf")
+
+    def read(results: Iterator[Any]) -> Loads:
+        marks = next(results)
+        used = {d: int(next(results)) for d in ids}
+        waiting = {d: int(next(results)) for d in ids}
+        return Loads(frozenset(d for d, v in zip(ids, marks, strict=True) if v), used, waiting)
+
+    return read
 
 
 def deployments_dead(deployment_ids: Iterable[Any]) -> set[str]:

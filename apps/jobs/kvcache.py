@@ -184,6 +184,11 @@ def routing_policy() -> str:
         override = get_redis().get(ROUTING_KEY)
     except Exception:  # a routing hint: Redis trouble falls back to the setting
         override = None
+    return _policy_of(override)
+
+
+def _policy_of(override: Any) -> str:
+    """The policy in force: the operator's override (ROUTING_KEY) when set, else KV_ROUTING."""
     policy = str(override or settings.KV_ROUTING)
     return policy if policy in POLICIES else "prefix"
 
@@ -192,8 +197,13 @@ def owner_lookup(chain: Sequence[str]) -> Owner | None:
     """The longest prefix of ``chain`` whose slot still holds it."""
     if not chain:
         return None
+    return _owner_verified(chain, get_redis().hmget(OWNERS_KEY, list(chain)))
+
+
+def _owner_verified(chain: Sequence[str], raw: Sequence[Any]) -> Owner | None:
+    """owner_lookup's second half: of the owner records ``raw`` (the HMGET of ``chain``), the
+    deepest whose slot still holds its prefix (one HGET per record tried)."""
     r = get_redis()
-    raw = r.hmget(OWNERS_KEY, list(chain))
     for depth in range(len(chain), 0, -1):
         value = raw[depth - 1]
         if not value:
@@ -218,24 +228,41 @@ def owner_lookup(chain: Sequence[str]) -> Owner | None:
 def route_request(
     *, model_id: Any, kind: str, params: dict[str, Any], cached: bool = True
 ) -> Route:
-    """Choose a serving replica for this request by the routing policy, and say why."""
-    policy = routing_policy()
-    candidates = selectors.deployment_route_serving(model_id=model_id, cached=cached)
-    chain = prefix_chain(model_id=model_id, kind=kind, params=params) if policy == "prefix" else []
+    """Choose a serving replica for this request by the routing policy, and say why.
+
+    The policy override, the candidates' dead marks, slot leases and waiters, and the prefix's
+    owner records are read in one pipelined round trip (admission.loads_queue): on a machine
+    whose cores the engine keeps busy, each round trip to Redis waits for Redis to be scheduled,
+    and a burst of requests queues behind those waits."""
+    listed = selectors.deployment_route_candidates(model_id=model_id, cached=cached)
+    chain = prefix_chain(model_id=model_id, kind=kind, params=params)
+    with get_redis().pipeline(transaction=False) as pipe:
+        pipe.get(ROUTING_KEY)
+        loads_read = admission.loads_queue(pipe, [str(d.id) for d in listed])
+        if chain:
+            pipe.hmget(OWNERS_KEY, list(chain))
+        results = iter(pipe.execute())
+    policy = _policy_of(next(results))
+    loads = loads_read(results)
+    owners_raw = next(results) if chain else []
+    candidates = [d for d in listed if str(d.id) not in loads.dead]
+    if policy != "prefix":
+        chain = []
     if not candidates:
         return Route(deployment=None, policy=policy, reason="no serving replica", chain=chain)
     if policy == "least_loaded" or len(candidates) == 1 and not chain:
         return Route(
-            deployment=selectors.deployment_rank(candidates), policy=policy, reason="least loaded"
+            deployment=selectors.deployment_rank(candidates, used=loads.used),
+            policy=policy,
+            reason="least loaded",
         )
     ids = [str(d.id) for d in candidates]
     if policy == "round_robin":
         n = int(get_redis().incr(rr_key(model_id)))
         dep = sorted(candidates, key=lambda d: str(d.id))[(n - 1) % len(candidates)]
         return Route(deployment=dep, policy=policy, reason="round robin")
-    used = admission.slots_in_use(ids)
-    waiting = admission.queue_depth(ids)
-    owner = owner_lookup(chain) if policy == "prefix" else None
+    used, waiting = loads.used, loads.waiting
+    owner = _owner_verified(chain, owners_raw) if chain else None
     if owner is not None and owner.deployment_id not in ids:
         owner = _await_transfer(chain=chain, owner=owner)
     lowered = ""
@@ -386,8 +413,13 @@ def slot_claim(
     order += sorted(
         (s for s in range(n) if s not in taken and s != want and s not in copies), key=last_use
     )
+    ttl = int(settings.KV_PREFIX_TTL_SECONDS)
     for slot in order:
-        if r.hsetnx(dep_busy_key(dep), str(slot), str(job_id)):
+        with r.pipeline(transaction=False) as pipe:  # the pin and the key's lifetime: one trip
+            pipe.hsetnx(dep_busy_key(dep), str(slot), str(job_id))
+            pipe.expire(dep_busy_key(dep), ttl)
+            pinned = pipe.execute()[0]
+        if pinned:
             if slot in copies and slot != want:
                 was = "owner slot busy" if want is not None else "no owner record"
                 route.hit, route.tokens_saved = True, copies[slot][1]
@@ -395,7 +427,6 @@ def slot_claim(
             elif slot != want and want is not None:
                 route.hit, route.tokens_saved = False, 0  # the owner's slot was taken meanwhile
                 route.reason += "; owner slot busy"
-            r.expire(dep_busy_key(dep), int(settings.KV_PREFIX_TTL_SECONDS))
             route.slot, route.slot_deployment_id = slot, dep
             return slot
     return None  # every slot is pinned (leases out of step): llama-server picks
@@ -510,12 +541,16 @@ def job_finished(
     holds its messages and completion (ownership), and count the hit or miss."""
     if route is None:
         return
-    slot_release(route=route, job_id=job_id)
-    if not completed or route.policy != "prefix" or not route.chain:
-        return
     dep = str(deployment_id)
     slot = served_slot if served_slot is not None else route.slot
-    if slot is None or (served_slot is None and route.slot_deployment_id != dep):
+    if (
+        not completed
+        or route.policy != "prefix"
+        or not route.chain
+        or slot is None
+        or (served_slot is None and route.slot_deployment_id != dep)
+    ):
+        slot_release(route=route, job_id=job_id)
         return
     r = get_redis()
     now = time.time()
@@ -525,11 +560,21 @@ def job_finished(
     owner = route.owner
     # A miss with history may follow a drop (DROPPED_KEY): read in the slot's round trip.
     earlier = list(route.chain[:-1]) if owner is None else []
-    with r.pipeline(transaction=False) as read:
+    pinned = route.slot is not None and route.slot_deployment_id is not None
+    with r.pipeline(transaction=False) as read:  # the pin's release rides along (slot_release)
+        if pinned:
+            read.eval(
+                _RELEASE_LUA,
+                1,
+                dep_busy_key(route.slot_deployment_id),
+                str(route.slot),
+                str(job_id),
+            )
         read.hget(dep_slots_key(dep), str(slot))
         if earlier:
             read.hmget(DROPPED_KEY, earlier)
-        old, *dropped = read.execute()
+        got = read.execute()
+    old, *dropped = got[1:] if pinned else got
     old_prefix = str(old).split("|")[0] if old else None
     moved_from: str | None = None
     displaced = 0
@@ -592,12 +637,14 @@ def prune(*, now: float | None = None) -> int:
     (one KV_OWNERSHIP_EVICTED event per pass that evicted any)."""
     r = get_redis()
     now = time.time() if now is None else now
-    expired = [
-        str(p) for p in r.zrangebyscore(LRU_KEY, "-inf", now - settings.KV_PREFIX_TTL_SECONDS)
-    ]
+    with r.pipeline(transaction=False) as pipe:  # one round trip on every job's end
+        pipe.zrangebyscore(LRU_KEY, "-inf", now - settings.KV_PREFIX_TTL_SECONDS)
+        pipe.zcard(LRU_KEY)
+        listed, count = pipe.execute()
+    expired = [str(p) for p in listed]
     if expired:
-        _forget(r, expired)
-    excess = int(r.zcard(LRU_KEY)) - int(settings.KV_PREFIX_MAX_ENTRIES)
+        _forget(r, expired)  # each was in LRU_KEY, which _forget leaves without it
+    excess = int(count) - len(expired) - int(settings.KV_PREFIX_MAX_ENTRIES)
     if excess <= 0:
         return len(expired)
     victims = [str(p) for p in r.zrange(LRU_KEY, 0, excess - 1)]

@@ -396,14 +396,18 @@ def deployment_route_serving(
     return candidates
 
 
-def deployment_rank(candidates: list[Deployment]) -> Deployment | None:
+def deployment_rank(
+    candidates: list[Deployment], *, used: dict[str, int] | None = None
+) -> Deployment | None:
     """deployment_route's pick among ``candidates``: READY first, the largest free share, then
-    the most free slots, ties at random."""
+    the most free slots, ties at random. ``used``: the candidates' live slot leases, when the
+    caller has read them already (kvcache.route_request)."""
     if not candidates:
         return None
     if len(candidates) == 1:
         return candidates[0]
-    used = admission.slots_in_use([d.id for d in candidates])
+    if used is None:
+        used = admission.slots_in_use([d.id for d in candidates])
     ranked = sorted(
         candidates,
         key=lambda d: (
