@@ -137,9 +137,13 @@ SQLITE_OPTIONS = {
 # Kept open (a Celery task otherwise opens, configures and closes one each: 1.3 ms of a settle
 # task's CPU, bench/relay.py); no connection is held inside a transaction between requests.
 SQLITE_CONN_MAX_AGE = 60
+# Django's SQLite backend whose writers queue on a per-process lock instead of SQLite's busy
+# sleeps (racon/sqlite3/base.py says why).
+SQLITE_ENGINE = "racon.sqlite3"  # ends in sqlite3, as Django's does: code that tells SQLite by the engine still does
 if DATABASE_URL:
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
     if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+        DATABASES["default"]["ENGINE"] = SQLITE_ENGINE
         DATABASES["default"]["CONN_MAX_AGE"] = SQLITE_CONN_MAX_AGE
         DATABASES["default"]["OPTIONS"] = dict(SQLITE_OPTIONS)
     elif env("RACON_TEST_DB_NAME"):
@@ -149,7 +153,7 @@ else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.sqlite3",
+            "ENGINE": SQLITE_ENGINE,
             "NAME": str(VAR_DIR / "racon.sqlite3"),
             "OPTIONS": dict(SQLITE_OPTIONS),
             "CONN_MAX_AGE": SQLITE_CONN_MAX_AGE,
