@@ -78,6 +78,9 @@ def main() -> int:
     try:
         return _run(args.requests, embedded)
     finally:
+        from racon.cache import subscriber_stop
+
+        subscriber_stop()
         embedded.stop()
 
 

@@ -184,6 +184,12 @@ def subscriber_ready(timeout: float = 0.0) -> bool:
     return _subscribed.wait(timeout) if timeout else _subscribed.is_set()
 
 
+def subscriber_stop() -> None:
+    """End this process's subscriber quietly: for a process about to stop its own Redis (a
+    bench), whose subscriber would otherwise log the lost connection."""
+    _subscriber_stop.set()
+
+
 def _subscriber_ensure() -> bool:
     """Start the subscriber thread once per process; True when it is subscribed."""
     global _subscriber_pid
