@@ -107,34 +107,34 @@ def _rows(path: Path) -> list[tuple[str, int]]:
         return list(c.execute("SELECT who, n FROM t ORDER BY rowid"))
 
 
-@pytest.mark.parametrize("transaction", [True, False], ids=["transaction", "autocommit"])
-def test_a_second_writer_waits_for_the_first_and_writes_after_it(
-    db_file: Path, transaction: bool
-) -> None:
-    handler = _handler(db_file, "racon.sqlite3")
+def _race(
+    handler: ConnectionHandler, *, fail: bool = False, transaction: bool = True
+) -> list[BaseException]:
+    """A holder's transaction (see _hold) and, once it holds the file, a second writer; the
+    errors of both."""
     began = threading.Event()
-    holder, holder_errors = _in_thread(lambda: _hold(handler, began))
+    holder, holder_errors = _in_thread(lambda: _hold(handler, began, fail=fail))
     assert began.wait(30)
     writer, writer_errors = _in_thread(
         lambda: _write(handler, "INSERT INTO t VALUES ('second', 2)", transaction=transaction)
     )
     holder.join(60)
     writer.join(60)
-    assert holder_errors == [] and writer_errors == []
+    assert holder_errors == []
+    return writer_errors
+
+
+@pytest.mark.parametrize("transaction", [True, False], ids=["transaction", "autocommit"])
+def test_a_second_writer_waits_for_the_first_and_writes_after_it(
+    db_file: Path, transaction: bool
+) -> None:
+    assert _race(_handler(db_file, "racon.sqlite3"), transaction=transaction) == []
     assert _rows(db_file) == [("holder", 1), ("second", 2)]
 
 
 def test_a_rolled_back_transaction_frees_the_lock(db_file: Path) -> None:
     handler = _handler(db_file, "racon.sqlite3")
-    began = threading.Event()
-    holder, holder_errors = _in_thread(lambda: _hold(handler, began, fail=True))
-    assert began.wait(30)
-    writer, writer_errors = _in_thread(
-        lambda: _write(handler, "INSERT INTO t VALUES ('second', 2)", transaction=True)
-    )
-    holder.join(60)
-    writer.join(60)
-    assert holder_errors == [] and writer_errors == []
+    assert _race(handler, fail=True) == []
     assert _rows(db_file) == [("second", 2)]
     # And the lock is free again: a third writer in this thread goes at once.
     _write(handler, "UPDATE t SET n = 3", transaction=False)
@@ -144,16 +144,7 @@ def test_a_rolled_back_transaction_frees_the_lock(db_file: Path) -> None:
 def test_without_the_queue_the_second_writer_meets_the_busy_file(db_file: Path) -> None:
     """The same two writers on Django's own SQLite backend: the second fails with "database is
     locked" after SQLite's busy timeout, which is what the queue above spares it."""
-    handler = _handler(db_file, "django.db.backends.sqlite3")
-    began = threading.Event()
-    holder, holder_errors = _in_thread(lambda: _hold(handler, began))
-    assert began.wait(30)
-    writer, writer_errors = _in_thread(
-        lambda: _write(handler, "INSERT INTO t VALUES ('second', 2)", transaction=True)
-    )
-    holder.join(60)
-    writer.join(60)
-    assert holder_errors == []
-    assert len(writer_errors) == 1 and isinstance(writer_errors[0], OperationalError)
-    assert "locked" in str(writer_errors[0])
+    errors = _race(_handler(db_file, "django.db.backends.sqlite3"))
+    assert len(errors) == 1 and isinstance(errors[0], OperationalError)
+    assert "locked" in str(errors[0])
     assert _rows(db_file) == [("holder", 1)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from django.db.backends.sqlite3 import base
@@ -113,20 +114,17 @@ class WriterCursor(base.SQLiteCursorWrapper):
 
     wrapper: DatabaseWrapper
 
+    def _queued(self, query: str, run: Callable[[], Any]) -> Any:
+        if self.wrapper._writer is not None or not _is_write(query):
+            return run()
+        self.wrapper._writer_take()
+        try:
+            return run()
+        finally:
+            self.wrapper._writer_give()
+
     def execute(self, query: str, params: Any = None) -> Any:
-        if self.wrapper._writer is None and _is_write(query):
-            self.wrapper._writer_take()
-            try:
-                return super().execute(query, params)
-            finally:
-                self.wrapper._writer_give()
-        return super().execute(query, params)
+        return self._queued(query, lambda: super(WriterCursor, self).execute(query, params))
 
     def executemany(self, query: str, param_list: Any) -> Any:
-        if self.wrapper._writer is None and _is_write(query):
-            self.wrapper._writer_take()
-            try:
-                return super().executemany(query, param_list)
-            finally:
-                self.wrapper._writer_give()
-        return super().executemany(query, param_list)
+        return self._queued(query, lambda: super(WriterCursor, self).executemany(query, param_list))
