@@ -179,14 +179,6 @@ class Route:
     scores: dict[str, float] = field(default_factory=dict)
 
 
-def routing_policy() -> str:
-    try:
-        override = get_redis().get(ROUTING_KEY)
-    except Exception:  # a routing hint: Redis trouble falls back to the setting
-        override = None
-    return _policy_of(override)
-
-
 def _policy_of(override: Any) -> str:
     """The policy in force: the operator's override (ROUTING_KEY) when set, else KV_ROUTING."""
     policy = str(override or settings.KV_ROUTING)
