@@ -484,12 +484,15 @@ def slot_unreserve(*, deployment_id: Any, slot: int, transfer_id: str) -> None:
         r.eval(_RELEASE_LUA, 1, key, str(slot), str(held))
 
 
-def slot_release(*, route: Route | None, job_id: Any) -> None:
+def slot_release(*, route: Route | None, job_id: Any, pipe: Any = None) -> bool:
+    """Unpin the job's slot, if it pinned one (True then); with ``pipe``, the release is queued
+    on that pipeline, in the caller's round trip."""
     if route is None or route.slot is None or route.slot_deployment_id is None:
-        return
-    get_redis().eval(
+        return False
+    (pipe if pipe is not None else get_redis()).eval(
         _RELEASE_LUA, 1, dep_busy_key(route.slot_deployment_id), str(route.slot), str(job_id)
     )
+    return True
 
 
 # --- recording ------------------------------------------------------------------------------------
@@ -552,16 +555,8 @@ def job_finished(
     owner = route.owner
     # A miss with history may follow a drop (DROPPED_KEY): read in the slot's round trip.
     earlier = list(route.chain[:-1]) if owner is None else []
-    pinned = route.slot is not None and route.slot_deployment_id is not None
-    with r.pipeline(transaction=False) as read:  # the pin's release rides along (slot_release)
-        if pinned:
-            read.eval(
-                _RELEASE_LUA,
-                1,
-                dep_busy_key(route.slot_deployment_id),
-                str(route.slot),
-                str(job_id),
-            )
+    with r.pipeline(transaction=False) as read:  # the pin's release rides along
+        pinned = slot_release(route=route, job_id=job_id, pipe=read)
         read.hget(dep_slots_key(dep), str(slot))
         if earlier:
             read.hmget(DROPPED_KEY, earlier)
