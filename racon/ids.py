@@ -17,6 +17,7 @@ JobId = NewType("JobId", str)
 DeploymentId = NewType("DeploymentId", str)
 AccountId = NewType("AccountId", str)
 ModelId = NewType("ModelId", str)
+ApiKeyId = NewType("ApiKeyId", str)
 
 
 def _canonical(value: UUID | str, what: str) -> str:
@@ -44,3 +45,12 @@ def account_id(value: UUID | str) -> AccountId:
 
 def model_id(value: UUID | str) -> ModelId:
     return ModelId(_canonical(value, "model"))
+
+
+def api_key_id(value: UUID | str) -> ApiKeyId:
+    return ApiKeyId(_canonical(value, "API key"))
+
+
+def as_uuid(value: UUID | str) -> UUID:
+    """The id as a UUID, for an ORM lookup (django-stubs types a UUID primary key's lookups so)."""
+    return value if isinstance(value, UUID) else UUID(value)

@@ -26,6 +26,7 @@ from apps.jobs.states import DeploymentState, JobState
 from apps.models_repo.models import Model, ModelFile, Replica
 from apps.nodes.models import EnrollmentToken, Event, EventCategory, Node
 from apps.nodes.states import NodeState
+from racon import ids
 
 T = TypeVar("T")
 
@@ -322,12 +323,19 @@ def job_finish(
 def funded_account(amount: int, **kw: Any) -> Account:
     acct = AccountFactory(**kw)
     if amount:
-        credit_grant(account_id=acct.pk, amount=amount, reason="test funds", now=timezone.now())
+        credit_grant(
+            account_id=ids.account_id(acct.pk),
+            amount=amount,
+            reason="test funds",
+            now=timezone.now(),
+        )
     acct.refresh_from_db()
     return acct
 
 
 def key_for(account: Account, scopes: tuple[str, ...] = ("inference",)) -> dict[str, Any]:
     """A new key of ``account`` with ``scopes``, as the test client's Authorization header."""
-    _, plaintext = api_key_create(name="k", account_id=account.pk, scopes=list(scopes))
+    _, plaintext = api_key_create(
+        name="k", account_id=ids.account_id(account.pk), scopes=list(scopes)
+    )
     return {"HTTP_AUTHORIZATION": f"Bearer {plaintext}"}

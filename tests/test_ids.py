@@ -24,7 +24,7 @@ def test_a_uuid_and_its_text_give_the_same_id() -> None:
 @pytest.mark.parametrize(
     "convert, what",
     [(ids.node_id, "node"), (ids.job_id, "job"), (ids.deployment_id, "deployment"),
-     (ids.account_id, "account"), (ids.model_id, "model")],
+     (ids.account_id, "account"), (ids.model_id, "model"), (ids.api_key_id, "API key")],
 )  # fmt: skip
 def test_anything_else_is_refused_naming_the_kind_of_id(
     convert: Callable[[str], str], what: str

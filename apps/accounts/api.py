@@ -21,6 +21,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from racon import ids
+from racon.ids import AccountId, ApiKeyId
+
 from . import selectors, services
 from .models import Account, ApiKey
 from .permissions import IsAuthenticatedAccount, IsStaff, KeyScope
@@ -169,7 +172,7 @@ class AccountInviteApi(APIView):
         invite_url = serializers.CharField()
 
     @extend_schema(request=None, responses=InviteOut)
-    def post(self, request: Request, account_id: str) -> Response:
+    def post(self, request: Request, account_id: AccountId) -> Response:
         account = get_object_or_404(Account.objects.select_related("user"), pk=account_id)
         if account.user is None:
             raise exceptions.ValidationError(
@@ -370,7 +373,7 @@ class KeyListCreateApi(APIView):
         try:
             key, plaintext = services.key_create(
                 name=v["name"],
-                account_id=account.pk,
+                account_id=ids.account_id(account.pk),
                 scopes=scopes,
                 user_id=user_id,
                 expires_at=expires_at,
@@ -407,7 +410,7 @@ class KeyRevokeApi(APIView):
     key_scopes = {"*": ApiKey.SCOPE_KEYS}
 
     @extend_schema(request=None, responses=ApiKeyOut)
-    def post(self, request: Request, key_id: str) -> Response:
+    def post(self, request: Request, key_id: ApiKeyId) -> Response:
         staff = IsStaff().has_permission(request, self)
         try:
             selectors.key_get(
@@ -480,12 +483,12 @@ class KeyLimitsApi(APIView):
     permission_classes = [IsStaff]
 
     @extend_schema(responses=LimitsOut)
-    def get(self, request: Request, key_id: str) -> Response:
+    def get(self, request: Request, key_id: ApiKeyId) -> Response:
         key = get_object_or_404(ApiKey, pk=key_id)
         return Response(_limits_out(key, key_limit_defaults()))
 
     @extend_schema(request=LimitsIn, responses=LimitsOut)
-    def post(self, request: Request, key_id: str) -> Response:
+    def post(self, request: Request, key_id: ApiKeyId) -> Response:
         key = get_object_or_404(ApiKey, pk=key_id)
         data = LimitsIn(data=request.data)
         data.is_valid(raise_exception=True)
@@ -499,12 +502,12 @@ class AccountLimitsApi(APIView):
     permission_classes = [IsStaff]
 
     @extend_schema(responses=LimitsOut)
-    def get(self, request: Request, account_id: str) -> Response:
+    def get(self, request: Request, account_id: AccountId) -> Response:
         account = get_object_or_404(Account, pk=account_id)
         return Response(_limits_out(account, account_limit_defaults()))
 
     @extend_schema(request=LimitsIn, responses=LimitsOut)
-    def post(self, request: Request, account_id: str) -> Response:
+    def post(self, request: Request, account_id: AccountId) -> Response:
         account = get_object_or_404(Account, pk=account_id)
         data = LimitsIn(data=request.data)
         data.is_valid(raise_exception=True)

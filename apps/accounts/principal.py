@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from racon.ids import AccountId, ApiKeyId
+
 from .models import Account, ApiKey
 
 UserAccount = Callable[..., Account]  # (*, user) -> Account
@@ -22,8 +24,8 @@ _providers: dict[str, UserAccount] = {}
 class KeyPrincipal:
     """Who a bearer key speaks for. Stands in for request.user on API-key requests."""
 
-    key_id: Any
-    account_id: Any
+    key_id: ApiKeyId | None
+    account_id: AccountId
     scopes: frozenset[str]
     user: Any = None
     is_operator_key: bool = False

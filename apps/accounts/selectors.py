@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from django.db.models import Count, Q, QuerySet
+
+from racon.ids import AccountId, ApiKeyId
 
 from .models import Account, AccountKind, ApiKey
 
@@ -19,13 +20,13 @@ def key_status(key: ApiKey, *, now: datetime) -> str:
     return "active"
 
 
-def key_list(*, account_id: Any, include_revoked: bool = False) -> QuerySet[ApiKey]:
+def key_list(*, account_id: AccountId, include_revoked: bool = False) -> QuerySet[ApiKey]:
     """One account's keys, newest first; revoked ones only when asked for."""
     qs = ApiKey.objects.filter(account_id=account_id).select_related("user")
     return qs if include_revoked else qs.filter(revoked_at__isnull=True)
 
 
-def key_get(*, key_id: Any, account_id: Any | None) -> ApiKey:
+def key_get(*, key_id: ApiKeyId, account_id: AccountId | None) -> ApiKey:
     """One key; with an account, only if it belongs to it (ApiKey.DoesNotExist otherwise)."""
     qs = ApiKey.objects.select_related("user")
     if account_id is not None:

@@ -32,6 +32,7 @@ from django.utils.encoding import force_bytes
 from django.utils.http import urlsafe_base64_decode, urlsafe_base64_encode
 
 from racon import cache
+from racon.ids import AccountId, ApiKeyId, as_uuid
 from racon.redis import get_redis
 
 from .models import Account, ApiKey
@@ -75,12 +76,12 @@ def key_hash(key: str) -> str:
 def key_create(
     *,
     name: str,
-    account_id: Any,
+    account_id: AccountId,
     scopes: list[str],
-    user_id: Any = None,
+    user_id: int | None = None,
     expires_at: datetime | None = None,
     now: datetime | None = None,
-    parent_id: Any = None,
+    parent_id: ApiKeyId | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key and return it with its plaintext, which is shown once and never stored.
 
@@ -121,11 +122,11 @@ def key_create(
     return key, plaintext  # the post_save signal (apps.api.signals) clears the principal cache
 
 
-def key_revoke(*, key_id: Any, now: datetime) -> ApiKey:
+def key_revoke(*, key_id: ApiKeyId, now: datetime) -> ApiKey:
     """Revoke a key and the keys it made, theirs too (idempotent); every process refuses them
     once this commits."""
-    ids = {key_id}
-    frontier = [key_id]
+    ids = {as_uuid(key_id)}
+    frontier = [as_uuid(key_id)]
     while frontier:
         frontier = [
             k
@@ -152,7 +153,7 @@ def limits_set(*, obj: Account | ApiKey, limits: dict[str, int | None]) -> None:
     cache.invalidate(PRINCIPAL_CACHE)
 
 
-def key_touch(*, key_id: Any, now: datetime) -> bool:
+def key_touch(*, key_id: ApiKeyId, now: datetime) -> bool:
     """Record that a key was used: at most one write per key per minute in the whole cluster.
 
     Steady use costs no I/O at all in this process, and one Redis round trip a minute per key.

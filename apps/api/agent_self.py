@@ -36,6 +36,7 @@ from apps.nodes.api import node_or_401
 from apps.nodes.commands import command_send
 from apps.nodes.lending import lending_view, node_lending_owner_set
 from apps.nodes.models import Event, Node
+from racon import ids
 
 __all__ = ["AgentEarningsApi", "AgentLendingApi", "AgentSelfApi"]
 
@@ -88,7 +89,10 @@ class AgentSelfApi(APIView):
         now = timezone.now()
         midnight = datetime.combine(now.astimezone(UTC).date(), time(0), tzinfo=UTC)
         today = credit_selectors.node_earnings(
-            account_id=node.account_id, days=1, node_id=node.id, now=now
+            account_id=ids.account_id(node.account_id),
+            days=1,
+            node_id=ids.node_id(node.id),
+            now=now,
         )
         jobs_today = sum(r["jobs"] for r in today if r["day"] == midnight.date())
         view = lending_view(lending=node.lending, now=now)
@@ -132,7 +136,7 @@ class AgentEarningsApi(APIView):
                 status=400,
             )
         rows = credit_selectors.node_earnings(
-            account_id=node.account_id, days=days, node_id=node.id
+            account_id=ids.account_id(node.account_id), days=days, node_id=ids.node_id(node.id)
         )
         return Response(
             [
@@ -214,11 +218,13 @@ class AgentLendingApi(APIView):
         form = {k: str(data.validated_data.get(k, "")) for k in FIELDS}
 
         def push(wire: dict[str, Any]) -> None:
-            command_send(node_id=node.id, kind="set_lending", payload={"lending": wire})
+            command_send(
+                node_id=ids.node_id(node.id), kind="set_lending", payload={"lending": wire}
+            )
 
         try:
             node_lending_owner_set(
-                node_id=node.id,
+                node_id=ids.node_id(node.id),
                 policy=lending_document(form),
                 now=timezone.now(),
                 by=f"desktop app on {node.name}",

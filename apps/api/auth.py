@@ -15,7 +15,8 @@ from apps.accounts.models import ApiKey
 from apps.accounts.principal import KeyPrincipal
 from apps.accounts.services import PRINCIPAL_CACHE, key_hash
 from apps.credits.ledger import account_system
-from racon import cache
+from racon import cache, ids
+from racon.ids import AccountId, ApiKeyId
 
 OPERATOR_ACCOUNT_NAME = "system:operator"
 __all__ = ["PRINCIPAL_CACHE", "api_key_create", "api_key_revoke", "key_hash", "principal_for_key"]
@@ -24,9 +25,9 @@ __all__ = ["PRINCIPAL_CACHE", "api_key_create", "api_key_revoke", "key_hash", "p
 def api_key_create(
     *,
     name: str,
-    account_id: Any,
+    account_id: AccountId,
     scopes: list[str],
-    user_id: Any = None,
+    user_id: int | None = None,
     expires_at: datetime | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key; returns it with the plaintext, shown once (apps.accounts.services.key_create)."""
@@ -35,7 +36,7 @@ def api_key_create(
     )
 
 
-def api_key_revoke(*, key_id: Any) -> ApiKey:
+def api_key_revoke(*, key_id: ApiKeyId) -> ApiKey:
     """Revoke a key; every process stops accepting it once this commits (the principal cache)."""
     return account_services.key_revoke(key_id=key_id, now=timezone.now())
 
@@ -63,7 +64,8 @@ def principal_for_key(raw: str, *, now: datetime | None = None) -> KeyPrincipal 
     now = now or timezone.now()
     if principal.expired(now=now):
         return None
-    account_services.key_touch(key_id=principal.key_id, now=now)
+    if principal.key_id is not None:
+        account_services.key_touch(key_id=principal.key_id, now=now)
     return principal
 
 
@@ -90,8 +92,8 @@ def _principal_load(raw: str) -> KeyPrincipal | None:
     if expires_at is False:
         return None
     return KeyPrincipal(
-        key_id=key.id,
-        account_id=key.account_id,
+        key_id=ids.api_key_id(key.id),
+        account_id=ids.account_id(key.account_id),
         scopes=frozenset(key.scopes),
         user=key.user,
         expires_at=expires_at,

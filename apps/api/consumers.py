@@ -25,6 +25,7 @@ from apps.api.ui_render import render_deployment_row, render_node_row, viewer_fo
 from apps.credits.ledger import account_for_user
 from apps.jobs.models import Job
 from apps.jobs.streams import job_watch
+from racon.ids import DeploymentId, JobId, NodeId
 
 log = logging.getLogger("racon.ws")
 
@@ -48,7 +49,7 @@ async def _retrying[T](what: str, call: Callable[[], Awaitable[T]]) -> T | None:
     return None
 
 
-def _can_see_job(user: Any, job_id: str) -> bool:
+def _can_see_job(user: Any, job_id: JobId) -> bool:
     if not user or not user.is_authenticated:
         return False
     job = Job.objects.filter(pk=job_id).values("account_id").first()
@@ -172,9 +173,9 @@ def _chart_payloads(user: Any, specs: dict[str, dict[str, Any]]) -> dict[str, An
     return out
 
 
-def _render_node_row(user: Any, node_id: str) -> str:
+def _render_node_row(user: Any, node_id: NodeId) -> str:
     return render_node_row(user=user, node_id=node_id)
 
 
-def _render_deployment_row(user: Any, deployment_id: str) -> str:
+def _render_deployment_row(user: Any, deployment_id: DeploymentId) -> str:
     return render_deployment_row(user=user, deployment_id=deployment_id)

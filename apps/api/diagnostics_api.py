@@ -11,6 +11,7 @@ from rest_framework.request import Request
 from rest_framework.views import APIView
 
 from apps.jobs.diagnostics import UnknownNode, node_diagnostics
+from racon.ids import NodeId
 
 
 class NodeDiagnosticsApi(APIView):
@@ -23,7 +24,7 @@ class NodeDiagnosticsApi(APIView):
             )
         },
     )
-    def get(self, request: Request, node_id: str) -> HttpResponse:
+    def get(self, request: Request, node_id: NodeId) -> HttpResponse:
         now = timezone.now()
         try:
             diag = node_diagnostics(node_id=node_id, now=now)

@@ -40,6 +40,7 @@ from apps.nodes.models import Node
 from apps.nodes.services import BUSY_FLIPS_KEY
 from apps.nodes.states import HEALTH_WATCHED, POOL, NodeState
 from racon import __version__
+from racon.ids import DeploymentId, JobId, ModelId
 from racon.redis import get_redis
 
 log = logging.getLogger("racon.metrics")
@@ -68,7 +69,7 @@ def _hist_key(name: str) -> str:
 
 
 def job_finished_observe(
-    *, job_id: Any, state: str, fields: dict[str, Any], row: tuple[Any, ...] | None = None
+    *, job_id: JobId, state: str, fields: dict[str, Any], row: tuple[Any, ...] | None = None
 ) -> None:
     """Count a finished job and observe its TTFT, tokens/s and queue wait (never fails the caller).
     ``row``: the job's model name, queued_at, dispatched_at and finished_at when the caller has
@@ -620,10 +621,10 @@ def _read_redis(
         # them, folded into this round trip: live leases only, the wait decayed to now.
         live = f"({now!r}"
         for dep_id in deployment_ids:
-            pipe.zcount(admission.slots_key(dep_id), live, "+inf")
-            pipe.zcount(admission.waitlease_key(dep_id), live, "+inf")
+            pipe.zcount(admission.slots_key(DeploymentId(dep_id)), live, "+inf")
+            pipe.zcount(admission.waitlease_key(DeploymentId(dep_id)), live, "+inf")
         for model_id in model_ids:
-            pipe.hmget(admission.model_wait_key(model_id), ["ewma", "updated"])
+            pipe.hmget(admission.model_wait_key(ModelId(model_id)), ["ewma", "updated"])
         pipe.get(BUSY_FLIPS_KEY)
         got = pipe.execute()
     busy_flips = got.pop()

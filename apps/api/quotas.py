@@ -30,6 +30,7 @@ from typing import Any
 from django.conf import settings
 
 from apps.accounts.principal import KeyPrincipal
+from racon.ids import JobId
 from racon.redis import get_redis
 
 # One bucket or set per limit; the script takes all or none.
@@ -166,7 +167,7 @@ def inflight_keys(principal: KeyPrincipal) -> list[str]:
 
 
 def quota_take(
-    *, principal: KeyPrincipal, job_id: Any, tokens: int, now: float | None = None
+    *, principal: KeyPrincipal, job_id: JobId, tokens: int, now: float | None = None
 ) -> Callable[[], None] | None:
     """Take one request and ``tokens`` tokens from the key's and the account's limits, and a
     place in flight; QuotaExceeded naming the first limit without room. Returns the release to
@@ -230,7 +231,7 @@ def quota_take(
     return release
 
 
-def quota_release(*, keys: list[str], job_id: Any) -> None:
+def quota_release(*, keys: list[str], job_id: JobId) -> None:
     """The job's place in flight is free again (idempotent)."""
     with get_redis().pipeline(transaction=True) as pipe:
         for k in keys:

@@ -17,6 +17,7 @@ from apps.jobs.hooks import job_finished
 from apps.jobs.serving import MODEL_CACHE
 from apps.models_repo.models import Model, ModelFile
 from racon import cache
+from racon.ids import JobId
 
 from .auth import PRINCIPAL_CACHE
 from .metrics import job_finished_observe
@@ -30,7 +31,7 @@ def _model_changed(**kwargs: Any) -> None:
     cache.invalidate(MODEL_CACHE)
 
 
-def _job_finished(*, job_id: Any, state: str, fields: dict[str, Any], **kwargs: Any) -> None:
+def _job_finished(*, job_id: JobId, state: str, fields: dict[str, Any], **kwargs: Any) -> None:
     job_finished_observe(job_id=job_id, state=state, fields=fields, row=kwargs.get("row"))
 
 

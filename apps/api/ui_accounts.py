@@ -21,6 +21,8 @@ from apps.accounts.api import account_limit_defaults, invite_url, key_limit_defa
 from apps.accounts.models import ApiKey
 from apps.credits.ledger import account_for_user
 from apps.credits.selectors import account_summary, key_usage
+from racon import ids
+from racon.ids import ApiKeyId
 
 from .ui_views import render_ui, staff_required
 
@@ -31,10 +33,10 @@ PLAYGROUND_KEY_NAME = "playground (web session)"
 
 def _keys_page(*, user: Any, now: Any) -> dict[str, Any]:
     account = account_for_user(user=user)
-    usage = {u["key"]: u for u in key_usage(account_id=account.id)}
+    usage = {u["key"]: u for u in key_usage(account_id=ids.account_id(account.id))}
     keys = [
         {"key": k, "status": account_selectors.key_status(k, now=now), "usage": usage.get(k.pk)}
-        for k in account_selectors.key_list(account_id=account.id)
+        for k in account_selectors.key_list(account_id=ids.account_id(account.id))
         if k.name != PLAYGROUND_KEY_NAME
     ]
     return {
@@ -50,7 +52,7 @@ def _keys_page(*, user: Any, now: Any) -> dict[str, Any]:
             f: (d if getattr(account, f) is None else getattr(account, f))
             for f, d in account_limit_defaults().items()
         },
-        "standing": account_summary(account_id=account.id, now=now),
+        "standing": account_summary(account_id=ids.account_id(account.id), now=now),
         "prompt_retention_days": settings.JOB_PARAMS_RETENTION_DAYS,
     }
 
@@ -71,7 +73,7 @@ def key_list(request: HttpRequest) -> HttpResponse:
         days = int(request.POST.get("expires_in_days") or 0)
         key, plaintext = account_services.key_create(
             name=name,
-            account_id=account_for_user(user=request.user).id,
+            account_id=ids.account_id(account_for_user(user=request.user).id),
             scopes=scopes,
             user_id=request.user.pk,
             expires_at=now + timedelta(days=days) if days > 0 else None,
@@ -87,10 +89,10 @@ def key_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 @require_POST
-def key_revoke(request: HttpRequest, key_id: str) -> HttpResponse:
+def key_revoke(request: HttpRequest, key_id: ApiKeyId) -> HttpResponse:
     account = account_for_user(user=request.user)
     try:
-        account_selectors.key_get(key_id=key_id, account_id=account.id)
+        account_selectors.key_get(key_id=key_id, account_id=ids.account_id(account.id))
     except ApiKey.DoesNotExist:
         return HttpResponse("no such key", status=404)
     now = timezone.now()

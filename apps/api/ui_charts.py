@@ -18,6 +18,7 @@ from typing import Any
 from apps.credits import selectors as credit_selectors
 from apps.jobs import series
 from apps.nodes.models import Node
+from racon import ids
 
 from .ui_render import Viewer, node_for
 
@@ -83,14 +84,14 @@ def _ttft(viewer: Viewer, spec: dict[str, Any], now: datetime) -> dict[str, Any]
     if spec.get("node") or not viewer.is_staff:
         if not spec.get("node"):
             raise ChartRefused("ttft: a contributor's chart names one of their nodes")
-        node_id = node_for(viewer, spec["node"]).id
+        node_id = ids.node_id(node_for(viewer, spec["node"]).id)
     data = series.series_ttft(window=_window(spec), now=now, node_id=node_id)
     return {**data, "unit": "ms", "kind": "line"}
 
 
 def _node_load(viewer: Viewer, spec: dict[str, Any], now: datetime) -> dict[str, Any]:
-    node = node_for(viewer, spec.get("node"))
-    data = series.series_node_load(node_id=node.id, window=_window(spec), now=now)
+    node = node_for(viewer, str(spec.get("node") or ""))
+    data = series.series_node_load(node_id=ids.node_id(node.id), window=_window(spec), now=now)
     return {**data, "unit": "", "kind": "line"}
 
 
@@ -122,7 +123,7 @@ def _earnings(viewer: Viewer, spec: dict[str, Any], now: datetime) -> dict[str, 
     accounts: list[Any]
     if spec.get("node"):
         node = node_for(viewer, spec["node"])
-        node_id, accounts = node.id, [node.account_id]
+        node_id, accounts = ids.node_id(node.id), [node.account_id]
     else:
         accounts = [str(a) for a in spec.get("accounts") or []] if viewer.is_staff else []
         accounts = accounts or [viewer.account_id]

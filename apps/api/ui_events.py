@@ -16,6 +16,8 @@ from django.db.models import Q
 from apps.jobs.models import Deployment, Job
 from apps.nodes import selectors as node_selectors
 from apps.nodes.models import Event, Node
+from racon import ids
+from racon.ids import JobId, NodeId
 
 from .ui_render import Viewer, _visible_nodes
 
@@ -63,7 +65,7 @@ class FeedItem:
     state: str = ""  # a run of flips: the node's newest state
 
 
-def _job_label(job: Job | None, job_id: Any) -> str:
+def _job_label(job: Job | None, job_id: JobId) -> str:
     model = job.model.name if job is not None and job.model_id else "job"
     return f"{model} · {str(job_id)[:8]}"
 
@@ -72,17 +74,17 @@ def _deployment_label(dep: Deployment | None) -> str:
     return f"{dep.model.name} deployment" if dep is not None else "a deployment"
 
 
-def _names_for(ids: set[str]) -> dict[str, str]:
+def _names_for(wanted: set[str]) -> dict[str, str]:
     """Readable names for the ids a message mentions: nodes by name, deployments and jobs by model."""
-    if not ids:
+    if not wanted:
         return {}
-    out = {str(n.id): n.name for n in Node.objects.filter(pk__in=ids).only("id", "name")}
+    out = {str(n.id): n.name for n in Node.objects.filter(pk__in=wanted).only("id", "name")}
     for d in (
-        Deployment.objects.filter(pk__in=ids).select_related("model").only("id", "model__name")
+        Deployment.objects.filter(pk__in=wanted).select_related("model").only("id", "model__name")
     ):
         out[str(d.id)] = f"{d.model.name} deployment"
-    for j in Job.objects.filter(pk__in=ids).select_related("model").only("id", "model__name"):
-        out[str(j.id)] = _job_label(j, j.id)
+    for j in Job.objects.filter(pk__in=wanted).select_related("model").only("id", "model__name"):
+        out[str(j.id)] = _job_label(j, ids.job_id(j.id))
     return out
 
 
@@ -125,13 +127,20 @@ def _job_summary(item: FeedItem) -> str:
 
 
 def event_feed(
-    *, viewer: Viewer, kind: str = "", node: str = "", limit: int = 20, node_id: Any = None
+    *,
+    viewer: Viewer,
+    kind: str = "",
+    node: str = "",
+    limit: int = 20,
+    node_id: NodeId | None = None,
 ) -> dict[str, Any]:
     """The newest ``limit`` feed lines for this viewer, filtered by kind group and node name."""
     kind = kind if kind in KINDS else ""
     nodes = list(_visible_nodes(viewer).order_by("name").only("id", "name"))
     if node and node_id is None:
-        node_id = next((n.id for n in nodes if n.name == node or str(n.id) == node), None)
+        node_id = next(
+            (ids.node_id(n.id) for n in nodes if n.name == node or str(n.id) == node), None
+        )
         if node_id is None:
             return {
                 "items": [],
@@ -143,7 +152,7 @@ def event_feed(
             }
     if node_id is not None:
         # A node's events, and the job events of the jobs it served (a job's events name no node).
-        served_by_node = Job.objects.filter(nodes=node_id).values("id")
+        served_by_node = Job.objects.filter(nodes=ids.as_uuid(node_id)).values("id")
         events = list(
             Event.objects.filter(Q(node_id=node_id) | Q(job_id__in=served_by_node)).order_by(
                 "-created_at", "-id"
@@ -199,7 +208,7 @@ def event_feed(
                 last.count += 1
             last.first_at = e.created_at
             if e.job_id and all(jid != str(e.job_id) for jid, _ in last.jobs):
-                last.jobs.append((str(e.job_id), _job_label(job, e.job_id)))
+                last.jobs.append((str(e.job_id), _job_label(job, ids.job_id(e.job_id))))
                 if job is not None:
                     last.outcomes[job.state] = last.outcomes.get(job.state, 0) + 1
                     last.tokens += job.completion_tokens
@@ -242,7 +251,7 @@ def event_feed(
             if dep is not None:
                 item.models.append(dep.model.name)
         if e.job_id:
-            item.jobs.append((str(e.job_id), _job_label(jobs.get(e.job_id), e.job_id)))
+            item.jobs.append((str(e.job_id), _job_label(jobs.get(e.job_id), ids.job_id(e.job_id))))
         item.text = readable(e.message, names) or (
             f"{e.old_state} → {e.new_state}" if e.old_state or e.new_state else ""
         )

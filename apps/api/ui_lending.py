@@ -24,6 +24,8 @@ from apps.credits import selectors as credit_selectors
 from apps.nodes.commands import command_send
 from apps.nodes.lending import node_lending_owner_set
 from apps.nodes.models import Node
+from racon import ids
+from racon.ids import NodeId
 
 FIELDS = (
     "timezone",
@@ -109,7 +111,7 @@ def _lending_context(node: Node, **extra: Any) -> dict[str, Any]:
 
 @login_required
 @require_http_methods(["GET", "POST"])
-def node_lending(request: HttpRequest, node_id: str) -> HttpResponse:
+def node_lending(request: HttpRequest, node_id: NodeId) -> HttpResponse:
     """GET: the node's lending policy and its form. POST: set it (owner or staff)."""
     node = ui_render.node_for(ui_render.viewer_for(request.user), node_id)  # 404 for others
     if request.method == "GET":
@@ -119,11 +121,11 @@ def node_lending(request: HttpRequest, node_id: str) -> HttpResponse:
     form = {k: str(request.POST.get(k, "")) for k in FIELDS}
 
     def push(wire: dict[str, Any]) -> None:
-        command_send(node_id=node.id, kind="set_lending", payload={"lending": wire})
+        command_send(node_id=ids.node_id(node.id), kind="set_lending", payload={"lending": wire})
 
     try:
         node_lending_owner_set(
-            node_id=node.id,
+            node_id=ids.node_id(node.id),
             policy=lending_document(form),
             now=timezone.now(),
             by=request.user.get_username(),
@@ -184,12 +186,12 @@ def earnings_page_context(
         )
         if found is None:
             raise Http404("no such account")
-        account_id, accounts = found, [found]
+        account_id, accounts = ids.account_id(found), [found]
     nodes = list(Node.objects.filter(account_id__in=accounts).order_by("name"))
     node_id = None
     if node:
         wanted = _uuid(node, "node")
-        node_id = next((n.id for n in nodes if str(n.id) == wanted), None)
+        node_id = next((ids.node_id(n.id) for n in nodes if str(n.id) == wanted), None)
         if node_id is None:
             raise Http404("no such node of this account")
     rows = sorted(

@@ -41,6 +41,8 @@ from apps.nodes.lending import lending_view
 from apps.nodes.links import link_matrix
 from apps.nodes.models import EnrollmentToken, Node
 from apps.nodes.states import POOL, NodeState
+from racon import ids
+from racon.ids import AccountId, DeploymentId, JobId, NodeId
 
 from .ui_failures import failure_explained
 
@@ -64,7 +66,7 @@ class Viewer:
 
     user: Any
     is_staff: bool
-    account_id: Any
+    account_id: AccountId
 
     @property
     def scope(self) -> Any:
@@ -74,7 +76,9 @@ class Viewer:
 
 def viewer_for(user: Any) -> Viewer:
     return Viewer(
-        user=user, is_staff=bool(user.is_staff), account_id=account_for_user(user=user).id
+        user=user,
+        is_staff=bool(user.is_staff),
+        account_id=ids.account_id(account_for_user(user=user).id),
     )
 
 
@@ -86,7 +90,7 @@ def _visible_nodes(viewer: Viewer) -> QuerySet[Node]:
     return qs if viewer.is_staff else qs.filter(account_id=viewer.account_id)
 
 
-def node_for(viewer: Viewer, node_id: Any) -> Node:
+def node_for(viewer: Viewer, node_id: str) -> Node:
     """The node if this viewer may see it; 404 otherwise (a contributor learns nothing of others')."""
     node = _visible_nodes(viewer).filter(pk=node_id).first()
     if node is None:
@@ -98,7 +102,7 @@ def _node_rows(nodes: list[Node], *, now: datetime) -> list[dict[str, Any]]:
     ages = node_selectors.heartbeat_ages([str(n.id) for n in nodes], now=now)
     rows = []
     for n in nodes:
-        tele = node_selectors.node_telemetry(node_id=str(n.id))
+        tele = node_selectors.node_telemetry(node_id=ids.node_id(n.id))
         rows.append({"node": n, "age": ages.get(str(n.id)), "telemetry": tele})
     return rows
 
@@ -127,7 +131,7 @@ def node_list_page(*, user: Any, state: str | None = None, now: datetime) -> dic
     }
 
 
-def node_detail_page(*, user: Any, node_id: Any, now: datetime) -> dict[str, Any]:
+def node_detail_page(*, user: Any, node_id: NodeId, now: datetime) -> dict[str, Any]:
     viewer = viewer_for(user)
     node = node_for(viewer, node_id)
     row = _node_rows([node], now=now)[0]
@@ -144,7 +148,10 @@ def node_detail_page(*, user: Any, node_id: Any, now: datetime) -> dict[str, Any
         "earned_30d": sum(
             int(r["credits"])
             for r in credit_selectors.node_earnings(
-                account_id=node.account_id, days=30, node_id=node.id, now=now
+                account_id=ids.account_id(node.account_id),
+                days=30,
+                node_id=ids.node_id(node.id),
+                now=now,
             )
         ),
         "deployments": deployments,
@@ -171,7 +178,7 @@ def _live_capacity(viewer: Viewer, cap: dict[str, Any]) -> dict[str, Any]:
     cores_busy = 0.0
     ram_free = 0
     for n in usable.only("id", "cpu_logical_cores", "ram_available"):
-        tele = node_selectors.node_telemetry(node_id=str(n.id))
+        tele = node_selectors.node_telemetry(node_id=ids.node_id(n.id))
         cores_busy += float(tele.get("cpu_percent") or 0.0) / 100.0 * (n.cpu_logical_cores or 0)
         ram_free += int(tele.get("mem_available") or n.ram_available or 0)
     cores = cap["cores"]
@@ -360,7 +367,7 @@ def deployment_list_page(*, user: Any) -> dict[str, Any]:
     }
 
 
-def deployment_detail(*, deployment_id: Any) -> Deployment:
+def deployment_detail(*, deployment_id: DeploymentId) -> Deployment:
     dep = job_selectors.deployment_list().filter(pk=deployment_id).first()
     if dep is None:
         raise Http404("no such deployment")
@@ -431,7 +438,9 @@ def job_list_page(*, user: Any, state: str = "", model: str = "", node: str = ""
     node_id = None
     if node:
         found = _visible_nodes(viewer).filter(Q(name=node)).values_list("id", flat=True).first()
-        node_id = found if found is not None else "00000000-0000-0000-0000-000000000000"
+        node_id = ids.node_id(
+            found if found is not None else "00000000-0000-0000-0000-000000000000"
+        )
     qs = job_selectors.job_list(state=state or None, model=model or None, node_id=node_id)
     if not viewer.is_staff:
         qs = qs.filter(_served_by(viewer))
@@ -452,7 +461,7 @@ def _served_by(viewer: Viewer) -> Q:
     )
 
 
-def job_for(viewer: Viewer, job_id: Any, *, served: bool = False) -> Job:
+def job_for(viewer: Viewer, job_id: JobId, *, served: bool = False) -> Job:
     """The job if it is this viewer's (staff: any); ``served`` also admits the jobs the viewer's
     machines served. 404 otherwise."""
     qs = Job.objects.select_related("model", "deployment")
@@ -464,7 +473,7 @@ def job_for(viewer: Viewer, job_id: Any, *, served: bool = False) -> Job:
     return job
 
 
-def job_detail_page(*, user: Any, job_id: Any) -> dict[str, Any]:
+def job_detail_page(*, user: Any, job_id: JobId) -> dict[str, Any]:
     viewer = viewer_for(user)
     job = job_for(viewer, job_id, served=True)
     # The prompt and the answer are the requester's (and the operator's): a contributor whose
@@ -523,7 +532,7 @@ def job_detail_page(*, user: Any, job_id: Any) -> dict[str, Any]:
         ],
         "placement": placement,
         "node_names": [n.name for n in job.nodes.all()],
-        "events": node_selectors.event_list(job_id=job.id, limit=100),
+        "events": node_selectors.event_list(job_id=ids.job_id(job.id), limit=100),
         "live": job.state in JOB_OPEN,
         "messages_json": json.dumps((job.params or {}).get("messages") or [], indent=2)[:4000]
         if own
@@ -547,7 +556,7 @@ def credits_page(*, user: Any, account: str | None, now: datetime) -> dict[str, 
         )
         if found is None:
             raise Http404("no such account")
-        account_id = found
+        account_id = ids.account_id(found)
     summary = credit_selectors.account_summary(account_id=account_id, now=now)
     # Staff looking at their own account see every receipt; otherwise the account's own.
     receipts_scope = None if (viewer.is_staff and not account) else account_id
@@ -574,7 +583,7 @@ def credits_page(*, user: Any, account: str | None, now: datetime) -> dict[str, 
     }
 
 
-def receipt_for(*, user: Any, receipt_id: Any) -> Receipt:
+def receipt_for(*, user: Any, receipt_id: uuid.UUID | str) -> Receipt:
     viewer = viewer_for(user)
     receipt = credit_selectors.receipt_list(account_id=viewer.scope).filter(pk=receipt_id).first()
     if receipt is None:
@@ -700,7 +709,7 @@ def machines_panel(*, viewer: Viewer, now: datetime) -> dict[str, Any]:
 # --- live rows (the dashboard consumer) --------------------------------------------------------
 
 
-def render_node_row(*, user: Any, node_id: str) -> str:
+def render_node_row(*, user: Any, node_id: NodeId) -> str:
     """The node's row, badge and actions plus the per-state counts, each marked hx-swap-oob.
 
     Pages hold whichever of these they show; racon.js drops the rest and appends a row that is not
@@ -720,7 +729,7 @@ def render_node_row(*, user: Any, node_id: str) -> str:
     ) + render_to_string("ui/dashboard.html#node-states", ctx)
 
 
-def render_deployment_row(*, user: Any, deployment_id: str) -> str:
+def render_deployment_row(*, user: Any, deployment_id: DeploymentId) -> str:
     """The deployment's row (hx-swap-oob), or "" when this user may not see it."""
     if not user or not user.is_authenticated:
         return ""

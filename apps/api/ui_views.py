@@ -50,6 +50,8 @@ from apps.nodes.enrollment import EnrollmentError, enrollment_token_issue, enrol
 from apps.nodes.join import join_command_line, join_python_line
 from apps.nodes.models import EnrollmentToken, Node
 from apps.nodes.selectors import agent_command_line
+from racon import ids
+from racon.ids import DeploymentId, JobId, NodeId
 
 log = logging.getLogger("racon.ui")
 
@@ -177,12 +179,12 @@ def node_links(request: HttpRequest) -> HttpResponse:
 
 @login_required
 @require_GET
-def node_detail(request: HttpRequest, node_id: str) -> HttpResponse:
+def node_detail(request: HttpRequest, node_id: NodeId) -> HttpResponse:
     now = timezone.now()
     viewer = ui_render.viewer_for(request.user)
     ctx = ui_render.node_detail_page(user=request.user, node_id=node_id, now=now)
     node = ctx["node"]
-    feed = ui_events.event_feed(viewer=viewer, node_id=node.id, limit=30)
+    feed = ui_events.event_feed(viewer=viewer, node_id=ids.node_id(node.id), limit=30)
     feed["fixed_node"] = node.name
     return render_ui(
         request,
@@ -191,7 +193,9 @@ def node_detail(request: HttpRequest, node_id: str) -> HttpResponse:
     )
 
 
-def _node_action(request: HttpRequest, node_id: str, action: Callable[..., Node]) -> HttpResponse:
+def _node_action(
+    request: HttpRequest, node_id: NodeId, action: Callable[..., Node]
+) -> HttpResponse:
     ui_render.node_for(ui_render.viewer_for(request.user), node_id)  # 404 before anything moves
     node = action(node_id=node_id, now=timezone.now())
     if getattr(request, "htmx", False):
@@ -207,13 +211,13 @@ def _node_action(request: HttpRequest, node_id: str, action: Callable[..., Node]
 
 @staff_required
 @require_POST
-def node_drain(request: HttpRequest, node_id: str) -> HttpResponse:
+def node_drain(request: HttpRequest, node_id: NodeId) -> HttpResponse:
     return _node_action(request, node_id, node_services.node_drain)
 
 
 @staff_required
 @require_POST
-def node_undrain(request: HttpRequest, node_id: str) -> HttpResponse:
+def node_undrain(request: HttpRequest, node_id: NodeId) -> HttpResponse:
     return _node_action(request, node_id, node_services.node_undrain)
 
 
@@ -250,7 +254,7 @@ def token_create(request: HttpRequest) -> HttpResponse:
         )
     try:
         token, plaintext = enrollment_token_issue(
-            account_id=account_for_user(user=request.user).id,
+            account_id=ids.account_id(account_for_user(user=request.user).id),
             label=label,
             ttl_hours=ttl,
             max_uses=max_uses,
@@ -437,7 +441,7 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
 
 @staff_required
 @require_POST
-def deployment_stop(request: HttpRequest, deployment_id: str) -> HttpResponse:
+def deployment_stop(request: HttpRequest, deployment_id: DeploymentId) -> HttpResponse:
     ui_render.deployment_detail(deployment_id=deployment_id)
     dep = deployment_services.deployment_stop(
         deployment_id=deployment_id, now=timezone.now(), reason="stopped from the web UI"
@@ -469,7 +473,7 @@ def job_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 @require_GET
-def job_detail(request: HttpRequest, job_id: str) -> HttpResponse:
+def job_detail(request: HttpRequest, job_id: JobId) -> HttpResponse:
     # htmx asks for just the nodes and layers that served it (the playground, after an answer).
     return render_ui(
         request,
@@ -481,7 +485,7 @@ def job_detail(request: HttpRequest, job_id: str) -> HttpResponse:
 
 @login_required
 @require_POST
-def job_cancel(request: HttpRequest, job_id: str) -> HttpResponse:
+def job_cancel(request: HttpRequest, job_id: JobId) -> HttpResponse:
     # A contributor may cancel their own job (they pay for it); staff may cancel any.
     ui_render.job_for(ui_render.viewer_for(request.user), job_id)
     job_services.job_cancel(job_id=job_id, now=timezone.now(), reason="cancelled from the web UI")
@@ -540,7 +544,7 @@ def playground(request: HttpRequest) -> HttpResponse:
 def _ephemeral_key(user: Any) -> tuple[Any, str]:
     return api_key_create(
         name="playground (web session)",
-        account_id=account_for_user(user=user).id,
+        account_id=ids.account_id(account_for_user(user=user).id),
         scopes=[ApiKey.SCOPE_INFERENCE],
         user_id=user.pk,
     )

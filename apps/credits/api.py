@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from django.shortcuts import get_object_or_404
@@ -27,6 +26,7 @@ from apps.accounts.models import Account, ApiKey
 from apps.accounts.permissions import IsAuthenticatedAccount, IsStaff, KeyScope
 from apps.accounts.principal import request_account_id
 from apps.nodes.api import AgentErrorSerializer
+from racon import ids
 from racon.filters import filters_checked
 
 from . import ledger, receipts, selectors
@@ -351,7 +351,7 @@ class _AdminMoveApi(APIView):
         action = ledger.credit_adjust if self.allow_negative else ledger.credit_grant
         try:
             entry = action(
-                account_id=account.pk,
+                account_id=ids.account_id(account.pk),
                 amount=v["amount"],
                 reason=v["reason"],
                 now=timezone.now(),
@@ -420,12 +420,13 @@ class EarningsApi(APIView):
         if not 1 <= days <= 366:
             raise exceptions.ValidationError({"days": ["must be between 1 and 366"]})
         node = request.query_params.get("node")
+        node_id = None
         if node is not None:
             try:
-                node = str(uuid.UUID(node))
+                node_id = ids.node_id(node)
             except ValueError:
                 raise exceptions.ValidationError({"node": ["must be a node id"]}) from None
         rows = selectors.node_earnings(
-            account_id=_target_account(request, self, None), days=days, node_id=node
+            account_id=_target_account(request, self, None), days=days, node_id=node_id
         )
         return Response(self.EarningsOut(rows, many=True).data)

@@ -26,6 +26,8 @@ from django.db.models import BigIntegerField, Case, Exists, F, OuterRef, Sum, Va
 from django.utils import timezone
 
 from apps.accounts.models import Account, AccountKind
+from racon import ids
+from racon.ids import AccountId, JobId, NodeId, as_uuid
 
 from .models import Entry, EntryKind, Posting
 from .rules import MAX_AMOUNT, amount_check
@@ -37,7 +39,7 @@ PostingLine = tuple[Any, int] | tuple[Any, int, Any]
 class InsufficientCredits(Exception):
     """The account lacks the credits above its floor (the /v1 API answers 429 insufficient_quota)."""
 
-    def __init__(self, *, account_id: Any, needed: int, available: int) -> None:
+    def __init__(self, *, account_id: AccountId, needed: int, available: int) -> None:
         super().__init__(
             f"account {account_id} has {max(available, 0)} micro-credits available, {needed} needed"
         )
@@ -79,7 +81,11 @@ def account_for_user(*, user: Any) -> Account:
 
 
 def account_create(
-    *, name: str, user_id: Any = None, kind: str = AccountKind.USER, now: datetime | None = None
+    *,
+    name: str,
+    user_id: int | None = None,
+    kind: str = AccountKind.USER,
+    now: datetime | None = None,
 ) -> Account:
     """Create a user or organisation account with its starting grant, in one transaction."""
     grant = settings.CREDITS_STARTING_GRANT
@@ -150,8 +156,8 @@ def ledger_post(
     postings: Sequence[PostingLine],
     memo: str,
     now: datetime,
-    job_id: Any = None,
-    node_id: Any = None,
+    job_id: JobId | None = None,
+    node_id: NodeId | None = None,
     data: dict[str, Any] | None = None,
 ) -> Entry:
     """Write one balanced entry exactly once per key, or raise and write nothing.
@@ -180,8 +186,8 @@ def ledger_write(
     postings: Sequence[PostingLine],
     memo: str,
     now: datetime,
-    job_id: Any = None,
-    node_id: Any = None,
+    job_id: JobId | None = None,
+    node_id: NodeId | None = None,
     data: dict[str, Any] | None = None,
     locked: dict[str, Account] | None = None,
     savepoint: bool = True,
@@ -256,8 +262,8 @@ def _entry_write(
     net: dict[str, int],
     memo: str,
     now: datetime,
-    job_id: Any,
-    node_id: Any,
+    job_id: JobId | None,
+    node_id: NodeId | None,
     data: dict[str, Any] | None,
     locked: dict[str, Account] | None,
 ) -> Entry:
@@ -272,8 +278,9 @@ def _entry_write(
         idempotency_key=key,
         kind=kind,
         memo=memo[:500],
-        job_id=job_id,
-        node_id=node_id,
+        # the row's foreign keys as UUIDs, as a row read back would hold them
+        job_id=as_uuid(job_id) if job_id is not None else None,
+        node_id=as_uuid(node_id) if node_id is not None else None,
         data=data or {},
         created_at=now,
     )
@@ -284,7 +291,9 @@ def _entry_write(
             raise ValueError(f"account {acct.name} would overflow (limit ±2^62 micro-credits)")
         if delta < 0 and acct.floor is not None and after < acct.floor:
             raise InsufficientCredits(
-                account_id=acct.pk, needed=-delta, available=acct.balance - acct.floor
+                account_id=ids.account_id(acct.pk),
+                needed=-delta,
+                available=acct.balance - acct.floor,
             )
     Posting.objects.bulk_create(
         [
@@ -322,7 +331,7 @@ def _reason_check(reason: str) -> str:
 
 
 def credit_grant(
-    *, account_id: Any, amount: int, reason: str, now: datetime, key: str | None = None
+    *, account_id: AccountId, amount: int, reason: str, now: datetime, key: str | None = None
 ) -> Entry:
     """Mint ``amount`` (> 0) into the account, as one entry carrying the reason."""
     amount_check(amount, what="grant")
@@ -337,7 +346,7 @@ def credit_grant(
 
 
 def credit_adjust(
-    *, account_id: Any, amount: int, reason: str, now: datetime, key: str | None = None
+    *, account_id: AccountId, amount: int, reason: str, now: datetime, key: str | None = None
 ) -> Entry:
     """Add (or, when negative, take back to the mint down to the floor) ``amount``, with the reason."""
     amount_check(amount, what="adjustment", allow_negative=True)
@@ -352,7 +361,7 @@ def credit_adjust(
 
 
 def _mint_move(
-    *, account_id: Any, amount: int, reason: str, now: datetime, kind: str, key: str | None
+    *, account_id: AccountId, amount: int, reason: str, now: datetime, kind: str, key: str | None
 ) -> Entry:
     mint = account_system(name=MINT)
     if account_key(account_id) == account_key(mint.pk):

@@ -16,6 +16,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.conf import settings
 
+from racon.ids import NodeId
+
 from . import signing
 from .models import Entry, Receipt
 from .rules import share_ppm
@@ -25,7 +27,7 @@ log = logging.getLogger("racon.credits")
 
 @dataclass
 class Payout:
-    node_id: str
+    node_id: NodeId
     owner_id: str
     amount: int
     escrowed: bool

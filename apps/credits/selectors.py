@@ -14,6 +14,8 @@ from django.utils import timezone
 from apps.accounts.models import Account, AccountKind, ApiKey
 from apps.jobs.admission import priority_bonus
 from apps.jobs.models import Job
+from racon import ids
+from racon.ids import AccountId, JobId, NodeId
 
 from .models import EARNING_KINDS, Entry, EntryKind, Posting, Receipt
 from .rules import MAX_AMOUNT, job_priority_order
@@ -46,15 +48,15 @@ SYSTEM_FLOORS: dict[str, int | None] = {MINT: None, FEES: None, ESCROW: 0, HOLDS
 SYSTEM_STANDING = MAX_AMOUNT
 
 
-def account_key(account_id: Any) -> str:
+def account_key(account_id: uuid.UUID | str) -> str:
     """The canonical text form of an account id (dict keys, lock order)."""
     return str(account_id if isinstance(account_id, uuid.UUID) else uuid.UUID(str(account_id)))
 
 
-def earnings_total(*, account_id: Any) -> int:
+def earnings_total(*, account_id: AccountId) -> int:
     """Lifetime earnings from contributing (settlements and standby), escrowed ones included."""
     total = Posting.objects.filter(
-        beneficiary_id=account_id, entry__kind__in=EARNING_KINDS
+        beneficiary_id=ids.as_uuid(account_id), entry__kind__in=EARNING_KINDS
     ).aggregate(s=Sum("amount"))["s"]
     return int(total or 0)
 
@@ -74,15 +76,15 @@ def earnings_since(*, account_ids: list[Any], since: datetime) -> dict[str, int]
     return {account_key(r["beneficiary_id"]): int(r["s"] or 0) for r in rows}
 
 
-def escrow_held(*, account_id: Any) -> int:
+def escrow_held(*, account_id: AccountId) -> int:
     """What system:escrow holds on behalf of ``account_id``."""
-    total = Posting.objects.filter(account__name=ESCROW, beneficiary_id=account_id).aggregate(
-        s=Sum("amount")
-    )["s"]
+    total = Posting.objects.filter(
+        account__name=ESCROW, beneficiary_id=ids.as_uuid(account_id)
+    ).aggregate(s=Sum("amount"))["s"]
     return int(total or 0)
 
 
-def job_hold(*, job_id: Any) -> tuple[int, str | None]:
+def job_hold(*, job_id: JobId) -> tuple[int, str | None]:
     """(amount held for the job, the account it was taken from), or (0, None) without a reservation."""
     held = 0
     consumer: str | None = None
@@ -96,7 +98,7 @@ def job_hold(*, job_id: Any) -> tuple[int, str | None]:
     return held, consumer
 
 
-def open_holds(*, account_id: Any) -> int:
+def open_holds(*, account_id: AccountId) -> int:
     """Credits of the account held for jobs not settled yet."""
     settled = Entry.objects.filter(kind=EntryKind.SETTLE, job_id=OuterRef("entry__job_id"))
     total = (
@@ -136,7 +138,7 @@ def account_standing(*, account_ids: list[Any], now: datetime | None = None) -> 
     return out
 
 
-def account_summary(*, account_id: Any, now: datetime) -> dict[str, Any]:
+def account_summary(*, account_id: AccountId, now: datetime) -> dict[str, Any]:
     """Balance, what is free to spend, held, earned and escrowed for one account."""
     acct = Account.objects.get(pk=account_id)
     available = None if acct.floor is None else acct.balance - acct.floor
@@ -146,12 +148,12 @@ def account_summary(*, account_id: Any, now: datetime) -> dict[str, Any]:
         "balance": acct.balance,
         "floor": acct.floor,
         "available": available,
-        "held": open_holds(account_id=acct.pk),
-        "earned_total": earnings_total(account_id=acct.pk),
+        "held": open_holds(account_id=ids.account_id(acct.pk)),
+        "earned_total": earnings_total(account_id=ids.account_id(acct.pk)),
         "earned_recent": earnings_since(
             account_ids=[acct.pk], since=now - timedelta(seconds=window)
         ).get(account_key(acct.pk), 0),
-        "escrow_held": escrow_held(account_id=acct.pk),
+        "escrow_held": escrow_held(account_id=ids.account_id(acct.pk)),
         "standing": (standing := account_standing(account_ids=[acct.pk], now=now)[acct.pk]),
         # Seconds a waiting request of this account is moved ahead (README, "Priority").
         "priority_seconds": round(priority_bonus(standing), 1),
@@ -160,7 +162,7 @@ def account_summary(*, account_id: Any, now: datetime) -> dict[str, Any]:
 
 def ledger_postings(
     *,
-    account_id: Any,
+    account_id: AccountId,
     kind: str | None = None,
     since: datetime | None = None,
     until: datetime | None = None,
@@ -177,7 +179,10 @@ def ledger_postings(
 
 
 def receipt_list(
-    *, account_id: Any = None, job_id: Any = None, node_id: Any = None
+    *,
+    account_id: AccountId | None = None,
+    job_id: JobId | None = None,
+    node_id: NodeId | None = None,
 ) -> QuerySet[Receipt]:
     """Receipts, newest first: all of them, or those of nodes the account owns (or was paid for)."""
     qs = Receipt.objects.all()
@@ -190,7 +195,7 @@ def receipt_list(
     return qs.order_by("-issued_at", "id")
 
 
-def key_usage(*, account_id: Any) -> list[dict[str, Any]]:
+def key_usage(*, account_id: AccountId) -> list[dict[str, Any]]:
     """Per API key of the account: jobs, tokens, and the credits its jobs cost that account.
 
     ``credits`` is the net of the account's postings on those jobs' entries: the settled charge,
@@ -238,7 +243,11 @@ def key_usage(*, account_id: Any) -> list[dict[str, Any]]:
 
 
 def node_earnings(
-    *, account_id: Any, days: int = 30, node_id: Any = None, now: datetime | None = None
+    *,
+    account_id: AccountId,
+    days: int = 30,
+    node_id: NodeId | None = None,
+    now: datetime | None = None,
 ) -> list[dict[str, Any]]:
     """Per node of the account and per day (UTC), newest first: credits earned, jobs served and
     receipts issued. A job's settlement is one ledger entry for all its nodes (no node on it), so
@@ -247,7 +256,7 @@ def node_earnings(
     now = now or timezone.now()
     since = now - timedelta(days=days)
     standby = Posting.objects.filter(
-        beneficiary_id=account_id,
+        beneficiary_id=ids.as_uuid(account_id),
         entry__kind=EntryKind.STANDBY,
         entry__created_at__gte=since,
         entry__node__isnull=False,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -23,6 +22,8 @@ from apps.jobs.states import JOB_TERMINAL
 from apps.nodes.gpu_challenges import gpu_unverified_vram
 from apps.nodes.models import Node
 from apps.nodes.states import NodeState
+from racon import ids
+from racon.ids import AccountId, JobId, NodeId
 
 from .ledger import (
     PostingLine,
@@ -58,8 +59,8 @@ class JobNotTerminal(ValueError):
 
 def credit_reserve(
     *,
-    account_id: Any,
-    job_id: Any,
+    account_id: AccountId,
+    job_id: JobId,
     max_tokens: int,
     model_price_permille: int,
     now: datetime,
@@ -148,12 +149,14 @@ def _to_escrow(*, rules: _EarningRules, owner: Account) -> bool:
         return False
     key = account_key(owner.pk)
     if key not in rules.earned:
-        rules.earned[key] = earnings_total(account_id=owner.pk)  # read under the owner's lock
+        rules.earned[key] = earnings_total(
+            account_id=ids.account_id(owner.pk)
+        )  # read under the owner's lock
     return rules.earned[key] < rules.threshold
 
 
 def _escrow_release_if_due(
-    *, owner_id: str, escrow_id: Any, trigger: str, now: datetime
+    *, owner_id: AccountId, escrow_id: AccountId, trigger: str, now: datetime
 ) -> Entry | None:
     """Pay out what escrow holds for the owner once it is trusted (or escrow was switched off)."""
     held = escrow_held(account_id=owner_id)
@@ -173,7 +176,7 @@ def _escrow_release_if_due(
     )
 
 
-def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
+def credit_settle_job(*, job_id: JobId, now: datetime) -> Entry:
     """Settle a terminal job exactly once: charge what was delivered, release the rest, pay the nodes.
 
     Charges prompt + completion tokens at the model's price, never more than the hold (what the
@@ -213,7 +216,7 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
 
     try:
         with transaction.atomic():
-            held, consumer_id = job_hold(job_id=job.pk)
+            held, consumer_id = job_hold(job_id=ids.job_id(job.pk))
             if consumer_id is None and job.account_id is not None:
                 consumer_id = account_key(job.account_id)
             lock = set(owners.values())
@@ -249,7 +252,7 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
                 escrowed = amount > 0 and _to_escrow(rules=rules, owner=owner)
                 payouts.append(
                     Payout(
-                        node_id=w.node_id,
+                        node_id=NodeId(w.node_id),
                         owner_id=owners[w.node_id],
                         amount=amount,
                         escrowed=escrowed,
@@ -267,7 +270,7 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
                 postings=postings,
                 memo=f"job {job.pk} {job.state}: {tokens} tokens of {job.model.name}",
                 now=now,
-                job_id=job.pk,
+                job_id=ids.job_id(job.pk),
                 data={
                     "state": job.state,
                     "prompt_tokens": job.prompt_tokens,
@@ -301,7 +304,10 @@ def credit_settle_job(*, job_id: Any, now: datetime) -> Entry:
             if escrow_before > 0 or any(p.escrowed and p.amount > 0 for p in payouts):
                 for owner_id in sorted({p.owner_id for p in payouts if p.amount > 0}):
                     _escrow_release_if_due(
-                        owner_id=owner_id, escrow_id=escrow.pk, trigger=key, now=now
+                        owner_id=ids.account_id(owner_id),
+                        escrow_id=ids.account_id(escrow.pk),
+                        trigger=key,
+                        now=now,
                     )
     except IntegrityError:
         # Settled before, or by a concurrent settlement we waited for: the settlement's key (the
@@ -348,7 +354,7 @@ def credit_settle_pending(
     entries: list[Entry] = []
     for job_id in job_ids:
         try:
-            entries.append(credit_settle_job(job_id=job_id, now=now))
+            entries.append(credit_settle_job(job_id=ids.job_id(job_id), now=now))
         except Exception:
             # One bad job must not keep the others' holds open; it is tried again next sweep.
             log.exception("settle sweep: job %s could not be settled", job_id)
@@ -536,7 +542,7 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
                     ],
                     memo=f"standby: {memory / 1024**3:.1f} GiB for {elapsed_ms / 1000:.0f} s",
                     now=now,
-                    node_id=node.pk,
+                    node_id=ids.node_id(node.pk),
                     data={
                         "memory_bytes": memory,
                         "claimed_bytes": claimed,
@@ -550,7 +556,10 @@ def credit_standby_reward(*, now: datetime) -> list[Entry]:
                     },
                 )
                 _escrow_release_if_due(
-                    owner_id=account_key(owner.pk), escrow_id=escrow.pk, trigger=key, now=now
+                    owner_id=ids.account_id(owner.pk),
+                    escrow_id=ids.account_id(escrow.pk),
+                    trigger=key,
+                    now=now,
                 )
         except (ValueError, IntegrityError):
             log.exception("standby reward for node %s failed", node.pk)

@@ -9,6 +9,8 @@ from celery import shared_task
 from django.db import OperationalError
 from django.utils import timezone
 
+from racon.ids import JobId
+
 from .settlement import (
     JobNotTerminal,
     credit_settle_job,
@@ -29,7 +31,7 @@ log = logging.getLogger("racon.credits")
     retry_backoff=True,
     max_retries=5,
 )
-def settle_job(*, job_id: str, **kwargs: Any) -> int | None:
+def settle_job(*, job_id: JobId, **kwargs: Any) -> int | None:
     """Settle one terminal job: exactly one ledger entry however often this runs."""
     try:
         return credit_settle_job(job_id=job_id, now=timezone.now()).pk

@@ -37,6 +37,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from racon.ids import DeploymentId, JobId, ModelId
 from racon.redis import get_async_redis, get_redis
 
 from .models import Deployment, Job
@@ -52,19 +53,19 @@ WAIT_HALF_LIFE_SECONDS = 60.0
 MODEL_WAIT_TTL_SECONDS = 7 * 86400
 
 
-def slots_key(deployment_id: Any) -> str:
+def slots_key(deployment_id: DeploymentId) -> str:
     return f"racon:dep:{deployment_id}:slots"
 
 
-def waiting_key(deployment_id: Any) -> str:
+def waiting_key(deployment_id: DeploymentId) -> str:
     return f"racon:dep:{deployment_id}:waiting"
 
 
-def waitlease_key(deployment_id: Any) -> str:
+def waitlease_key(deployment_id: DeploymentId) -> str:
     return f"racon:dep:{deployment_id}:waitlease"
 
 
-def model_wait_key(model_id: Any) -> str:
+def model_wait_key(model_id: ModelId) -> str:
     return f"racon:model:{model_id}:wait"
 
 
@@ -209,7 +210,7 @@ def _now(now: float | datetime | None) -> float:
 
 
 def slot_try(
-    *, deployment_id: Any, job_id: Any, cap: int, now: float | datetime | None = None
+    *, deployment_id: DeploymentId, job_id: JobId, cap: int, now: float | datetime | None = None
 ) -> bool:
     """Take a slot when one is free and nobody waiting ahead would be passed over (atomic)."""
     t = _now(now)
@@ -224,7 +225,7 @@ def slot_try(
     return int(_script(_TAKE_LUA)(keys=keys, args=args)) == 1
 
 
-async def _aslot_take(*, deployment_id: Any, job_id: Any, cap: int) -> int:
+async def _aslot_take(*, deployment_id: DeploymentId, job_id: JobId, cap: int) -> int:
     """The take script on the asyncio client: 1 took a slot, 0 still queued, -1 not queued."""
     t = time.time()
     keys = [slots_key(deployment_id), waiting_key(deployment_id), waitlease_key(deployment_id)]
@@ -238,7 +239,9 @@ async def _aslot_take(*, deployment_id: Any, job_id: Any, cap: int) -> int:
     return int(await _script(_TAKE_LUA, asynchronous=True)(keys=keys, args=args))
 
 
-def slot_renew(*, deployment_id: Any, job_id: Any, now: float | datetime | None = None) -> bool:
+def slot_renew(
+    *, deployment_id: DeploymentId, job_id: JobId, now: float | datetime | None = None
+) -> bool:
     """Extend a held slot's lease; False when the job holds none (released or reclaimed)."""
     t = _now(now)
     return bool(
@@ -248,7 +251,9 @@ def slot_renew(*, deployment_id: Any, job_id: Any, now: float | datetime | None 
     )
 
 
-async def aslot_renew(*, deployment_id: Any, job_id: Any, now: float | None = None) -> bool:
+async def aslot_renew(
+    *, deployment_id: DeploymentId, job_id: JobId, now: float | None = None
+) -> bool:
     t = _now(now)
     return bool(
         await get_async_redis().zadd(
@@ -257,7 +262,7 @@ async def aslot_renew(*, deployment_id: Any, job_id: Any, now: float | None = No
     )
 
 
-def slot_release(*, deployment_id: Any, job_id: Any) -> None:
+def slot_release(*, deployment_id: DeploymentId, job_id: JobId) -> None:
     """Give back the job's slot and drop any queue entry it has. Idempotent."""
     job = str(job_id)
     with get_redis().pipeline(transaction=True) as pipe:
@@ -267,7 +272,7 @@ def slot_release(*, deployment_id: Any, job_id: Any) -> None:
         pipe.execute()
 
 
-async def aslot_release(*, deployment_id: Any, job_id: Any) -> None:
+async def aslot_release(*, deployment_id: DeploymentId, job_id: JobId) -> None:
     job = str(job_id)
     async with get_async_redis().pipeline(transaction=True) as pipe:
         pipe.zrem(slots_key(deployment_id), job)
@@ -301,25 +306,25 @@ def slots_in_use(
 # --- failover (docs/design/serving.md, "Failover") -------------------------------------------------
 
 
-def failover_key(job_id: Any) -> str:
+def failover_key(job_id: JobId) -> str:
     return f"racon:job:{job_id}:failover"
 
 
-def dead_key(deployment_id: Any) -> str:
+def dead_key(deployment_id: DeploymentId) -> str:
     return f"racon:dep:{deployment_id}:dead"
 
 
-def failover_begin(*, job_id: Any, seconds: float) -> None:
+def failover_begin(*, job_id: JobId, seconds: float) -> None:
     """The job's reader is moving it to another replica: sweeps and failure handlers leave it alone."""
     get_redis().set(failover_key(job_id), "1", ex=max(1, int(seconds)))
 
 
-def failover_end(*, job_id: Any) -> None:
+def failover_end(*, job_id: JobId) -> None:
     get_redis().delete(failover_key(job_id))
 
 
 def job_reader_live(
-    *, deployment_id: Any, job_id: Any, now: float | datetime | None = None
+    *, deployment_id: DeploymentId, job_id: JobId, now: float | datetime | None = None
 ) -> bool:
     """Whether a live reader owns the job's end: it holds an unexpired slot lease on the
     deployment, or it is failing the job over. Such a job is the reader's to fail over or to
@@ -335,7 +340,7 @@ def job_reader_live(
     return len(got) > 1 and got[1] is not None and float(got[1]) > t
 
 
-def deployment_mark_dead(*, deployment_id: Any, seconds: float) -> None:
+def deployment_mark_dead(*, deployment_id: DeploymentId, seconds: float) -> None:
     """Routing skips this deployment at once, in every process, whatever its cached state says
     (a process's route cache may lag the invalidation broadcast by up to API_CACHE_SECONDS)."""
     get_redis().set(dead_key(deployment_id), "1", ex=max(1, int(seconds)))
@@ -362,10 +367,10 @@ def loads_queue(
     if not ids:
         return lambda results: Loads(frozenset(), {}, {})
     t = _now(now)
-    pipe.mget([dead_key(d) for d in ids])
+    pipe.mget([dead_key(DeploymentId(d)) for d in ids])
     for key in (slots_key, waitlease_key):
         for d in ids:
-            pipe.zcount(key(d), f"({t!r}", "+inf")
+            pipe.zcount(key(DeploymentId(d)), f"({t!r}", "+inf")
 
     def read(results: Iterator[Any]) -> Loads:
         marks = next(results)
@@ -381,7 +386,13 @@ def deployments_dead(deployment_ids: Iterable[Any]) -> set[str]:
     ids = [str(d) for d in deployment_ids]
     if not ids:
         return set()
-    return {d for d, v in zip(ids, get_redis().mget([dead_key(d) for d in ids]), strict=True) if v}
+    return {
+        d
+        for d, v in zip(
+            ids, get_redis().mget([dead_key(DeploymentId(d)) for d in ids]), strict=True
+        )
+        if v
+    }
 
 
 # --- the waiting queue -----------------------------------------------------------------------------
@@ -399,14 +410,19 @@ def priority_bonus(standing: float) -> float:
 
 def _join_call(
     *,
-    deployment_id: Any,
-    job_id: Any,
+    deployment_id: DeploymentId,
+    job_id: JobId,
     priority: float,
-    model_id: Any,
+    model_id: ModelId | None,
     now: float,
     max_depth: int | None,
 ) -> tuple[list[str], list[Any]]:
-    keys = [waiting_key(deployment_id), waitlease_key(deployment_id), model_wait_key(model_id)]
+    keys = [
+        waiting_key(deployment_id),
+        waitlease_key(deployment_id),
+        # the script touches the model's hash only with a model (ARGV[7])
+        model_wait_key(model_id) if model_id is not None else waiting_key(deployment_id),
+    ]
     cap = int(settings.JOB_QUEUE_MAX if max_depth is None else max_depth)
     args = [
         str(job_id),
@@ -422,10 +438,10 @@ def _join_call(
 
 def queue_join(
     *,
-    deployment_id: Any,
-    job_id: Any,
+    deployment_id: DeploymentId,
+    job_id: JobId,
     priority: float,
-    model_id: Any = None,
+    model_id: ModelId | None = None,
     now: float | datetime | None = None,
     max_depth: int | None = None,
 ) -> bool:
@@ -443,10 +459,10 @@ def queue_join(
 
 async def aqueue_join(
     *,
-    deployment_id: Any,
-    job_id: Any,
+    deployment_id: DeploymentId,
+    job_id: JobId,
     priority: float,
-    model_id: Any = None,
+    model_id: ModelId | None = None,
     max_depth: int | None = None,
 ) -> bool:
     keys, args = _join_call(
@@ -460,7 +476,7 @@ async def aqueue_join(
     return bool(await _script(_JOIN_LUA, asynchronous=True)(keys=keys, args=args))
 
 
-def queue_leave(*, deployment_id: Any, job_id: Any) -> None:
+def queue_leave(*, deployment_id: DeploymentId, job_id: JobId) -> None:
     """Leave the queue (idempotent)."""
     with get_redis().pipeline(transaction=True) as pipe:
         pipe.zrem(waiting_key(deployment_id), str(job_id))
@@ -475,7 +491,7 @@ def queue_depth(
     return _live_leases(waitlease_key, deployment_ids, now)
 
 
-def queue_order(*, deployment_id: Any) -> list[str]:
+def queue_order(*, deployment_id: DeploymentId) -> list[str]:
     """The deployment's waiting jobs, first served first (for tests and diagnostics)."""
     return list(get_redis().zrange(waiting_key(deployment_id), 0, -1))
 
@@ -484,7 +500,7 @@ def queue_order(*, deployment_id: Any) -> list[str]:
 
 
 def queue_wait_record(
-    *, model_id: Any, seconds: float, now: float | datetime | None = None
+    *, model_id: ModelId, seconds: float, now: float | datetime | None = None
 ) -> float:
     """Fold one waiter's time in the queue into the model's EWMA; returns the new EWMA."""
     t = _now(now)
@@ -498,7 +514,7 @@ def queue_wait_record(
     return float(_script(_WAIT_RECORD_LUA)(keys=[model_wait_key(model_id)], args=args))
 
 
-async def _aqueue_wait_record(*, model_id: Any, seconds: float) -> None:
+async def _aqueue_wait_record(*, model_id: ModelId, seconds: float) -> None:
     t = time.time()
     args = [
         repr(max(0.0, float(seconds))),
@@ -510,7 +526,7 @@ async def _aqueue_wait_record(*, model_id: Any, seconds: float) -> None:
     await _script(_WAIT_RECORD_LUA, asynchronous=True)(keys=[model_wait_key(model_id)], args=args)
 
 
-def model_queue_wait(model_id: Any, *, now: float | datetime | None = None) -> float:
+def model_queue_wait(model_id: ModelId, *, now: float | datetime | None = None) -> float:
     """Seconds a request of this model recently waited for a slot (EWMA, decaying while nobody waits)."""
     ewma, updated = get_redis().hmget(model_wait_key(model_id), ["ewma", "updated"])
     if ewma is None or updated is None:
@@ -519,13 +535,13 @@ def model_queue_wait(model_id: Any, *, now: float | datetime | None = None) -> f
     return float(ewma) * 0.5 ** (age / WAIT_HALF_LIFE_SECONDS)
 
 
-def model_last_queued(model_id: Any) -> float | None:
+def model_last_queued(model_id: ModelId) -> float | None:
     """Unix time someone last joined a queue of this model, or None."""
     raw = get_redis().hget(model_wait_key(model_id), "last_queued")
     return float(raw) if raw is not None else None
 
 
-def model_queue_depth(model_id: Any, *, now: float | datetime | None = None) -> int:
+def model_queue_depth(model_id: ModelId, *, now: float | datetime | None = None) -> int:
     """Live waiters over every active deployment of the model."""
     dep_ids = Deployment.objects.filter(
         model_id=model_id, state__in=list(DEPLOYMENT_ACTIVE)
@@ -543,7 +559,7 @@ class _DeploymentRow:
     error: str
 
 
-def _deployment_row(deployment_id: Any) -> _DeploymentRow | None:
+def _deployment_row(deployment_id: DeploymentId) -> _DeploymentRow | None:
     row = Deployment.objects.filter(pk=deployment_id).values("state", "n_parallel", "error").first()
     return (
         _DeploymentRow(row["state"], int(row["n_parallel"] or 1), row["error"] or "")
@@ -570,10 +586,10 @@ async def _shielded(coro: Any) -> None:
 
 async def wait_for_slot(
     *,
-    deployment_id: Any,
-    job_id: Any,
+    deployment_id: DeploymentId,
+    job_id: JobId,
     priority: float | Callable[[], float],
-    model_id: Any = None,
+    model_id: ModelId | None = None,
     queued_at: float | None = None,
     load_timeout: float,
     slot_timeout: float,
@@ -586,7 +602,7 @@ async def wait_for_slot(
     error, a time-out, or the task being cancelled when the client goes away), the queue entry is
     gone when this returns or raises; a slot is held only on a normal return.
     """
-    dep_id, job = str(deployment_id), str(job_id)
+    dep_id, job = DeploymentId(str(deployment_id)), JobId(str(job_id))
     start = time.monotonic()
     queued_wall = time.time() if queued_at is None else float(queued_at)
     deadline = start + load_timeout

@@ -30,6 +30,8 @@ from apps.nodes.enrollment import NodeAuthError, node_authenticate
 from apps.nodes.errors import ReportRefused
 from apps.nodes.models import Event, Node
 from apps.nodes.states import Engine
+from racon import ids
+from racon.ids import DeploymentId, JobId, NodeId
 from racon.logging import log_context
 from racon.pagination import LimitPagination
 from racon.redis import get_redis
@@ -278,7 +280,7 @@ class DeploymentPreviewApi(APIView):
         body = plan.to_dict()
         for d in body["devices"]:
             d["node_name"] = selectors.node_name(d["node_id"])
-        body["primary_name"] = selectors.node_name(plan.primary_node_id)
+        body["primary_name"] = selectors.node_name(NodeId(plan.primary_node_id))
         body["model"] = model.name
         body["n_layer"] = mf.n_layer
         return Response(body)
@@ -350,7 +352,7 @@ class DeploymentDetailApi(APIView):
             )
 
     @extend_schema(responses=DeploymentDetailOut)
-    def get(self, request: Request, deployment_id: str) -> Response:
+    def get(self, request: Request, deployment_id: DeploymentId) -> Response:
         return Response(
             self.DeploymentDetailOut(get_object_or_404(Deployment, pk=deployment_id)).data
         )
@@ -358,7 +360,7 @@ class DeploymentDetailApi(APIView):
 
 class DeploymentStopApi(APIView):
     @extend_schema(request=None, responses=DeploymentOut)
-    def post(self, request: Request, deployment_id: str) -> Response:
+    def post(self, request: Request, deployment_id: DeploymentId) -> Response:
         get_object_or_404(Deployment, pk=deployment_id)
         return Response(
             DeploymentOut(deployment_stop(deployment_id=deployment_id, now=timezone.now())).data
@@ -492,14 +494,14 @@ class JobDetailApi(APIView):
             }
 
     @extend_schema(responses=JobDetailOut)
-    def get(self, request: Request, job_id: str) -> Response:
+    def get(self, request: Request, job_id: JobId) -> Response:
         job = get_object_or_404(Job, pk=job_id)
         return Response(self.JobDetailOut(job, context={"live": live_job_figures([job])}).data)
 
 
 class JobCancelApi(APIView):
     @extend_schema(request=None, responses=JobOut)
-    def post(self, request: Request, job_id: str) -> Response:
+    def post(self, request: Request, job_id: JobId) -> Response:
         get_object_or_404(Job, pk=job_id)
         job_cancel(job_id=job_id, now=timezone.now(), reason="cancelled by an operator")
         return Response(JobOut(Job.objects.get(pk=job_id)).data)
@@ -557,7 +559,7 @@ class AgentReportsApi(APIView):
         ):
             try:
                 result = report_accept(
-                    node_id=node.id, report=data.validated_data, now=timezone.now()
+                    node_id=ids.node_id(node.id), report=data.validated_data, now=timezone.now()
                 )
             except ReportRefused as exc:
                 # 409, not 403: the agent takes 401/403 as "my credential is gone" and stops, and an

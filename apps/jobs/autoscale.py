@@ -34,6 +34,8 @@ from django.db import transaction
 from apps.models_repo.models import Model
 from apps.nodes.events import event_record
 from apps.nodes.models import Event, EventCategory
+from racon import ids
+from racon.ids import ModelId, NodeId
 from racon.redis import get_redis
 
 from . import admission, selectors
@@ -54,7 +56,7 @@ AUTOSCALE_LOCK_KEY = "racon:lock:autoscale"
 _STATE_TTL_SECONDS = 86_400
 
 
-def autoscale_key(model_id: Any) -> str:
+def autoscale_key(model_id: ModelId) -> str:
     return f"racon:autoscale:{model_id}"
 
 
@@ -98,7 +100,7 @@ def replicas_autoscale(*, now: datetime) -> AutoscaleReport:
 def _autoscale_model(*, model: Model, now: datetime, report: AutoscaleReport) -> None:
     t = now.timestamp()
     r = get_redis()
-    key = autoscale_key(model.id)
+    key = autoscale_key(ids.model_id(model.id))
     deps = list(
         Deployment.objects.filter(model=model, state__in=list(DEPLOYMENT_ACTIVE)).order_by(
             "created_at"
@@ -109,8 +111,8 @@ def _autoscale_model(*, model: Model, now: datetime, report: AutoscaleReport) ->
     waiting = admission.queue_depth(dep_ids, now=t)
     in_use = admission.slots_in_use(dep_ids, now=t)
     depth = sum(waiting.values())
-    wait = admission.model_queue_wait(model.id, now=t)
-    last_queued = admission.model_last_queued(model.id)
+    wait = admission.model_queue_wait(ids.model_id(model.id), now=t)
+    last_queued = admission.model_last_queued(ids.model_id(model.id))
     period = float(settings.REPLICA_AUTOSCALE_SECONDS)
     recently_queued = last_queued is not None and t - last_queued <= 2 * period
     pressure = wait > float(settings.REPLICA_SCALE_UP_WAIT_SECONDS) and (
@@ -188,7 +190,7 @@ def _replica_request(*, model: Model, serving: list[Deployment]) -> PlacementReq
         if template is not None
         else placement_request_from({})
     )
-    serving_nodes = selectors.nodes_serving_model(model_id=model.id)
+    serving_nodes = selectors.nodes_serving_model(model_id=ids.model_id(model.id))
     exclude = tuple(dict.fromkeys([*base.exclude_nodes, *sorted(serving_nodes)]))
     return dataclasses.replace(
         base, pin_nodes=None, spread=False, allow_same_node=False, exclude_nodes=exclude
@@ -215,8 +217,8 @@ def _replica_add(
             kind="REPLICA_ADDED",
             category=EventCategory.PLACEMENT,
             now=now,
-            deployment_id=dep.id,
-            node_id=plan.primary_node_id,
+            deployment_id=ids.deployment_id(dep.id),
+            node_id=NodeId(plan.primary_node_id),
             message=f"replica {replicas} of {model.name}: queue wait {wait:.1f}s with {depth} waiting",
             data={
                 "queue_wait_seconds": round(wait, 3),
@@ -253,7 +255,7 @@ def _replica_remove(*, deployment: Deployment, now: datetime, idle_seconds: floa
     """Stop an idle replica and record REPLICA_REMOVED."""
     with transaction.atomic():
         deployment_stop(
-            deployment_id=deployment.id,
+            deployment_id=ids.deployment_id(deployment.id),
             now=now,
             reason=f"idle replica removed after {idle_seconds:.0f}s",
         )
@@ -261,8 +263,8 @@ def _replica_remove(*, deployment: Deployment, now: datetime, idle_seconds: floa
             kind="REPLICA_REMOVED",
             category=EventCategory.PLACEMENT,
             now=now,
-            deployment_id=deployment.id,
-            node_id=deployment.primary_id,
+            deployment_id=ids.deployment_id(deployment.id),
+            node_id=ids.node_id(deployment.primary_id) if deployment.primary_id else None,
             message=f"idle for {idle_seconds:.0f}s (no slot in use, no queue)",
             data={"idle_seconds": round(idle_seconds, 1)},
         )

@@ -17,7 +17,6 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from django.conf import settings
 
@@ -25,6 +24,8 @@ from agent.hardware.benchmark import CHALLENGE_N, speed_challenge_digest, speed_
 from apps.nodes.commands import command_send, command_wait
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory, Node
+from racon import ids
+from racon.ids import NodeId
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def _due(node: Node) -> bool:
     )
 
 
-def speed_challenge_due(*, node_id: Any) -> bool:
+def speed_challenge_due(*, node_id: NodeId) -> bool:
     """Whether the node holds a speed claim above what it is credited with and not yet checked.
 
     Asked when the node turns READY: only then does its agent read its command queue, so the
@@ -60,7 +61,7 @@ def speed_challenge_due(*, node_id: Any) -> bool:
     return node is not None and _due(node)
 
 
-def node_speed_challenge(*, node_id: Any, now: datetime) -> SpeedVerdict:
+def node_speed_challenge(*, node_id: NodeId, now: datetime) -> SpeedVerdict:
     """Challenge the node's current gflops claim; set what the scheduler credits it with."""
     node = Node.objects.get(pk=node_id)
     claimed = float(node.gflops_claimed)
@@ -73,7 +74,7 @@ def node_speed_challenge(*, node_id: Any, now: datetime) -> SpeedVerdict:
     timeout = 10.0 + 10.0 * flops / (claimed * 1e9)
     started = time.monotonic()
     command_id = command_send(
-        node_id=node.id,
+        node_id=ids.node_id(node.id),
         kind="speed_challenge",
         payload={"seed": seed, "n": CHALLENGE_N, "reps": reps},
     )
@@ -110,7 +111,7 @@ def node_speed_challenge(*, node_id: Any, now: datetime) -> SpeedVerdict:
             }[outcome],
             category=EventCategory.SECURITY,
             now=now,
-            node_id=node.id,
+            node_id=ids.node_id(node.id),
             message=message,
             data={
                 "claimed_gflops": claimed,

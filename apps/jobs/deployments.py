@@ -24,9 +24,10 @@ from apps.nodes.errors import ReportRefused
 from apps.nodes.events import event_record
 from apps.nodes.models import Event, EventCategory, Node
 from apps.nodes.states import DRAIN_STATES, HEALTHY, LOST, NodeState
-from racon import cache
+from racon import cache, ids
 from racon.broadcast import broadcast
 from racon.celery import task_send_on_commit
+from racon.ids import DeploymentId, ModelId, NodeId
 from racon.locks import redis_lock
 from racon.redis import get_redis
 from racon.transitions import transition_guarded
@@ -62,7 +63,7 @@ D = DeploymentState
 
 def deployment_transition(
     *,
-    deployment_id: Any,
+    deployment_id: DeploymentId,
     to: str,
     now: datetime,
     expected: str | Collection[str] | None = None,
@@ -305,7 +306,7 @@ def deployment_create(
             kind="DEPLOYMENT_CREATED",
             category=EventCategory.PLACEMENT,
             now=now,
-            deployment_id=dep.id,
+            deployment_id=ids.deployment_id(dep.id),
             new_state=D.PLANNING,
             message=f"{'automatic ' if auto else ''}deployment of {model.name}",
             data={
@@ -319,18 +320,22 @@ def deployment_create(
 
 
 def deployment_stop(
-    *, deployment_id: Any, now: datetime, reason: str = "stopped by operator"
+    *, deployment_id: DeploymentId, now: datetime, reason: str = "stopped by operator"
 ) -> Deployment:
     """Stop a deployment: unload its primary; running jobs are cancelled."""
     dep = Deployment.objects.get(pk=deployment_id)
     if dep.state == D.STOPPED:
         return dep
     if dep.state == D.FAILED or deployment_transition(
-        deployment_id=dep.id, to=D.STOPPED, now=now, kind="DEPLOYMENT_STOPPED", message=reason
+        deployment_id=ids.deployment_id(dep.id),
+        to=D.STOPPED,
+        now=now,
+        kind="DEPLOYMENT_STOPPED",
+        message=reason,
     ):
         if dep.state == D.FAILED:
             deployment_transition(
-                deployment_id=dep.id,
+                deployment_id=ids.deployment_id(dep.id),
                 to=D.STOPPED,
                 now=now,
                 kind="DEPLOYMENT_STOPPED",
@@ -338,19 +343,23 @@ def deployment_stop(
             )
         if dep.primary_id:
             command_send(
-                node_id=dep.primary_id, kind="unload", payload={"deployment_id": str(dep.id)}
+                node_id=ids.node_id(dep.primary_id),
+                kind="unload",
+                payload={"deployment_id": str(dep.id)},
             )
         # Its slots' KV state goes with the process: whatever was not moved is dropped, said so.
-        kvcache.deployment_drop(deployment_id=dep.id, reason=f"the replica stopped ({reason})")
+        kvcache.deployment_drop(
+            deployment_id=ids.deployment_id(dep.id), reason=f"the replica stopped ({reason})"
+        )
         for job_id in Job.objects.filter(deployment=dep, state__in=JOB_OPEN).values_list(
             "id", flat=True
         ):
-            job_cancel(job_id=job_id, now=now, reason="deployment stopped")
+            job_cancel(job_id=ids.job_id(job_id), now=now, reason="deployment stopped")
     dep.refresh_from_db()
     return dep
 
 
-def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> None:
+def deployments_on_node_state(*, node_id: NodeId, state: str, now: datetime) -> None:
     """A member node changed health: degrade, fail and replace, or restore its deployments."""
     deps = list(
         Deployment.objects.filter(
@@ -360,7 +369,7 @@ def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> Non
     for dep in deps:
         if state == NodeState.DEGRADED and dep.state == D.READY:
             deployment_transition(
-                deployment_id=dep.id,
+                deployment_id=ids.deployment_id(dep.id),
                 to=D.DEGRADED,
                 expected=D.READY,
                 now=now,
@@ -375,7 +384,7 @@ def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> Non
             )
             if members_ok:
                 deployment_transition(
-                    deployment_id=dep.id,
+                    deployment_id=ids.deployment_id(dep.id),
                     to=D.READY,
                     expected=D.DEGRADED,
                     now=now,
@@ -384,7 +393,7 @@ def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> Non
                 )
         elif state in LOST and dep.state in DEPLOYMENT_SERVING:
             if deployment_transition(
-                deployment_id=dep.id,
+                deployment_id=ids.deployment_id(dep.id),
                 to=D.FAILED,
                 now=now,
                 kind="DEPLOYMENT_FAILED",
@@ -396,7 +405,7 @@ def deployments_on_node_state(*, node_id: str, state: str, now: datetime) -> Non
                 )
                 if dep.primary_id and str(dep.primary_id) != node_id:
                     command_send(
-                        node_id=dep.primary_id,
+                        node_id=ids.node_id(dep.primary_id),
                         kind="unload",
                         payload={"deployment_id": str(dep.id)},
                     )
@@ -413,14 +422,16 @@ def _jobs_fail_unread(*, dep: Deployment, now: datetime, error: str) -> None:
     for job_id in Job.objects.filter(deployment=dep, state__in=JOB_OPEN).values_list(
         "id", flat=True
     ):
-        if admission.job_reader_live(deployment_id=dep.id, job_id=job_id):
+        if admission.job_reader_live(
+            deployment_id=ids.deployment_id(dep.id), job_id=ids.job_id(job_id)
+        ):
             log.info("job %s: deployment %s failed; its reader fails it over", job_id, dep.id)
             continue
-        job_fail(job_id=job_id, now=now, error=error, during_execution=True)
+        job_fail(job_id=ids.job_id(job_id), now=now, error=error, during_execution=True)
 
 
 def deployment_failed_replace(
-    *, dep: Deployment, node_id: Any, message: str, now: datetime
+    *, dep: Deployment, node_id: NodeId, message: str, now: datetime
 ) -> bool:
     """A serving deployment whose primary died: FAILED (routing skips it), its unread jobs failed,
     and replaced, once. False when it had already left serving (another report got there first)."""
@@ -428,7 +439,7 @@ def deployment_failed_replace(
     if fresh is None or fresh.state not in DEPLOYMENT_SERVING:
         return False  # already failed (a RUNTIME_FAILED report, a lost node), or never served
     if not deployment_transition(
-        deployment_id=fresh.id,
+        deployment_id=ids.deployment_id(fresh.id),
         to=D.FAILED,
         expected=fresh.state,
         now=now,
@@ -443,7 +454,7 @@ def deployment_failed_replace(
 
 
 def deployment_replace(
-    *, dep: Deployment, node_id: Any, now: datetime, exclude: tuple[Any, ...] = ()
+    *, dep: Deployment, node_id: NodeId, now: datetime, exclude: tuple[Any, ...] = ()
 ) -> Deployment:
     """A new automatic placement with ``dep``'s request (less the ``exclude`` nodes), recorded as
     DEPLOYMENT_REPLACED on the old deployment and the node that caused it."""
@@ -457,7 +468,7 @@ def deployment_replace(
         kind="DEPLOYMENT_REPLACED",
         category=EventCategory.PLACEMENT,
         now=now,
-        deployment_id=dep.id,
+        deployment_id=ids.deployment_id(dep.id),
         node_id=node_id,
         message=f"replaced by {replacement.id}",
         data={"replacement": str(replacement.id)},
@@ -465,7 +476,7 @@ def deployment_replace(
     return replacement
 
 
-def deployment_member_check(*, deployment_id: Any, node_id: Any) -> Deployment:
+def deployment_member_check(*, deployment_id: DeploymentId, node_id: NodeId) -> Deployment:
     """The deployment, if the node is its primary or one of its plan's nodes; ReportRefused if not."""
     dep_id = _uuid_or_refuse(deployment_id, what="deployment_id")
     dep = Deployment.objects.select_related("model").filter(pk=dep_id).first()
@@ -479,7 +490,7 @@ def deployment_member_check(*, deployment_id: Any, node_id: Any) -> Deployment:
 
 
 def deployment_runtime_failed(
-    *, deployment_id: Any, node_id: Any, message: str, now: datetime
+    *, deployment_id: DeploymentId, node_id: NodeId, message: str, now: datetime
 ) -> bool:
     """The primary process died (an RPC peer crashed, or it aborted): FAILED, jobs failed, replaced.
 
@@ -491,7 +502,7 @@ def deployment_runtime_failed(
     return deployment_failed_replace(dep=dep, node_id=node_id, message=message, now=now)
 
 
-def deployments_lost_on_restart(*, node_id: Any, loaded: list[str], now: datetime) -> list[str]:
+def deployments_lost_on_restart(*, node_id: NodeId, loaded: list[str], now: datetime) -> list[str]:
     """A node's agent (re)started holding only the deployments in ``loaded``: every serving
     deployment the node is a member of and no longer holds is FAILED and replaced at once.
 
@@ -530,7 +541,7 @@ def deployment_request_of(dep: Deployment) -> dict[str, Any]:
     return req
 
 
-def ensure_lock_key(model_id: Any) -> str:
+def ensure_lock_key(model_id: ModelId) -> str:
     return f"racon:lock:ensure:{model_id}"
 
 
@@ -550,7 +561,7 @@ def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
     existing = active()
     if existing is not None:
         return existing
-    with redis_lock(ensure_lock_key(model.id), timeout=30):
+    with redis_lock(ensure_lock_key(ids.model_id(model.id)), timeout=30):
         existing = active()
         if existing is not None:
             return existing
@@ -563,7 +574,7 @@ def deployment_ensure(*, model: Model, now: datetime) -> Deployment:
         )
         if draining is not None:
             replacement = drain_replacement_locked(
-                dep=draining, node_id=_draining_member(draining), now=now
+                dep=draining, node_id=NodeId(_draining_member(draining)), now=now
             )
             if replacement is not None:
                 return replacement
@@ -601,7 +612,9 @@ def drain_replacement_recorded(dep: Deployment) -> tuple[bool, Deployment | None
     )
 
 
-def drain_replacement_locked(*, dep: Deployment, node_id: Any, now: datetime) -> Deployment | None:
+def drain_replacement_locked(
+    *, dep: Deployment, node_id: NodeId, now: datetime
+) -> Deployment | None:
     found, replacement = drain_replacement_recorded(dep)
     if found:
         return replacement
@@ -619,7 +632,7 @@ def drain_replacement_locked(*, dep: Deployment, node_id: Any, now: datetime) ->
                 kind="DEPLOYMENT_MIGRATING",
                 category=EventCategory.PLACEMENT,
                 now=now,
-                deployment_id=dep.id,
+                deployment_id=ids.deployment_id(dep.id),
                 node_id=node_id,
                 message=(
                     f"node {selectors.node_name(node_id)} drains: "

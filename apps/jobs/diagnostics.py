@@ -39,6 +39,8 @@ from agent.protocol import (
 )
 from apps.nodes.models import Event, Node
 from apps.nodes.states import UNHEALTHY
+from racon import ids
+from racon.ids import NodeId
 from racon.redis import get_redis
 
 from .models import Deployment, Job
@@ -91,7 +93,7 @@ class UnknownNode(LookupError):
 class NodeDiagnostics:
     """A bundle and the summary printed beside it."""
 
-    node_id: str
+    node_id: NodeId
     node_name: str
     data: bytes
     summary: str
@@ -132,7 +134,7 @@ def _nodes_by_id_prefix(prefix: str) -> list[Node]:
     return list(Node.objects.filter(pk__in=ids)) if len(ids) == 1 else []
 
 
-def node_diagnostics(*, node_id: Any, now: datetime) -> NodeDiagnostics:
+def node_diagnostics(*, node_id: NodeId, now: datetime) -> NodeDiagnostics:
     """Collect, scrub and pack a node's bundle (UnknownNode when the id names no node)."""
     try:
         node = Node.objects.filter(pk=node_id).first()
@@ -144,11 +146,14 @@ def node_diagnostics(*, node_id: Any, now: datetime) -> NodeDiagnostics:
     summary = _summary(files)
     files["summary.txt"] = summary
     return NodeDiagnostics(
-        node_id=str(node.id), node_name=node.name, data=_pack(files, now=now), summary=summary
+        node_id=ids.node_id(node.id),
+        node_name=node.name,
+        data=_pack(files, now=now),
+        summary=summary,
     )
 
 
-def node_diagnostics_bundle(*, node_id: Any, now: datetime) -> bytes:
+def node_diagnostics_bundle(*, node_id: NodeId, now: datetime) -> bytes:
     """The node's bundle as a tar.gz: versions, state history, events, hardware, errors, jobs, reachability."""
     return node_diagnostics(node_id=node_id, now=now).data
 
@@ -157,7 +162,7 @@ def node_diagnostics_bundle(*, node_id: Any, now: datetime) -> bytes:
 
 
 def _collect(*, node: Node, now: datetime) -> dict[str, Any]:
-    telemetry = _telemetry(str(node.id))
+    telemetry = _telemetry(ids.node_id(node.id))
     files: dict[str, Any] = {}
     files["versions.json"] = {
         "controller_version": racon.__version__,
@@ -222,7 +227,7 @@ def _collect(*, node: Node, now: datetime) -> dict[str, Any]:
         .select_related("model")
         .order_by("-queued_at")[:RECENT_JOBS]
     )
-    files["jobs.json"] = [_job(j, node_id=str(node.id)) for j in jobs]
+    files["jobs.json"] = [_job(j, node_id=ids.node_id(node.id)) for j in jobs]
     error_events = [
         e
         for e in Event.objects.filter(node=node)
@@ -232,7 +237,7 @@ def _collect(*, node: Node, now: datetime) -> dict[str, Any]:
     failed_jobs = [j for j in jobs if j.error and j.state == "FAILED"]
     files["errors.json"] = {
         "events": [_event(e) for e in error_events],
-        "jobs": [_job(j, node_id=str(node.id)) for j in failed_jobs],
+        "jobs": [_job(j, node_id=ids.node_id(node.id)) for j in failed_jobs],
     }
     files["deployments.json"] = [
         {
@@ -286,7 +291,7 @@ def job_failure_phase(job: Any) -> str | None:
     return "unknown"
 
 
-def _job(j: Any, *, node_id: str) -> dict[str, Any]:
+def _job(j: Any, *, node_id: NodeId) -> dict[str, Any]:
     placement = j.placement or {}
     return {
         "id": str(j.id),
@@ -312,7 +317,7 @@ def _job(j: Any, *, node_id: str) -> dict[str, Any]:
     }
 
 
-def _telemetry(node_id: str) -> dict[str, Any]:
+def _telemetry(node_id: NodeId) -> dict[str, Any]:
     raw = get_redis().hget(heartbeat_key(node_id), "telemetry")
     try:
         return json.loads(raw) if raw else {}

@@ -7,12 +7,13 @@ deployments.py (the replacement) and jobs.py (drains_advance).
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from django.conf import settings
 from django.db.models import Q
 
+from racon import ids
 from racon.celery import task_send_on_commit
+from racon.ids import NodeId
 from racon.locks import redis_lock
 
 from . import kvcache, selectors
@@ -42,7 +43,7 @@ from .states import (
 # replacement becoming READY, and from the node's heartbeat.
 
 
-def deployments_drain_step(*, node_id: Any, now: datetime) -> bool:
+def deployments_drain_step(*, node_id: NodeId, now: datetime) -> bool:
     """Move a draining node's deployments off it, stop those done; whether any work is still on it."""
     remaining = False
     deps = (
@@ -64,13 +65,13 @@ def deployments_drain_step(*, node_id: Any, now: datetime) -> bool:
         if Job.objects.filter(deployment=dep, state__in=JOB_OPEN).exists():
             remaining = True  # running (and already queued) jobs finish where they are
             continue
-        if kvcache.transfer_state(deployment_id=dep.id) == "moving":
+        if kvcache.transfer_state(deployment_id=ids.deployment_id(dep.id)) == "moving":
             remaining = True  # its conversations' KV state is moving to another replica
             continue
         name = selectors.node_name(node_id)
         moved = replacement is not None and replacement.state in DEPLOYMENT_SERVING
         deployment_stop(
-            deployment_id=dep.id,
+            deployment_id=ids.deployment_id(dep.id),
             now=now,
             reason=f"node {name} drained: moved to deployment {replacement.id}"
             if moved and replacement is not None
@@ -85,22 +86,22 @@ def _kv_transfer_begin(dep: Deployment) -> None:
     the replica is stopped only once it is done (apps/jobs/kvtransfer.py)."""
     if dep.state not in DEPLOYMENT_SERVING or not kvcache.transfer_enabled():
         return
-    held = len(kvcache.slots_held(deployment_id=dep.id))
+    held = len(kvcache.slots_held(deployment_id=ids.deployment_id(dep.id)))
     if not held:
         return
     step = float(settings.KV_TRANSFER_TIMEOUT_SECONDS)
     n = min(held, int(settings.KV_TRANSFER_MAX_CONVERSATIONS))
     # The mark outlives every step the task may wait for, and expires if the task is lost.
-    if kvcache.transfer_begin(deployment_id=dep.id, ttl=step * (1 + 2 * n) + 60):
+    if kvcache.transfer_begin(deployment_id=ids.deployment_id(dep.id), ttl=step * (1 + 2 * n) + 60):
         task_send_on_commit("racon.jobs.kv_transfer", deployment_id=str(dep.id))
 
 
-def _drain_replacement(*, dep: Deployment, node_id: Any, now: datetime) -> Deployment | None:
+def _drain_replacement(*, dep: Deployment, node_id: NodeId, now: datetime) -> Deployment | None:
     """The deployment that replaces ``dep`` off the draining node, created once (None: none can be)."""
     found, replacement = drain_replacement_recorded(dep)
     if found:
         return replacement
     # Under the model's ensure lock, like deployment_ensure: a first request arriving during the
     # drain and the drain itself make one replacement between them.
-    with redis_lock(ensure_lock_key(dep.model_id), timeout=30):
+    with redis_lock(ensure_lock_key(ids.model_id(dep.model_id)), timeout=30):
         return drain_replacement_locked(dep=dep, node_id=node_id, now=now)

@@ -18,6 +18,7 @@ from apps.nodes.commands import command_send, job_cancel_clear, job_cancel_flag
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
 from racon import ids
+from racon.ids import DeploymentId, JobId, ModelId, NodeId
 from racon.redis import get_redis
 
 from . import admission, selectors
@@ -36,9 +37,9 @@ from .states import DEPLOYMENT_ACTIVE, JOB_IN_FLIGHT, JOB_TERMINAL
 
 def job_failover_begin(
     *,
-    job_id: Any,
-    deployment_id: Any,
-    node_id: Any,
+    job_id: JobId,
+    deployment_id: DeploymentId,
+    node_id: NodeId,
     attempt: int,
     cause: str,
     message: str,
@@ -86,7 +87,7 @@ def job_failover_begin(
     return True
 
 
-def job_failover_left(*, job_id: Any, tokens_so_far: int) -> int:
+def job_failover_left(*, job_id: JobId, tokens_so_far: int) -> int:
     """Completion tokens the next attempt may still produce."""
     max_tokens = Job.objects.filter(pk=job_id).values_list("max_tokens", flat=True).first() or 0
     return int(max_tokens) - int(tokens_so_far)
@@ -94,12 +95,12 @@ def job_failover_left(*, job_id: Any, tokens_so_far: int) -> int:
 
 def job_failover_dispatch(
     *,
-    job_id: Any,
+    job_id: JobId,
     deployment: Deployment,
     attempt: int,
     resume_tokens: list[int],
-    from_deployment_id: Any,
-    from_node_id: Any,
+    from_deployment_id: DeploymentId,
+    from_node_id: NodeId,
     cause: str,
     now: datetime,
     id_slot: int | None = None,
@@ -119,8 +120,8 @@ def job_failover_dispatch(
         if job.state in JOB_TERMINAL or left <= 0:
             raise DeploymentError("job is no longer open")
         payload = job_run_payload(
-            job_id=job.id,
-            deployment_id=deployment.id,
+            job_id=ids.job_id(job.id),
+            deployment_id=ids.deployment_id(deployment.id),
             kind=job.kind,
             max_tokens=left,
             params=job.params,
@@ -132,7 +133,7 @@ def job_failover_dispatch(
         # left there, it would cancel this attempt as soon as the primary saw it (found by the
         # reliability suite: "The request was cancelled." after a failover back to a node).
         job_cancel_clear(job_id=ids.job_id(job.id), node_id=ids.node_id(deployment.primary_id))
-        command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
+        command_send(node_id=ids.node_id(deployment.primary_id), kind="run_job", payload=payload)
         plan = deployment.plan or {}
         placement = dispatch_placement(deployment)
         node_ids = dispatch_node_ids(deployment)
@@ -157,8 +158,8 @@ def job_failover_dispatch(
                 category=EventCategory.EXECUTION,
                 now=now,
                 job_id=job_id,
-                deployment_id=deployment.id,
-                node_id=deployment.primary_id,
+                deployment_id=ids.deployment_id(deployment.id),
+                node_id=ids.node_id(deployment.primary_id),
                 message=(
                     f"attempt {attempt}: {cause} on deployment {from_deployment_id}; "
                     f"continues on {deployment.id} after {len(resume_tokens)} tokens"
@@ -176,7 +177,7 @@ def job_failover_dispatch(
     except BaseException:
         if deployment.primary_id is not None:
             job_cancel_flag(job_id=ids.job_id(job_id), node_id=ids.node_id(deployment.primary_id))
-        admission.slot_release(deployment_id=deployment.id, job_id=job_id)
+        admission.slot_release(deployment_id=ids.deployment_id(deployment.id), job_id=job_id)
         raise
     finally:
         admission.failover_end(job_id=job_id)
@@ -187,7 +188,7 @@ def job_failover_dispatch(
     }
 
 
-def failover_engine_excludes(*, job_id: Any, model_id: Any) -> set[str]:
+def failover_engine_excludes(*, job_id: JobId, model_id: ModelId) -> set[str]:
     """The model's replicas a job cannot resume on: a schema-constrained output (``json_schema``:
     a response_format's or a forced tool call's) cannot resume on vLLM, whose structured output
     starts at the first token (agent/runtime/vllm.py), so it goes to a llama.cpp replica."""
@@ -203,7 +204,7 @@ def failover_engine_excludes(*, job_id: Any, model_id: Any) -> set[str]:
 
 
 def job_failover_route(
-    *, model_id: Any, exclude: Collection[Any], now: datetime
+    *, model_id: ModelId, exclude: Collection[Any], now: datetime
 ) -> Deployment | None:
     """Where a failed-over job can go: the best serving replica but those excluded, else the
     model's active deployment (a replacement being placed; one is created when there is none)."""

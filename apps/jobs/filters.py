@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import uuid
-from typing import Any
-
 import django_filters as filters
 from django.db.models import QuerySet
 from rest_framework.exceptions import NotFound
 
 from apps.nodes.models import Node
+from racon import ids
 from racon.filters import StrictFilterSet, UtcIsoDateTimeFilter
 
 from .models import Deployment, Job
@@ -43,11 +41,11 @@ class JobFilter(StrictFilterSet):
         fields: list[str] = []
 
     def filter_node(self, queryset: QuerySet[Job], name: str, value: str) -> QuerySet[Job]:
-        node_id: Any = value
         try:
-            uuid.UUID(value)
+            node_id = ids.node_id(value)
         except ValueError:
-            node_id = Node.objects.filter(name=value).values_list("id", flat=True).first()
-            if node_id is None:
+            found = Node.objects.filter(name=value).values_list("id", flat=True).first()
+            if found is None:
                 raise NotFound(f"unknown node {value!r}") from None
+            node_id = ids.node_id(found)
         return queryset.filter(nodes__id=node_id)

@@ -27,6 +27,7 @@ from apps.nodes.services import node_drain_advance
 from apps.nodes.states import NodeState
 from racon import ids
 from racon.celery import task_send_on_commit
+from racon.ids import AccountId, ApiKeyId, DeploymentId, JobId, NodeId
 from racon.transitions import transition_guarded
 
 from . import admission, hooks, retention, selectors, streams
@@ -53,12 +54,12 @@ def _uuid_or_refuse(value: Any, *, what: str) -> uuid.UUID:
         raise ValueError(f"{what} {str(value)[:80]!r} is not a UUID") from None
 
 
-def job_primary_check(*, job_id: Any, node_id: Any) -> uuid.UUID:
+def job_primary_check(*, job_id: JobId, node_id: NodeId) -> uuid.UUID:
     """The job's id, if the node is the primary of its plan (the one that runs it); ReportRefused if not."""
     return _job_primary_row(job_id=job_id, node_id=node_id)[0]
 
 
-def _job_primary_row(*, job_id: Any, node_id: Any) -> tuple[uuid.UUID, dict[str, Any]]:
+def _job_primary_row(*, job_id: JobId, node_id: NodeId) -> tuple[uuid.UUID, dict[str, Any]]:
     """job_primary_check, and the job's state, kind, params and deployment (one read)."""
     job_uuid = _uuid_or_refuse(job_id, what="job_id")
     job = (
@@ -96,7 +97,7 @@ def drains_advance(*, deployments: QuerySet[Deployment], now: datetime) -> None:
         ).values_list("id", flat=True)
     )
     for node_id in node_ids:
-        node_drain_advance(node_id=node_id, now=now)
+        node_drain_advance(node_id=ids.node_id(node_id), now=now)
 
 
 # --- jobs ---------------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def drains_advance(*, deployments: QuerySet[Deployment], now: datetime) -> None:
 
 def job_transition(
     *,
-    job_id: Any,
+    job_id: JobId,
     to: str,
     now: datetime,
     expected: str | Collection[str] | None = None,
@@ -146,15 +147,15 @@ def job_transition(
 def job_create(
     *,
     model: Model,
-    account_id: Any,
-    api_key_id: Any,
+    account_id: AccountId | None,
+    api_key_id: ApiKeyId | None,
     kind: str,
     params: dict[str, Any],
     max_tokens: int,
     stream: bool,
     request_id: str,
     now: datetime,
-    job_id: Any = None,
+    job_id: JobId | None = None,
     dispatched_to: Deployment | None = None,
     hold: Callable[[Job], None] | None = None,
 ) -> Job:
@@ -196,8 +197,8 @@ def job_create(
                 kind="JOB_DISPATCHED",
                 category=EventCategory.EXECUTION,
                 now=now,
-                job_id=job.id,
-                deployment_id=dispatched_to.id,
+                job_id=ids.job_id(job.id),
+                deployment_id=ids.deployment_id(dispatched_to.id),
                 old_state=J.QUEUED,
                 new_state=J.DISPATCHED,
                 message=f"to deployment {dispatched_to.id}",
@@ -211,8 +212,8 @@ def job_create(
 
 def job_run_payload(
     *,
-    job_id: Any,
-    deployment_id: Any,
+    job_id: JobId,
+    deployment_id: DeploymentId,
     kind: str,
     max_tokens: int,
     params: dict[str, Any],
@@ -261,7 +262,7 @@ def _record_dispatch(*, job: Job, deployment: Deployment, now: datetime) -> bool
     node_ids = dispatch_node_ids(deployment)
     with transaction.atomic():
         moved = job_transition(
-            job_id=job.id,
+            job_id=ids.job_id(job.id),
             to=J.DISPATCHED,
             expected=J.QUEUED,
             now=now,
@@ -276,7 +277,7 @@ def _record_dispatch(*, job: Job, deployment: Deployment, now: datetime) -> bool
 
 
 def job_dispatch(
-    *, job_id: Any, deployment: Deployment, now: datetime, id_slot: int | None = None
+    *, job_id: JobId, deployment: Deployment, now: datetime, id_slot: int | None = None
 ) -> dict[str, Any]:
     """QUEUED → DISPATCHED: push run_job onto the primary's queue, then record the plan's nodes.
 
@@ -290,19 +291,19 @@ def job_dispatch(
             raise DeploymentError(f"deployment {deployment.id} has no primary")
         job = Job.objects.only("id", "kind", "max_tokens", "params").get(pk=job_id)
         payload = job_run_payload(
-            job_id=job.id,
-            deployment_id=deployment.id,
+            job_id=ids.job_id(job.id),
+            deployment_id=ids.deployment_id(deployment.id),
             kind=job.kind,
             max_tokens=job.max_tokens,
             params=job.params,
             id_slot=id_slot,
         )
-        command_send(node_id=deployment.primary_id, kind="run_job", payload=payload)
+        command_send(node_id=ids.node_id(deployment.primary_id), kind="run_job", payload=payload)
         if not _record_dispatch(job=job, deployment=deployment, now=now):
             job_cancel_flag(job_id=ids.job_id(job.id), node_id=ids.node_id(deployment.primary_id))
             raise DeploymentError("job is no longer queued")
     except BaseException:
-        admission.slot_release(deployment_id=deployment.id, job_id=job_id)
+        admission.slot_release(deployment_id=ids.deployment_id(deployment.id), job_id=job_id)
         raise
     return {"nodes": dispatch_node_ids(deployment), "primary": str(deployment.primary_id)}
 
@@ -324,7 +325,7 @@ def dispatch_node_ids(deployment: Deployment) -> list[str]:
     return list(dict.fromkeys(d["node_id"] for d in (deployment.plan or {}).get("devices", [])))
 
 
-def job_mark_running(*, job_id: Any, now: datetime) -> bool:
+def job_mark_running(*, job_id: JobId, now: datetime) -> bool:
     """DISPATCHED → RUNNING at the first token: one guarded UPDATE (the transition writes no
     event, so it needs no read first; a job no longer DISPATCHED is left as it is)."""
     return (
@@ -337,7 +338,7 @@ def job_mark_running(*, job_id: Any, now: datetime) -> bool:
 
 def _finish(
     *,
-    job_id: Any,
+    job_id: JobId,
     to: str,
     now: datetime,
     fields: dict[str, Any],
@@ -387,7 +388,9 @@ def _finish(
             _attempt_close(job_id=job_id, to=to, now=now, fields=fields)
     if moved:
         if job["deployment_id"]:
-            admission.slot_release(deployment_id=job["deployment_id"], job_id=job_id)
+            admission.slot_release(
+                deployment_id=ids.deployment_id(job["deployment_id"]), job_id=job_id
+            )
         task_send_on_commit(
             "racon.credits.settle_job", job_id=str(job_id)
         )  # credits' task, by name
@@ -412,7 +415,7 @@ def _finish(
     return moved
 
 
-def _attempt_close(*, job_id: Any, to: str, now: datetime, fields: dict[str, Any]) -> None:
+def _attempt_close(*, job_id: JobId, to: str, now: datetime, fields: dict[str, Any]) -> None:
     """A failed-over job's end closes its last attempt, which produced what the others did not."""
     last = (
         JobAttempt.objects.filter(job_id=job_id, ended_at__isnull=True).order_by("-number").first()
@@ -434,7 +437,7 @@ def _attempt_close(*, job_id: Any, to: str, now: datetime, fields: dict[str, Any
 
 
 def _record_job_metrics(
-    *, job_id: Any, to: str, fields: dict[str, Any], row: tuple[Any, ...] | None = None
+    *, job_id: JobId, to: str, fields: dict[str, Any], row: tuple[Any, ...] | None = None
 ) -> None:
     """``row``: the job's model name, queued_at, dispatched_at and finished_at, read with the
     finish already (the metrics need not read them again)."""
@@ -443,7 +446,7 @@ def _record_job_metrics(
 
 def job_complete(
     *,
-    job_id: Any,
+    job_id: JobId,
     usage: dict[str, Any],
     finish_reason: str,
     chunks: int,
@@ -475,7 +478,7 @@ def job_complete(
 
 def job_fail(
     *,
-    job_id: Any,
+    job_id: JobId,
     now: datetime,
     error: str,
     during_execution: bool | None = None,
@@ -507,7 +510,7 @@ def job_fail(
 
 def job_cancel(
     *,
-    job_id: Any,
+    job_id: JobId,
     now: datetime,
     reason: str = "cancelled",
     usage: dict[str, Any] | None = None,
@@ -525,7 +528,9 @@ def job_cancel(
     ):
         job_cancel_flag(job_id=ids.job_id(job_id), node_id=ids.node_id(job.deployment.primary_id))
         command_send(
-            node_id=job.deployment.primary_id, kind="cancel_job", payload={"job_id": str(job_id)}
+            node_id=ids.node_id(job.deployment.primary_id),
+            kind="cancel_job",
+            payload={"job_id": job_id},
         )
     fields: dict[str, Any] = {"finish_reason": "cancelled", "error": reason[:2000]}
     if usage:
@@ -544,7 +549,7 @@ def job_cancel(
     )
 
 
-def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: datetime) -> None:
+def job_finish_from_report(*, node_id: NodeId, payload: dict[str, Any], now: datetime) -> None:
     """The agent's job_finished report: the same guarded finish as the stream reader's.
 
     The counts billed are the controller's own, from the job's stream (a node's report is a
@@ -585,7 +590,7 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
         )
         return
     if status != "completed" and admission.job_reader_live(
-        deployment_id=job["deployment_id"], job_id=job_id
+        deployment_id=job["deployment_id"], job_id=ids.job_id(job_id)
     ):
         # A live reader saw the same end in the stream (or flagged the old primary to stop while
         # it fails the job over): it moves the job on, or records the end itself.
@@ -602,7 +607,7 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
         if payload.get(k) is not None
     }
     chunks, tokens = streams.stream_tally(
-        job_id, node_id, attempt=current["number"] if current is not None else None
+        ids.job_id(job_id), node_id, attempt=current["number"] if current is not None else None
     )
     if current is not None:
         before = JobAttempt.objects.filter(job_id=job_id, number__lt=current["number"]).aggregate(
@@ -614,12 +619,12 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
         completion_tokens=tokens,
         agent_usage=claimed,
         prompt_bound=streams.prompt_token_bound(kind=job["kind"], params=job["params"] or {}),
-        job_id=job_id,
+        job_id=ids.job_id(job_id),
         check=status == "completed",
     )
     if status == "completed":
         job_complete(
-            job_id=job_id,
+            job_id=ids.job_id(job_id),
             usage=usage,
             finish_reason=payload.get("finish_reason") or "stop",
             chunks=chunks,
@@ -628,7 +633,7 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
         )
     elif status == "failed":
         job_fail(
-            job_id=job_id,
+            job_id=ids.job_id(job_id),
             now=now,
             error=str(payload.get("error") or "failed on the node"),
             during_execution=True,
@@ -637,7 +642,7 @@ def job_finish_from_report(*, node_id: Any, payload: dict[str, Any], now: dateti
         )
     else:
         job_cancel(
-            job_id=job_id,
+            job_id=ids.job_id(job_id),
             now=now,
             reason=str(payload.get("error") or "cancelled on the node"),
             usage=usage,

@@ -47,6 +47,7 @@ from agent.protocol import kv_held_key
 from apps.models_repo.profile import ModelProfile
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
+from racon.ids import DeploymentId, JobId, ModelId
 from racon.redis import get_redis
 
 from . import admission, selectors
@@ -74,17 +75,17 @@ STAT_FIELDS = (
 )
 
 
-def dep_slots_key(deployment_id: Any) -> str:
+def dep_slots_key(deployment_id: DeploymentId) -> str:
     """HASH slot → "prefix|tokens|last use": what each slot of the deployment holds."""
     return f"racon:kv:dep:{deployment_id}:slots"
 
 
-def dep_busy_key(deployment_id: Any) -> str:
+def dep_busy_key(deployment_id: DeploymentId) -> str:
     """HASH slot → job id: slots pinned by a job in flight."""
     return f"racon:kv:dep:{deployment_id}:busy"
 
 
-def rr_key(model_id: Any) -> str:
+def rr_key(model_id: ModelId) -> str:
     return f"racon:kv:rr:{model_id}"
 
 
@@ -96,7 +97,7 @@ DROPPED_KEY = "racon:kv:dropped"
 MOVE_HOLDER = "kv-move:"
 
 
-def transfer_state_key(deployment_id: Any) -> str:
+def transfer_state_key(deployment_id: DeploymentId) -> str:
     """STRING "moving" while the deployment's conversations are being moved off it, then "done"."""
     return f"racon:kv:dep:{deployment_id}:transfer"
 
@@ -117,7 +118,7 @@ def message_canonical(message: dict[str, Any]) -> dict[str, Any]:
     return {k: message[k] for k in _MESSAGE_KEYS if message.get(k) not in (None, "", [], {})}
 
 
-def prefix_chain(*, model_id: Any, kind: str, params: dict[str, Any]) -> list[str]:
+def prefix_chain(*, model_id: ModelId, kind: str, params: dict[str, Any]) -> list[str]:
     """The request's hash chain, one hash per message boundary (a completion's prompt: one)."""
     root = _digest(
         "racon-kv-1",
@@ -154,7 +155,7 @@ def route_score(
 
 @dataclass
 class Owner:
-    deployment_id: str
+    deployment_id: DeploymentId
     slot: int
     tokens: int
     prefix: str
@@ -205,10 +206,10 @@ def _owner_verified(chain: Sequence[str], raw: Sequence[Any]) -> Owner | None:
             slot = int(slot_s)
         except ValueError:
             continue
-        held = r.hget(dep_slots_key(dep), str(slot))
+        held = r.hget(dep_slots_key(DeploymentId(dep)), str(slot))
         if held and str(held).split("|")[0] == chain[depth - 1]:
             return Owner(
-                deployment_id=dep,
+                deployment_id=DeploymentId(dep),
                 slot=slot,
                 tokens=int(tokens_s),
                 prefix=chain[depth - 1],
@@ -218,7 +219,7 @@ def _owner_verified(chain: Sequence[str], raw: Sequence[Any]) -> Owner | None:
 
 
 def route_request(
-    *, model_id: Any, kind: str, params: dict[str, Any], cached: bool = True
+    *, model_id: ModelId, kind: str, params: dict[str, Any], cached: bool = True
 ) -> Route:
     """Choose a serving replica for this request by the routing policy, and say why.
 
@@ -370,7 +371,7 @@ return 0
 
 
 def slot_claim(
-    *, route: Route | None, deployment_id: Any, job_id: Any, n_parallel: int
+    *, route: Route | None, deployment_id: DeploymentId, job_id: JobId, n_parallel: int
 ) -> int | None:
     """Pin the job to a slot of the deployment: the owner's when this is a hit and it is free; else
     a free slot that holds a copy of the request's prefix (the deepest: two requests with the same
@@ -378,7 +379,7 @@ def slot_claim(
     least recently used free one (an empty one first). None for a policy that pins nothing."""
     if route is None or route.policy != "prefix":
         return None
-    dep = str(deployment_id)
+    dep = DeploymentId(str(deployment_id))
     n = max(1, int(n_parallel))
     r = get_redis()
     now = time.time()
@@ -432,9 +433,9 @@ def _slot_view(
     holding nothing, so sorting by it puts empty slots first, then the least recently used), and
     the records themselves (slot → "prefix|tokens|last use")."""
     with r.pipeline(transaction=False) as pipe:
-        pipe.hgetall(dep_busy_key(dep))
-        pipe.hgetall(dep_slots_key(dep))
-        pipe.zrangebyscore(admission.slots_key(dep), f"({now!r}", "+inf")
+        pipe.hgetall(dep_busy_key(DeploymentId(dep)))
+        pipe.hgetall(dep_slots_key(DeploymentId(dep)))
+        pipe.zrangebyscore(admission.slots_key(DeploymentId(dep)), f"({now!r}", "+inf")
         busy, held, live = pipe.execute()
 
     def last_use(slot: int) -> float:
@@ -455,11 +456,11 @@ def _move_holds(holder: str, now: float) -> bool:
 
 
 def slot_reserve(
-    *, deployment_id: Any, n_parallel: int, transfer_id: str, ttl: float
+    *, deployment_id: DeploymentId, n_parallel: int, transfer_id: str, ttl: float
 ) -> int | None:
     """Pin a free slot of the deployment for a state restore (the least recently used, an empty one
     first), as a job would be pinned: no job is given it until slot_unreserve. None: all busy."""
-    dep = str(deployment_id)
+    dep = DeploymentId(str(deployment_id))
     r = get_redis()
     now = time.time()
     busy, live_jobs, last_use, _ = _slot_view(r, dep, now)
@@ -476,7 +477,7 @@ def slot_reserve(
     return None
 
 
-def slot_unreserve(*, deployment_id: Any, slot: int, transfer_id: str) -> None:
+def slot_unreserve(*, deployment_id: DeploymentId, slot: int, transfer_id: str) -> None:
     r = get_redis()
     key = dep_busy_key(deployment_id)
     held = r.hget(key, str(slot))
@@ -484,13 +485,17 @@ def slot_unreserve(*, deployment_id: Any, slot: int, transfer_id: str) -> None:
         r.eval(_RELEASE_LUA, 1, key, str(slot), str(held))
 
 
-def slot_release(*, route: Route | None, job_id: Any, pipe: Any = None) -> bool:
+def slot_release(*, route: Route | None, job_id: JobId, pipe: Any = None) -> bool:
     """Unpin the job's slot, if it pinned one (True then); with ``pipe``, the release is queued
     on that pipeline, in the caller's round trip."""
     if route is None or route.slot is None or route.slot_deployment_id is None:
         return False
     (pipe if pipe is not None else get_redis()).eval(
-        _RELEASE_LUA, 1, dep_busy_key(route.slot_deployment_id), str(route.slot), str(job_id)
+        _RELEASE_LUA,
+        1,
+        dep_busy_key(DeploymentId(route.slot_deployment_id)),
+        str(route.slot),
+        str(job_id),
     )
     return True
 
@@ -514,9 +519,9 @@ def _forget(r: Any, prefixes: Iterable[str]) -> int:
         value = r.hget(OWNERS_KEY, p)
         if value:
             dep, slot = str(value).split("|")[:2]
-            held = r.hget(dep_slots_key(dep), slot)
+            held = r.hget(dep_slots_key(DeploymentId(dep)), slot)
             if held and str(held).split("|")[0] == p:
-                r.hdel(dep_slots_key(dep), slot)
+                r.hdel(dep_slots_key(DeploymentId(dep)), slot)
             gone += 1
         r.hdel(OWNERS_KEY, p)
         r.zrem(LRU_KEY, p)
@@ -526,8 +531,8 @@ def _forget(r: Any, prefixes: Iterable[str]) -> int:
 def job_finished(
     *,
     route: Route | None,
-    job_id: Any,
-    deployment_id: Any,
+    job_id: JobId,
+    deployment_id: DeploymentId | None,
     completed: bool,
     usage: dict[str, Any],
     served_slot: int | None,
@@ -536,7 +541,7 @@ def job_finished(
     holds its messages and completion (ownership), and count the hit or miss."""
     if route is None:
         return
-    dep = str(deployment_id)
+    dep = DeploymentId(str(deployment_id))
     slot = served_slot if served_slot is not None else route.slot
     if (
         not completed
@@ -648,11 +653,11 @@ def prune(*, now: float | None = None) -> int:
     return len(expired) + len(victims)
 
 
-def deployment_drop(*, deployment_id: Any, reason: str) -> int:
+def deployment_drop(*, deployment_id: DeploymentId, reason: str) -> int:
     """Forget every prefix a deployment's slots hold, with one KV_STATE_DROPPED event saying so
     (what was not moved by a state transfer prefills again where it goes next)."""
     r = get_redis()
-    dep = str(deployment_id)
+    dep = DeploymentId(str(deployment_id))
     held = r.hgetall(dep_slots_key(dep))
     if not held:
         return 0
@@ -700,18 +705,18 @@ return 1
 """
 
 
-def transfer_begin(*, deployment_id: Any, ttl: float) -> bool:
+def transfer_begin(*, deployment_id: DeploymentId, ttl: float) -> bool:
     """Mark the deployment's conversations as moving (False while a transfer is under way; a later
     drain may move again). The mark expires, so a lost task never holds a drain up for good."""
     key = transfer_state_key(deployment_id)
     return bool(get_redis().eval(_BEGIN_LUA, 1, key, str(max(1, int(ttl)))))
 
 
-def transfer_end(*, deployment_id: Any) -> None:
+def transfer_end(*, deployment_id: DeploymentId) -> None:
     get_redis().set(transfer_state_key(deployment_id), "done", ex=3600)
 
 
-def transfer_state(*, deployment_id: Any) -> str | None:
+def transfer_state(*, deployment_id: DeploymentId) -> str | None:
     value = get_redis().get(transfer_state_key(deployment_id))
     return str(value) if value else None
 
@@ -726,7 +731,7 @@ class Held:
     last_use: float
 
 
-def slots_held(*, deployment_id: Any) -> list[Held]:
+def slots_held(*, deployment_id: DeploymentId) -> list[Held]:
     """The conversations the deployment's slots hold, the most recently used first."""
     out: list[Held] = []
     for slot_s, value in (get_redis().hgetall(dep_slots_key(deployment_id)) or {}).items():
@@ -741,8 +746,8 @@ def slots_held(*, deployment_id: Any) -> list[Held]:
 def conversation_moved(
     *,
     held: Held,
-    from_deployment_id: Any,
-    to_deployment_id: Any,
+    from_deployment_id: DeploymentId,
+    to_deployment_id: DeploymentId,
     to_slot: int,
     n_bytes: int,
     seconds: float,
@@ -752,7 +757,7 @@ def conversation_moved(
     KV_STATE_MOVED event, bytes and seconds counted). False, recording nothing, when the old slot
     no longer names the prefix (a job replaced it, or the record was dropped meanwhile)."""
     r = get_redis()
-    src, dst = str(from_deployment_id), str(to_deployment_id)
+    src, dst = DeploymentId(str(from_deployment_id)), DeploymentId(str(to_deployment_id))
     current = r.hget(dep_slots_key(src), str(held.slot))
     if not current or str(current).split("|")[0] != held.prefix:
         return False
@@ -801,10 +806,10 @@ def conversation_moved(
     return True
 
 
-def conversation_drop(*, deployment_id: Any, held: Held, reason: str) -> bool:
+def conversation_drop(*, deployment_id: DeploymentId, held: Held, reason: str) -> bool:
     """Forget one conversation a slot held (its transfer failed), with KV_STATE_DROPPED saying why."""
     r = get_redis()
-    dep = str(deployment_id)
+    dep = DeploymentId(str(deployment_id))
     current = r.hget(dep_slots_key(dep), str(held.slot))
     if not current or str(current).split("|")[0] != held.prefix:
         return False
@@ -838,7 +843,7 @@ def deployments_held(deployment_ids: Iterable[Any]) -> dict[str, tuple[int, int]
         return {}
     with get_redis().pipeline(transaction=False) as pipe:
         for d in ids:
-            pipe.hvals(dep_slots_key(d))
+            pipe.hvals(dep_slots_key(DeploymentId(d)))
         rows = pipe.execute()
     out: dict[str, tuple[int, int]] = {}
     for d, vals in zip(ids, rows, strict=True):

@@ -40,6 +40,8 @@ from django.conf import settings
 from agent.protocol import new_id
 from apps.models_repo.profile import ModelProfile
 from apps.nodes.commands import command_send, command_wait
+from racon import ids
+from racon.ids import DeploymentId, NodeId
 from racon.redis import get_redis
 
 from . import kvcache, selectors
@@ -84,7 +86,7 @@ def _record(transfer_id: str) -> dict[str, str]:
 
 
 def kv_upload_accept(
-    *, transfer_id: str, node_id: Any, body: BinaryIO, content_length: int | None
+    *, transfer_id: str, node_id: NodeId, body: BinaryIO, content_length: int | None
 ) -> dict[str, Any]:
     """Store the old owner's saved slot: only from the node the transfer names, once, size-capped;
     returns the size and the sha256 the controller computed."""
@@ -136,7 +138,7 @@ def kv_upload_accept(
     return {"transfer_id": transfer_id, "size": size, "sha256": sha}
 
 
-def kv_download_open(*, transfer_id: str, node_id: Any) -> tuple[Path, int, str]:
+def kv_download_open(*, transfer_id: str, node_id: NodeId) -> tuple[Path, int, str]:
     """The uploaded blob, for the node the transfer names as the new owner only."""
     rec = _record(transfer_id)
     if rec.get("to_node") != str(node_id):
@@ -164,7 +166,9 @@ class Outcome:
 
 def _target(dep: Deployment) -> Deployment | None:
     """The replica that takes the conversations: the best other serving one, not draining."""
-    candidates = selectors.deployment_route_serving(model_id=dep.model_id, exclude=[dep.id])
+    candidates = selectors.deployment_route_serving(
+        model_id=ids.model_id(dep.model_id), exclude=[dep.id]
+    )
     return selectors.deployment_rank(candidates)
 
 
@@ -196,7 +200,7 @@ def _wait_for_target(dep: Deployment, deadline: float) -> Deployment | None:
         time.sleep(0.5)
 
 
-def deployment_kv_transfer(*, deployment_id: Any, now: datetime) -> Outcome:
+def deployment_kv_transfer(*, deployment_id: DeploymentId, now: datetime) -> Outcome:
     """Move every conversation the deployment's slots hold to another serving replica; what cannot
     move is dropped with KV_STATE_DROPPED. Ends the transfer mark and advances the drain."""
     out = Outcome()
@@ -209,30 +213,34 @@ def deployment_kv_transfer(*, deployment_id: Any, now: datetime) -> Outcome:
         deadline = time.monotonic() + timeout
         if not _wait_for_idle(dep, deadline):
             out.dropped += kvcache.deployment_drop(
-                deployment_id=dep.id, reason=f"its jobs still ran after {timeout:g}s"
+                deployment_id=ids.deployment_id(dep.id),
+                reason=f"its jobs still ran after {timeout:g}s",
             )
             return out
-        held = kvcache.slots_held(deployment_id=dep.id)
+        held = kvcache.slots_held(deployment_id=ids.deployment_id(dep.id))
         if not held:
             return out
         target = _wait_for_target(dep, deadline)
         if target is None or target.primary_id is None:
             out.dropped += kvcache.deployment_drop(
-                deployment_id=dep.id, reason="no other replica serves the model to move it to"
+                deployment_id=ids.deployment_id(dep.id),
+                reason="no other replica serves the model to move it to",
             )
             return out
         for h in held[: int(settings.KV_TRANSFER_MAX_CONVERSATIONS)]:
             try:
                 n_bytes, seconds = conversation_transfer(held=h, source=dep, target=target)
             except TransferFailed as exc:
-                if kvcache.conversation_drop(deployment_id=dep.id, held=h, reason=str(exc)):
+                if kvcache.conversation_drop(
+                    deployment_id=ids.deployment_id(dep.id), held=h, reason=str(exc)
+                ):
                     out.dropped += 1
                 continue
             out.moved += 1
             out.bytes += n_bytes
             out.seconds += seconds
         rest = kvcache.deployment_drop(
-            deployment_id=dep.id,
+            deployment_id=ids.deployment_id(dep.id),
             reason=f"past KV_TRANSFER_MAX_CONVERSATIONS ({settings.KV_TRANSFER_MAX_CONVERSATIONS})",
         )
         out.dropped += rest
@@ -256,7 +264,9 @@ class TransferFailed(Exception):
     """One conversation could not be moved; the message says why (it goes into KV_STATE_DROPPED)."""
 
 
-def _command(*, node_id: Any, kind: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _command(
+    *, node_id: NodeId, kind: str, payload: dict[str, Any], timeout: float
+) -> dict[str, Any]:
     cid = command_send(node_id=node_id, kind=kind, payload=payload)
     result = command_wait(command_id=cid, timeout=timeout)
     if result is None:
@@ -271,6 +281,8 @@ def conversation_transfer(
 ) -> tuple[int, float]:
     """Save one slot on the old primary, restore it into a free slot on the new one and move the
     ownership; (bytes, seconds). Raises TransferFailed."""
+    if source.primary_id is None or target.primary_id is None:
+        raise TransferFailed("a deployment of the transfer has no primary")
     t0 = time.monotonic()
     timeout = float(settings.KV_TRANSFER_TIMEOUT_SECONDS)
     tid = new_id()
@@ -290,7 +302,7 @@ def conversation_transfer(
     slot: int | None = None
     try:
         saved = _command(
-            node_id=source.primary_id,
+            node_id=ids.node_id(source.primary_id),
             kind="kv_save",
             payload={
                 "deployment_id": str(source.id),
@@ -311,7 +323,7 @@ def conversation_transfer(
             )
         _state_check(path=Path(path), held=held, target=target)
         slot = kvcache.slot_reserve(
-            deployment_id=target.id,
+            deployment_id=ids.deployment_id(target.id),
             n_parallel=int(target.n_parallel or 1),
             transfer_id=tid,
             ttl=timeout + 30,
@@ -319,7 +331,7 @@ def conversation_transfer(
         if slot is None:
             raise TransferFailed(f"no free slot on the new owner {target.id}")
         restored = _command(
-            node_id=target.primary_id,
+            node_id=ids.node_id(target.primary_id),
             kind="kv_restore",
             payload={
                 "deployment_id": str(target.id),
@@ -337,8 +349,8 @@ def conversation_transfer(
         seconds = time.monotonic() - t0
         if not kvcache.conversation_moved(
             held=held,
-            from_deployment_id=source.id,
-            to_deployment_id=target.id,
+            from_deployment_id=ids.deployment_id(source.id),
+            to_deployment_id=ids.deployment_id(target.id),
             to_slot=slot,
             n_bytes=int(rec["size"]),
             seconds=seconds,
@@ -348,7 +360,9 @@ def conversation_transfer(
         return int(rec["size"]), seconds
     finally:
         if slot is not None:
-            kvcache.slot_unreserve(deployment_id=target.id, slot=slot, transfer_id=tid)
+            kvcache.slot_unreserve(
+                deployment_id=ids.deployment_id(target.id), slot=slot, transfer_id=tid
+            )
         r.delete(xfer_key(tid))
         for p in (path, str(blob_dir() / f"{tid}.bin")):
             if p:

@@ -10,6 +10,7 @@ from django.views.decorators.http import require_http_methods
 
 from apps.nodes.api import parse_node_auth
 from apps.nodes.enrollment import NodeAuthError, node_authenticate
+from racon import ids
 
 from . import kvtransfer
 
@@ -39,12 +40,14 @@ def kv_blob(request: HttpRequest, transfer_id: str) -> HttpResponseBase:
                 return _error(f"Content-Length: {length!r} is not a byte count", 400)
             accepted = kvtransfer.kv_upload_accept(
                 transfer_id=transfer_id,
-                node_id=node.id,
+                node_id=ids.node_id(node.id),
                 body=request,  # type: ignore[arg-type]  # HttpRequest.read is file-like
                 content_length=int(length) if length is not None else None,
             )
             return JsonResponse(accepted, status=201)
-        path, size, sha = kvtransfer.kv_download_open(transfer_id=transfer_id, node_id=node.id)
+        path, size, sha = kvtransfer.kv_download_open(
+            transfer_id=transfer_id, node_id=ids.node_id(node.id)
+        )
     except kvtransfer.TransferRefused as exc:
         return _error(str(exc), exc.status)
     resp = FileResponse(

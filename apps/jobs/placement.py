@@ -30,7 +30,8 @@ from apps.nodes.commands import command_send, command_wait
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory, Node
 from apps.nodes.states import LOADABLE
-from racon import tls
+from racon import ids, tls
+from racon.ids import DeploymentId, NodeId
 from racon.locks import redis_lock
 from racon.logging import log_context
 
@@ -65,7 +66,10 @@ def _placement_lock() -> Iterator[bool]:
 
 
 def deployment_place(
-    *, deployment_id: Any, clock: Callable[[], datetime] = timezone.now, max_revisions: int = 3
+    *,
+    deployment_id: DeploymentId,
+    clock: Callable[[], datetime] = timezone.now,
+    max_revisions: int = 3,
 ) -> Deployment:
     """Plan, start the RPC workers, load the primary and confirm every member; READY or FAILED.
 
@@ -102,10 +106,10 @@ def deployment_place(
                             kind="PLAN_REVISED" if revision else "PLAN_CHOSEN",
                             category=EventCategory.PLACEMENT,
                             now=clock(),
-                            deployment_id=dep.id,
-                            node_id=plan.primary_node_id,
+                            deployment_id=ids.deployment_id(dep.id),
+                            node_id=NodeId(plan.primary_node_id),
                             message=(
-                                f"primary {selectors.node_name(plan.primary_node_id)}, "
+                                f"primary {selectors.node_name(NodeId(plan.primary_node_id))}, "
                                 f"{len(plan.layer_devices)} device(s), {plan.n_parallel} slot(s), "
                                 f"predicted {plan.predicted_tokens_per_s:.1f} tok/s"
                             ),
@@ -117,7 +121,7 @@ def deployment_place(
                         )
             except PlacementRefused as exc:
                 deployment_transition(
-                    deployment_id=dep.id,
+                    deployment_id=ids.deployment_id(dep.id),
                     to=D.FAILED,
                     now=clock(),
                     kind="PLACEMENT_REFUSED",
@@ -127,7 +131,10 @@ def deployment_place(
                 )
                 return Deployment.objects.get(pk=dep.id)
             deployment_transition(
-                deployment_id=dep.id, to=D.LOADING, expected=D.PLANNING, now=clock()
+                deployment_id=ids.deployment_id(dep.id),
+                to=D.LOADING,
+                expected=D.PLANNING,
+                now=clock(),
             )
             try:
                 report = _deployment_load(dep=dep, plan=plan, clock=clock)
@@ -137,12 +144,12 @@ def deployment_place(
                     kind="NODE_LOST_BEFORE_EXECUTION",
                     category=EventCategory.PLACEMENT,
                     now=clock(),
-                    deployment_id=dep.id,
+                    deployment_id=ids.deployment_id(dep.id),
                     node_id=lost.node_id,
                     message=lost.reason,
                 )
                 if not deployment_transition(
-                    deployment_id=dep.id,
+                    deployment_id=ids.deployment_id(dep.id),
                     to=D.PLANNING,
                     expected=D.LOADING,
                     now=clock(),
@@ -152,7 +159,7 @@ def deployment_place(
                 continue
             except DeploymentError as exc:
                 deployment_transition(
-                    deployment_id=dep.id,
+                    deployment_id=ids.deployment_id(dep.id),
                     to=D.FAILED,
                     expected=D.LOADING,
                     now=clock(),
@@ -170,7 +177,7 @@ def deployment_place(
                     "(PLACEMENT_SOFT_TIME_LIMIT)"
                 )
                 deployment_transition(
-                    deployment_id=dep.id,
+                    deployment_id=ids.deployment_id(dep.id),
                     to=D.FAILED,
                     expected=D.LOADING,
                     now=clock(),
@@ -183,7 +190,7 @@ def deployment_place(
                 # Never leave a deployment LOADING forever: an unexpected fault fails it, visibly.
                 log.exception("placement of deployment %s failed", dep.id)
                 deployment_transition(
-                    deployment_id=dep.id,
+                    deployment_id=ids.deployment_id(dep.id),
                     to=D.FAILED,
                     expected=D.LOADING,
                     now=clock(),
@@ -193,7 +200,7 @@ def deployment_place(
                 )
                 return Deployment.objects.get(pk=dep.id)
             if deployment_transition(
-                deployment_id=dep.id,
+                deployment_id=ids.deployment_id(dep.id),
                 to=D.READY,
                 expected=D.LOADING,
                 now=clock(),
@@ -209,7 +216,7 @@ def deployment_place(
                 )
             return Deployment.objects.get(pk=dep.id)
         deployment_transition(
-            deployment_id=dep.id,
+            deployment_id=ids.deployment_id(dep.id),
             to=D.FAILED,
             now=clock(),
             kind="DEPLOYMENT_FAILED",
@@ -220,14 +227,14 @@ def deployment_place(
 
 
 class _NodeLost(Exception):
-    def __init__(self, node_id: str, reason: str) -> None:
+    def __init__(self, node_id: NodeId, reason: str) -> None:
         super().__init__(reason)
         self.node_id = node_id
         self.reason = reason
 
 
 def _ask(
-    *, node_id: str, kind: str, payload: dict[str, Any], timeout: float, late: str
+    *, node_id: NodeId, kind: str, payload: dict[str, Any], timeout: float, late: str
 ) -> dict[str, Any]:
     """Send a command and wait for its result, without the node_id the report carries. No
     answer within ``timeout`` is the node lost: ``late`` says what it did not do in time."""
@@ -248,7 +255,7 @@ def _deployment_load(
     # their tunnels: a fresh key per deployment (and placement attempt), never stored, sent only
     # in the commands of the plan's members.
     tunnel_key = secrets.token_hex(32)
-    tunnel_tls = tunnel_certificate(deployment_id=dep.id)
+    tunnel_tls = tunnel_certificate(deployment_id=ids.deployment_id(dep.id))
     primary_address = (
         Node.objects.filter(pk=plan.primary_node_id).values_list("address", flat=True).first()
     )
@@ -280,7 +287,7 @@ def _deployment_load(
             category=EventCategory.RUNTIME,
             now=clock(),
             node_id=node_id,
-            deployment_id=dep.id,
+            deployment_id=ids.deployment_id(dep.id),
             message=f"RPC worker ready at {worker['endpoint']}",
             data={"endpoint": worker["endpoint"], "result": result},
         )
@@ -288,12 +295,12 @@ def _deployment_load(
     # A vLLM plan's model directory is not copied: the node finds it in its models directory by
     # its manifest's sha256 (the load refuses with model_missing where it has none).
     primary = plan.primary_node_id
-    _require_live(primary)
+    _require_live(NodeId(primary))
     vllm = dep.engine == "vllm"
     path = (
         dep.model_file.file_name
         if vllm
-        else _ensure_model_file(dep=dep, node_id=primary, clock=clock)
+        else _ensure_model_file(dep=dep, node_id=NodeId(primary), clock=clock)
     )
     # 3. the primary verifies sha256 and loads with the plan's split
     payload = {
@@ -318,11 +325,11 @@ def _deployment_load(
     if vllm:
         payload.update({"engine": "vllm", "kv_bytes": int(plan.kv_bytes)})
     result = _ask(
-        node_id=primary,
+        node_id=NodeId(primary),
         kind="load_primary",
         payload=payload,
         timeout=max(timeout_load, settings.VLLM_LOAD_TIMEOUT) if vllm else timeout_load,
-        late=f"primary {selectors.node_name(primary)} did not load",
+        late=f"primary {selectors.node_name(NodeId(primary))} did not load",
     )
     if not result.get("ok"):
         error = str(result.get("error", "load failed"))
@@ -335,23 +342,26 @@ def _deployment_load(
             raise DeploymentError(
                 f"{error}" + ("\nengine log:\n" + "\n".join(tail) if tail else "")
             )
-        raise _NodeLost(primary, f"primary {selectors.node_name(primary)} failed to load: {error}")
+        raise _NodeLost(
+            NodeId(primary),
+            f"primary {selectors.node_name(NodeId(primary))} failed to load: {error}",
+        )
     event_record(
         kind="PRIMARY_LOADED",
         category=EventCategory.RUNTIME,
         now=clock(),
-        node_id=primary,
-        deployment_id=dep.id,
+        node_id=NodeId(primary),
+        deployment_id=ids.deployment_id(dep.id),
         message=f"{dep.model.name} loaded",
         data=result,
     )
     # 4. every member confirmed ready (cheap re-check of their states right before READY)
     for node_id in plan.node_ids:
-        _require_live(node_id)
+        _require_live(NodeId(node_id))
     return result
 
 
-def tunnel_certificate(*, deployment_id: Any) -> dict[str, str]:
+def tunnel_certificate(*, deployment_id: DeploymentId) -> dict[str, str]:
     """A deployment's RPC-tunnel certificate (server and client use) from the controller's CA,
     with its key and the CA certificate, in PEM: sent in the plan's rpc_start and load_primary,
     never stored (agent/tunnel.py pins both ends to exactly this certificate)."""
@@ -360,13 +370,13 @@ def tunnel_certificate(*, deployment_id: Any) -> dict[str, str]:
     return {"cert": leaf.cert_pem.decode(), "key": leaf.key_pem.decode(), "ca": ca.pem().decode()}
 
 
-def _require_live(node_id: str) -> None:
+def _require_live(node_id: NodeId) -> None:
     state = Node.objects.filter(pk=node_id).values_list("state", flat=True).first()
     if state not in LOADABLE:
         raise _NodeLost(node_id, f"node {selectors.node_name(node_id)} is {state or 'gone'}")
 
 
-def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], datetime]) -> str:
+def _ensure_model_file(*, dep: Deployment, node_id: NodeId, clock: Callable[[], datetime]) -> str:
     """The primary's path to the file; copies it there first when it lacks it (retried once)."""
     replica = Replica.objects.filter(node_id=node_id, model_file=dep.model_file).first()
     if replica is not None:
@@ -375,7 +385,7 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
             node_id=node_id,
             model_file=dep.model_file,
             path=replica.path,
-            deployment_id=dep.id,
+            deployment_id=ids.deployment_id(dep.id),
             now=clock(),
         ):
             return replica.path
@@ -390,7 +400,7 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
             category=EventCategory.PLACEMENT,
             now=clock(),
             node_id=node_id,
-            deployment_id=dep.id,
+            deployment_id=ids.deployment_id(dep.id),
             message=f"copying {mf.file_name} to the primary (attempt {attempt})",
             data={"size": mf.size},
         )
@@ -406,7 +416,7 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
                 node_id=node_id,
                 model_file=mf,
                 path=str(result["path"]),
-                deployment_id=dep.id,
+                deployment_id=ids.deployment_id(dep.id),
                 now=clock(),
             ):
                 raise _NodeLost(
@@ -423,7 +433,7 @@ def _ensure_model_file(*, dep: Deployment, node_id: str, clock: Callable[[], dat
                 category=EventCategory.PLACEMENT,
                 now=clock(),
                 node_id=node_id,
-                deployment_id=dep.id,
+                deployment_id=ids.deployment_id(dep.id),
                 message=f"{mf.file_name} verified on the primary",
             )
             return str(result["path"])
@@ -435,7 +445,12 @@ REPLICA_CHALLENGE_BYTES = 1 << 20
 
 
 def replica_challenge(
-    *, node_id: Any, model_file: Any, path: str, deployment_id: Any = None, now: datetime
+    *,
+    node_id: NodeId,
+    model_file: Any,
+    path: str,
+    deployment_id: DeploymentId | None = None,
+    now: datetime,
 ) -> bool:
     """Whether the node's copy of a model file answers a hash challenge on a random range.
 

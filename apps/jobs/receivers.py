@@ -9,6 +9,7 @@ from django.db.models.signals import post_delete, post_save
 from apps.nodes import hooks as node_hooks
 from apps.nodes.states import DRAIN_STATES
 from racon import cache
+from racon.ids import NodeId
 
 from .drain import deployments_drain_step
 from .models import Deployment, Job
@@ -26,7 +27,7 @@ def _node_state_moved(*, old: str, new: str, **kwargs: Any) -> None:
         cache.invalidate(ROUTE_CACHE)
 
 
-def node_has_jobs_in_flight(*, node_id: Any) -> bool:
+def node_has_jobs_in_flight(*, node_id: NodeId) -> bool:
     """Whether a job still runs on the node (a drain ends once none does)."""
     return Job.objects.filter(nodes__id=node_id, state__in=JOB_IN_FLIGHT).exists()
 

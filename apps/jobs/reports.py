@@ -29,6 +29,7 @@ from apps.nodes.lending import (
 from apps.nodes.links import link_record
 from apps.nodes.models import EventCategory, Node
 from apps.nodes.services import node_report_fault
+from racon.ids import NodeId
 from racon.redis import get_redis
 
 from .deployments import (
@@ -86,7 +87,7 @@ return {n, redis.call('TTL', KEYS[1])}
 """
 
 
-def _rate_check(node_id: Any) -> None:
+def _rate_check(node_id: NodeId) -> None:
     limit = int(settings.NODE_REPORT_RATE_PER_MINUTE)
     if limit <= 0:
         return
@@ -99,7 +100,9 @@ def _rate_check(node_id: Any) -> None:
         )
 
 
-def report_accept(*, node_id: Any, report: dict[str, Any], now: datetime) -> dict[str, Any] | None:
+def report_accept(
+    *, node_id: NodeId, report: dict[str, Any], now: datetime
+) -> dict[str, Any] | None:
     """Apply one report exactly once (duplicates by report id are acknowledged and ignored);
     ReportRateLimited past the node's rate, before anything is read or written."""
     _rate_check(node_id)
@@ -136,7 +139,7 @@ REFUSAL_EVENT_WINDOW_SECONDS = 60
 
 def _refusal_record(
     *,
-    node_id: Any,
+    node_id: NodeId,
     kind: str,
     exc: Any,
     payload: dict[str, Any],
@@ -170,7 +173,7 @@ def _refusal_record(
 
 
 def _dispatch(
-    *, node_id: Any, kind: str, payload: dict[str, Any], command_id: str | None, now: datetime
+    *, node_id: NodeId, kind: str, payload: dict[str, Any], command_id: str | None, now: datetime
 ) -> dict[str, Any] | None:
     if kind == "event":
         name = str(payload.get("event", "")).upper()[:40]

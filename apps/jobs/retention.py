@@ -28,6 +28,8 @@ from typing import Any
 from django.conf import settings
 
 from agent.protocol import STREAM_TTL_SECONDS, job_stream_key
+from racon import ids
+from racon.ids import JobId, NodeId
 from racon.redis import get_redis
 
 from .models import Job, JobAttempt
@@ -39,7 +41,7 @@ FOLLOWERS_KEY = "racon:streams:followers:{job}"  # ZSET: follower token -> lease
 _BATCH = 2000
 
 
-def _followers_key(job_id: Any) -> str:
+def _followers_key(job_id: JobId) -> str:
     return FOLLOWERS_KEY.format(job=str(job_id))
 
 
@@ -50,7 +52,9 @@ def stream_archive_key(key: str) -> str:
     return ARCHIVE_PREFIX + key
 
 
-def job_stream_entries(*, job_id: Any, node_id: Any = None) -> list[tuple[str, dict[str, str]]]:
+def job_stream_entries(
+    *, job_id: JobId, node_id: NodeId | None = None
+) -> list[tuple[str, dict[str, str]]]:
     """A job's stream entries, wherever they are now: a node's own key while it is there, the
     controller's copy (stream_archive_key) once job_stream_release moved it. From ``node_id``'s
     stream, or else from every primary the job had (each attempt's); [] when none is left. The one
@@ -69,7 +73,7 @@ def job_stream_entries(*, job_id: Any, node_id: Any = None) -> list[tuple[str, d
     return entries
 
 
-def stream_follow_begin(*, job_id: Any) -> str:
+def stream_follow_begin(*, job_id: JobId) -> str:
     """Register a follower of the job's stream; the token ends it (stream_follow_end)."""
     token = uuid.uuid4().hex
     key = _followers_key(job_id)
@@ -80,7 +84,7 @@ def stream_follow_begin(*, job_id: Any) -> str:
     return token
 
 
-def stream_follow_end(*, job_id: Any, token: str, ended_on: Iterable[Any] | None = None) -> int:
+def stream_follow_end(*, job_id: JobId, token: str, ended_on: Iterable[Any] | None = None) -> int:
     """End a follower; the job's streams go if it is terminal and no one else follows.
 
     ``ended_on``: the caller has just recorded the job's end and knows the primaries its
@@ -97,7 +101,7 @@ def stream_follow_end(*, job_id: Any, token: str, ended_on: Iterable[Any] | None
     )
 
 
-def stream_followed(job_id: Any, *, leaving: str | None = None) -> bool:
+def stream_followed(job_id: JobId, *, leaving: str | None = None) -> bool:
     """Whether anyone follows the job's stream now (expired leases dropped); ``leaving``: a
     follower's token, ended in the same round trip."""
     key = _followers_key(job_id)
@@ -119,7 +123,7 @@ def _stream_keys(rows: list[tuple[Any, Any]]) -> list[str]:
     return [job_stream_key(job, node) for job, nodes in primaries.items() for node in nodes]
 
 
-def job_stream_release(*, job_id: Any) -> int:
+def job_stream_release(*, job_id: JobId) -> int:
     """Delete the job's streams if it is terminal and followed by no one; returns keys deleted."""
     if stream_followed(job_id):
         return 0
@@ -162,7 +166,7 @@ def job_streams_prune(*, now: datetime) -> int:
     )
     if not rows:
         return 0
-    keys = _stream_keys([(pk, p) for pk, p, _ in rows if not stream_followed(pk)])
+    keys = _stream_keys([(pk, p) for pk, p, _ in rows if not stream_followed(ids.job_id(pk))])
     gone = 0
     for i in range(0, len(keys), 500):
         gone += int(r.unlink(*keys[i : i + 500]))

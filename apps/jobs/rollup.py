@@ -25,7 +25,9 @@ from django.db.models import Max
 from agent.protocol import heartbeat_key
 from apps.nodes.models import Node
 from apps.nodes.states import NodeState
+from racon import ids
 from racon.broadcast import broadcast
+from racon.ids import ModelId, NodeId
 from racon.redis import get_redis
 
 from .models import Job, JobAttempt, MinuteRollup
@@ -43,11 +45,11 @@ def minute_floor(t: datetime) -> datetime:
     return t.replace(second=0, microsecond=0)
 
 
-def model_scope(model_id: Any) -> str:
+def model_scope(model_id: ModelId) -> str:
     return f"model:{model_id}"
 
 
-def node_scope(node_id: Any) -> str:
+def node_scope(node_id: NodeId) -> str:
     return f"node:{node_id}"
 
 
@@ -131,7 +133,7 @@ def _job_buckets(start: datetime, end: datetime) -> dict[tuple[datetime, str], _
         node_ids = {str(n.id) for n in job.nodes.all()}
         for layers, _ in shares:
             node_ids |= set(layers)
-        for scope in (POOL, model_scope(job.model_id)):
+        for scope in (POOL, model_scope(ids.model_id(job.model_id))):
             b = buckets[(minute, scope)]
             b.requests += 1
             b.failed += int(failed)
@@ -141,7 +143,7 @@ def _job_buckets(start: datetime, end: datetime) -> dict[tuple[datetime, str], _
             if ttft is not None:
                 b.ttfts.append(float(ttft))
         for nid in node_ids:
-            b = buckets[(minute, node_scope(nid))]
+            b = buckets[(minute, node_scope(NodeId(nid)))]
             b.requests += 1
             b.failed += int(failed)
             # Tokens a node helped generate: every attempt it was part of. A split's tokens count
@@ -180,7 +182,7 @@ def _telemetry_rows(minute: datetime) -> list[MinuteRollup]:
         rows.append(
             MinuteRollup(
                 minute=minute,
-                scope=node_scope(n.id),
+                scope=node_scope(ids.node_id(n.id)),
                 node_id=n.id,
                 cpu_percent=float(tele["cpu_percent"])
                 if tele.get("cpu_percent") is not None

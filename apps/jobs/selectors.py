@@ -21,7 +21,8 @@ from apps.nodes.lending import LendingView, lending_view
 from apps.nodes.links import link_measurements
 from apps.nodes.models import Node
 from apps.nodes.states import DRAIN_STATES, NodeState
-from racon import cache
+from racon import cache, ids
+from racon.ids import AccountId, ModelId, NodeId
 from racon.redis import get_redis
 
 from . import admission
@@ -35,12 +36,12 @@ DEFAULT_GFLOPS = 20.0
 DEFAULT_BANDWIDTH_GBPS = 10.0
 
 
-def node_name(node_id: Any) -> str:
+def node_name(node_id: NodeId) -> str:
     return _node_name(str(node_id))
 
 
 @lru_cache(maxsize=4096)
-def _node_name(node_id: str) -> str:
+def _node_name(node_id: NodeId) -> str:
     return Node.objects.filter(pk=node_id).values_list("name", flat=True).first() or node_id[:8]
 
 
@@ -69,7 +70,7 @@ def rpc_workers_in_use(*, exclude_deployment: Any = None) -> set[str]:
     return busy
 
 
-def nodes_serving_model(*, model_id: Any, exclude_deployment: Any = None) -> set[str]:
+def nodes_serving_model(*, model_id: ModelId, exclude_deployment: Any = None) -> set[str]:
     """Members (primary or RPC worker) of the model's active deployments: one replica per node."""
     qs = Deployment.objects.filter(model_id=model_id, state__in=list(DEPLOYMENT_ACTIVE))
     if exclude_deployment is not None:
@@ -111,7 +112,7 @@ def cluster_snapshot(
             for n in Replica.objects.filter(model_file=model_file).values_list("node_id", flat=True)
         }
         serving = nodes_serving_model(
-            model_id=model_file.model_id, exclude_deployment=exclude_deployment
+            model_id=ids.model_id(model_file.model_id), exclude_deployment=exclude_deployment
         )
     live_by_node = live_capacity([str(n.id) for n in nodes], now=now)
     snaps = []
@@ -148,7 +149,7 @@ def cluster_snapshot(
         bw = n.mem_bandwidth_gbps * eff if n.mem_bandwidth_gbps else DEFAULT_BANDWIDTH_GBPS
         devices = [
             DeviceSnapshot(
-                node_id=nid,
+                node_id=NodeId(nid),
                 device="CPU",
                 kind="cpu",
                 free_bytes=ram_free,
@@ -163,7 +164,7 @@ def cluster_snapshot(
             unverified = unverified or not gpu_verified(gpu)
             devices.append(
                 DeviceSnapshot(
-                    node_id=nid,
+                    node_id=NodeId(nid),
                     device=name,
                     kind="gpu",
                     free_bytes=_gpu_free(
@@ -179,7 +180,7 @@ def cluster_snapshot(
         devices = _vram_capped(devices, lend=lend, reserved_dev=reserved_dev)
         snaps.append(
             NodeSnapshot(
-                node_id=nid,
+                node_id=NodeId(nid),
                 name=n.name,
                 state=n.state,
                 address=n.address,
@@ -345,7 +346,7 @@ def deployments_on_drained_nodes(qs: QuerySet[Deployment]) -> QuerySet[Deploymen
     ).distinct()
 
 
-def deployment_route_candidates(*, model_id: Any, cached: bool = False) -> list[Deployment]:
+def deployment_route_candidates(*, model_id: ModelId, cached: bool = False) -> list[Deployment]:
     """The model's READY and DEGRADED deployments with no draining member (from the process
     cache with ``cached``: a node starting or ending a drain clears it, receivers.py)."""
 
@@ -360,7 +361,7 @@ def deployment_route_candidates(*, model_id: Any, cached: bool = False) -> list[
 
 
 def deployment_route(
-    *, model_id: Any, cached: bool = False, exclude: Iterable[Any] = ()
+    *, model_id: ModelId, cached: bool = False, exclude: Iterable[Any] = ()
 ) -> Deployment | None:
     """The READY deployment of this model with the largest share of its slots free (DEGRADED
     only as fallback), then the most free slots.
@@ -380,7 +381,7 @@ def deployment_route(
 
 
 def deployment_route_serving(
-    *, model_id: Any, cached: bool = False, exclude: Iterable[Any] = ()
+    *, model_id: ModelId, cached: bool = False, exclude: Iterable[Any] = ()
 ) -> list[Deployment]:
     """The route candidates less the ones marked dead and ``exclude`` (deployment_route's set;
     the KV cache coordinator scores these, apps/jobs/kvcache.py)."""
@@ -433,10 +434,10 @@ def job_list(
     *,
     state: str | None = None,
     model: str | None = None,
-    node_id: Any = None,
+    node_id: NodeId | None = None,
     since: datetime | None = None,
     until: datetime | None = None,
-    account_id: Any = None,
+    account_id: AccountId | None = None,
 ) -> QuerySet[Job]:
     qs = Job.objects.select_related("model", "deployment").all()
     if state:
@@ -498,6 +499,6 @@ def replica_load(
             slots_in_use=sum(in_use.get(str(a[0]), 0) for a in mine),
             slots=sum(int(a[3] or 1) for a in serving),
             queue_depth=sum(waiting.get(str(a[0]), 0) for a in mine),
-            queue_wait_seconds=round(admission.model_queue_wait(model_id, now=now), 3),
+            queue_wait_seconds=round(admission.model_queue_wait(ModelId(model_id), now=now), 3),
         )
     return in_use, waiting, out

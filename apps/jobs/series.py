@@ -15,6 +15,8 @@ from typing import Any
 
 from django.db.models import Avg, Count, Sum
 
+from racon.ids import ModelId, NodeId
+
 from .models import Job, MinuteRollup
 from .rollup import POOL, minute_floor
 from .states import JobState
@@ -97,7 +99,7 @@ def series_throughput(
 
 
 def series_ttft(
-    *, window: str, now: datetime, model_id: Any = None, node_id: Any = None
+    *, window: str, now: datetime, model_id: ModelId | None = None, node_id: NodeId | None = None
 ) -> dict[str, Any]:
     """Time to first token (queued → first token), p50 and p95 per step, for the pool, a model or
     the jobs a node took part in. A ten-minute step shows the request-weighted mean of its
@@ -124,7 +126,7 @@ def series_ttft(
     }
 
 
-def series_node_load(*, node_id: Any, window: str, now: datetime) -> dict[str, Any]:
+def series_node_load(*, node_id: NodeId, window: str, now: datetime) -> dict[str, Any]:
     """A node's CPU load (percent) and memory used (bytes) per step, from the telemetry samples."""
     since, step, xs = _axis(window, now)
     cpu: dict[int, list[float]] = defaultdict(list)

@@ -40,6 +40,7 @@ from apps.nodes.models import Node
 from apps.nodes.selectors import heartbeat_ages
 from apps.nodes.states import PLACEABLE, NodeState
 from racon import cache, ids
+from racon.ids import AccountId, ApiKeyId, DeploymentId, JobId, ModelId, NodeId
 
 from . import admission, kvcache, retention, selectors, streams
 from .deployments import deployment_ensure
@@ -74,7 +75,7 @@ CreditHold = Callable[[Job, int], None]
 # The api layer's gate, run once the request's prompt bound is known and before anything is sent
 # to a node or written: (job id, model, prompt bound, max_tokens). It raises to refuse (no
 # balance, a key over its limits); what it returns is called once when the job ends.
-Gate = Callable[[str, Model, int, int], Callable[[], None] | None]
+Gate = Callable[[JobId, Model, int, int], Callable[[], None] | None]
 
 
 def pooled(fn: Any) -> Any:
@@ -106,15 +107,17 @@ class ContextTooLong(Exception):
 class Admission:
     """One request's job on its way through admission, dispatch and its stream."""
 
-    job_id: str
+    job_id: JobId
     model_name: str
-    model_id: Any = None
-    deployment_id: str | None = None
-    primary_id: str | None = None  # the node that runs it: its stream and cancel keys are under it
+    model_id: ModelId | None = None
+    deployment_id: DeploymentId | None = None
+    primary_id: NodeId | None = (
+        None  # the node that runs it: its stream and cancel keys are under it
+    )
     dispatched: bool = False
     nodes: list[str] = field(default_factory=list)
     n_parallel: int = 1
-    account_id: Any = None
+    account_id: AccountId | None = None
     queued_ts: float = 0.0
     prompt_bound: int | None = None
     max_tokens: int | None = None  # the job's own: the follower cuts the stream there
@@ -153,8 +156,8 @@ def prompt_hold_tokens(*, kind: str, params: dict[str, Any], max_tokens: int, n_
 def admission_open(
     *,
     model_name: str,
-    account_id: Any,
-    api_key_id: Any,
+    account_id: AccountId | None,
+    api_key_id: ApiKeyId | None,
     kind: str,
     params: dict[str, Any],
     max_tokens: int | None,
@@ -176,7 +179,7 @@ def admission_open(
     if model is None:
         raise ModelNotFound(model_name)
     max_tokens = int(max_tokens or settings.DEFAULT_MAX_TOKENS)
-    route = kvcache.route_request(model_id=model.id, kind=kind, params=params)
+    route = kvcache.route_request(model_id=ids.model_id(model.id), kind=kind, params=params)
     deployment = route.deployment
     if deployment is not None and max_tokens > deployment.n_ctx:
         raise ContextTooLong(max_tokens=max_tokens, n_ctx=deployment.n_ctx)
@@ -187,11 +190,13 @@ def admission_open(
         n_ctx=deployment.n_ctx if deployment is not None else settings.DEFAULT_N_CTX,
     )
     job_id = uuid.uuid4()
-    release = gate(str(job_id), model, prompt_bound, max_tokens) if gate is not None else None
+    release = (
+        gate(ids.job_id(job_id), model, prompt_bound, max_tokens) if gate is not None else None
+    )
     adm = Admission(
-        job_id=str(job_id),
+        job_id=ids.job_id(job_id),
         model_name=model.name,
-        model_id=model.id,
+        model_id=ids.model_id(model.id),
         account_id=account_id,
         queued_ts=now.timestamp(),
         prompt_bound=prompt_bound,
@@ -201,7 +206,7 @@ def admission_open(
     )
     try:
         # Registered before the job can be dispatched: its stream is never deleted under us.
-        adm.follow_token = retention.stream_follow_begin(job_id=job_id)
+        adm.follow_token = retention.stream_follow_begin(job_id=ids.job_id(job_id))
         return _admission_start(
             adm=adm,
             route=route,
@@ -277,14 +282,18 @@ def _admission_start(*, adm: Admission, route: kvcache.Route, create: dict[str, 
             admission.slot_release(deployment_id=fast.id, job_id=job_id)
             kvcache.slot_release(route=route, job_id=job_id)
             raise
-        adm.deployment_id, adm.dispatched, adm.n_parallel = str(fast.id), True, fast.n_parallel
-        adm.primary_id = str(fast.primary_id)
-        adm.nodes = [selectors.node_name(n) for n in dispatch_node_ids(fast)]
+        adm.deployment_id, adm.dispatched, adm.n_parallel = (
+            ids.deployment_id(fast.id),
+            True,
+            fast.n_parallel,
+        )
+        adm.primary_id = ids.node_id(fast.primary_id)
+        adm.nodes = [selectors.node_name(NodeId(n)) for n in dispatch_node_ids(fast)]
         return adm
     job_create(**create)
     if deployment is None:
         deployment = deployment_ensure(model=model, now=now)
-    adm.deployment_id = str(deployment.id)
+    adm.deployment_id = ids.deployment_id(deployment.id)
     adm.n_parallel = deployment.n_parallel
     return adm
 
@@ -311,6 +320,7 @@ async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> No
     affinity = adm.kv is not None and adm.kv.affinity_wait > 0 and adm.kv.fallback is not None
     try:
         while True:
+            assert adm.deployment_id is not None, "admitted onto a deployment"
             try:
                 await admission.wait_for_slot(
                     deployment_id=adm.deployment_id,
@@ -329,7 +339,7 @@ async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> No
                     raise
                 affinity = False
                 other = kvcache.route_fallback(route=adm.kv)
-                adm.deployment_id, adm.n_parallel = str(other.id), other.n_parallel
+                adm.deployment_id, adm.n_parallel = ids.deployment_id(other.id), other.n_parallel
             except admission.DeploymentUnavailable:
                 # The deployment it queued on failed (or was stopped): a queued job is not lost
                 # with it, it waits on another replica, or on the replacement being placed.
@@ -347,7 +357,7 @@ async def admission_wait(*, adm: Admission, standing: Callable[[], float]) -> No
                     adm.deployment_id,
                     other.id,
                 )
-                adm.deployment_id, adm.n_parallel = str(other.id), other.n_parallel
+                adm.deployment_id, adm.n_parallel = ids.deployment_id(other.id), other.n_parallel
     except admission.DeploymentUnavailable as exc:
         await pooled(admission_give_up)(
             adm=adm, reason=f"no deployment could serve the request: {exc.reason}"
@@ -405,7 +415,9 @@ class _Wait:
 WAIT = _Wait()
 
 
-def capacity_step(*, model_id: Any, tried: set[str], now: datetime) -> Deployment | _Wait | None:
+def capacity_step(
+    *, model_id: ModelId, tried: set[str], now: datetime
+) -> Deployment | _Wait | None:
     """One look for somewhere to wait, after the deployments in ``tried`` ended: a deployment
     (another replica, the model's active one, or a new placement once a node turned placeable
     after the last tried one was created), WAIT while a node is on its way, or None."""
@@ -451,7 +463,7 @@ def admission_dispatch(*, adm: Admission) -> None:
         raise
     slot = kvcache.slot_claim(
         route=adm.kv,
-        deployment_id=deployment.id,
+        deployment_id=ids.deployment_id(deployment.id),
         job_id=adm.job_id,
         n_parallel=deployment.n_parallel,
     )
@@ -490,6 +502,7 @@ async def stream_open(*, adm: Admission) -> tuple[dict[str, str], AsyncIterator[
     ) -> FailoverTarget | None:
         return await job_failover(adm=adm, follower=follower, failure=failure)
 
+    assert adm.primary_id is not None, "a dispatched job has a primary"
     adm.follower = streams.StreamFollower(
         job_id=adm.job_id,
         deployment_id=adm.deployment_id,
@@ -617,7 +630,7 @@ async def job_failover(
             except DeploymentError:
                 await pooled(kvcache.slot_release)(route=adm.kv, job_id=adm.job_id)
                 return None
-            adm.deployment_id, adm.primary_id = str(dep.id), out["primary"]
+            adm.deployment_id, adm.primary_id = ids.deployment_id(dep.id), NodeId(out["primary"])
             adm.n_parallel = int(out.get("n_parallel") or dep.n_parallel)
             adm.nodes = [selectors.node_name(n) for n in out["nodes"]]
             gap = (
@@ -635,7 +648,7 @@ async def job_failover(
                 f", {gap:.2f}s since the last token" if gap is not None else "",
             )
             return FailoverTarget(
-                deployment_id=str(dep.id), node_id=out["primary"], attempt=attempt + 1
+                deployment_id=ids.deployment_id(dep.id), node_id=out["primary"], attempt=attempt + 1
             )
     finally:
         await pooled(admission.failover_end)(job_id=adm.job_id)
@@ -685,7 +698,7 @@ def admission_finish(
 
 def _attempt_primaries(adm: Admission) -> list[str]:
     """The primaries this request's attempts ran on, as its follower saw them."""
-    nodes = {adm.primary_id} if adm.primary_id else set()
+    nodes: set[str] = {adm.primary_id} if adm.primary_id else set()
     if adm.follower is not None:
         nodes.add(adm.follower.node_id)
         nodes |= {str(f["from_node"]) for f in adm.follower.failovers}

@@ -9,6 +9,8 @@ from django.conf import settings
 from django.db.models import Max
 
 from agent.protocol import job_stream_key
+from racon import ids
+from racon.ids import NodeId
 from racon.redis import get_redis
 
 from . import admission, streams
@@ -37,7 +39,7 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
     for job in Job.objects.filter(state=J.QUEUED).only("id", "queued_at", "deployment_id"):
         if job.queued_at.timestamp() < cutoff_q:
             if job_fail(
-                job_id=job.id,
+                job_id=ids.job_id(job.id),
                 now=now,
                 error="never dispatched: no capacity in time",
                 during_execution=False,
@@ -50,7 +52,7 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
         .annotate(attempt=Max("attempts__number"), attempt_started=Max("attempts__started_at"))
     )
     for job in running:
-        if r.exists(admission.failover_key(job.id)):
+        if r.exists(admission.failover_key(ids.job_id(job.id))):
             continue  # its reader is moving it to another replica
         node = (
             str(job.deployment.primary_id)
@@ -69,16 +71,16 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
                 earlier = False
             if fields.get("type") in ("done", "error") and not earlier:
                 # Billed on the controller's own count of the stream, as the follower would have.
-                chunks, tokens = streams.stream_tally(job.id, node)
+                chunks, tokens = streams.stream_tally(ids.job_id(job.id), NodeId(node))
                 usage = streams.billed_usage(
                     completion_tokens=tokens,
                     agent_usage=streams.entry_usage(fields),
                     prompt_bound=streams.prompt_token_bound(kind=job.kind, params=job.params),
-                    job_id=job.id,
+                    job_id=ids.job_id(job.id),
                 )
                 if fields.get("type") == "done" and fields.get("finish_reason") != "cancelled":
                     done = job_complete(
-                        job_id=job.id,
+                        job_id=ids.job_id(job.id),
                         usage=usage,
                         finish_reason=fields.get("finish_reason") or "stop",
                         chunks=chunks,
@@ -86,11 +88,15 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
                     )
                 elif fields.get("type") == "done":
                     done = job_cancel(
-                        job_id=job.id, now=now, reason="cancelled", usage=usage, chunks=chunks
+                        job_id=ids.job_id(job.id),
+                        now=now,
+                        reason="cancelled",
+                        usage=usage,
+                        chunks=chunks,
                     )
                 else:
                     done = job_fail(
-                        job_id=job.id,
+                        job_id=ids.job_id(job.id),
                         now=now,
                         error=fields.get("text") or "failed",
                         during_execution=True,
@@ -107,7 +113,7 @@ def jobs_fail_stale(*, now: datetime) -> dict[str, int]:
             last_ts = (job.dispatched_at or job.queued_at).timestamp()
         if now.timestamp() - last_ts > idle:
             if job_fail(
-                job_id=job.id,
+                job_id=ids.job_id(job.id),
                 now=now,
                 error=f"no output for {idle:.0f}s; the primary is gone",
                 during_execution=True,

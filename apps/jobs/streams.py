@@ -24,6 +24,8 @@ from django.conf import settings
 
 from agent.protocol import job_cancel_key, job_stream_key
 from apps.nodes.states import LOST
+from racon import ids
+from racon.ids import DeploymentId, JobId, NodeId
 from racon.redis import CONNECTION_ERRORS, get_async_redis, get_redis
 
 from . import admission, retention
@@ -184,8 +186,8 @@ class FailoverTarget:
     """Where a failed-over job goes on: the new attempt's deployment, primary and number.
     ``done``: nothing is left to generate (the old attempt produced max_tokens): end with length."""
 
-    deployment_id: str = ""
-    node_id: str = ""
+    deployment_id: DeploymentId = DeploymentId("")
+    node_id: NodeId = NodeId("")
     attempt: int = 0
     done: bool = False
 
@@ -229,7 +231,7 @@ def billed_usage(
     completion_tokens: int,
     agent_usage: dict[str, Any],
     prompt_bound: int | None,
-    job_id: Any = None,
+    job_id: JobId | None = None,
     check: bool = True,
 ) -> dict[str, Any]:
     """Usage to record and bill: the controller's completion count, the bounded prompt count.
@@ -266,7 +268,7 @@ def billed_usage(
     return out
 
 
-def job_max_tokens(job_id: str) -> int | None:
+def job_max_tokens(job_id: JobId) -> int | None:
     """The job's max_tokens (None for an id that names no job)."""
     try:
         pk = uuid.UUID(job_id)
@@ -282,23 +284,22 @@ class StreamFollower:
     def __init__(
         self,
         *,
-        job_id: Any,
-        deployment_id: Any,
-        node_id: Any,
+        job_id: JobId,
+        deployment_id: DeploymentId | None,
+        node_id: NodeId,
         prompt_bound: int | None = None,
         idle_timeout: float | None = None,
         failover: Failover | None = None,
         max_tokens: int | None = None,
         watch: bool = False,
     ) -> None:
-        self.job_id = str(job_id)
+        self.job_id = JobId(str(job_id))
         # A watcher (the job page) reads what the request's own reader relays: it renews no slot,
         # cuts nothing at max_tokens, and moves to the next attempt only once that reader made it.
         self.watch = watch
-        self.node_id = str(
-            node_id
-        )  # the primary that runs this attempt: the stream is under its prefix
-        self.deployment_id = str(deployment_id) if deployment_id else None
+        # the primary that runs this attempt: the stream is under its prefix
+        self.node_id = NodeId(str(node_id))
+        self.deployment_id = DeploymentId(str(deployment_id)) if deployment_id else None
         self.prompt_bound = prompt_bound
         self.idle_timeout = float(
             settings.STREAM_IDLE_TIMEOUT_SECONDS if idle_timeout is None else idle_timeout
@@ -568,11 +569,11 @@ class StreamFollower:
         return state in LOST
 
 
-def stream_tally(job_id: Any, node_id: Any, *, attempt: int | None = None) -> tuple[int, int]:
+def stream_tally(job_id: JobId, node_id: NodeId, *, attempt: int | None = None) -> tuple[int, int]:
     """(chunks, tokens) in a job's stream as it stands, counted the follower's way (for sweeps);
     with ``attempt``, that attempt's entries only (two attempts on one node share the key)."""
     chunks = tokens = 0
-    for _, fields in get_redis().xrange(job_stream_key(str(job_id), str(node_id))):
+    for _, fields in get_redis().xrange(job_stream_key(JobId(str(job_id)), NodeId(str(node_id)))):
         if attempt is not None and (fields.get("attempt") or "1") != str(attempt):
             continue
         if fields.get("type") == "chunk":
@@ -584,7 +585,7 @@ def stream_tally(job_id: Any, node_id: Any, *, attempt: int | None = None) -> tu
 # --- the job page's watcher ------------------------------------------------------------------------
 
 
-def job_attempt_after(job_id: Any, attempt: int) -> FailoverTarget | None:
+def job_attempt_after(job_id: JobId, attempt: int) -> FailoverTarget | None:
     """The job's first attempt after ``attempt`` (its deployment, primary and number), if any."""
     row = (
         JobAttempt.objects.filter(job_id=job_id, number__gt=attempt)
@@ -595,13 +596,15 @@ def job_attempt_after(job_id: Any, attempt: int) -> FailoverTarget | None:
     if row is None or not row["primary_id"]:
         return None
     return FailoverTarget(
-        deployment_id=str(row["deployment_id"] or ""),
-        node_id=str(row["primary_id"]),
+        deployment_id=(
+            ids.deployment_id(row["deployment_id"]) if row["deployment_id"] else DeploymentId("")
+        ),
+        node_id=ids.node_id(row["primary_id"]),
         attempt=int(row["number"]),
     )
 
 
-def job_watch_start(job_id: Any) -> FailoverTarget | None:
+def job_watch_start(job_id: JobId) -> FailoverTarget | None:
     """Where a job's stream begins: its first attempt's primary when it failed over (the replay
     starts there), else its deployment's primary; None before dispatch."""
     first = job_attempt_after(job_id, 0)
@@ -611,13 +614,13 @@ def job_watch_start(job_id: Any) -> FailoverTarget | None:
     if row is None or not row["deployment__primary_id"]:
         return None
     return FailoverTarget(
-        deployment_id=str(row["deployment_id"]),
-        node_id=str(row["deployment__primary_id"]),
+        deployment_id=ids.deployment_id(row["deployment_id"]),
+        node_id=ids.node_id(row["deployment__primary_id"]),
         attempt=1,
     )
 
 
-def _job_ended(job_id: Any) -> bool:
+def _job_ended(job_id: JobId) -> bool:
     return Job.objects.filter(pk=job_id, state__in=JOB_TERMINAL).exists()
 
 
@@ -640,7 +643,7 @@ async def _watch_next_attempt(
 WATCH_POLL_SECONDS = 0.5
 
 
-async def job_watch(job_id: Any) -> AsyncIterator[dict[str, str]]:
+async def job_watch(job_id: JobId) -> AsyncIterator[dict[str, str]]:
     """A job's entries from its first token to its end, across failovers, for a reader that only
     watches (the job page): the same follower as /v1's, moving to each next attempt as the
     request's reader makes it. Ends after ``done`` or ``error``, or quietly when the stream is

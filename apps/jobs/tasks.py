@@ -8,6 +8,7 @@ from celery import shared_task
 from django.utils import timezone
 
 from apps.nodes import gpu_challenges, links
+from racon.ids import DeploymentId, NodeId
 
 from . import admission, kvtransfer, placement, retention
 from .autoscale import replicas_autoscale
@@ -19,7 +20,7 @@ from .stale import jobs_fail_stale
 
 
 @shared_task(name="racon.jobs.node_state_changed", ignore_result=True)
-def node_state_changed(*, node_id: str, state: str, **kwargs: Any) -> None:
+def node_state_changed(*, node_id: NodeId, state: str, **kwargs: Any) -> None:
     """React to a member node's health change (deployments degrade, fail and get replaced)."""
     deployments_on_node_state(node_id=node_id, state=state, now=timezone.now())
     if state == "READY":
@@ -33,13 +34,13 @@ def node_state_changed(*, node_id: str, state: str, **kwargs: Any) -> None:
 
 
 @shared_task(name="racon.jobs.place_deployment", ignore_result=True)
-def place_deployment(*, deployment_id: str, **kwargs: Any) -> None:
+def place_deployment(*, deployment_id: DeploymentId, **kwargs: Any) -> None:
     """Plan, load and confirm a deployment (idempotent: only a PLANNING deployment is placed)."""
     placement.deployment_place(deployment_id=deployment_id)
 
 
 @shared_task(name="racon.jobs.speed_challenge", ignore_result=True)
-def speed_challenge(*, node_id: str, **kwargs: Any) -> str:
+def speed_challenge(*, node_id: NodeId, **kwargs: Any) -> str:
     """Time and check a node's speed claim (sent when the node turns READY with an unchecked claim)."""
     outcome = node_speed_challenge(node_id=node_id, now=timezone.now()).outcome
     if gpu_challenges.gpu_challenge_due(node_id=node_id, now=timezone.now()):
@@ -48,7 +49,7 @@ def speed_challenge(*, node_id: str, **kwargs: Any) -> str:
 
 
 @shared_task(name="racon.jobs.gpu_challenge", ignore_result=True)
-def gpu_challenge(*, node_id: str, device: str | None = None, **kwargs: Any) -> str:
+def gpu_challenge(*, node_id: NodeId, device: str | None = None, **kwargs: Any) -> str:
     """Time and check one unverified GPU's claim on the GPU (rate-limited per node; a refusal is
     the outcome, not an error)."""
     try:
@@ -85,7 +86,7 @@ def admission_sweep(**kwargs: Any) -> dict[str, int]:
 
 
 @shared_task(name="racon.jobs.kv_transfer", ignore_result=True)
-def kv_transfer(*, deployment_id: str, **kwargs: Any) -> dict[str, Any]:
+def kv_transfer(*, deployment_id: DeploymentId, **kwargs: Any) -> dict[str, Any]:
     """Move a draining replica's conversations (KV state) to another replica, or drop them with an
     event (placement queue: it waits on two agents)."""
     out = kvtransfer.deployment_kv_transfer(deployment_id=deployment_id, now=timezone.now())

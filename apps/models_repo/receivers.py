@@ -6,12 +6,13 @@ from datetime import datetime
 from typing import Any
 
 from apps.nodes import hooks as node_hooks
+from racon.ids import NodeId
 
 from .services import replicas_sync
 
 
 def _node_models_reported(
-    *, node_id: Any, files: list[dict[str, Any]], now: datetime, **kwargs: Any
+    *, node_id: NodeId, files: list[dict[str, Any]], now: datetime, **kwargs: Any
 ) -> None:
     """An agent's handshake listed the model files it holds: they are its replicas now."""
     replicas_sync(node_id=node_id, files=files, now=now)

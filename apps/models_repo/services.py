@@ -21,6 +21,7 @@ from django.db import transaction
 
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
+from racon.ids import NodeId
 
 from .models import Model, ModelFile, Replica
 from .profile import ModelFileError, read_gguf_profile, sha256_file
@@ -38,7 +39,7 @@ class ModelSourceNotFound(ModelRegistrationError):
 
 
 def replicas_sync(
-    *, node_id: Any, files: list[dict[str, Any]], now: datetime, prune: bool = True
+    *, node_id: NodeId, files: list[dict[str, Any]], now: datetime, prune: bool = True
 ) -> int:
     """Record which registered files a node holds (matched by sha256); with prune, drop the rest."""
     by_sha = {f["sha256"]: f for f in files if isinstance(f, dict) and f.get("sha256")}

@@ -26,6 +26,7 @@ from agent.protocol import PROTOCOL_VERSION, REPORT_KINDS, SUPPORTED_PROTOCOL_VE
 from apps.accounts.models import Account
 from apps.accounts.principal import request_account_id
 from racon import ids
+from racon.ids import NodeId
 from racon.net import client_address
 from racon.pagination import LimitPagination
 from racon.redis_acl import AclUnavailable, node_redis_url
@@ -318,7 +319,9 @@ class AgentEnrollApi(APIView):
         node = enrollment.node
         if v.get("lending"):
             try:
-                node_lending_claim(node_id=node.id, policy=v["lending"], now=timezone.now())
+                node_lending_claim(
+                    node_id=ids.node_id(node.id), policy=v["lending"], now=timezone.now()
+                )
             except PolicyError as exc:
                 return Response(
                     {"error": {"message": f"lending policy: {exc}", "code": "invalid_policy"}},
@@ -459,7 +462,10 @@ async def heartbeat_handle(
         }
     try:
         state = await node_heartbeat(
-            node_id=node_id, credential=credential, payload=payload, now=timezone.now()
+            node_id=ids.node_id(node_id),
+            credential=credential,
+            payload=payload,
+            now=timezone.now(),
         )
     except NodeAuthError as exc:
         return 401, {"error": {"message": str(exc), "code": exc.code}}
@@ -476,7 +482,9 @@ async def heartbeat_handle(
     }
     if payload.get("want_command_key") is True:
         # An agent enrolled before commands were signed; the credential was just checked.
-        key = node_command_key(node_id=node_id, credential_hash=credential_hash(credential))
+        key = node_command_key(
+            node_id=ids.node_id(node_id), credential_hash=credential_hash(credential)
+        )
         beat["command_key"] = key.hex()
     return 200, beat
 
@@ -599,11 +607,13 @@ class NodeDetailApi(APIView):
             # many=True makes a ListSerializer, whose .data is a list; the stubs say ReturnDict.
             return cast(
                 "list[dict[str, Any]]",
-                EventOut(selectors.node_events(node_id=obj.id, limit=50), many=True).data,
+                EventOut(
+                    selectors.node_events(node_id=ids.node_id(obj.id), limit=50), many=True
+                ).data,
             )
 
         def get_telemetry(self, obj: Node) -> dict[str, Any]:
-            return selectors.node_telemetry(node_id=str(obj.id))
+            return selectors.node_telemetry(node_id=ids.node_id(obj.id))
 
         def get_deployments(self, obj: Node) -> list[dict[str, Any]]:
             return [
@@ -612,7 +622,7 @@ class NodeDetailApi(APIView):
             ]
 
     @extend_schema(responses=NodeDetailOut)
-    def get(self, request: Request, node_id: str) -> Response:
+    def get(self, request: Request, node_id: NodeId) -> Response:
         node = get_object_or_404(Node, pk=node_id)
         ages = selectors.heartbeat_ages([str(node.id)], now=timezone.now())
         return Response(self.NodeDetailOut(node, context={"ages": ages}).data)
@@ -664,7 +674,7 @@ class NodeDrainApi(APIView):
     """Stop assigning new work to the node. NODE_DRAINED is written when its current work ends."""
 
     @extend_schema(request=None, responses=NodeOut)
-    def post(self, request: Request, node_id: str) -> Response:
+    def post(self, request: Request, node_id: NodeId) -> Response:
         get_object_or_404(Node, pk=node_id)
         node = node_drain(node_id=node_id, now=timezone.now())
         return Response(NodeOut(node).data)
@@ -672,7 +682,7 @@ class NodeDrainApi(APIView):
 
 class NodeUndrainApi(APIView):
     @extend_schema(request=None, responses=NodeOut)
-    def post(self, request: Request, node_id: str) -> Response:
+    def post(self, request: Request, node_id: NodeId) -> Response:
         get_object_or_404(Node, pk=node_id)
         node = node_undrain(node_id=node_id, now=timezone.now())
         return Response(NodeOut(node).data)
@@ -680,7 +690,7 @@ class NodeUndrainApi(APIView):
 
 class NodeRevokeApi(APIView):
     @extend_schema(request=None, responses=NodeOut)
-    def post(self, request: Request, node_id: str) -> Response:
+    def post(self, request: Request, node_id: NodeId) -> Response:
         get_object_or_404(Node, pk=node_id)
         node_revoke(node_id=ids.node_id(node_id), now=timezone.now())
         return Response(NodeOut(Node.objects.get(pk=node_id)).data)
@@ -695,7 +705,7 @@ class NodeAllowReenrollApi(APIView):
         window_seconds = serializers.IntegerField()
 
     @extend_schema(request=None, responses={200: Out, 404: AgentErrorSerializer})
-    def post(self, request: Request, node_id: str) -> Response:
+    def post(self, request: Request, node_id: NodeId) -> Response:
         get_object_or_404(Node, pk=node_id)
         window = node_reenroll_allow(node_id=ids.node_id(node_id), now=timezone.now())
         return Response({"node_id": str(node_id), "window_seconds": window})

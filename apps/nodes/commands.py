@@ -56,7 +56,7 @@ def _command_node_key(command_id: str) -> str:
 COMMAND_NODE_TTL_SECONDS = 2 * 3600
 
 
-def node_command_key(*, node_id: Any, credential_hash: str) -> bytes:
+def node_command_key(*, node_id: NodeId, credential_hash: str) -> bytes:
     """The key a node's commands are signed with (docs/design/serving.md, "The command
     envelope"): derived from SECRET_KEY, the node id and its current credential's hash, so nothing
     new is stored and a re-enrollment (a new credential) gives a new key."""
@@ -64,7 +64,7 @@ def node_command_key(*, node_id: Any, credential_hash: str) -> bytes:
     return salted_hmac("racon.nodes.command_key", value, algorithm="sha256").digest()
 
 
-def _credential_hash_of(node_id: str) -> str:
+def _credential_hash_of(node_id: NodeId) -> str:
     # The heartbeat mirror first (no query on the run_job path); the database when it is cold.
     cached = get_redis().hget(_meta_key(node_id), "cred")
     if cached:
@@ -73,7 +73,7 @@ def _credential_hash_of(node_id: str) -> str:
     return str(found or "")
 
 
-def command_send(*, node_id: Any, kind: str, payload: Mapping[str, Any]) -> str:
+def command_send(*, node_id: NodeId, kind: str, payload: Mapping[str, Any]) -> str:
     """Append a command, signed with the node's command key, to the node's own queue and
     remember which node it went to.
 
@@ -81,7 +81,7 @@ def command_send(*, node_id: Any, kind: str, payload: Mapping[str, Any]) -> str:
     """
     command_id = new_id()
     issued_at = time.time()
-    node = str(node_id)
+    node = NodeId(str(node_id))
     # Signed as the agent will read it back (int keys become strings, tuples lists).
     wire: dict[str, Any] = json.loads(json.dumps(payload))
     key = node_command_key(node_id=node, credential_hash=_credential_hash_of(node))
@@ -112,7 +112,7 @@ def command_wait(*, command_id: str, timeout: float) -> dict[str, Any] | None:
 
 
 def command_result_accept(
-    *, node_id: Any, command_id: str | None, payload: dict[str, Any], now: datetime
+    *, node_id: NodeId, command_id: str | None, payload: dict[str, Any], now: datetime
 ) -> None:
     """Hand a command's result to whoever waits for it (placement), kept briefly for late readers."""
     if not command_id:
@@ -152,7 +152,7 @@ def command_result_accept(
 
 
 def _refusal_event(
-    *, node_id: Any, command_id: str, payload: dict[str, Any], now: datetime
+    *, node_id: NodeId, command_id: str, payload: dict[str, Any], now: datetime
 ) -> None:
     # Someone wrote to this node's queue without the controller's signature, replayed a signed
     # command, or moved one from another node's queue: the node refused it.

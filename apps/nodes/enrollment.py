@@ -19,7 +19,7 @@ from django.db import IntegrityError, transaction
 
 from agent.protocol import is_private_address
 from racon import ids
-from racon.ids import NodeId
+from racon.ids import AccountId, NodeId
 from racon.redis import get_redis
 from racon.redis_acl import node_acl_revoke
 
@@ -81,12 +81,12 @@ def credential_hash(credential: str) -> str:
 
 def enrollment_token_issue(
     *,
-    account_id: Any,
+    account_id: AccountId,
     label: str,
     now: datetime,
     ttl_hours: int | None = None,
     max_uses: int = 1,
-    created_by_id: Any = None,
+    created_by_id: int | None = None,
 ) -> tuple[EnrollmentToken, str]:
     """Create a token; returns it with the plaintext, which is never stored or shown again."""
     if max_uses < 1:
@@ -107,7 +107,7 @@ def enrollment_token_issue(
     return token, plaintext
 
 
-def enrollment_token_revoke(*, token_id: Any, now: datetime) -> EnrollmentToken:
+def enrollment_token_revoke(*, token_id: uuid.UUID | str, now: datetime) -> EnrollmentToken:
     """Revoke a token (idempotent)."""
     token = EnrollmentToken.objects.get(pk=token_id)
     if token.revoked_at is None:
@@ -247,7 +247,7 @@ class Enrollment:
     def command_key(self) -> str:
         """Hex: the key this node's commands are signed with, sent in the enrollment answer."""
         cred = credential_hash(self.credential)
-        return node_command_key(node_id=self.node.id, credential_hash=cred).hex()
+        return node_command_key(node_id=ids.node_id(self.node.id), credential_hash=cred).hex()
 
 
 def node_enroll(
@@ -448,13 +448,15 @@ def _enroll_locked(
         kind="NODE_ENROLLED",
         category=EventCategory.LIFECYCLE,
         now=now,
-        node_id=node.id,
+        node_id=ids.node_id(node.id),
         message=f"{node_name} enrolled" if created else f"{node_name} enrolled again",
         data={"created": created, "address": address, "agent_version": agent_version, **summary},
     )
     # The handshake: any prior state (OFFLINE, ERROR, READY of a previous run) → REGISTERING.
     if node.state != S.REGISTERING:
-        node_transition(node_id=node.id, to=S.REGISTERING, now=now, message="agent handshake")
+        node_transition(
+            node_id=ids.node_id(node.id), to=S.REGISTERING, now=now, message="agent handshake"
+        )
     if models is not None:
         hooks.node_models_reported.send(sender=Node, node_id=node.id, files=models, now=now)
     return Enrollment(node=node, credential=credential, created=created)
@@ -528,7 +530,7 @@ def node_reenroll_allow(*, node_id: NodeId, now: datetime, ttl_seconds: int | No
         kind="NODE_REENROLL_ALLOWED",
         category=EventCategory.SECURITY,
         now=now,
-        node_id=node.pk,
+        node_id=ids.node_id(node.pk),
         message=f"an operator allowed {node.name} to be enrolled again without its credential, for {ttl}s",
         data={"ttl_seconds": ttl},
     )
@@ -545,7 +547,8 @@ def node_id_valid(node_id: object) -> bool:
 
 
 def node_authenticate(*, node_id: str, credential: str) -> Node:
-    """Check a node credential against the database (slow path; heartbeats use Redis)."""
+    """Check a node credential (the id and credential the agent sent, as text) against the
+    database (slow path; heartbeats use Redis)."""
     if not node_id_valid(node_id):
         raise NodeAuthError("malformed node id: expected a UUID", code="malformed_node_id")
     node = Node.objects.filter(pk=node_id).first()
@@ -575,7 +578,7 @@ def node_revoke(*, node_id: NodeId, now: datetime) -> None:
         node_acl_revoke(node_id=node_id)  # and Redis drops the node's open connections
 
 
-def node_engines_update(*, node_id: Any, engines: Any, now: datetime) -> list[str]:
+def node_engines_update(*, node_id: NodeId, engines: Any, now: datetime) -> list[str]:
     """A resumed agent's engines (HARDWARE_UPDATED at its start): RACON_ENGINES may have changed
     since enrollment, as when `make run` is started again with vllm. A claim like the enrolled one
     (only "where vLLM could go"; a node without the engine fails its load, with the log): known

@@ -8,6 +8,8 @@ from typing import Any
 
 from django.conf import settings
 
+from racon.ids import DeploymentId, JobId, NodeId
+
 from .models import Event
 
 log = logging.getLogger("racon.events")
@@ -18,9 +20,9 @@ def event_record(
     kind: str,
     category: str,
     now: datetime,
-    node_id: Any = None,
-    job_id: Any = None,
-    deployment_id: Any = None,
+    node_id: NodeId | None = None,
+    job_id: JobId | None = None,
+    deployment_id: DeploymentId | None = None,
     old_state: str = "",
     new_state: str = "",
     message: str = "",

@@ -11,6 +11,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from racon.ids import NodeId
+
 from .api import AgentErrorSerializer
 from .gpu_challenges import ChallengeRefused, node_gpu_challenge_clear, node_gpu_challenge_request
 from .models import Node
@@ -50,7 +52,7 @@ class NodeGpuChallengeApi(APIView):
             429: AgentErrorSerializer,
         },
     )
-    def post(self, request: Request, node_id: str) -> Response:
+    def post(self, request: Request, node_id: NodeId) -> Response:
         get_object_or_404(Node, pk=node_id)
         body = GpuChallengeRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -78,7 +80,7 @@ class NodeGpuChallengeClearApi(APIView):
     @extend_schema(
         request=None, responses={200: GpuChallengeClearedSerializer, 404: AgentErrorSerializer}
     )
-    def post(self, request: Request, node_id: str) -> Response:
+    def post(self, request: Request, node_id: NodeId) -> Response:
         get_object_or_404(Node, pk=node_id)
         cleared = node_gpu_challenge_clear(node_id=node_id, now=timezone.now())
         return Response({"node_id": str(node_id), "cleared": cleared})

@@ -60,7 +60,9 @@ from agent.hardware.gpu_challenge import (
     freivalds_check,
     residue_digest,
 )
+from racon import ids
 from racon.celery import task_send_on_commit
+from racon.ids import NodeId
 from racon.redis import get_redis
 
 from .commands import command_send, command_wait
@@ -103,7 +105,7 @@ def gpu_challenge_state(*, node: Node) -> dict[str, Any]:
     return dict(state) if isinstance(state, dict) else {}
 
 
-def _lock_key(node_id: Any) -> str:
+def _lock_key(node_id: NodeId) -> str:
     return f"racon:gpu_challenge:{node_id}"
 
 
@@ -136,7 +138,7 @@ def _unverified(node: Node) -> list[dict[str, Any]]:
     return [g for g in gpus if not float(g.get("verified_gflops") or 0) and g.get("device")]
 
 
-def gpu_challenge_due(*, node_id: Any, now: datetime) -> bool:
+def gpu_challenge_due(*, node_id: NodeId, now: datetime) -> bool:
     """Whether a READY node should be challenged on its own: GPU_CHALLENGE is on, a hardware GPU
     (not a software device: lavapipe is the CPU again) is unverified, and nothing refuses it."""
     node = Node.objects.filter(pk=node_id, revoked_at__isnull=True).first()
@@ -157,7 +159,7 @@ def gpu_challenge_size(claimed_gflops: float | None) -> tuple[int, int, int]:
     return side, side, max(16, min(int(settings.GPU_CHALLENGE_MAX_K), k))
 
 
-def node_gpu_challenge(*, node_id: Any, now: datetime, device: str | None = None) -> GpuVerdict:
+def node_gpu_challenge(*, node_id: NodeId, now: datetime, device: str | None = None) -> GpuVerdict:
     """Challenge one unverified GPU of the node (the first, or ``device``); record the verdict.
 
     Raises ChallengeRefused when the node may not be challenged now (rate limit, a failure
@@ -172,21 +174,24 @@ def node_gpu_challenge(*, node_id: Any, now: datetime, device: str | None = None
         raise ChallengeRefused(f"no unverified GPU named {device}", code="nothing_to_challenge")
     # One at a time per node: the rate limit's record is written at the end.
     lock = get_redis().set(
-        _lock_key(node.pk), "1", nx=True, ex=int(settings.GPU_CHALLENGE_TIMEOUT_SECONDS) * 4 + 60
+        _lock_key(ids.node_id(node.pk)),
+        "1",
+        nx=True,
+        ex=int(settings.GPU_CHALLENGE_TIMEOUT_SECONDS) * 4 + 60,
     )
     if not lock:
         raise ChallengeRefused("a GPU challenge of this node is running", code="rate_limited")
     try:
         return _challenge(node=node, gpu=gpu, now=now)
     finally:
-        get_redis().delete(_lock_key(node.pk))
+        get_redis().delete(_lock_key(ids.node_id(node.pk)))
 
 
 class StepFailed(Exception):
     """A step of the challenge that the node did not answer as the protocol says."""
 
 
-def _step(*, node_id: Any, payload: dict[str, Any]) -> tuple[dict[str, Any], float]:
+def _step(*, node_id: NodeId, payload: dict[str, Any]) -> tuple[dict[str, Any], float]:
     """Send one gpu_challenge step and wait: (the node's result, seconds as the controller saw
     them, from the send to the result). A refusal or no answer is a StepFailed."""
     timeout = float(settings.GPU_CHALLENGE_TIMEOUT_SECONDS)
@@ -208,7 +213,7 @@ def _step(*, node_id: Any, payload: dict[str, Any]) -> tuple[dict[str, Any], flo
 
 
 def _prepare(
-    *, node_id: Any, challenge_id: str, device: str, seed: int, shape: tuple[int, ...]
+    *, node_id: NodeId, challenge_id: str, device: str, seed: int, shape: tuple[int, ...]
 ) -> float:
     m, n, k = shape
     payload = {"step": "prepare", "challenge_id": challenge_id, "device": device,
@@ -223,7 +228,7 @@ def _prepare(
     return elapsed
 
 
-def _ping(*, node_id: Any, challenge_id: str) -> float:
+def _ping(*, node_id: NodeId, challenge_id: str) -> float:
     token = secrets.token_hex(8)
     got, elapsed = _step(
         node_id=node_id, payload={"step": "ping", "challenge_id": challenge_id, "token": token}
@@ -233,7 +238,7 @@ def _ping(*, node_id: Any, challenge_id: str) -> float:
     return elapsed
 
 
-def _run(*, node_id: Any, challenge_id: str, nonce: int) -> tuple[str, float]:
+def _run(*, node_id: NodeId, challenge_id: str, nonce: int) -> tuple[str, float]:
     """The timed step: (the committed digest, seconds from the nonce's send to the answer)."""
     got, elapsed = _step(
         node_id=node_id, payload={"step": "run", "challenge_id": challenge_id, "nonce": nonce}
@@ -250,7 +255,13 @@ def _run(*, node_id: Any, challenge_id: str, nonce: int) -> tuple[str, float]:
 
 
 def _reveal(
-    *, node_id: Any, challenge_id: str, seed: int, nonce: int, digest: str, shape: tuple[int, ...]
+    *,
+    node_id: NodeId,
+    challenge_id: str,
+    seed: int,
+    nonce: int,
+    digest: str,
+    shape: tuple[int, ...],
 ) -> None:
     m, n, k = shape
     got, _ = _step(node_id=node_id, payload={"step": "reveal", "challenge_id": challenge_id})
@@ -280,14 +291,18 @@ def _challenge(*, node: Node, gpu: dict[str, Any], now: datetime) -> GpuVerdict:
     correct, error = False, ""
     try:
         prepare_s = _prepare(
-            node_id=node.pk, challenge_id=challenge_id, device=name, seed=seed, shape=shape
+            node_id=ids.node_id(node.pk),
+            challenge_id=challenge_id,
+            device=name,
+            seed=seed,
+            shape=shape,
         )
-        overhead = _ping(node_id=node.pk, challenge_id=challenge_id)
+        overhead = _ping(node_id=ids.node_id(node.pk), challenge_id=challenge_id)
         # Drawn only now: nothing before this send can depend on it.
         nonce = secrets.randbits(63)
-        digest, elapsed = _run(node_id=node.pk, challenge_id=challenge_id, nonce=nonce)
+        digest, elapsed = _run(node_id=ids.node_id(node.pk), challenge_id=challenge_id, nonce=nonce)
         _reveal(
-            node_id=node.pk,
+            node_id=ids.node_id(node.pk),
             challenge_id=challenge_id,
             seed=seed,
             nonce=nonce,
@@ -352,7 +367,7 @@ def _challenge(*, node: Node, gpu: dict[str, Any], now: datetime) -> GpuVerdict:
             kind="GPU_SPEED_VERIFIED" if outcome == "verified" else "GPU_CHALLENGE_FAILED",
             category=EventCategory.SECURITY,
             now=now,
-            node_id=node.pk,
+            node_id=ids.node_id(node.pk),
             message=message,
             data=data,
         )
@@ -363,7 +378,7 @@ def _fmt(claimed: float | None) -> str:
     return "no figure" if claimed is None else f"{claimed} GFLOPS"
 
 
-def node_gpu_challenge_clear(*, node_id: Any, now: datetime, by: str = "operator") -> bool:
+def node_gpu_challenge_clear(*, node_id: NodeId, now: datetime, by: str = "operator") -> bool:
     """An operator's clearing of the node's challenge record: a failure standing and the rate
     limit are lifted (its GPUs stay unverified, at the floor, until a challenge passes). Returns
     whether there was anything to clear."""
@@ -379,7 +394,7 @@ def node_gpu_challenge_clear(*, node_id: Any, now: datetime, by: str = "operator
             kind="GPU_CHALLENGE_CLEARED",
             category=EventCategory.SECURITY,
             now=now,
-            node_id=row.pk,
+            node_id=ids.node_id(row.pk),
             message=f"GPU challenge record cleared by {by}"
             + (
                 f" (it had failed: {state['failed'].get('message', '')})"
@@ -417,7 +432,7 @@ def gpu_challenge_kept(*, old: dict[str, Any] | None, new: dict[str, Any]) -> di
     return out
 
 
-def node_gpu_challenge_request(*, node_id: Any, now: datetime, device: str | None = None) -> str:
+def node_gpu_challenge_request(*, node_id: NodeId, now: datetime, device: str | None = None) -> str:
     """An operator's request to challenge the node's GPU now: refused (ChallengeRefused) as a
     challenge itself would be, else queued (task racon.jobs.gpu_challenge). Returns the device."""
     node = Node.objects.get(pk=node_id)

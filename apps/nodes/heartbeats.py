@@ -13,6 +13,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from agent.protocol import HEARTBEATS_ZSET, heartbeat_key
+from racon.ids import NodeId
 from racon.redis import get_async_redis, get_redis
 
 from .enrollment import NodeAuthError, credential_hash
@@ -46,7 +47,7 @@ class NodeMirrorLost(Exception):
     on the node's credential. Only the database says a node is revoked."""
 
 
-def _rate_key(node_id: Any) -> str:
+def _rate_key(node_id: NodeId) -> str:
     return f"racon:node:{node_id}:hb-rate"
 
 
@@ -159,7 +160,7 @@ def _heartbeat_script(r: Any) -> Any:
 
 
 async def node_heartbeat(
-    *, node_id: str, credential: str, payload: dict[str, Any], now: datetime
+    *, node_id: NodeId, credential: str, payload: dict[str, Any], now: datetime
 ) -> str:
     """Record a heartbeat in Redis; touch the database only when the state must change.
 
@@ -222,7 +223,7 @@ async def node_heartbeat(
     return current
 
 
-def _telemetry_clamped(node_id: str, fields: list[str], now: datetime) -> None:
+def _telemetry_clamped(node_id: NodeId, fields: list[str], now: datetime) -> None:
     # One row an hour per node at most: never one per heartbeat.
     if get_redis().set(f"racon:node:{node_id}:clamped", 1, nx=True, ex=3600):
         event_record(
@@ -239,7 +240,7 @@ def _json_dumps(value: Any) -> str:
     return json.dumps(value, default=str, separators=(",", ":"))[:16384]
 
 
-def _meta_from_db(node_id: str) -> dict[str, str] | None:
+def _meta_from_db(node_id: NodeId) -> dict[str, str] | None:
     node = Node.objects.filter(pk=node_id).first()
     if node is None:
         return None
@@ -248,7 +249,7 @@ def _meta_from_db(node_id: str) -> dict[str, str] | None:
 
 
 def _heartbeat_transition(
-    node_id: str, current: str, target: str, now: datetime, telemetry: dict[str, Any]
+    node_id: NodeId, current: str, target: str, now: datetime, telemetry: dict[str, Any]
 ) -> bool:
     if target == S.ERROR:
         kind, category, message = "NODE_FAULT", EventCategory.HEALTH, "agent reported a fatal fault"

@@ -11,6 +11,8 @@ from typing import Any
 
 from django.dispatch import Signal
 
+from racon.ids import NodeId
+
 # Sent with node_id, files (the agent's [{"sha256", "path"}, ...]) and now when an agent's
 # handshake lists the model files it holds (models_repo records them as replicas).
 node_models_reported = Signal()
@@ -27,7 +29,7 @@ def running_work_check_register(*, name: str, check: RunningWorkCheck) -> None:
     _running_work_checks[name] = check
 
 
-def node_has_running_work(*, node_id: Any) -> bool:
+def node_has_running_work(*, node_id: NodeId) -> bool:
     """Whether any registered app says the node still runs its work (a drain waits for it)."""
     return any(check(node_id=node_id) for check in _running_work_checks.values())
 
@@ -42,7 +44,7 @@ def drain_step_register(*, name: str, step: DrainStep) -> None:
     _drain_steps[name] = step
 
 
-def node_drain_step(*, node_id: Any, now: Any) -> bool:
+def node_drain_step(*, node_id: NodeId, now: Any) -> bool:
     """Run every registered drain step; whether any app still has work on the node."""
     remaining = [step(node_id=node_id, now=now) for step in _drain_steps.values()]
     return any(remaining) or node_has_running_work(node_id=node_id)

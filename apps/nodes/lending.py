@@ -26,6 +26,7 @@ from agent.lending import (
     policy_from_wire,
     window_state,
 )
+from racon.ids import NodeId
 
 from .events import event_record
 from .models import EventCategory, Node
@@ -48,7 +49,7 @@ def _validated(node: Node, policy: Any) -> LendingPolicy:
     return parsed
 
 
-def node_lending_claim(*, node_id: Any, policy: Any, now: datetime) -> LendingPolicy:
+def node_lending_claim(*, node_id: NodeId, policy: Any, now: datetime) -> LendingPolicy:
     """The agent reported its policy (enrollment, HARDWARE_UPDATED, LENDING_POLICY): a claim,
     validated against the node's hardware. Raises PolicyError naming the field."""
     with transaction.atomic():
@@ -77,7 +78,7 @@ def node_lending_claim(*, node_id: Any, policy: Any, now: datetime) -> LendingPo
 
 def node_lending_owner_set(
     *,
-    node_id: Any,
+    node_id: NodeId,
     policy: Mapping[str, Any],
     now: datetime,
     by: str = "",
@@ -110,7 +111,7 @@ def node_lending_owner_set(
     return parsed
 
 
-def node_lending_paused(*, node_id: Any, handoff: str, reason: str, now: datetime) -> Node:
+def node_lending_paused(*, node_id: NodeId, handoff: str, reason: str, now: datetime) -> Node:
     """The agent paused lending (``node-agent pause`` or its window closed): DRAINING at once,
     through the drain's planned handoff; with ``failover`` the agent hands its running jobs over.
     The drain is recorded as the pause's own, unless an operator's drain is already in force."""
@@ -121,7 +122,7 @@ def node_lending_paused(*, node_id: Any, handoff: str, reason: str, now: datetim
     return node_drain(node_id=node_id, now=now, by=DRAIN_BY_LENDING)
 
 
-def node_lending_resumed(*, node_id: Any, now: datetime) -> Node:
+def node_lending_resumed(*, node_id: NodeId, now: datetime) -> Node:
     """Lending resumed: a drain that the pause began is lifted. An operator's stays, whether it
     came before the pause or during it (``drain_requested_by``, apps/nodes/services.py): a node
     cannot undo an operator's drain by pausing and resuming (issue 28)."""

@@ -25,6 +25,8 @@ from django.conf import settings
 from django.utils import timezone
 
 from agent.protocol import probe_key
+from racon import ids
+from racon.ids import NodeId
 from racon.redis import get_redis
 
 from .commands import command_send, node_command_key
@@ -86,7 +88,7 @@ def _figure(value: Any, *, field: str, bound: float) -> float:
     return min(v, bound)
 
 
-def link_record(*, node_id: Any, links: list[Any], now: datetime) -> int:
+def link_record(*, node_id: NodeId, links: list[Any], now: datetime) -> int:
     """Store the links a node measured (ValueError names a malformed entry; nothing is written
     then); failed probes are skipped and leave the earlier measurement to age out. Returns how
     many were stored."""
@@ -198,7 +200,7 @@ def _is_uuid(value: str) -> bool:
 
 
 def links_probe_request(
-    *, node_id: Any, max_peers: int = 32, measured_at: dict[str, float] | None = None
+    *, node_id: NodeId, max_peers: int = 32, measured_at: dict[str, float] | None = None
 ) -> str | None:
     """Ask a node to measure its links to at most ``max_peers`` other live nodes, those it has
     never measured first, then the stalest (``measured_at``: peer → when, from this node)."""
@@ -219,7 +221,7 @@ def links_probe_request(
         {
             "node_id": str(n.id), "address": n.address, "rpc_port": n.rpc_port,
             "probe_key": probe_key(
-                node_command_key(node_id=n.id, credential_hash=n.credential_hash)
+                node_command_key(node_id=ids.node_id(n.id), credential_hash=n.credential_hash)
             ).hex(),
         }
         for n in candidates[:max_peers]
@@ -244,7 +246,7 @@ def links_reprobe(*, now: datetime) -> dict[str, int]:
         "id", flat=True
     ):
         if links_probe_request(
-            node_id=nid,
+            node_id=ids.node_id(nid),
             max_peers=int(settings.LINK_PROBE_MAX_PEERS),
             measured_at=by_source.get(str(nid), {}),
         ):

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from datetime import datetime
-from typing import Any
 
 from django.conf import settings
 
 from agent.protocol import NODE_PREFIX, node_processing_key, node_queue_key
 from racon import ids
+from racon.ids import NodeId
 from racon.redis import get_redis
 
 from .enrollment import node_revoke
@@ -89,7 +89,7 @@ def nodes_redis_bound_check(*, now: datetime) -> list[str]:
             kind="NODE_REDIS_BOUND_EXCEEDED",
             category=EventCategory.SECURITY,
             now=now,
-            node_id=node_id,
+            node_id=NodeId(node_id),
             message=(
                 f"the node's Redis keys hold {size} bytes in {keys} keys, over "
                 f"NODE_MAX_REDIS_BYTES ({bound}): revoked"
@@ -99,11 +99,11 @@ def nodes_redis_bound_check(*, now: datetime) -> list[str]:
         node_revoke(node_id=ids.node_id(node_id), now=now)
         revoked.append(node_id)
     for node_id in over:  # revoked now or before: what it left goes
-        _delete_prefix(node_id)
+        _delete_prefix(NodeId(node_id))
     return revoked
 
 
-def _delete_prefix(node_id: Any) -> None:
+def _delete_prefix(node_id: NodeId) -> None:
     r = get_redis()
     keys: list[str] = []
     for key in r.scan_iter(match=f"{NODE_PREFIX}{node_id}:*", count=1000):

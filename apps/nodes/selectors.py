@@ -11,6 +11,7 @@ from django.conf import settings
 from django.db.models import Count, QuerySet, Sum
 
 from agent.protocol import HEARTBEATS_ZSET, heartbeat_key
+from racon.ids import AccountId, DeploymentId, JobId, NodeId
 from racon.redis import get_redis
 
 from .models import EnrollmentToken, Event, Node
@@ -20,7 +21,7 @@ NODE_LIST_MAX = 5000  # nodes a list answers with, at most
 
 
 def node_list(
-    *, state: str | None = None, name: str | None = None, account_id: Any = None
+    *, state: str | None = None, name: str | None = None, account_id: AccountId | None = None
 ) -> list[Node]:
     qs: QuerySet[Node] = Node.objects.all()
     if state:
@@ -32,7 +33,7 @@ def node_list(
     return list(qs[:NODE_LIST_MAX])
 
 
-def node_events(*, node_id: Any, limit: int = 50) -> list[Event]:
+def node_events(*, node_id: NodeId, limit: int = 50) -> list[Event]:
     return list(Event.objects.filter(node_id=node_id)[:limit])
 
 
@@ -40,13 +41,13 @@ def event_list(
     *,
     kind: str | None = None,
     category: str | None = None,
-    node_id: Any = None,
-    job_id: Any = None,
-    deployment_id: Any = None,
+    node_id: NodeId | None = None,
+    job_id: JobId | None = None,
+    deployment_id: DeploymentId | None = None,
     since: datetime | None = None,
     until: datetime | None = None,
     limit: int = 100,
-    account_id: Any = None,
+    account_id: AccountId | None = None,
 ) -> list[Event]:
     qs: QuerySet[Event] = Event.objects.all()
     if kind:
@@ -80,7 +81,7 @@ def heartbeat_ages(node_ids: list[str], *, now: datetime) -> dict[str, float | N
     }
 
 
-def node_telemetry(*, node_id: str) -> dict[str, Any]:
+def node_telemetry(*, node_id: NodeId) -> dict[str, Any]:
     raw = get_redis().hget(heartbeat_key(node_id), "telemetry")
     try:
         return json.loads(raw) if raw else {}
@@ -109,7 +110,7 @@ def agent_command_line(*, token: str, node_name: str = "NODE_NAME") -> str:
     )
 
 
-def cluster_capacity(*, account_id: Any = None) -> dict[str, Any]:
+def cluster_capacity(*, account_id: AccountId | None = None) -> dict[str, Any]:
     """Pooled CPU cores, RAM and VRAM over nodes that can take work, plus counts by state."""
     qs = Node.objects.all() if account_id is None else Node.objects.filter(account_id=account_id)
     by_state = {row["state"]: row["n"] for row in qs.values("state").annotate(n=Count("id"))}

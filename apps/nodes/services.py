@@ -15,8 +15,10 @@ from django.conf import settings
 from django.db import transaction
 
 from agent.protocol import HEARTBEATS_ZSET
+from racon import ids
 from racon.broadcast import broadcast
 from racon.celery import task_send
+from racon.ids import NodeId
 from racon.redis import get_redis
 from racon.transitions import transition_guarded
 
@@ -45,14 +47,14 @@ def _flip(src: str, to: str) -> bool:
     return src in ONLINE and to in ONLINE
 
 
-def _meta_key(node_id: Any) -> str:
+def _meta_key(node_id: NodeId) -> str:
     return f"racon:node:{node_id}:meta"
 
 
 def _cache_node(node: Node) -> None:
     """Mirror what a heartbeat needs (credential hash, state, drain request) into Redis."""
     get_redis().hset(
-        _meta_key(node.id),
+        _meta_key(ids.node_id(node.id)),
         mapping={
             "cred": "" if node.revoked_at else node.credential_hash,
             "state": node.state,
@@ -66,7 +68,7 @@ def _cache_node(node: Node) -> None:
 
 def node_transition(
     *,
-    node_id: Any,
+    node_id: NodeId,
     to: str,
     now: datetime,
     expected: str | Collection[str] | None = None,
@@ -119,13 +121,13 @@ def node_transition(
     return True
 
 
-def _refresh_cache(node_id: Any) -> None:
+def _refresh_cache(node_id: NodeId) -> None:
     node = Node.objects.filter(pk=node_id).first()
     if node is not None:
         _cache_node(node)
 
 
-def _after_transition(node_id: Any, src: str, to: str) -> None:
+def _after_transition(node_id: NodeId, src: str, to: str) -> None:
     broadcast("nodes.dashboard", {"type": "node.changed", "node_id": str(node_id), "state": to})
     hooks.node_state_moved.send(sender=Node, node_id=str(node_id), old=src, new=to)
     if _flip(src, to):
@@ -138,7 +140,7 @@ def _after_transition(node_id: Any, src: str, to: str) -> None:
         )  # jobs' task, by name
 
 
-def node_report_fault(*, node_id: Any, fatal: bool, message: str, now: datetime) -> None:
+def node_report_fault(*, node_id: NodeId, fatal: bool, message: str, now: datetime) -> None:
     """An agent reported a fault: fatal → ERROR, otherwise DEGRADED (fallback only)."""
     target = S.ERROR if fatal else S.DEGRADED
     node_transition(
@@ -228,7 +230,7 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
     offline: list[str] = []
     for node_id, state, age in to_degrade:
         if node_transition(
-            node_id=node_id,
+            node_id=NodeId(node_id),
             to=S.DEGRADED,
             expected=state,
             now=now,
@@ -240,7 +242,7 @@ def node_health_sweep(*, now: datetime) -> SweepResult:
             degraded.append(node_id)
     for node_id, state, age in to_offline:
         if node_transition(
-            node_id=node_id,
+            node_id=NodeId(node_id),
             to=S.OFFLINE,
             expected=state,
             now=now,
@@ -265,7 +267,7 @@ DRAIN_BY_OPERATOR = "operator"
 DRAIN_BY_LENDING = "lending"  # the agent's own pause (apps/nodes/lending.py)
 
 
-def node_drain(*, node_id: Any, now: datetime, by: str = DRAIN_BY_OPERATOR) -> Node:
+def node_drain(*, node_id: NodeId, now: datetime, by: str = DRAIN_BY_OPERATOR) -> Node:
     """Stop assigning new work to the node; its work moves or finishes, then it is DRAINED.
 
     ``by`` records who asked: an operator's drain is never turned into a lending one, and an
@@ -297,7 +299,7 @@ def node_drain(*, node_id: Any, now: datetime, by: str = DRAIN_BY_OPERATOR) -> N
     return node
 
 
-def node_drain_advance(*, node_id: Any, now: datetime) -> bool:
+def node_drain_advance(*, node_id: NodeId, now: datetime) -> bool:
     """One step of a drain: the apps above move or stop their work; DRAINED once none is left.
 
     Idempotent, and run from several places (the drain request, a job's end, a replacement
@@ -319,7 +321,7 @@ def node_drain_advance(*, node_id: Any, now: datetime) -> bool:
     )
 
 
-def node_undrain(*, node_id: Any, now: datetime) -> Node:
+def node_undrain(*, node_id: NodeId, now: datetime) -> Node:
     """Accept new work again."""
     with transaction.atomic():
         Node.objects.filter(pk=node_id).update(drain_requested=False, drain_requested_by="")

@@ -20,6 +20,7 @@ from apps.accounts import services
 from apps.credits.ledger import account_for_user
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
+from racon import ids
 from tests.factories import ModelFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -32,7 +33,7 @@ def bearer(key: str) -> dict[str, Any]:
 def key_of(user: Any, *scopes: str, **kw: Any) -> str:
     return services.key_create(
         name="k",
-        account_id=account_for_user(user=user).id,
+        account_id=ids.account_id(account_for_user(user=user).id),
         scopes=list(scopes),
         user_id=user.pk,
         **kw,

@@ -15,7 +15,7 @@ from apps.api.auth import principal_for_key
 from apps.credits.ledger import account_for_user, credit_grant
 from apps.credits.settlement import credit_reserve, credit_settle_job
 from apps.jobs.models import Job
-from racon import cache
+from racon import cache, ids
 from racon.redis import get_redis
 from tests.factories import (
     ModelFactory,
@@ -37,7 +37,7 @@ def bearer(key: str) -> dict[str, Any]:
 def key_of(user: Any, *scopes: str, **kw: Any) -> str:
     return services.key_create(
         name="k",
-        account_id=account_for_user(user=user).id,
+        account_id=ids.account_id(account_for_user(user=user).id),
         scopes=list(scopes),
         user_id=user.pk,
         **kw,
@@ -211,7 +211,7 @@ def test_an_expired_key_gets_401_in_openais_format_even_while_cached(
     assert err.status_code == 401 and err.json()["error"]["code"] == "invalid_api_key"
     assert client.get("/api/keys").status_code in (401, 403)
     listed = services.key_create(
-        name="later", account_id=account_for_user(user=user).id, scopes=["read"]
+        name="later", account_id=ids.account_id(account_for_user(user=user).id), scopes=["read"]
     )[1]
     statuses = {k["name"]: k["status"] for k in client.get("/api/keys", **bearer(listed)).json()}
     assert statuses == {"k": "expired", "later": "active"}
@@ -226,18 +226,24 @@ def test_last_used_is_written_at_most_once_a_minute_per_key(django_assert_num_qu
     services.key_touch_forget()
     get_redis().delete(f"racon:apikey:{key.pk}:touched")
     t0 = timezone.now()
-    assert services.key_touch(key_id=key.pk, now=t0) is True
+    assert services.key_touch(key_id=ids.api_key_id(key.pk), now=t0) is True
     with django_assert_num_queries(0):
         for s in range(1, 59):
-            assert services.key_touch(key_id=key.pk, now=t0 + timedelta(seconds=s)) is False
+            assert (
+                services.key_touch(key_id=ids.api_key_id(key.pk), now=t0 + timedelta(seconds=s))
+                is False
+            )
     # Another process (its own memory, the shared Redis throttle) does not write either.
     services.key_touch_forget()
     with django_assert_num_queries(0):
-        assert services.key_touch(key_id=key.pk, now=t0 + timedelta(seconds=30)) is False
+        assert (
+            services.key_touch(key_id=ids.api_key_id(key.pk), now=t0 + timedelta(seconds=30))
+            is False
+        )
     assert ApiKey.objects.get(pk=key.pk).last_used_at == t0
     get_redis().delete(f"racon:apikey:{key.pk}:touched")  # the minute is up
     later = t0 + timedelta(seconds=91)
-    assert services.key_touch(key_id=key.pk, now=later) is True
+    assert services.key_touch(key_id=ids.api_key_id(key.pk), now=later) is True
     assert ApiKey.objects.get(pk=key.pk).last_used_at == later
 
 
@@ -258,10 +264,12 @@ def test_usage_per_key_counts_tokens_and_the_credits_charged_to_the_keys_account
     now = timezone.now()
     user = UserFactory()
     account = account_for_user(user=user)
-    credit_grant(account_id=account.id, amount=1_000_000, reason="test", now=now)
+    credit_grant(account_id=ids.account_id(account.id), amount=1_000_000, reason="test", now=now)
     start = Account.objects.get(pk=account.pk).balance
-    a = services.key_create(name="a", account_id=account.id, scopes=["inference", "read"])
-    b = services.key_create(name="b", account_id=account.id, scopes=["inference"])
+    a = services.key_create(
+        name="a", account_id=ids.account_id(account.id), scopes=["inference", "read"]
+    )
+    b = services.key_create(name="b", account_id=ids.account_id(account.id), scopes=["inference"])
     node = NodeFactory(account=Account.objects.create(name="owner"))
     model = ModelFactory()
     dep = deployment_for([(node, 10)], model=model)
@@ -269,10 +277,14 @@ def test_usage_per_key_counts_tokens_and_the_credits_charged_to_the_keys_account
         job = job_for(account=account, model=model, deployment=dep, max_tokens=100)
         Job.objects.filter(pk=job.pk).update(api_key=key)
         credit_reserve(
-            account_id=account.id, job_id=job.pk, max_tokens=100, model_price_permille=1000, now=now
+            account_id=ids.account_id(account.id),
+            job_id=ids.job_id(job.pk),
+            max_tokens=100,
+            model_price_permille=1000,
+            now=now,
         )
         job_finish(job, prompt=4, completion=completion)
-        credit_settle_job(job_id=job.pk, now=now)
+        credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     usage = {u["name"]: u for u in client.get("/api/credits/usage", **bearer(a[1])).json()}
     assert (usage["a"]["jobs"], usage["a"]["prompt_tokens"], usage["a"]["completion_tokens"]) == (
         2,

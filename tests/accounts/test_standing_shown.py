@@ -14,6 +14,7 @@ from django.utils import timezone
 from apps.accounts import services
 from apps.credits.ledger import account_for_user
 from apps.credits.settlement import credit_reserve, credit_settle_job
+from racon import ids
 from tests.factories import (
     NodeFactory,
     UserFactory,
@@ -34,10 +35,14 @@ def lend(account: Any) -> None:
     job = job_for(account=consumer, model=dep.model, deployment=dep, max_tokens=50)
     now = timezone.now()
     credit_reserve(
-        account_id=consumer.pk, job_id=job.pk, max_tokens=50, model_price_permille=1000, now=now
+        account_id=ids.account_id(consumer.pk),
+        job_id=ids.job_id(job.pk),
+        max_tokens=50,
+        model_price_permille=1000,
+        now=now,
     )
     job_finish(job, completion=50)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
 
 
 def test_a_lenders_standing_and_priority_show_on_its_pages_as_admission_counts_them(
@@ -47,7 +52,9 @@ def test_a_lenders_standing_and_priority_show_on_its_pages_as_admission_counts_t
     account = account_for_user(user=user)
     lend(account)
     client.force_login(user)
-    _, key = services.key_create(name="k", account_id=account.pk, scopes=["read"], user_id=user.pk)
+    _, key = services.key_create(
+        name="k", account_id=ids.account_id(account.pk), scopes=["read"], user_id=user.pk
+    )
     balance = client.get("/api/credits/balance", HTTP_AUTHORIZATION=f"Bearer {key}").json()
     assert balance["standing"] > 0 and balance["priority_seconds"] > 0, balance
     ahead = f"go {balance['priority_seconds']} s ahead"

@@ -43,6 +43,7 @@ from apps.jobs.scheduler import (
 )
 from apps.jobs.selectors import cluster_snapshot
 from apps.models_repo.profile import synthetic_profile
+from racon.ids import NodeId
 from tests.factories import NodeFactory
 
 TINY = synthetic_profile(
@@ -188,8 +189,10 @@ def test_pause_on_an_agent_that_is_not_running(tmp_path: Path) -> None:
 
 
 def _node(node_id: str, free: int, **kw: Any) -> NodeSnapshot:
-    dev = DeviceSnapshot(node_id, "CPU", "cpu", free, 100.0, 20.0)
-    return NodeSnapshot(node_id, node_id, "READY", "10.0.0.1", 50052, (dev,), threads=8, **kw)
+    dev = DeviceSnapshot(NodeId(node_id), "CPU", "cpu", free, 100.0, 20.0)
+    return NodeSnapshot(
+        NodeId(node_id), node_id, "READY", "10.0.0.1", 50052, (dev,), threads=8, **kw
+    )
 
 
 def test_node_outside_its_window_is_not_planned() -> None:

@@ -12,6 +12,7 @@ from django.utils import timezone
 from apps.api.auth import api_key_create
 from apps.nodes.models import Event, Node
 from apps.nodes.states import NodeState
+from racon import ids
 from tests.factories import AccountFactory, NodeFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -27,7 +28,7 @@ def test_admin_endpoints_need_credentials(client: Client) -> None:
 
 def test_non_staff_key_and_session_get_403(client: Client) -> None:
     acct = AccountFactory()
-    _, key = api_key_create(name="k", account_id=acct.id, scopes=["inference"])
+    _, key = api_key_create(name="k", account_id=ids.account_id(acct.id), scopes=["inference"])
     assert (
         client.get("/api/admin/nodes", headers={"Authorization": f"Bearer {key}"}).status_code
         == 403
@@ -39,7 +40,7 @@ def test_non_staff_key_and_session_get_403(client: Client) -> None:
 
 def test_staff_session_and_admin_scoped_key_are_allowed(client: Client) -> None:
     acct = AccountFactory()
-    _, key = api_key_create(name="k", account_id=acct.id, scopes=["admin"])
+    _, key = api_key_create(name="k", account_id=ids.account_id(acct.id), scopes=["admin"])
     assert (
         client.get("/api/admin/nodes", headers={"Authorization": f"Bearer {key}"}).status_code
         == 200
@@ -51,8 +52,10 @@ def test_staff_session_and_admin_scoped_key_are_allowed(client: Client) -> None:
 def test_revoked_key_is_refused(client: Client) -> None:
     from apps.api.auth import api_key_revoke
 
-    k, key = api_key_create(name="k", account_id=AccountFactory().id, scopes=["admin"])
-    api_key_revoke(key_id=k.id)
+    k, key = api_key_create(
+        name="k", account_id=ids.account_id(AccountFactory().id), scopes=["admin"]
+    )
+    api_key_revoke(key_id=ids.api_key_id(k.id))
     assert (
         client.get("/api/admin/nodes", headers={"Authorization": f"Bearer {key}"}).status_code
         == 401

@@ -21,7 +21,7 @@ from apps.jobs.deployments import deployment_stop
 from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
 from apps.models_repo.models import Model, ModelFile
-from racon import cache
+from racon import cache, ids
 from tests.factories import NodeFactory
 from tests.support.processes import stop
 
@@ -33,6 +33,7 @@ import django
 django.setup()
 from apps.jobs import selectors
 from racon import cache
+from racon import ids
 assert cache.subscriber_ready(timeout=20), "no subscriber"
 print("ready", flush=True)
 for line in sys.stdin:
@@ -111,7 +112,7 @@ def test_a_stopped_deployment_leaves_another_processs_route_within_a_bound(
         time.sleep(0.05)
     else:
         raise AssertionError("the other process never served the route from its cache")
-    deployment_stop(deployment_id=dep.id, now=timezone.now())
+    deployment_stop(deployment_id=ids.deployment_id(dep.id), now=timezone.now())
     # Its TTL is 300 s: only the broadcast can make it see the stop this soon.
     t0 = time.monotonic()
     while other_process.ask(f"route {dep.model_id}") != "-":
@@ -131,16 +132,25 @@ def test_a_change_the_broadcast_missed_is_seen_after_the_ttl(
     settings.API_CACHE_SECONDS = 0.3
     dep = ready_deployment()
     assert [
-        d.id for d in selectors.deployment_route_candidates(model_id=dep.model_id, cached=True)
+        d.id
+        for d in selectors.deployment_route_candidates(
+            model_id=ids.model_id(dep.model_id), cached=True
+        )
     ] == [dep.id]
     Deployment.objects.filter(pk=dep.pk).update(
         state=DeploymentState.STOPPED
     )  # no signal, no broadcast
     assert [
-        d.id for d in selectors.deployment_route_candidates(model_id=dep.model_id, cached=True)
+        d.id
+        for d in selectors.deployment_route_candidates(
+            model_id=ids.model_id(dep.model_id), cached=True
+        )
     ] == [dep.id]
     time.sleep(0.4)
-    assert selectors.deployment_route_candidates(model_id=dep.model_id, cached=True) == []
+    assert (
+        selectors.deployment_route_candidates(model_id=ids.model_id(dep.model_id), cached=True)
+        == []
+    )
 
 
 @pytest.mark.django_db
@@ -148,14 +158,16 @@ def test_a_revoked_or_new_key_is_seen_at_once_in_the_process_that_wrote_it(
     subscribed: None,
 ) -> None:
     acct = account_create(name="cache-acct")
-    key, plaintext = api_key_create(name="k", account_id=acct.pk, scopes=["inference"])
+    key, plaintext = api_key_create(
+        name="k", account_id=ids.account_id(acct.pk), scopes=["inference"]
+    )
     assert principal_for_key(plaintext) is not None
     assert principal_for_key(plaintext) is not None
     assert cache.cache("principal").hits >= 1
-    api_key_revoke(key_id=key.pk)
+    api_key_revoke(key_id=ids.api_key_id(key.pk))
     assert principal_for_key(plaintext) is None
     assert principal_for_key("rk_unknown") is None
-    _, second = api_key_create(name="k2", account_id=acct.pk, scopes=["inference"])
+    _, second = api_key_create(name="k2", account_id=ids.account_id(acct.pk), scopes=["inference"])
     assert principal_for_key(second) is not None
 
 

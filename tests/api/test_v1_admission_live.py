@@ -21,6 +21,7 @@ from apps.credits.ledger import account_create, credit_adjust
 from apps.jobs import admission
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import JobState
+from racon import ids
 from racon.redis import get_redis
 from tests.factories import live_deployment
 
@@ -88,12 +89,14 @@ def key_for(name: str, *, balance: int | None = None) -> tuple[Any, dict[str, st
         from django.utils import timezone
 
         credit_adjust(
-            account_id=acct.pk,
+            account_id=ids.account_id(acct.pk),
             amount=balance - Account.objects.get(pk=acct.pk).balance,
             reason="test setup",
             now=timezone.now(),
         )
-    _, key = api_key_create(name=f"{name}-key", account_id=acct.pk, scopes=["inference"])
+    _, key = api_key_create(
+        name=f"{name}-key", account_id=ids.account_id(acct.pk), scopes=["inference"]
+    )
     return acct.pk, {"Authorization": f"Bearer {key}"}
 
 
@@ -109,7 +112,7 @@ def test_clients_that_give_up_while_queued_leave_at_once_and_the_next_request_is
         ]
         wait_until(
             lambda: (
-                len(admission.queue_order(deployment_id=dep.id)) == 3
+                len(admission.queue_order(deployment_id=ids.deployment_id(dep.id))) == 3
                 or all(not t.is_alive() for t in quitters)
             ),
             30,
@@ -122,7 +125,7 @@ def test_clients_that_give_up_while_queued_leave_at_once_and_the_next_request_is
         )
         # They left at once: not when the long request ends, nor when a lease runs out (10 s).
         left_in = wait_until(
-            lambda: admission.queue_order(deployment_id=dep.id) == [],
+            lambda: admission.queue_order(deployment_id=ids.deployment_id(dep.id)) == [],
             8,
             "the abandoned waiters to leave the queue",
         )
@@ -159,13 +162,13 @@ def test_the_queue_is_not_ordered_by_balance(daphne: Daphne, dep: Deployment) ->
         (long_job,) = primary.wait_started(1)
         threads = [post_in_thread(daphne.url, poor, 120, results, "poor")]
         wait_until(
-            lambda: len(admission.queue_order(deployment_id=dep.id)) == 1,
+            lambda: len(admission.queue_order(deployment_id=ids.deployment_id(dep.id))) == 1,
             30,
             "the poor request queued",
         )
         threads.append(post_in_thread(daphne.url, rich, 120, results, "rich"))
         wait_until(
-            lambda: len(admission.queue_order(deployment_id=dep.id)) == 2,
+            lambda: len(admission.queue_order(deployment_id=ids.deployment_id(dep.id))) == 2,
             30,
             "the rich request queued",
         )
@@ -188,7 +191,7 @@ def test_a_revoked_key_is_refused_by_another_process_within_a_bound(daphne: Daph
     )  # now cached there
     from apps.accounts.models import ApiKey
 
-    api_key_revoke(key_id=ApiKey.objects.get(account_id=account).pk)
+    api_key_revoke(key_id=ids.api_key_id(ApiKey.objects.get(account_id=account).pk))
     # Daphne caches principals for 300 s here: only the broadcast can make it refuse this soon.
     took = wait_until(
         lambda: (

@@ -25,6 +25,7 @@ from apps.credits.ledger import account_create, credit_adjust
 from apps.credits.models import Entry, EntryKind
 from apps.jobs.models import Deployment, Job
 from apps.jobs.states import JobState
+from racon import ids
 from racon.redis import get_redis
 from tests.factories import NodeFactory, live_deployment
 
@@ -80,12 +81,14 @@ def key_for(name: str, *, balance: int | None = None) -> tuple[Any, dict[str, st
     acct = account_create(name=name)
     if balance is not None:
         credit_adjust(
-            account_id=acct.pk,
+            account_id=ids.account_id(acct.pk),
             amount=balance - Account.objects.get(pk=acct.pk).balance,
             reason="test setup",
             now=timezone.now(),
         )
-    _, key = api_key_create(name=f"{name}-key", account_id=acct.pk, scopes=["inference"])
+    _, key = api_key_create(
+        name=f"{name}-key", account_id=ids.account_id(acct.pk), scopes=["inference"]
+    )
     return acct.pk, {"Authorization": f"Bearer {key}"}
 
 
@@ -294,16 +297,20 @@ def lend(account: Any) -> None:
     job = job_for(account=consumer, model=dep.model, deployment=dep, max_tokens=50)
     now = timezone.now()
     credit_reserve(
-        account_id=consumer.pk, job_id=job.pk, max_tokens=50, model_price_permille=1000, now=now
+        account_id=ids.account_id(consumer.pk),
+        job_id=ids.job_id(job.pk),
+        max_tokens=50,
+        model_price_permille=1000,
+        now=now,
     )
     job_finish(job, completion=50)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
 
 
 def queue_len(dep: Deployment) -> int:
     from apps.jobs import admission
 
-    return len(admission.queue_order(deployment_id=dep.id))
+    return len(admission.queue_order(deployment_id=ids.deployment_id(dep.id)))
 
 
 def test_the_lender_is_served_first_under_contention_and_the_other_within_the_bound(

@@ -23,6 +23,7 @@ from apps.jobs.states import JobState
 from apps.nodes.links import link_record
 from apps.nodes.models import Node
 from apps.nodes.states import NodeState
+from racon import ids
 from racon_cli.client import EXIT_API, EXIT_CONFIG, EXIT_UNREACHABLE
 from tests.e2e.harness import Controller, smollm2_path
 from tests.factories import (
@@ -119,7 +120,7 @@ def test_a_key_without_admin_rights_is_one_403_line(racon: Run, transactional_db
     user = UserFactory(username="dora")
     _, plaintext = api_key_create(
         name="dora",
-        account_id=account_for_user(user=user).id,
+        account_id=ids.account_id(account_for_user(user=user).id),
         scopes=[ApiKey.SCOPE_INFERENCE],
         user_id=user.pk,
     )
@@ -226,14 +227,14 @@ def settled_job(
     job = job_for(account=acct, model=dep.model, deployment=dep, max_tokens=16)
     job.nodes.set([alpha, beta])
     credit_reserve(
-        account_id=acct.pk,
-        job_id=job.pk,
+        account_id=ids.account_id(acct.pk),
+        job_id=ids.job_id(job.pk),
         max_tokens=16,
         model_price_permille=1000,
         now=timezone.now(),
     )
     job_finish(job, prompt=4, completion=12, device_seconds={str(alpha.pk): 1.0, str(beta.pk): 0.5})
-    credit_settle_job(job_id=job.pk, now=timezone.now())
+    credit_settle_job(job_id=ids.job_id(job.pk), now=timezone.now())
     return job
 
 
@@ -277,7 +278,9 @@ def test_credits_balance_ledger_and_receipt_verify(
     res = racon("credits", "verify", str(tmp_path / "none.json"))
     assert res.exit_code == EXIT_CONFIG and "cannot read" in one_error_line(res)
     user_key = api_key_create(
-        name="erin", account_id=settled_job.account_id, scopes=[ApiKey.SCOPE_INFERENCE]
+        name="erin",
+        account_id=ids.account_id(str(settled_job.account_id)),
+        scopes=[ApiKey.SCOPE_INFERENCE],
     )[1]
     ledger = json.loads(racon("credits", "ledger", "--json", key=user_key).stdout)
     assert {p["kind"] for p in ledger["results"]} >= {"GRANT", "RESERVE"}
@@ -343,7 +346,7 @@ def test_nodes_links_prints_the_measured_matrix_and_json(
     assert "No links measured yet" in res.stdout
     alpha, beta = two_nodes
     link_record(
-        node_id=alpha.id,
+        node_id=ids.node_id(alpha.id),
         links=[
             {
                 "node_id": str(beta.id),

@@ -15,6 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from apps.credits import signing
+from racon import ids
+from racon.ids import JobId
 from racon_cli import main as cli
 from racon_cli.client import EXIT_API
 from racon_cli.commands import common
@@ -236,8 +238,15 @@ def test_deployments_ls_shows_slots_in_use_queue_and_replicas_per_model(
         )
         dep.nodes.set([node])
         deps.append(dep)
-    assert admission.slot_try(deployment_id=deps[0].id, job_id="j1", cap=4)
-    admission.queue_join(deployment_id=deps[1].id, job_id="w1", priority=1, model_id=model.id)
+    assert admission.slot_try(
+        deployment_id=ids.deployment_id(deps[0].id), job_id=JobId("j1"), cap=4
+    )
+    admission.queue_join(
+        deployment_id=ids.deployment_id(deps[1].id),
+        job_id=JobId("w1"),
+        priority=1,
+        model_id=ids.model_id(model.id),
+    )
     body = client.get(
         "/api/admin/deployments", headers={"Authorization": "Bearer test-operator-key"}
     ).json()

@@ -10,6 +10,7 @@ from apps.accounts.models import Account
 from apps.credits.settlement import credit_reserve, credit_settle_job
 from apps.jobs.models import Deployment
 from apps.models_repo.models import Model
+from racon import ids
 from tests.factories import (
     AccountFactory,
     ModelFactory,
@@ -43,10 +44,14 @@ def settle_at(
 ) -> None:
     job = job_for(account=consumer, model=model, deployment=dep, max_tokens=100)
     credit_reserve(
-        account_id=consumer.pk, job_id=job.pk, max_tokens=100, model_price_permille=1000, now=at
+        account_id=ids.account_id(consumer.pk),
+        job_id=ids.job_id(job.pk),
+        max_tokens=100,
+        model_price_permille=1000,
+        now=at,
     )
     job_finish(job, completion=completion)
-    credit_settle_job(job_id=job.pk, now=at)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=at)
 
 
 @pytest.fixture

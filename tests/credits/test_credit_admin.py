@@ -9,6 +9,7 @@ from django.test import Client
 from apps.accounts.models import Account
 from apps.credits.models import Entry, Posting, Receipt
 from apps.credits.settlement import credit_reserve, credit_settle_job
+from racon import ids
 from tests.factories import (
     ModelFactory,
     NodeFactory,
@@ -33,10 +34,14 @@ def admin_client_with_ledger(client: Client, price: Any, now: Any) -> Client:
         max_tokens=10,
     )
     credit_reserve(
-        account_id=consumer.pk, job_id=job.pk, max_tokens=10, model_price_permille=1000, now=now
+        account_id=ids.account_id(consumer.pk),
+        job_id=ids.job_id(job.pk),
+        max_tokens=10,
+        model_price_permille=1000,
+        now=now,
     )
     job_finish(job, completion=5)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     user = get_user_model().objects.create_superuser("root", "root@example.com", "pw-test-123")
     client.force_login(user)
     return client

@@ -12,6 +12,7 @@ from apps.credits import signing
 from apps.credits.ledger import credit_grant
 from apps.credits.models import Entry, EntryKind, Receipt
 from apps.credits.settlement import credit_reserve, credit_settle_job
+from racon import ids
 from tests.factories import (
     AccountFactory,
     ModelFactory,
@@ -38,10 +39,14 @@ def settled(price: Any, now: Any) -> dict[str, Any]:
     consumer = funded_account(1_000_000)
     job = job_for(account=consumer, model=model, deployment=dep, max_tokens=100)
     credit_reserve(
-        account_id=consumer.pk, job_id=job.pk, max_tokens=100, model_price_permille=1000, now=now
+        account_id=ids.account_id(consumer.pk),
+        job_id=ids.job_id(job.pk),
+        max_tokens=100,
+        model_price_permille=1000,
+        now=now,
     )
     job_finish(job, completion=60)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     return {"owners": owners, "nodes": nodes, "consumer": consumer, "job": job}
 
 
@@ -59,7 +64,11 @@ def test_balance_counts_open_holds_and_earnings(
     consumer = settled["consumer"]
     job = job_for(account=consumer, model=settled["job"].model, max_tokens=10)
     credit_reserve(
-        account_id=consumer.pk, job_id=job.pk, max_tokens=10, model_price_permille=1000, now=now
+        account_id=consumer.pk,
+        job_id=ids.job_id(job.pk),
+        max_tokens=10,
+        model_price_permille=1000,
+        now=now,
     )
     assert client.get("/api/credits/balance", **key_for(consumer)).json()["held"] == 10_000
     owner = client.get("/api/credits/balance", **key_for(settled["owners"][1])).json()

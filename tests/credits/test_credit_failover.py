@@ -17,6 +17,7 @@ from apps.jobs import admission, selectors
 from apps.jobs.jobs import job_finish_from_report
 from apps.jobs.models import JobAttempt
 from apps.jobs.states import JobState
+from racon import ids
 from tests.factories import (
     AccountFactory,
     ModelFactory,
@@ -56,7 +57,7 @@ def failed_over_job(
     )
     credit_reserve(
         account_id=s["consumer"].pk,
-        job_id=job.pk,
+        job_id=ids.job_id(job.pk),
         max_tokens=max_tokens,
         model_price_permille=1000,
         now=timezone.now(),

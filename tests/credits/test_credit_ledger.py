@@ -18,6 +18,7 @@ from apps.credits.ledger import (
     ledger_verify,
 )
 from apps.credits.models import AppendOnlyError, Entry, EntryKind, Posting
+from racon import ids
 from tests.factories import AccountFactory, UserFactory, funded_account
 
 pytestmark = pytest.mark.django_db
@@ -89,14 +90,14 @@ def test_zero_fractional_and_overflowing_posting_amounts_are_refused(now: Any, a
 def test_grants_must_be_positive_integers_within_range(now: Any, amount: Any) -> None:
     acct = AccountFactory()
     with pytest.raises(ValueError):
-        credit_grant(account_id=acct.pk, amount=amount, reason="r", now=now)
+        credit_grant(account_id=ids.account_id(acct.pk), amount=amount, reason="r", now=now)
     assert balances(acct) == [0]
 
 
 def test_a_balance_that_would_overflow_is_refused(now: Any) -> None:
     acct = funded_account(2**62)
     with pytest.raises(ValueError, match="overflow"):
-        credit_grant(account_id=acct.pk, amount=1, reason="one more", now=now)
+        credit_grant(account_id=ids.account_id(acct.pk), amount=1, reason="one more", now=now)
     assert balances(acct) == [2**62]
 
 
@@ -139,7 +140,9 @@ def test_a_custom_floor_allows_overdraft_down_to_it(now: Any) -> None:
 
 def test_the_mint_is_unbounded_and_grants_carry_their_reason(now: Any) -> None:
     acct = AccountFactory()
-    entry = credit_grant(account_id=acct.pk, amount=10**9, reason="welcome bonus", now=now)
+    entry = credit_grant(
+        account_id=ids.account_id(acct.pk), amount=10**9, reason="welcome bonus", now=now
+    )
     assert entry.memo == "welcome bonus" and entry.kind == EntryKind.GRANT
     assert account_system(name="system:mint").balance == -(10**9)
     assert balances(acct) == [10**9]
@@ -147,13 +150,15 @@ def test_the_mint_is_unbounded_and_grants_carry_their_reason(now: Any) -> None:
 
 def test_negative_adjust_goes_down_to_the_floor_but_not_below(now: Any) -> None:
     acct = funded_account(1_000)
-    credit_adjust(account_id=acct.pk, amount=-600, reason="refund reversal", now=now)
+    credit_adjust(
+        account_id=ids.account_id(acct.pk), amount=-600, reason="refund reversal", now=now
+    )
     with pytest.raises(InsufficientCredits):
-        credit_adjust(account_id=acct.pk, amount=-401, reason="too much", now=now)
-    credit_adjust(account_id=acct.pk, amount=-400, reason="to zero", now=now)
+        credit_adjust(account_id=ids.account_id(acct.pk), amount=-401, reason="too much", now=now)
+    credit_adjust(account_id=ids.account_id(acct.pk), amount=-400, reason="to zero", now=now)
     assert balances(acct) == [0]
     with pytest.raises(ValueError, match="reason"):
-        credit_adjust(account_id=acct.pk, amount=5, reason="  ", now=now)
+        credit_adjust(account_id=ids.account_id(acct.pk), amount=5, reason="  ", now=now)
 
 
 def test_ledger_rows_are_append_only(now: Any) -> None:

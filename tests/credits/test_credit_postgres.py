@@ -14,6 +14,7 @@ from apps.accounts.models import Account
 from apps.credits.ledger import InsufficientCredits, account_system, ledger_verify
 from apps.credits.models import Entry, EntryKind, Posting, Receipt
 from apps.credits.settlement import credit_reserve, credit_settle_job
+from racon import ids
 from tests.factories import (
     AccountFactory,
     ModelFactory,
@@ -60,11 +61,15 @@ def test_fifty_concurrent_settlements_of_one_job_make_exactly_one_entry(
     consumer = funded_account(1_000_000)
     job = job_for(account=consumer, model=model, deployment=dep, max_tokens=200)
     credit_reserve(
-        account_id=consumer.pk, job_id=job.pk, max_tokens=200, model_price_permille=1000, now=now
+        account_id=ids.account_id(consumer.pk),
+        job_id=ids.job_id(job.pk),
+        max_tokens=200,
+        model_price_permille=1000,
+        now=now,
     )
     job_finish(job, prompt=20, completion=80)
 
-    results = hammer(50, lambda i: credit_settle_job(job_id=job.pk, now=now))
+    results = hammer(50, lambda i: credit_settle_job(job_id=ids.job_id(job.pk), now=now))
 
     errors = [r for r in results if isinstance(r, Exception)]
     assert errors == []
@@ -86,8 +91,8 @@ def test_concurrent_reservations_never_take_an_account_below_its_floor(
     results = hammer(
         40,
         lambda i: credit_reserve(
-            account_id=consumer.pk,
-            job_id=jobs[i].pk,
+            account_id=ids.account_id(consumer.pk),
+            job_id=ids.job_id(jobs[i].pk),
             max_tokens=7,
             model_price_permille=1000,
             now=now,
@@ -119,12 +124,16 @@ def test_concurrent_settlements_and_reservations_across_accounts_do_not_deadlock
         c = consumers[i % 2]
         job = job_for(account=c, model=model, deployment=deps[i % 2], max_tokens=10)
         credit_reserve(
-            account_id=c.pk, job_id=job.pk, max_tokens=10, model_price_permille=1000, now=now
+            account_id=ids.account_id(c.pk),
+            job_id=ids.job_id(job.pk),
+            max_tokens=10,
+            model_price_permille=1000,
+            now=now,
         )
         job_finish(job, completion=5 + i % 4)
         jobs.append(job)
 
-    results = hammer(60, lambda i: credit_settle_job(job_id=jobs[i % 30].pk, now=now))
+    results = hammer(60, lambda i: credit_settle_job(job_id=ids.job_id(jobs[i % 30].pk), now=now))
 
     assert [r for r in results if isinstance(r, Exception)] == []
     assert Entry.objects.filter(kind=EntryKind.SETTLE).count() == 30

@@ -10,6 +10,7 @@ from apps.credits.ledger import account_system
 from apps.credits.rules import job_priority_order
 from apps.credits.selectors import SYSTEM_STANDING, account_standing
 from apps.credits.settlement import credit_reserve, credit_settle_job
+from racon import ids
 from tests.factories import (
     AccountFactory,
     ModelFactory,
@@ -56,10 +57,14 @@ def test_standing_is_what_the_account_lent_recently_not_its_balance(price: Any, 
         max_tokens=50,
     )
     credit_reserve(
-        account_id=consumer.pk, job_id=job.pk, max_tokens=50, model_price_permille=1000, now=now
+        account_id=ids.account_id(consumer.pk),
+        job_id=ids.job_id(job.pk),
+        max_tokens=50,
+        model_price_permille=1000,
+        now=now,
     )
     job_finish(job, completion=50)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     operator = account_system(name="system:operator")
     standing = account_standing(
         account_ids=[contributor.pk, idle.pk, str(operator.pk), AccountFactory.build().pk], now=now

@@ -23,6 +23,7 @@ from apps.credits.models import Entry, Posting
 from apps.credits.settlement import credit_reserve, credit_settle_job, credit_standby_reward
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
+from racon import ids
 from tests.factories import (
     AccountFactory,
     ModelFactory,
@@ -117,7 +118,7 @@ def run_steps(cfg: dict[str, Any], steps: list[tuple[Any, ...]]) -> None:
     users = [AccountFactory(), AccountFactory(), AccountFactory()]
     accounts = [*users, account_system(name="system:operator")]
     for acct, funds in zip(users, (5_000_000, 2_000_000, 3_000), strict=True):
-        credit_grant(account_id=acct.pk, amount=funds, reason="seed", now=now)
+        credit_grant(account_id=ids.account_id(acct.pk), amount=funds, reason="seed", now=now)
         minted += funds
     owners = [AccountFactory(), AccountFactory(), users[0]]  # one consumer also lends a node
     nodes = [
@@ -141,7 +142,7 @@ def run_steps(cfg: dict[str, Any], steps: list[tuple[Any, ...]]) -> None:
         state, prompt, completion, measured = outcome
         seconds = {str(n.pk): 0.1 * (i + 1) for i, n in enumerate(nodes[:2])} if measured else None
         job_finish(job, state=state, prompt=prompt, completion=completion, device_seconds=seconds)
-        entry = credit_settle_job(job_id=job.pk, now=now)
+        entry = credit_settle_job(job_id=ids.job_id(job.pk), now=now)
         pending.remove(job)
         settled.append(job.pk)
         hold = held.pop(job.pk)
@@ -173,7 +174,7 @@ def run_steps(cfg: dict[str, Any], steps: list[tuple[Any, ...]]) -> None:
                     )
                     held[job.pk] = credit_reserve(
                         account_id=acct.pk,
-                        job_id=job.pk,
+                        job_id=ids.job_id(job.pk),
                         max_tokens=max_tokens,
                         model_price_permille=cfg["price"],
                         now=now,

@@ -14,6 +14,7 @@ from apps.credits import signing
 from apps.credits.models import Receipt
 from apps.credits.receipts import receipt_check, receipt_public_key, receipt_signing_key
 from apps.credits.settlement import credit_reserve, credit_settle_job
+from racon import ids
 from tests.factories import (
     ModelFactory,
     NodeFactory,
@@ -32,12 +33,16 @@ def receipt(db: Any, price: Any, now: Any) -> dict[str, Any]:
     consumer = funded_account(10**6)
     job = job_for(account=consumer, model=model, deployment=dep, max_tokens=64)
     credit_reserve(
-        account_id=consumer.pk, job_id=job.pk, max_tokens=64, model_price_permille=1000, now=now
+        account_id=ids.account_id(consumer.pk),
+        job_id=ids.job_id(job.pk),
+        max_tokens=64,
+        model_price_permille=1000,
+        now=now,
     )
     job_finish(
         job, prompt=7, completion=33, device_seconds={str(nodes[0].pk): 0.5, str(nodes[1].pk): 1.25}
     )
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     return Receipt.objects.get(job=job, node=nodes[1]).document()
 
 

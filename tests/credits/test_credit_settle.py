@@ -14,6 +14,8 @@ from apps.credits.rules import NodeWork, plan_work, settlement_split, token_cost
 from apps.credits.settlement import JobNotTerminal, credit_reserve, credit_settle_job
 from apps.credits.tasks import settle_job
 from apps.jobs.states import JobState
+from racon import ids
+from racon.ids import JobId, NodeId
 from tests.factories import (
     AccountFactory,
     ModelFactory,
@@ -35,7 +37,7 @@ def bal(acct: Account) -> int:
 
 
 def test_split_follows_layers_gives_the_primary_its_bonus_and_the_rounding_remainder() -> None:
-    work = [NodeWork("a", 7), NodeWork("b", 5), NodeWork("c", 3)]
+    work = [NodeWork(NodeId("a"), 7), NodeWork(NodeId("b"), 5), NodeWork("c", 3)]
     shares = settlement_split(
         value=100_001, work=work, primary_node_id="a", tokens=100, primary_share_permille=100
     )
@@ -47,9 +49,9 @@ def test_split_follows_layers_gives_the_primary_its_bonus_and_the_rounding_remai
 
 def test_split_weights_layers_by_measured_compute_time_when_reported() -> None:
     work = [
-        NodeWork("a", 10, device_ms=2_000),
-        NodeWork("b", 10, device_ms=6_000),
-        NodeWork("c", 10),
+        NodeWork(NodeId("a"), 10, device_ms=2_000),
+        NodeWork(NodeId("b"), 10, device_ms=6_000),
+        NodeWork(NodeId("c"), 10),
     ]
     shares = settlement_split(
         value=90_000, work=work, primary_node_id="a", tokens=10, primary_share_permille=0
@@ -60,7 +62,7 @@ def test_split_weights_layers_by_measured_compute_time_when_reported() -> None:
 
 @pytest.mark.parametrize("value", [0, 1, 7, 999_999_937])
 def test_split_always_sums_exactly_and_never_goes_negative(value: int) -> None:
-    work = [NodeWork("a", 3, 1_234), NodeWork("b", 1), NodeWork("c", 0)]
+    work = [NodeWork(NodeId("a"), 3, 1_234), NodeWork(NodeId("b"), 1), NodeWork("c", 0)]
     shares = settlement_split(
         value=value, work=work, primary_node_id="b", tokens=3, primary_share_permille=333
     )
@@ -78,7 +80,11 @@ def test_plan_work_counts_layers_per_node_and_keeps_a_layerless_primary() -> Non
     }
     primary, work = plan_work(plan, {"x": 1.5, "y": "bad"})
     assert primary == "p"
-    assert work == [NodeWork("x", 12, 1_500), NodeWork("y", 4, None), NodeWork("p", 0, None)]
+    assert work == [
+        NodeWork(NodeId("x"), 12, 1_500),
+        NodeWork(NodeId("y"), 4, None),
+        NodeWork("p", 0, None),
+    ]
 
 
 def test_token_cost_rounds_up_to_the_micro_credit() -> None:
@@ -106,7 +112,7 @@ def test_reserve_then_settle_charges_tokens_used_releases_the_rest_and_pays_each
     assert (
         credit_reserve(
             account_id=s["consumer"].pk,
-            job_id=job.pk,
+            job_id=ids.job_id(job.pk),
             max_tokens=200,
             model_price_permille=1000,
             now=now,
@@ -116,7 +122,7 @@ def test_reserve_then_settle_charges_tokens_used_releases_the_rest_and_pays_each
     assert bal(s["consumer"]) == 800_000 and account_system(name="system:holds").balance == 200_000
 
     job_finish(job, prompt=20, completion=80)
-    entry = credit_settle_job(job_id=job.pk, now=now)
+    entry = credit_settle_job(job_id=ids.job_id(job.pk), now=now)
 
     # 100 tokens × 1000 µ = 100_000: primary 10% bonus + 16/32 of the rest; the workers 8/32 each.
     assert bal(s["consumer"]) == 900_000
@@ -140,14 +146,14 @@ def test_settling_the_same_job_twice_makes_exactly_one_entry(price: Any, now: An
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=50)
     credit_reserve(
         account_id=s["consumer"].pk,
-        job_id=job.pk,
+        job_id=ids.job_id(job.pk),
         max_tokens=50,
         model_price_permille=1000,
         now=now,
     )
     job_finish(job, completion=10)
-    first = credit_settle_job(job_id=job.pk, now=now)
-    again = credit_settle_job(job_id=job.pk, now=timezone.now())
+    first = credit_settle_job(job_id=ids.job_id(job.pk), now=now)
+    again = credit_settle_job(job_id=ids.job_id(job.pk), now=timezone.now())
     assert first.pk == again.pk
     assert Entry.objects.filter(kind=EntryKind.SETTLE, job=job).count() == 1
     assert Receipt.objects.filter(job=job).count() == 3
@@ -159,7 +165,7 @@ def test_the_celery_task_settles_once_however_often_it_is_delivered(price: Any, 
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=50)
     credit_reserve(
         account_id=s["consumer"].pk,
-        job_id=job.pk,
+        job_id=ids.job_id(job.pk),
         max_tokens=50,
         model_price_permille=1000,
         now=now,
@@ -174,7 +180,7 @@ def test_a_job_that_is_still_running_is_not_settled(price: Any, now: Any) -> Non
     s = three_node_setup()
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"])
     with pytest.raises(JobNotTerminal):
-        credit_settle_job(job_id=job.pk, now=now)
+        credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     assert settle_job.delay(job_id=str(job.pk)).result is None
     assert not Entry.objects.filter(kind=EntryKind.SETTLE).exists()
 
@@ -187,13 +193,13 @@ def test_failed_or_cancelled_jobs_charge_only_what_was_delivered(
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=500)
     credit_reserve(
         account_id=s["consumer"].pk,
-        job_id=job.pk,
+        job_id=ids.job_id(job.pk),
         max_tokens=500,
         model_price_permille=1000,
         now=now,
     )
     job_finish(job, state=state, prompt=12, completion=3)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     assert bal(s["consumer"]) == 1_000_000 - 15_000
     assert sum(bal(o) for o in s["owners"]) == 15_000
     assert account_system(name="system:holds").balance == 0
@@ -206,13 +212,13 @@ def test_a_job_that_delivered_nothing_is_fully_refunded_with_zero_credit_receipt
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=500)
     credit_reserve(
         account_id=s["consumer"].pk,
-        job_id=job.pk,
+        job_id=ids.job_id(job.pk),
         max_tokens=500,
         model_price_permille=1000,
         now=now,
     )
     job_finish(job, state=JobState.FAILED)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     assert bal(s["consumer"]) == 1_000_000
     assert sorted(r.credits for r in Receipt.objects.filter(job=job)) == [0, 0, 0]
     assert ledger_verify().ok
@@ -224,13 +230,13 @@ def test_usage_beyond_the_hold_is_never_charged_beyond_the_hold(price: Any, now:
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=20)
     credit_reserve(
         account_id=s["consumer"].pk,
-        job_id=job.pk,
+        job_id=ids.job_id(job.pk),
         max_tokens=20,
         model_price_permille=1000,
         now=now,
     )
     job_finish(job, prompt=40, completion=20)  # 60 tokens = 60_000 µ; the hold is 20_000
-    entry = credit_settle_job(job_id=job.pk, now=now)
+    entry = credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     assert entry.data["cost"] == 60_000 and entry.data["charged"] == 20_000
     assert entry.data["uncharged"] == 40_000
     assert bal(s["consumer"]) == 10_000  # what was free stays free
@@ -243,13 +249,13 @@ def test_a_forged_two_billion_token_usage_charges_at_most_the_hold(price: Any, n
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=100)
     held = credit_reserve(
         account_id=s["consumer"].pk,
-        job_id=job.pk,
+        job_id=ids.job_id(job.pk),
         max_tokens=100,
         model_price_permille=1000,
         now=now,
     )
     job_finish(job, completion=2_000_000_000)
-    entry = credit_settle_job(job_id=job.pk, now=now)
+    entry = credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     assert entry.data["charged"] == held == 100_000
     assert bal(s["consumer"]) == 10_000_000 - held
     assert sum(bal(o) for o in s["owners"]) == held
@@ -264,7 +270,7 @@ def test_model_price_weight_scales_the_charge(price: Any, now: Any) -> None:
     assert (
         credit_reserve(
             account_id=s["consumer"].pk,
-            job_id=job.pk,
+            job_id=ids.job_id(job.pk),
             max_tokens=10,
             model_price_permille=2500,
             now=now,
@@ -272,7 +278,7 @@ def test_model_price_weight_scales_the_charge(price: Any, now: Any) -> None:
         == 25_000
     )
     job_finish(job, completion=4)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     assert bal(s["owners"][0]) == 10_000 and bal(s["consumer"]) == 990_000
 
 
@@ -282,7 +288,7 @@ def test_a_broke_account_is_refused_a_reservation_and_nothing_is_held(price: Any
     with pytest.raises(InsufficientCredits) as info:
         credit_reserve(
             account_id=s["consumer"].pk,
-            job_id=job.pk,
+            job_id=ids.job_id(job.pk),
             max_tokens=1,
             model_price_permille=1000,
             now=now,
@@ -297,8 +303,8 @@ def test_the_operator_account_is_never_blocked_by_credits(price: Any, now: Any) 
     job = job_for(account=operator, model=s["model"], deployment=s["dep"], max_tokens=10**6)
     assert (
         credit_reserve(
-            account_id=operator.pk,
-            job_id=job.pk,
+            account_id=ids.account_id(operator.pk),
+            job_id=ids.job_id(job.pk),
             max_tokens=10**6,
             model_price_permille=1000,
             now=now,
@@ -306,7 +312,7 @@ def test_the_operator_account_is_never_blocked_by_credits(price: Any, now: Any) 
         == 10**9
     )
     job_finish(job, completion=100)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     assert bal(operator) == -100_000
     assert sum(bal(o) for o in s["owners"]) == 100_000
     assert ledger_verify().ok
@@ -317,8 +323,8 @@ def test_reservations_for_non_positive_token_counts_are_refused(now: Any, max_to
     acct = funded_account(10**6)
     with pytest.raises(ValueError):
         credit_reserve(
-            account_id=acct.pk,
-            job_id="00000000-0000-0000-0000-000000000000",
+            account_id=ids.account_id(acct.pk),
+            job_id=JobId("00000000-0000-0000-0000-000000000000"),
             max_tokens=max_tokens,
             model_price_permille=1000,
             now=now,
@@ -329,8 +335,8 @@ def test_a_reservation_that_would_overflow_is_refused(now: Any) -> None:
     acct = funded_account(10**6)
     with pytest.raises(ValueError, match="overflow"):
         credit_reserve(
-            account_id=acct.pk,
-            job_id="00000000-0000-0000-0000-000000000000",
+            account_id=ids.account_id(acct.pk),
+            job_id=JobId("00000000-0000-0000-0000-000000000000"),
             max_tokens=2**40,
             model_price_permille=2**40,
             now=now,
@@ -346,10 +352,14 @@ def test_a_node_owner_running_on_its_own_node_pays_and_earns_in_one_entry(
     dep = deployment_for([(node, 10)], model=model)
     job = job_for(account=owner, model=model, deployment=dep, max_tokens=50)
     credit_reserve(
-        account_id=owner.pk, job_id=job.pk, max_tokens=50, model_price_permille=1000, now=now
+        account_id=ids.account_id(owner.pk),
+        job_id=ids.job_id(job.pk),
+        max_tokens=50,
+        model_price_permille=1000,
+        now=now,
     )
     job_finish(job, completion=30)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     assert bal(owner) == 100_000  # paid 30_000 and earned it back
     assert ledger_verify().ok
 
@@ -360,13 +370,13 @@ def test_a_fee_setting_sends_its_part_to_the_fees_account(price: Any, now: Any) 
     job = job_for(account=s["consumer"], model=s["model"], deployment=s["dep"], max_tokens=100)
     credit_reserve(
         account_id=s["consumer"].pk,
-        job_id=job.pk,
+        job_id=ids.job_id(job.pk),
         max_tokens=100,
         model_price_permille=1000,
         now=now,
     )
     job_finish(job, completion=100)
-    credit_settle_job(job_id=job.pk, now=now)
+    credit_settle_job(job_id=ids.job_id(job.pk), now=now)
     assert account_system(name="system:fees").balance == 5_000
     assert sum(bal(o) for o in s["owners"]) == 95_000
 
@@ -386,14 +396,14 @@ def test_escrow_holds_a_new_contributors_earnings_until_the_trust_threshold_then
     def run(tokens: int) -> None:
         job = job_for(account=consumer, model=model, deployment=dep, max_tokens=tokens)
         credit_reserve(
-            account_id=consumer.pk,
-            job_id=job.pk,
+            account_id=ids.account_id(consumer.pk),
+            job_id=ids.job_id(job.pk),
             max_tokens=tokens,
             model_price_permille=1000,
             now=now,
         )
         job_finish(job, completion=tokens)
-        credit_settle_job(job_id=job.pk, now=now)
+        credit_settle_job(job_id=ids.job_id(job.pk), now=now)
 
     run(100)
     assert bal(owner) == 0 and bal(escrow) == 100_000

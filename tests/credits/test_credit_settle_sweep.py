@@ -13,6 +13,7 @@ from apps.credits.selectors import open_holds
 from apps.credits.settlement import credit_reserve, credit_settle_job, credit_settle_pending
 from apps.credits.tasks import settle_sweep
 from apps.jobs.states import JobState
+from racon import ids
 from tests.factories import (
     AccountFactory,
     ModelFactory,
@@ -35,8 +36,8 @@ def held_job(*, state: str | None = JobState.COMPLETED, completion: int = 30) ->
     consumer = funded_account(1_000_000)
     job = job_for(account=consumer, model=model, deployment=dep, max_tokens=100)
     credit_reserve(
-        account_id=consumer.pk,
-        job_id=job.pk,
+        account_id=ids.account_id(consumer.pk),
+        job_id=ids.job_id(job.pk),
         max_tokens=100,
         model_price_permille=1000,
         now=job.queued_at,

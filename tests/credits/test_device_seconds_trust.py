@@ -19,6 +19,7 @@ from agent.protocol import job_stream_key
 from apps.credits.settlement import credit_reserve, credit_settle_job
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
+from racon import ids
 from racon.redis import get_redis
 from tests.factories import NodeFactory, deployment_for, funded_account, job_for
 
@@ -57,7 +58,11 @@ def run_job(
     )
     job.nodes.set([primary, worker])
     credit_reserve(
-        account_id=consumer.pk, job_id=job.pk, max_tokens=100, model_price_permille=1000, now=now
+        account_id=ids.account_id(consumer.pk),
+        job_id=ids.job_id(job.pk),
+        max_tokens=100,
+        model_price_permille=1000,
+        now=now,
     )
     r = get_redis()
     for seq in range(10):
@@ -77,12 +82,12 @@ def run_job(
         "completion_tokens": 10,
     }
     if claims:
-        ids = {"primary": str(primary.pk), "worker": str(worker.pk)}
-        payload["device_seconds"] = {ids[role]: s for role, s in claims.items()}
+        node_ids = {"primary": str(primary.pk), "worker": str(worker.pk)}
+        payload["device_seconds"] = {node_ids[role]: s for role, s in claims.items()}
     with capture(execute=True):
         resp = report(client, primary, payload)
     assert resp.status_code == 202, resp.content
-    entry = credit_settle_job(job_id=job.pk, now=timezone.now())
+    entry = credit_settle_job(job_id=ids.job_id(job.pk), now=timezone.now())
     shares = entry.data["shares"]
     return {"primary": shares[str(primary.pk)], "worker": shares[str(worker.pk)]}
 

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from httpx_sse import connect_sse
 
+from racon import ids
 from tests.support import processes, timing
 from tests.support.processes import free_port, stop, wait_for
 
@@ -401,8 +402,15 @@ def make_account_with_key(name: str, *, grant: int | None = None) -> tuple[str, 
         if delta:
             from django.utils import timezone
 
-            credit_adjust(account_id=acct.pk, amount=delta, reason="test setup", now=timezone.now())
-    _, key = api_key_create(name=f"{name}-key", account_id=acct.pk, scopes=["inference"])
+            credit_adjust(
+                account_id=ids.account_id(acct.pk),
+                amount=delta,
+                reason="test setup",
+                now=timezone.now(),
+            )
+    _, key = api_key_create(
+        name=f"{name}-key", account_id=ids.account_id(acct.pk), scopes=["inference"]
+    )
     return str(acct.pk), key
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from racon import ids
 from tests.support.lavapipe import lavapipe_env, ready_nodes, require_lavapipe, start_named_agent
 
 from .harness import Controller, stop_agent, wait_for
@@ -71,7 +72,7 @@ def test_lavapipe_challenge_verifies_an_honest_node_and_fails_a_900_tflops_claim
             wait_for(lambda: ready_nodes(controller, {"vk-honest", "vk-claims"}), 120, "both READY")
             honest = Node.objects.get(name="vk-honest")
             assert [g["device"] for g in honest.hardware["gpus"]] == ["Vulkan0"]
-            verdict = node_gpu_challenge(node_id=honest.id, now=timezone.now())
+            verdict = node_gpu_challenge(node_id=ids.node_id(honest.id), now=timezone.now())
             assert verdict.outcome == "verified", verdict
             assert verdict.device == "Vulkan0" and verdict.credited == verdict.measured > 0
             honest.refresh_from_db()
@@ -85,7 +86,7 @@ def test_lavapipe_challenge_verifies_an_honest_node_and_fails_a_900_tflops_claim
             assert event.data["prepare_seconds"] > 0 and event.data["seconds"] > 0, event.data
 
             claims = Node.objects.get(name="vk-claims")
-            verdict = node_gpu_challenge(node_id=claims.id, now=timezone.now())
+            verdict = node_gpu_challenge(node_id=ids.node_id(claims.id), now=timezone.now())
             assert verdict.outcome == "failed" and verdict.measured > 0, verdict  # right, late
             claims.refresh_from_db()
             assert not gpu_verified(claims.hardware["gpus"][0])  # still planned at the floor

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from apps.jobs.retention import job_stream_entries
+from racon.ids import JobId, NodeId
 
 from .harness import (
     Controller,
@@ -29,7 +30,7 @@ MODEL = "smollm2-kvt"
 
 def engine_usage(job_id: str, node_id: str) -> dict[str, Any]:
     """The agent's own usage report in the job's stream (``done`` entry): prompt_cached etc."""
-    for _, fields in job_stream_entries(job_id=job_id, node_id=node_id):
+    for _, fields in job_stream_entries(job_id=JobId(job_id), node_id=NodeId(node_id)):
         if fields.get("type") == "done":
             usage: dict[str, Any] = json.loads(fields.get("usage") or "{}")
             return usage

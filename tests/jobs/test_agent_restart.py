@@ -11,6 +11,7 @@ from apps.jobs.models import Deployment, Job
 from apps.jobs.reports import report_accept
 from apps.jobs.states import DeploymentState, JobState
 from apps.nodes.models import Event
+from racon import ids
 from tests.factories import ModelFactory, NodeFactory, deployment_for, job_for
 
 pytestmark = pytest.mark.django_db
@@ -74,7 +75,7 @@ def test_a_malformed_start_report_is_refused() -> None:
     node = NodeFactory()
     with pytest.raises(ValueError, match="deployments"):
         report_accept(
-            node_id=node.id,
+            node_id=ids.node_id(node.id),
             report={
                 "id": "bad",
                 "kind": "event",

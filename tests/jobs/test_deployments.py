@@ -26,6 +26,8 @@ from apps.jobs.states import DeploymentState, JobState
 from apps.models_repo.models import Model
 from apps.nodes.models import Event
 from apps.nodes.states import NodeState
+from racon import ids
+from racon.ids import JobId
 from racon.redis import get_redis
 from tests.factories import JobAttemptFactory, JobFactory, NodeFactory
 from tests.jobs.helpers import nodes_with_replicas, planning_deployment, ready_deployment
@@ -45,7 +47,7 @@ def test_node_lost_before_execution_triggers_a_revised_plan(model: Model, settin
         model_file=model.files.get(), request=placement_request_from({"n_ctx": 512})
     ).primary_node_id
     with FakeAgents([str(a.id), str(b.id)], fail_load_on={first_choice}):
-        result = placement.deployment_place(deployment_id=dep.id)
+        result = placement.deployment_place(deployment_id=ids.deployment_id(dep.id))
     assert result.state == DeploymentState.READY, result.error
     assert str(result.primary_id) != first_choice
     kinds = list(
@@ -64,7 +66,7 @@ def test_node_lost_before_execution_triggers_a_revised_plan(model: Model, settin
 def test_impossible_placement_fails_with_the_refusal(model: Model) -> None:
     NodeFactory(state=NodeState.READY, ram_available=10 * 1024**2)
     dep = planning_deployment(model)
-    result = placement.deployment_place(deployment_id=dep.id)
+    result = placement.deployment_place(deployment_id=ids.deployment_id(dep.id))
     assert result.state == DeploymentState.FAILED
     assert "more memory" in result.error or "memory" in result.error
     assert Event.objects.filter(deployment=dep, kind="PLACEMENT_REFUSED").exists()
@@ -76,7 +78,9 @@ def test_member_lost_after_ready_fails_the_deployment_its_jobs_and_replaces_it(
     node = NodeFactory(state=NodeState.READY)
     dep = ready_deployment(model, node)
     job = JobFactory(model=model, deployment=dep, state=JobState.RUNNING, queued_at=timezone.now())
-    deployments_on_node_state(node_id=str(node.id), state=NodeState.OFFLINE, now=timezone.now())
+    deployments_on_node_state(
+        node_id=ids.node_id(node.id), state=NodeState.OFFLINE, now=timezone.now()
+    )
     dep.refresh_from_db()
     job.refresh_from_db()
     assert dep.state == DeploymentState.FAILED
@@ -88,9 +92,13 @@ def test_member_lost_after_ready_fails_the_deployment_its_jobs_and_replaces_it(
 def test_member_degraded_then_recovered_moves_the_deployment_with_it(model: Model) -> None:
     node = NodeFactory(state=NodeState.READY)
     dep = ready_deployment(model, node)
-    deployments_on_node_state(node_id=str(node.id), state=NodeState.DEGRADED, now=timezone.now())
+    deployments_on_node_state(
+        node_id=ids.node_id(node.id), state=NodeState.DEGRADED, now=timezone.now()
+    )
     assert Deployment.objects.get(pk=dep.pk).state == DeploymentState.DEGRADED
-    deployments_on_node_state(node_id=str(node.id), state=NodeState.READY, now=timezone.now())
+    deployments_on_node_state(
+        node_id=ids.node_id(node.id), state=NodeState.READY, now=timezone.now()
+    )
     assert Deployment.objects.get(pk=dep.pk).state == DeploymentState.READY
 
 
@@ -102,10 +110,12 @@ def test_routing_prefers_ready_deployments_with_less_work_in_flight(model: Model
     d2 = ready_deployment(model, NodeFactory())
     Deployment.objects.filter(pk__in=[d1.pk, d2.pk]).update(n_parallel=4)
     for k in range(3):
-        assert admission.slot_try(deployment_id=d1.id, job_id=f"busy-{k}", cap=4)
-    assert all(deployment_route(model_id=model.id) == d2 for _ in range(5))
+        assert admission.slot_try(
+            deployment_id=ids.deployment_id(d1.id), job_id=JobId(f"busy-{k}"), cap=4
+        )
+    assert all(deployment_route(model_id=ids.model_id(model.id)) == d2 for _ in range(5))
     Deployment.objects.filter(pk=d2.pk).update(state=DeploymentState.DEGRADED)
-    assert deployment_route(model_id=model.id) == d1
+    assert deployment_route(model_id=ids.model_id(model.id)) == d1
 
 
 def test_a_stream_that_ended_finishes_its_job_and_a_silent_one_fails(
@@ -201,8 +211,10 @@ def test_a_duplicate_report_is_applied_once() -> None:
         "kind": "event",
         "payload": {"event": "RPC_WORKER_STARTED", "message": "up", "data": {}},
     }
-    report_accept(node_id=node.id, report=report, now=timezone.now())
-    assert report_accept(node_id=node.id, report=report, now=timezone.now()) == {"duplicate": True}
+    report_accept(node_id=ids.node_id(node.id), report=report, now=timezone.now())
+    assert report_accept(node_id=ids.node_id(node.id), report=report, now=timezone.now()) == {
+        "duplicate": True
+    }
     assert Event.objects.filter(kind="RPC_WORKER_STARTED").count() == 1
 
 
@@ -215,16 +227,18 @@ def test_malformed_reports_are_refused_and_leave_nothing() -> None:
     ):
         with pytest.raises(ValueError):
             report_accept(
-                node_id=node.id, report={"id": f"r{time.time_ns()}", **payload}, now=timezone.now()
+                node_id=ids.node_id(node.id),
+                report={"id": f"r{time.time_ns()}", **payload},
+                now=timezone.now(),
             )
     assert not Event.objects.exists()
 
 
 def test_job_terminal_states_are_final(model: Model) -> None:
     job = JobFactory(model=model, state=JobState.QUEUED, queued_at=timezone.now())
-    assert job_fail(job_id=job.id, now=timezone.now(), error="x")
+    assert job_fail(job_id=ids.job_id(job.id), now=timezone.now(), error="x")
     assert not job_complete(
-        job_id=job.id, usage={}, finish_reason="stop", chunks=0, now=timezone.now()
+        job_id=ids.job_id(job.id), usage={}, finish_reason="stop", chunks=0, now=timezone.now()
     )
     assert Job.objects.get(pk=job.id).state == JobState.FAILED
 
@@ -270,7 +284,7 @@ def test_a_replica_claim_that_fails_its_hash_challenge_is_dropped_and_the_stores
     (liar,) = nodes_with_replicas(model, 1)
     dep = planning_deployment(model)
     with FakeAgents([str(liar.id)], liars={str(liar.id)}) as agents:
-        placement.deployment_place(deployment_id=dep.id)
+        placement.deployment_place(deployment_id=ids.deployment_id(dep.id))
     kinds = [k for _, k in agents.seen]
     # Its claim was challenged and failed, so the file was copied from the store, and the copy
     # was challenged in turn (which this liar fails too): it never loads a file it cannot show.
@@ -290,7 +304,7 @@ def test_an_honest_replica_answers_its_challenge_and_is_used_without_a_copy(
     (node,) = nodes_with_replicas(model, 1)
     dep = planning_deployment(model)
     with FakeAgents([str(node.id)]) as agents:
-        placed = placement.deployment_place(deployment_id=dep.id)
+        placed = placement.deployment_place(deployment_id=ids.deployment_id(dep.id))
     assert placed.state == DeploymentState.READY, placed.error
     kinds = [k for _, k in agents.seen]
     assert "hash_challenge" in kinds and "fetch_model" not in kinds

@@ -18,6 +18,7 @@ from apps.nodes.heartbeats import heartbeat_target
 from apps.nodes.models import Event, Node
 from apps.nodes.services import node_drain, node_undrain
 from apps.nodes.states import TRANSITIONS, NodeState
+from racon import ids
 from tests.factories import JobFactory, NodeFactory
 from tests.jobs.helpers import nodes_with_replicas, ready_deployment
 from tests.support.fake_agents import FakeAgents
@@ -73,14 +74,14 @@ def test_a_draining_node_moves_its_deployment_first_and_is_drained_after_its_las
     replacement = Deployment.objects.get(pk=moved.data["replacement"])
     assert replacement.state == DeploymentState.READY and str(replacement.primary_id) == str(b.id)
     # New work goes to the replacement; the old deployment still serves the job it has.
-    assert deployment_route(model_id=model.id) == replacement
+    assert deployment_route(model_id=ids.model_id(model.id)) == replacement
     assert deployment_ensure(model=model, now=timezone.now()) == replacement
     assert Deployment.objects.get(pk=old.pk).state == DeploymentState.READY
     assert Node.objects.get(pk=a.pk).state == S.DRAINING
     assert not Event.objects.filter(node=a, kind="NODE_DRAINED").exists()
 
     job_complete(
-        job_id=job.id,
+        job_id=ids.job_id(job.id),
         usage={"completion_tokens": 3},
         finish_reason="stop",
         chunks=1,
@@ -109,14 +110,16 @@ def test_without_capacity_elsewhere_running_jobs_finish_and_the_deployment_stops
         pk=Event.objects.get(kind="DEPLOYMENT_MIGRATING", deployment=old).data["replacement"]
     )
     assert replacement.state == DeploymentState.FAILED  # nowhere to go
-    assert deployment_route(model_id=model.id) is None  # no new job for the draining node
+    assert (
+        deployment_route(model_id=ids.model_id(model.id)) is None
+    )  # no new job for the draining node
     # A new request waits on the failed replacement, so it fails with the placement's reason.
     assert deployment_ensure(model=model, now=timezone.now()) == replacement
     assert Deployment.objects.get(pk=old.pk).state == DeploymentState.READY
     assert Node.objects.get(pk=a.pk).state == S.DRAINING
 
     job_complete(
-        job_id=job.id,
+        job_id=ids.job_id(job.id),
         usage={"completion_tokens": 3},
         finish_reason="stop",
         chunks=1,
@@ -133,9 +136,9 @@ def test_undrain_returns_a_drained_node_to_ready_and_routing_to_its_deployments(
 ) -> None:
     a = NodeFactory(state=S.READY)
     ready_deployment(model, a)
-    node = node_drain(node_id=a.id, now=timezone.now())
+    node = node_drain(node_id=ids.node_id(a.id), now=timezone.now())
     assert node.state == S.DRAINED and node.drain_requested
-    node = node_undrain(node_id=a.id, now=timezone.now())
+    node = node_undrain(node_id=ids.node_id(a.id), now=timezone.now())
     assert node.state == S.READY and not node.drain_requested
     assert kinds_in_order(node=a)[-2:] == ["NODE_DRAINED", "NODE_UNDRAINED"]
 
@@ -149,9 +152,14 @@ def test_the_cached_route_forgets_a_deployment_once_its_node_drains(
     running_job(
         model, on_a, a
     )  # keeps the drain open (its replacement is refused: b serves the model)
-    assert {deployment_route(model_id=model.id, cached=True) for _ in range(20)} == {on_a, on_b}
-    node_drain(node_id=a.id, now=timezone.now())
-    assert {deployment_route(model_id=model.id, cached=True) for _ in range(20)} == {on_b}
+    assert {deployment_route(model_id=ids.model_id(model.id), cached=True) for _ in range(20)} == {
+        on_a,
+        on_b,
+    }
+    node_drain(node_id=ids.node_id(a.id), now=timezone.now())
+    assert {deployment_route(model_id=ids.model_id(model.id), cached=True) for _ in range(20)} == {
+        on_b
+    }
 
 
 def test_failover_waiters_polling_a_model_without_capacity_start_one_placement_not_a_flood(
@@ -159,7 +167,10 @@ def test_failover_waiters_polling_a_model_without_capacity_start_one_placement_n
 ) -> None:
     # No node can hold the model: every automatic placement fails at once. Waiters poll each second.
     now = timezone.now()
-    routes = [failover.job_failover_route(model_id=model.id, exclude=[], now=now) for _ in range(5)]
+    routes = [
+        failover.job_failover_route(model_id=ids.model_id(model.id), exclude=[], now=now)
+        for _ in range(5)
+    ]
     auto = Deployment.objects.filter(model=model)
     assert auto.count() == 1, [(d.state, d.created_at) for d in auto]
     assert auto.get().state == DeploymentState.FAILED and routes[1:] == [None] * 4

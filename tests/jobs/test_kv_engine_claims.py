@@ -11,6 +11,7 @@ import pytest
 
 from agent.protocol import kv_held_key
 from apps.jobs.kvcache import Owner, engine_claim_lowered
+from racon.ids import DeploymentId
 from racon.redis import get_redis
 
 VLLM = SimpleNamespace(id="dep-v", engine="vllm", primary_id="node-v")
@@ -25,7 +26,7 @@ def key() -> Iterator[str]:
 
 
 def owner(dep: str, tokens: int = 64) -> Owner:
-    return Owner(deployment_id=dep, slot=1, tokens=tokens, prefix="p", depth=1)
+    return Owner(deployment_id=DeploymentId(dep), slot=1, tokens=tokens, prefix="p", depth=1)
 
 
 def test_events_lower_never_raise(key: str) -> None:

@@ -27,6 +27,8 @@ from apps.jobs.states import DeploymentState
 from apps.models_repo.models import Model
 from apps.models_repo.profile import ModelProfile, synthetic_profile
 from apps.nodes.models import Event
+from racon import ids
+from racon.ids import JobId
 from racon.redis import get_redis
 from tests.factories import DeploymentFactory, ModelFactory, ModelFileFactory, NodeFactory
 from tests.jobs.helpers import chat
@@ -104,14 +106,14 @@ def deployment(model: Model) -> Deployment:
 
 
 def hold(model: Model, dep: Deployment, tokens: int) -> kvcache.Held:
-    chain = kvcache.prefix_chain(model_id=model.id, kind="chat", params=chat("hello"))
+    chain = kvcache.prefix_chain(model_id=ids.model_id(model.id), kind="chat", params=chat("hello"))
     route = kvcache.Route(deployment=dep, policy="prefix", reason="", chain=chain)
     route.slot, route.slot_deployment_id = 1, str(dep.id)
     kvcache.job_finished(
-        route=route, job_id="j-1", deployment_id=dep.id, completed=True,
+        route=route, job_id=JobId("j-1"), deployment_id=ids.deployment_id(dep.id), completed=True,
         usage={"prompt_tokens": tokens - 10, "completion_tokens": 10}, served_slot=None,
     )  # fmt: skip
-    return kvcache.slots_held(deployment_id=dep.id)[0]
+    return kvcache.slots_held(deployment_id=ids.deployment_id(dep.id))[0]
 
 
 class FakeNode(threading.Thread):

@@ -19,6 +19,8 @@ from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
 from apps.models_repo.models import Model
 from apps.nodes.models import Event
+from racon import ids
+from racon.ids import JobId
 from racon.redis import get_redis
 from tests.factories import NodeFactory
 from tests.jobs.helpers import chat, deployment, kv_model
@@ -33,13 +35,13 @@ def model() -> Model:
 
 def held_on(model: Model, dep: Deployment, slot: int, *turns: str) -> list[str]:
     """Record that ``slot`` of ``dep`` holds this conversation (a finished job); its chain."""
-    chain = kvcache.prefix_chain(model_id=model.id, kind="chat", params=chat(*turns))
+    chain = kvcache.prefix_chain(model_id=ids.model_id(model.id), kind="chat", params=chat(*turns))
     route = kvcache.Route(deployment=dep, policy="prefix", reason="", chain=chain)
     route.slot, route.slot_deployment_id = slot, str(dep.id)
     kvcache.job_finished(
         route=route,
-        job_id=f"j-{slot}",
-        deployment_id=dep.id,
+        job_id=JobId(f"j-{slot}"),
+        deployment_id=ids.deployment_id(dep.id),
         completed=True,
         usage={"prompt_tokens": 90, "completion_tokens": 10},
         served_slot=None,
@@ -114,25 +116,29 @@ def test_an_upload_over_the_cap_is_refused_and_nothing_is_stored(
 def test_a_restored_conversation_moves_its_ownership_and_counts_the_bytes(model: Model) -> None:
     a, b = deployment(model), deployment(model)
     chain = held_on(model, a, 1, "hello")
-    held = kvcache.slots_held(deployment_id=a.id)
+    held = kvcache.slots_held(deployment_id=ids.deployment_id(a.id))
     assert [(h.slot, h.prefix) for h in held] == [(1, chain[-1])]
-    slot = kvcache.slot_reserve(deployment_id=b.id, n_parallel=2, transfer_id="t1", ttl=30)
+    slot = kvcache.slot_reserve(
+        deployment_id=ids.deployment_id(b.id), n_parallel=2, transfer_id="t1", ttl=30
+    )
     assert slot is not None
     assert kvcache.conversation_moved(
         held=held[0],
-        from_deployment_id=a.id,
-        to_deployment_id=b.id,
+        from_deployment_id=ids.deployment_id(a.id),
+        to_deployment_id=ids.deployment_id(b.id),
         to_slot=slot,
         n_bytes=12345,
         seconds=0.5,
         tokens_restored=100,
     )
-    kvcache.slot_unreserve(deployment_id=b.id, slot=slot, transfer_id="t1")
+    kvcache.slot_unreserve(deployment_id=ids.deployment_id(b.id), slot=slot, transfer_id="t1")
     owner = kvcache.owner_lookup(
-        kvcache.prefix_chain(model_id=model.id, kind="chat", params=chat("hello", "hi", "more"))
+        kvcache.prefix_chain(
+            model_id=ids.model_id(model.id), kind="chat", params=chat("hello", "hi", "more")
+        )
     )
     assert owner is not None and (owner.deployment_id, owner.slot) == (str(b.id), slot)
-    assert kvcache.slots_held(deployment_id=a.id) == []
+    assert kvcache.slots_held(deployment_id=ids.deployment_id(a.id)) == []
     st = kvcache.stats()
     assert st["bytes_moved"] == 12345 and st["transfer_seconds"] == 0.5 and st["moved"] == 1
     ev = Event.objects.get(kind="KV_STATE_MOVED")
@@ -140,24 +146,41 @@ def test_a_restored_conversation_moves_its_ownership_and_counts_the_bytes(model:
     assert ev.data["bytes"] == 12345 and ev.data["to_slot"] == slot
     # A second report of the same move finds the old slot no longer naming it: nothing recorded.
     assert not kvcache.conversation_moved(
-        held=held[0], from_deployment_id=a.id, to_deployment_id=b.id, to_slot=slot,
-        n_bytes=1, seconds=0.1, tokens_restored=100,
-    )  # fmt: skip
+        held=held[0],
+        from_deployment_id=ids.deployment_id(a.id),
+        to_deployment_id=ids.deployment_id(b.id),
+        to_slot=slot,
+        n_bytes=1,
+        seconds=0.1,
+        tokens_restored=100,
+    )
 
 
 def test_a_slot_reserved_for_a_restore_is_never_given_to_a_job(model: Model) -> None:
     b = deployment(model, n_parallel=2)
-    reserved = kvcache.slot_reserve(deployment_id=b.id, n_parallel=2, transfer_id="t2", ttl=30)
+    reserved = kvcache.slot_reserve(
+        deployment_id=ids.deployment_id(b.id), n_parallel=2, transfer_id="t2", ttl=30
+    )
     assert reserved is not None
     route = kvcache.Route(deployment=b, policy="prefix", reason="miss", chain=["x"])
     for job in ("j1", "j2"):
-        assert admission.slot_try(deployment_id=b.id, job_id=job, cap=3)
-    first = kvcache.slot_claim(route=route, deployment_id=b.id, job_id="j1", n_parallel=2)
+        assert admission.slot_try(deployment_id=ids.deployment_id(b.id), job_id=JobId(job), cap=3)
+    first = kvcache.slot_claim(
+        route=route, deployment_id=ids.deployment_id(b.id), job_id=JobId("j1"), n_parallel=2
+    )
     assert first is not None and first != reserved
-    assert kvcache.slot_claim(route=route, deployment_id=b.id, job_id="j2", n_parallel=2) is None
-    kvcache.slot_unreserve(deployment_id=b.id, slot=reserved, transfer_id="t2")
     assert (
-        kvcache.slot_claim(route=route, deployment_id=b.id, job_id="j2", n_parallel=2) == reserved
+        kvcache.slot_claim(
+            route=route, deployment_id=ids.deployment_id(b.id), job_id=JobId("j2"), n_parallel=2
+        )
+        is None
+    )
+    kvcache.slot_unreserve(deployment_id=ids.deployment_id(b.id), slot=reserved, transfer_id="t2")
+    assert (
+        kvcache.slot_claim(
+            route=route, deployment_id=ids.deployment_id(b.id), job_id=JobId("j2"), n_parallel=2
+        )
+        == reserved
     )
 
 
@@ -166,25 +189,30 @@ def test_a_slot_reserved_for_a_restore_is_never_given_to_a_job(model: Model) -> 
 def test_a_follow_up_waits_for_its_state_to_move_instead_of_dropping_it(model: Model) -> None:
     a, b = deployment(model), deployment(model)
     held_on(model, a, 0, "hello")
-    assert kvcache.transfer_begin(deployment_id=a.id, ttl=60)
-    assert not kvcache.transfer_begin(deployment_id=a.id, ttl=60)  # once per replica
+    assert kvcache.transfer_begin(deployment_id=ids.deployment_id(a.id), ttl=60)
+    assert not kvcache.transfer_begin(
+        deployment_id=ids.deployment_id(a.id), ttl=60
+    )  # once per replica
     Deployment.objects.filter(pk=a.pk).update(state=DeploymentState.STOPPED)
-    held = kvcache.slots_held(deployment_id=a.id)[0]
+    held = kvcache.slots_held(deployment_id=ids.deployment_id(a.id))[0]
 
     def move() -> None:
         time.sleep(0.5)
         kvcache.conversation_moved(
-            held=held, from_deployment_id=a.id, to_deployment_id=b.id, to_slot=1,
+            held=held, from_deployment_id=ids.deployment_id(a.id), to_deployment_id=ids.deployment_id(b.id), to_slot=1,
             n_bytes=10, seconds=0.4, tokens_restored=100,
         )  # fmt: skip
-        kvcache.transfer_end(deployment_id=a.id)
+        kvcache.transfer_end(deployment_id=ids.deployment_id(a.id))
         connections.close_all()
 
     mover = threading.Thread(target=move)
     mover.start()
     try:
         route = kvcache.route_request(
-            model_id=model.id, kind="chat", params=chat("hello", "hi", "more"), cached=False
+            model_id=ids.model_id(model.id),
+            kind="chat",
+            params=chat("hello", "hi", "more"),
+            cached=False,
         )
     finally:
         mover.join()
@@ -200,13 +228,15 @@ def test_a_move_whose_old_owner_never_answers_drops_the_conversation_with_an_eve
     a, b = deployment(model), deployment(model)
     held_on(model, a, 0, "hello")
     Deployment.objects.filter(pk=a.pk).update(state=DeploymentState.STOPPED)  # routing skips it
-    assert kvcache.transfer_begin(deployment_id=a.id, ttl=60)
-    out = kvtransfer.deployment_kv_transfer(deployment_id=a.id, now=timezone.now())
+    assert kvcache.transfer_begin(deployment_id=ids.deployment_id(a.id), ttl=60)
+    out = kvtransfer.deployment_kv_transfer(
+        deployment_id=ids.deployment_id(a.id), now=timezone.now()
+    )
     assert (out.moved, out.dropped) == (0, 1)
     dropped = Event.objects.get(kind="KV_STATE_DROPPED")
     assert dropped.deployment_id == a.id and "kv_save" in dropped.data["reason"]
-    assert kvcache.slots_held(deployment_id=a.id) == []
-    assert kvcache.transfer_state(deployment_id=a.id) == "done"
+    assert kvcache.slots_held(deployment_id=ids.deployment_id(a.id)) == []
+    assert kvcache.transfer_state(deployment_id=ids.deployment_id(a.id)) == "done"
     # The save command went to the old owner's primary, and only there.
     assert get_redis().llen(f"racon:n:{a.primary_id}:commands") == 1
     assert get_redis().llen(f"racon:n:{b.primary_id}:commands") == 0

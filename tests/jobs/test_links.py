@@ -18,6 +18,7 @@ from apps.jobs.reports import report_accept
 from apps.jobs.scheduler import DEFAULT_LINK
 from apps.nodes.links import LINKS_KEY, link_matrix, link_measurements, link_record
 from apps.nodes.states import NodeState
+from racon import ids
 from racon.redis import get_redis
 from tests.factories import NodeFactory, hardware_profile
 
@@ -60,13 +61,19 @@ def test_implausible_link_figures_are_refused_or_bounded() -> None:
     a, b = NodeFactory(), NodeFactory()
     now = timezone.now()
     with pytest.raises(ValueError, match="bandwidth_mbps"):
-        link_record(node_id=a.id, links=[{"node_id": str(b.id), "bandwidth_mbps": -1}], now=now)
+        link_record(
+            node_id=ids.node_id(a.id), links=[{"node_id": str(b.id), "bandwidth_mbps": -1}], now=now
+        )
     with pytest.raises(ValueError, match="rtt_ms"):
-        link_record(node_id=a.id, links=[{"node_id": str(b.id), "rtt_ms": "fast"}], now=now)
+        link_record(
+            node_id=ids.node_id(a.id), links=[{"node_id": str(b.id), "rtt_ms": "fast"}], now=now
+        )
     assert get_redis().hlen(LINKS_KEY) == 0
-    link_record(node_id=a.id, links=[_measured(b.id, mbps=1e12)], now=now)
+    link_record(node_id=ids.node_id(a.id), links=[_measured(b.id, mbps=1e12)], now=now)
     assert link_measurements(now=now)[0].bandwidth_mbps == 10_000_000.0
-    link_record(node_id=a.id, links=[_measured(a.id)], now=now)  # a node's link to itself
+    link_record(
+        node_id=ids.node_id(a.id), links=[_measured(a.id)], now=now
+    )  # a node's link to itself
     assert len(link_measurements(now=now)) == 1
 
 
@@ -192,9 +199,13 @@ def test_the_periodic_reprobe_asks_ready_nodes_for_their_stalest_peers_and_prune
     offline = NodeFactory(name="off", state=NodeState.OFFLINE)
     now = timezone.now()
     # a measured b just now and c a while ago; d never: d and c are the stalest two.
-    link_record(node_id=a.id, links=[_measured(b.id)], now=now)
-    link_record(node_id=a.id, links=[_measured(c.id)], now=now - timedelta(seconds=300))
-    link_record(node_id=b.id, links=[_measured(c.id)], now=now - timedelta(seconds=601))  # expired
+    link_record(node_id=ids.node_id(a.id), links=[_measured(b.id)], now=now)
+    link_record(
+        node_id=ids.node_id(a.id), links=[_measured(c.id)], now=now - timedelta(seconds=300)
+    )
+    link_record(
+        node_id=ids.node_id(b.id), links=[_measured(c.id)], now=now - timedelta(seconds=601)
+    )  # expired
     get_redis().hset(
         LINKS_KEY,
         f"{a.id}|{uuid.uuid4()}",

@@ -20,6 +20,8 @@ from apps.jobs.models import Deployment
 from apps.jobs.states import DeploymentState
 from apps.models_repo.models import Model
 from apps.nodes.models import Event
+from racon import ids
+from racon.ids import DeploymentId, JobId
 from racon.redis import get_redis
 from tests.factories import DeploymentFactory, NodeFactory
 from tests.jobs.helpers import nodes_with_replicas, ready_deployment
@@ -61,7 +63,7 @@ def test_a_placed_deployment_records_the_slots_memory_allows_and_the_agent_gets_
         request=placement_request_from({"n_ctx": 512}).to_dict(),
     )
     with RecordingAgents([str(a.id)]) as agents:
-        result = placement.deployment_place(deployment_id=dep.id)
+        result = placement.deployment_place(deployment_id=ids.deployment_id(dep.id))
     assert result.state == D.READY, result.error
     assert (
         result.n_parallel == result.plan["n_parallel"] == 16
@@ -205,9 +207,13 @@ def queue_pressure(model: Model, dep: Deployment, at: datetime, *, waited: float
     """What admission records while requests queue: a live waiter and its time in the queue."""
     t = at.timestamp()
     admission.queue_join(
-        deployment_id=dep.id, job_id="job-waiting", priority=t, model_id=model.id, now=t
+        deployment_id=ids.deployment_id(dep.id),
+        job_id=JobId("job-waiting"),
+        priority=t,
+        model_id=ids.model_id(model.id),
+        now=t,
     )
-    admission.queue_wait_record(model_id=model.id, seconds=waited, now=t)
+    admission.queue_wait_record(model_id=ids.model_id(model.id), seconds=waited, now=t)
 
 
 @pytest.fixture
@@ -248,7 +254,9 @@ def test_a_replica_is_added_under_sustained_queueing_and_removed_after_idling(
         assert event.data["queue_wait_seconds"] > 1.0
 
         # The queue drains; the added replica idles, the cool-down runs, then it is stopped.
-        admission.queue_leave(deployment_id=first.id, job_id="job-waiting")
+        admission.queue_leave(
+            deployment_id=ids.deployment_id(first.id), job_id=JobId("job-waiting")
+        )
         t2 = t1 + timedelta(seconds=120)
         assert replicas_autoscale(now=t2).removed == []  # first seen idle
         assert replicas_autoscale(now=t2 + timedelta(seconds=20)).removed == []
@@ -270,17 +278,22 @@ def test_a_busy_replica_and_the_last_one_are_never_removed(model: Model, thresho
         replicas_autoscale(now=t0)
         queue_pressure(model, first, t0 + timedelta(seconds=6), waited=4.0)
         (added_id,) = replicas_autoscale(now=t0 + timedelta(seconds=6)).added
-        admission.queue_leave(deployment_id=first.id, job_id="job-waiting")
+        admission.queue_leave(
+            deployment_id=ids.deployment_id(first.id), job_id=JobId("job-waiting")
+        )
         # A running job holds a slot of the added replica: it is busy, not idle.
         t1 = t0 + timedelta(seconds=200)
         assert admission.slot_try(
-            deployment_id=added_id, job_id="job-running", cap=4, now=t1.timestamp()
+            deployment_id=DeploymentId(added_id),
+            job_id=JobId("job-running"),
+            cap=4,
+            now=t1.timestamp(),
         )
         for s in (0, 31, 62):
             assert replicas_autoscale(now=t1 + timedelta(seconds=s)).removed == []
-        admission.slot_release(deployment_id=added_id, job_id="job-running")
+        admission.slot_release(deployment_id=DeploymentId(added_id), job_id=JobId("job-running"))
         # The operator stops the first replica: the added one is now the last, and it stays.
-        deployment_stop(deployment_id=first.id, now=t1)
+        deployment_stop(deployment_id=ids.deployment_id(first.id), now=t1)
         for s in (100, 131, 162):
             assert replicas_autoscale(now=t1 + timedelta(seconds=s)).removed == []
     assert Deployment.objects.get(pk=added_id).state == D.READY
@@ -303,7 +316,7 @@ def test_no_replica_beyond_the_maximum_nor_where_no_node_can_host_one(
     report = replicas_autoscale(now=t0 + timedelta(seconds=18))
     assert "REPLICA_MAX_PER_MODEL 1" in report.blocked["smol"]
     assert Deployment.objects.filter(model=model).count() == 1
-    assert get_redis().hget(autoscale_key(model.id), "above_since") is not None
+    assert get_redis().hget(autoscale_key(ids.model_id(model.id)), "above_since") is not None
 
 
 def test_a_short_burst_of_queueing_adds_no_replica(model: Model, thresholds: Any) -> None:
@@ -312,7 +325,7 @@ def test_a_short_burst_of_queueing_adds_no_replica(model: Model, thresholds: Any
     t0 = timezone.now()
     queue_pressure(model, first, t0, waited=4.0)
     replicas_autoscale(now=t0)
-    admission.queue_leave(deployment_id=first.id, job_id="job-waiting")
+    admission.queue_leave(deployment_id=ids.deployment_id(first.id), job_id=JobId("job-waiting"))
     # Nobody waits at the next passes: the pressure run is broken and restarts from zero.
     assert replicas_autoscale(now=t0 + timedelta(seconds=3)).added == []
     queue_pressure(model, first, t0 + timedelta(seconds=6), waited=4.0)
@@ -330,8 +343,13 @@ def test_deployments_rest_output_shows_replicas_slots_in_use_and_queue_depth(
     d1, d2 = ready_deployment(model, a), ready_deployment(model, b)
     Deployment.objects.filter(pk__in=[d1.pk, d2.pk]).update(n_parallel=4)
     for job in ("j1", "j2", "j3"):
-        assert admission.slot_try(deployment_id=d1.id, job_id=job, cap=4)
-    admission.queue_join(deployment_id=d2.id, job_id="w1", priority=1, model_id=model.id)
+        assert admission.slot_try(deployment_id=ids.deployment_id(d1.id), job_id=JobId(job), cap=4)
+    admission.queue_join(
+        deployment_id=ids.deployment_id(d2.id),
+        job_id=JobId("w1"),
+        priority=1,
+        model_id=ids.model_id(model.id),
+    )
     rows = {r["id"]: r for r in client.get("/api/admin/deployments", headers=OPERATOR).json()}
     one, two = rows[str(d1.id)], rows[str(d2.id)]
     assert (one["slots_in_use"], one["n_parallel"], one["queue_depth"]) == (3, 4, 0)

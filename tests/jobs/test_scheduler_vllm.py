@@ -18,6 +18,7 @@ from apps.jobs.scheduler import (
 )
 from apps.jobs.scheduler.vllm import VLLM_RUNTIME_BYTES
 from apps.models_repo.profile import synthetic_profile
+from racon.ids import NodeId
 
 GiB = 1 << 30
 # SmolLM2-135M's directory as registered (config.json figures, bfloat16 files).
@@ -30,12 +31,12 @@ def node(
     nid: str, gib: float, *, engines: tuple[str, ...] = ("llamacpp", "vllm"), bw: float = 20.0
 ) -> NodeSnapshot:
     return NodeSnapshot(
-        node_id=nid,
+        node_id=NodeId(nid),
         name=f"host-{nid}",
         state="READY",
         address=f"10.0.0.{len(nid)}",
         rpc_port=50052,
-        devices=(DeviceSnapshot(nid, "CPU", "cpu", int(gib * GiB), 100.0, bw),),
+        devices=(DeviceSnapshot(NodeId(nid), "CPU", "cpu", int(gib * GiB), 100.0, bw),),
         threads=2,
         engines=engines,
     )

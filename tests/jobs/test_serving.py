@@ -18,6 +18,8 @@ from apps.jobs.models import Deployment, Job
 from apps.jobs.states import DeploymentState, JobState
 from apps.models_repo.models import Model
 from apps.nodes.models import Event
+from racon import ids
+from racon.ids import JobId
 from racon.redis import get_redis
 from tests.factories import DeploymentFactory, ModelFileFactory, NodeFactory
 
@@ -117,7 +119,9 @@ def test_a_refused_hold_leaves_no_job_no_slot_and_tells_the_primary_to_cancel(mo
 
 def test_without_a_free_slot_the_job_stays_queued_on_the_deployment(model: Model) -> None:
     dep = deployment(model)
-    assert admission.slot_try(deployment_id=dep.id, job_id="running", cap=1)
+    assert admission.slot_try(
+        deployment_id=ids.deployment_id(dep.id), job_id=JobId("running"), cap=1
+    )
 
     def hold(job: Job, prompt_tokens: int) -> None:
         raise Short("not enough credits")
@@ -155,9 +159,11 @@ def test_the_standing_bonus_moves_a_request_ahead_but_no_further_than_the_max_wa
 @pytest.mark.django_db(transaction=True)  # the step runs on the thread pool
 def test_a_waiter_with_a_slot_free_is_dispatched_without_reading_its_standing(model: Model) -> None:
     dep = deployment(model)
-    assert admission.slot_try(deployment_id=dep.id, job_id="running", cap=1)
+    assert admission.slot_try(
+        deployment_id=ids.deployment_id(dep.id), job_id=JobId("running"), cap=1
+    )
     adm = open_(model)
-    admission.slot_release(deployment_id=dep.id, job_id="running")
+    admission.slot_release(deployment_id=ids.deployment_id(dep.id), job_id=JobId("running"))
     asked: list[int] = []
 
     def standing() -> float:
@@ -173,14 +179,16 @@ def test_a_waiter_with_a_slot_free_is_dispatched_without_reading_its_standing(mo
 def test_giving_up_on_a_full_queue_fails_the_job_before_it_ran(model: Model, settings: Any) -> None:
     settings.JOB_QUEUE_MAX = 0
     dep = deployment(model)
-    assert admission.slot_try(deployment_id=dep.id, job_id="running", cap=1)
+    assert admission.slot_try(
+        deployment_id=ids.deployment_id(dep.id), job_id=JobId("running"), cap=1
+    )
     adm = open_(model)
     with pytest.raises(admission.QueueFull):
         async_to_sync(serving.admission_wait)(adm=adm, standing=lambda: 0.0)
     job = Job.objects.get(pk=adm.job_id)
     assert job.state == JobState.FAILED and job.error == "no capacity: queue full"
     assert job.failed_during_execution is False and adm.finished
-    assert admission.queue_order(deployment_id=dep.id) == []
+    assert admission.queue_order(deployment_id=ids.deployment_id(dep.id)) == []
 
 
 @pytest.mark.django_db(transaction=True)  # the cancel is recorded from another thread

@@ -28,6 +28,7 @@ from apps.models_repo.models import Model
 from apps.nodes.models import Node
 from apps.nodes.services import node_transition
 from apps.nodes.states import NodeState
+from racon import ids
 from racon.redis import get_redis
 from tests.factories import DeploymentFactory, NodeFactory, ReplicaFactory
 from tests.jobs.helpers import placeable_model
@@ -116,7 +117,7 @@ def test_a_request_while_the_only_node_is_still_registering_waits_and_is_served_
                 before.update(state=got.state, error=got.error)
                 before["job"] = Job.objects.get(pk=adm.job_id).state
                 node_transition(
-                    node_id=node.id,
+                    node_id=ids.node_id(node.id),
                     to=NodeState.READY,
                     expected=NodeState.REGISTERING,
                     now=timezone.now(),

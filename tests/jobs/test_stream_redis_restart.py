@@ -22,6 +22,7 @@ import pytest
 from agent.protocol import job_stream_key
 from apps.jobs.streams import StreamFollower
 from racon.embedded import EmbeddedRedis, start_redis
+from racon.ids import JobId, NodeId
 from racon.redis import get_async_redis, get_redis
 
 NODE = "node-restart"
@@ -81,7 +82,9 @@ def test_a_follower_reads_on_through_a_redis_kill_and_restart(private_redis: Emb
         w.xadd(key, entry(6, "done"))
 
     async def follow() -> None:
-        follower = StreamFollower(job_id=job_id, deployment_id=None, node_id=NODE, idle_timeout=30)
+        follower = StreamFollower(
+            job_id=JobId(job_id), deployment_id=None, node_id=NodeId(NODE), idle_timeout=30
+        )
         async for fields in follower.entries():
             got.append(fields["seq"])
         assert follower.completion_tokens == 6

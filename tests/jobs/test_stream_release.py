@@ -17,6 +17,7 @@ from agent.protocol import job_stream_key
 from apps.jobs import retention
 from apps.jobs.models import Job
 from apps.jobs.states import JobState
+from racon import ids
 from racon.redis import get_redis
 from tests.factories import NodeFactory, deployment_for, funded_account, job_for
 
@@ -74,7 +75,7 @@ def test_a_released_jobs_entries_are_read_from_the_controllers_copy(
     assert not get_redis().exists(key)  # the node's copy is gone; the reader finds the other
     assert retention.job_stream_entries(job_id=job.pk) == before
     assert retention.job_stream_entries(job_id=job.pk, node_id=primary.pk) == before
-    assert retention.job_stream_entries(job_id=job.pk, node_id=uuid.uuid4()) == []
+    assert retention.job_stream_entries(job_id=job.pk, node_id=ids.node_id(uuid.uuid4())) == []
 
 
 def test_a_followed_stream_outlives_the_jobs_end_until_its_last_follower_stops(
@@ -126,6 +127,7 @@ def test_the_relays_end_releases_every_attempts_stream_it_saw_without_reading_th
         assert retention.stream_follow_end(job_id=job.pk, token=page, ended_on=ended_on) == 2
     assert not r.exists(key) and not r.exists(moved)
     archived = [
-        retention.job_stream_entries(job_id=job.pk, node_id=n) for n in (primary.pk, other.pk)
+        retention.job_stream_entries(job_id=job.pk, node_id=ids.node_id(n))
+        for n in (primary.pk, other.pk)
     ]
     assert [[f["seq"] for _, f in e] for e in archived] == [["0", "1", "2"], ["0"]]

@@ -12,6 +12,8 @@ from asgiref.sync import async_to_sync
 from agent.protocol import job_stream_key
 from apps.jobs import admission, streams
 from apps.jobs.streams import StreamFailure, StreamFollower
+from racon import ids
+from racon.ids import DeploymentId, JobId, NodeId
 from racon.redis import get_redis
 from tests.factories import NodeFactory
 
@@ -65,7 +67,9 @@ def test_completion_tokens_are_the_ids_relayed_not_the_nodes_claim(
         chunk(2, "!", None),
         done(3, {"prompt_tokens": 5, "completion_tokens": 500, "ttft_ms": 12.5}),
     )
-    f = StreamFollower(node_id=NODE, job_id="j1", deployment_id=None, prompt_bound=100)
+    f = StreamFollower(
+        node_id=NodeId(NODE), job_id=JobId("j1"), deployment_id=None, prompt_bound=100
+    )
     got = follow(f)
     # Chunks read together are relayed as one (coalescing); each entry is still counted.
     assert [e["type"] for e in got] == ["chunk", "done"]
@@ -107,7 +111,7 @@ def test_prompt_tokens_are_bounded_by_the_prompts_bytes() -> None:
 
 def test_a_gap_in_seq_is_a_failure() -> None:
     write("j2", chunk(0, "a", [1]), chunk(2, "c", [3]))
-    f = StreamFollower(node_id=NODE, job_id="j2", deployment_id=None)
+    f = StreamFollower(node_id=NodeId(NODE), job_id=JobId("j2"), deployment_id=None)
     with pytest.raises(StreamFailure) as exc:
         follow(f)
     assert exc.value.code == "stream_gap"
@@ -126,7 +130,7 @@ def test_a_failover_attempt_starts_its_seq_over_and_late_entries_of_the_old_one_
         chunk(1, "d", [4], attempt=2),
         done(2, {}, attempt=2),
     )
-    f = StreamFollower(node_id=NODE, job_id="j3", deployment_id=None)
+    f = StreamFollower(node_id=NodeId(NODE), job_id=JobId("j3"), deployment_id=None)
     got = follow(f)
     assert "".join(e["text"] for e in got if e["type"] == "chunk") == "abcd"
     assert f.completion_tokens == 4 and f.attempt == 2
@@ -151,7 +155,9 @@ def test_error_entries_are_told_apart_by_their_code() -> None:
 
 
 def test_an_idle_stream_fails_after_the_idle_limit() -> None:
-    f = StreamFollower(node_id=NODE, job_id="silent", deployment_id=None, idle_timeout=0.5)
+    f = StreamFollower(
+        node_id=NodeId(NODE), job_id=JobId("silent"), deployment_id=None, idle_timeout=0.5
+    )
     t0 = time.monotonic()
     with pytest.raises(StreamFailure) as exc:
         follow(f)
@@ -162,18 +168,22 @@ def test_an_idle_stream_fails_after_the_idle_limit() -> None:
 def test_the_reader_renews_the_jobs_slot_lease(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(admission, "SLOT_RENEW_SECONDS", 0.0)
     almost_expired = time.time() - admission.slot_lease_seconds() + 2
-    assert admission.slot_try(deployment_id="d1", job_id="j4", cap=1, now=almost_expired)
+    assert admission.slot_try(
+        deployment_id=DeploymentId("d1"), job_id=JobId("j4"), cap=1, now=almost_expired
+    )
     write("j4", chunk(0, "a", [1]), done(1, {}))
-    follow(StreamFollower(node_id=NODE, job_id="j4", deployment_id="d1"))
+    follow(
+        StreamFollower(node_id=NodeId(NODE), job_id=JobId("j4"), deployment_id=DeploymentId("d1"))
+    )
     assert (
-        get_redis().zscore(admission.slots_key("d1"), "j4")
+        get_redis().zscore(admission.slots_key(DeploymentId("d1")), "j4")
         > time.time() + admission.slot_lease_seconds() - 10
     )
 
 
 def test_the_sweeps_tally_counts_like_the_follower() -> None:
     write("j5", chunk(0, "ab", [1, 2]), chunk(1, "c", None), done(2, {"completion_tokens": 99}))
-    assert streams.stream_tally("j5", NODE) == (2, 3)
+    assert streams.stream_tally(JobId("j5"), NodeId(NODE)) == (2, 3)
 
 
 def test_a_nodes_finished_report_is_billed_on_the_controllers_count_of_its_stream(now: Any) -> None:
@@ -199,7 +209,7 @@ def test_a_nodes_finished_report_is_billed_on_the_controllers_count_of_its_strea
             {k: (json.dumps(v) if isinstance(v, list | dict) else str(v)) for k, v in e.items()},
         )
     job_finish_from_report(
-        node_id=primary.id,
+        node_id=ids.node_id(primary.id),
         payload={
             "job_id": str(job.id),
             "status": "completed",

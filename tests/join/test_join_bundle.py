@@ -24,6 +24,7 @@ from agent.bundle import BundleError, bundle_home, upgrade_bundle
 from agent.identity import Identity
 from apps.nodes import bundles, join
 from apps.nodes.enrollment import enrollment_token_issue
+from racon import ids
 from tests.factories import AccountFactory, NodeFactory
 from tests.support.join import clean_env
 
@@ -86,7 +87,9 @@ def own() -> tuple[str, str]:
 
 
 def run_line(home: Path, **extra: str) -> subprocess.CompletedProcess[str]:
-    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="b", now=timezone.now())
+    _, token = enrollment_token_issue(
+        account_id=ids.account_id(AccountFactory().id), label="b", now=timezone.now()
+    )
     line = join.join_command_line(token=token)
     env = clean_env(home, extra, with_python=False, RACON_JOIN_ROUTE="bundle")
     return subprocess.run(
@@ -208,7 +211,9 @@ def test_the_wheelhouse_manifest_lists_the_bundle(served: Path, client: Client) 
     house = served / key / "cp312"
     house.mkdir(parents=True)
     (house / "manifest.json").write_text(json.dumps({"agent_version": "0.1.0", "files": []}))
-    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="w", now=timezone.now())
+    _, token = enrollment_token_issue(
+        account_id=ids.account_id(AccountFactory().id), label="w", now=timezone.now()
+    )
     body = client.get(f"/join/{token}/manifest.json?platform={key}&abi=cp312").json()
     (listed,) = body["bundles"]
     f = m["files"][0]

@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from apps.nodes import join
 from apps.nodes.enrollment import enrollment_token_issue
+from racon import ids
 from tests.factories import AccountFactory
 from tests.support.join import clean_env, system_python312
 
@@ -80,14 +81,18 @@ def test_not_enough_disk_is_one_line_naming_what_was_needed(
     served: Any, tmp_path: Path, machine: Path
 ) -> None:
     fake_wheelhouse(tmp_path / "wheelhouse", tamper=False)
-    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="j", now=timezone.now())
+    _, token = enrollment_token_issue(
+        account_id=ids.account_id(AccountFactory().id), label="j", now=timezone.now()
+    )
     proc = run_line(token, machine, RACON_JOIN_FREE_BYTES="1000")
     refused(proc, machine, 4, "not enough disk space", "needs", "MiB are free")
 
 
 def test_a_sha256_mismatch_is_refused(served: Any, tmp_path: Path, machine: Path) -> None:
     fake_wheelhouse(tmp_path / "wheelhouse", tamper=True)
-    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="j", now=timezone.now())
+    _, token = enrollment_token_issue(
+        account_id=ids.account_id(AccountFactory().id), label="j", now=timezone.now()
+    )
     proc = run_line(token, machine)
     refused(proc, machine, 5, "sha256 mismatch", "racon_agent-0.1.0-py3-none-any.whl")
 
@@ -97,7 +102,9 @@ def test_another_platform_is_told_it_builds_and_why(served: Any, tmp_path: Path)
     src = tmp_path / "wheelhouse" / "source"
     src.mkdir()
     (src / "manifest.json").write_text(json.dumps({"files": []}))
-    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="j", now=timezone.now())
+    _, token = enrollment_token_issue(
+        account_id=ids.account_id(AccountFactory().id), label="j", now=timezone.now()
+    )
     body = httpx.get(
         f"{served.url}/join/{token}/manifest.json?platform=linux-riscv64-cpu-rpc&abi=cp313"
     ).json()
@@ -117,7 +124,9 @@ def test_a_machine_without_served_wheels_says_it_builds_and_why_then_needs_a_com
     src = tmp_path / "wheelhouse" / "source"
     src.mkdir()
     (src / "manifest.json").write_text(json.dumps({"agent_version": "0.1.0", "files": []}))
-    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="j", now=timezone.now())
+    _, token = enrollment_token_issue(
+        account_id=ids.account_id(AccountFactory().id), label="j", now=timezone.now()
+    )
     env = clean_env(machine, RACON_CMAKE_ARGS="-DGGML_CCACHE=OFF")
     env["PATH"] = str(machine / ".bin")  # python3.12 only: no cmake, c++ or make
     url = join.join_url(token=token) + ".py"

@@ -20,6 +20,7 @@ from django.utils import timezone
 from apps.nodes.enrollment import enrollment_token_issue, enrollment_token_revoke
 from apps.nodes.join import join_command_line, join_python_line
 from apps.nodes.models import EnrollmentToken
+from racon import ids
 from tests.factories import AccountFactory
 from tests.support.join import ROOT, clean_env, system_python312
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.django_db
 
 def issue(**kw: Any) -> tuple[EnrollmentToken, str]:
     return enrollment_token_issue(
-        account_id=AccountFactory().id, label="join", now=timezone.now(), **kw
+        account_id=ids.account_id(AccountFactory().id), label="join", now=timezone.now(), **kw
     )
 
 

@@ -19,6 +19,8 @@ from agent.protocol import node_queue_key
 from apps.jobs.challenges import node_speed_challenge, speed_challenge_size
 from apps.nodes.commands import command_result_accept
 from apps.nodes.models import Event, Node
+from racon import ids
+from racon.ids import NodeId
 from racon.redis import get_redis
 from tests.factories import AccountFactory, NodeFactory, hardware_profile
 from tests.support.enrollment import enroll_body, issue, post
@@ -48,7 +50,7 @@ class ChallengedAgent(threading.Thread):
             else "0" * 64
         )
         command_result_accept(
-            node_id=self.node_id,
+            node_id=NodeId(self.node_id),
             command_id=cmd["id"],
             payload={"ok": True, "digest": digest},
             now=timezone.now(),
@@ -85,7 +87,7 @@ def test_an_inflated_speed_claim_is_cut_to_what_the_timed_work_measured(
     node = enrolled(client, real * 20)
     agent = ChallengedAgent(str(node.id), honest=True)
     agent.start()
-    verdict = node_speed_challenge(node_id=node.id, now=timezone.now())
+    verdict = node_speed_challenge(node_id=ids.node_id(node.id), now=timezone.now())
     agent.join(10)
     assert agent.seen["kind"] == "speed_challenge"
     assert verdict.outcome == "reduced" and verdict.credited < real * 20 / 2
@@ -105,7 +107,7 @@ def test_an_honest_claim_is_confirmed_and_not_challenged_again_at_re_enrollment(
     node = Node.objects.get(pk=resp.json()["node_id"])
     agent = ChallengedAgent(str(node.id), honest=True)
     agent.start()
-    verdict = node_speed_challenge(node_id=node.id, now=timezone.now())
+    verdict = node_speed_challenge(node_id=ids.node_id(node.id), now=timezone.now())
     agent.join(10)
     assert verdict.outcome == "verified", verdict
     node.refresh_from_db()
@@ -140,7 +142,7 @@ def test_a_wrong_answer_fails_the_challenge_and_credits_only_the_floor(
     node = enrolled(client, 800.0)
     agent = ChallengedAgent(str(node.id), honest=False)
     agent.start()
-    verdict = node_speed_challenge(node_id=node.id, now=timezone.now())
+    verdict = node_speed_challenge(node_id=ids.node_id(node.id), now=timezone.now())
     agent.join(10)
     assert verdict.outcome == "failed" and verdict.measured == 0.0
     node.refresh_from_db()

@@ -26,6 +26,7 @@ from apps.nodes.commands import command_result_accept, command_send
 from apps.nodes.enrollment import enrollment_token_issue
 from apps.nodes.links import links_probe_request
 from apps.nodes.models import Event, EventCategory, Node
+from racon.ids import DeploymentId
 from racon.redis import get_redis
 from tests.factories import AccountFactory, hardware_profile
 
@@ -147,8 +148,8 @@ def test_each_deployment_gets_its_own_tunnel_certificate_from_the_ca(
     settings: Any, tmp_path: Path
 ) -> None:
     settings.VAR_DIR = tmp_path
-    one = TunnelTls.from_wire(tunnel_certificate(deployment_id="dep-1"))
-    two = TunnelTls.from_wire(tunnel_certificate(deployment_id="dep-2"))
+    one = TunnelTls.from_wire(tunnel_certificate(deployment_id=DeploymentId("dep-1")))
+    two = TunnelTls.from_wire(tunnel_certificate(deployment_id=DeploymentId("dep-2")))
     assert one.ca == two.ca and one.fingerprint != two.fingerprint
     assert "racon-tunnel dep-1" in _subject(one.cert)
     assert oct((tmp_path / "tls" / "ca.key").stat().st_mode & 0o777) == "0o600"

@@ -39,6 +39,8 @@ from apps.nodes.gpu_challenges import (
     node_gpu_challenge_clear,
 )
 from apps.nodes.models import Event, Node
+from racon import ids
+from racon.ids import NodeId
 from racon.redis import get_redis
 from tests.factories import NodeFactory, hardware_profile
 
@@ -91,7 +93,7 @@ class GpuAgent(threading.Thread):
             self.seen.append(cmd)
             result = self.answer(cmd["payload"])
             command_result_accept(
-                node_id=self.node_id,
+                node_id=NodeId(self.node_id),
                 command_id=cmd["id"],
                 payload={"ok": True, "challenge_id": cmd["payload"]["challenge_id"], **result},
                 now=timezone.now(),
@@ -132,7 +134,7 @@ def challenged(node: Node, **agent: Any) -> Any:
     stand_in = GpuAgent(str(node.id), **agent)
     stand_in.start()
     try:
-        return node_gpu_challenge(node_id=node.id, now=timezone.now())
+        return node_gpu_challenge(node_id=ids.node_id(node.id), now=timezone.now())
     finally:
         stand_in.stop.set()
         stand_in.join(30)
@@ -214,7 +216,7 @@ def test_an_answer_out_of_protocol_fails_naming_why(mode: str, why: str, last: s
     stand_in = GpuAgent(str(node.id), mode=mode)
     stand_in.start()
     try:
-        verdict = node_gpu_challenge(node_id=node.id, now=timezone.now())
+        verdict = node_gpu_challenge(node_id=ids.node_id(node.id), now=timezone.now())
     finally:
         stand_in.stop.set()
         stand_in.join(30)
@@ -246,7 +248,7 @@ def test_a_step_answered_before_it_is_asked_is_refused() -> None:
     node = gpu_node()
     with pytest.raises(ReportRefused) as refused:
         command_result_accept(
-            node_id=node.id,
+            node_id=ids.node_id(node.id),
             command_id=new_id(),
             payload={"ok": True, "challenge_id": "ab" * 16, "nonce": 1, "digest": "0" * 64},
             now=timezone.now(),
@@ -260,11 +262,11 @@ def test_at_most_one_challenge_per_node_per_hour(settings: Any) -> None:
     Node.objects.filter(pk=node.pk).update(hardware=node.hardware)
     assert challenged(node).outcome == "verified"  # CUDA0; CUDA1 is still unverified
     with pytest.raises(ChallengeRefused) as refused:
-        node_gpu_challenge(node_id=node.id, now=timezone.now())
+        node_gpu_challenge(node_id=ids.node_id(node.id), now=timezone.now())
     assert refused.value.code == "rate_limited" and 3500 < (refused.value.retry_after or 0) <= 3600
-    assert not gpu_challenge_due(node_id=node.id, now=timezone.now())
+    assert not gpu_challenge_due(node_id=ids.node_id(node.id), now=timezone.now())
     later = timezone.now() + timedelta(seconds=settings.GPU_CHALLENGE_INTERVAL_SECONDS + 1)
-    assert gpu_challenge_due(node_id=node.id, now=later)
+    assert gpu_challenge_due(node_id=ids.node_id(node.id), now=later)
 
 
 def test_a_failed_challenge_stands_until_an_operator_clears_it() -> None:
@@ -272,18 +274,20 @@ def test_a_failed_challenge_stands_until_an_operator_clears_it() -> None:
     assert challenged(node, delay=0.3).outcome == "failed"
     next_week = timezone.now() + timedelta(days=7)
     with pytest.raises(ChallengeRefused) as refused:
-        node_gpu_challenge(node_id=node.id, now=next_week)
+        node_gpu_challenge(node_id=ids.node_id(node.id), now=next_week)
     assert refused.value.code == "gpu_challenge_failed"
-    assert not gpu_challenge_due(node_id=node.id, now=next_week)
-    assert node_gpu_challenge_clear(node_id=node.id, now=timezone.now())
+    assert not gpu_challenge_due(node_id=ids.node_id(node.id), now=next_week)
+    assert node_gpu_challenge_clear(node_id=ids.node_id(node.id), now=timezone.now())
     assert Event.objects.filter(node=node, kind="GPU_CHALLENGE_CLEARED").exists()
     node.refresh_from_db()
     assert not gpu_verified(node.hardware["gpus"][0])  # cleared is not verified
-    assert gpu_challenge_due(node_id=node.id, now=timezone.now())
+    assert gpu_challenge_due(node_id=ids.node_id(node.id), now=timezone.now())
 
 
 def test_a_software_gpu_is_not_challenged_on_its_own() -> None:
-    assert not gpu_challenge_due(node_id=gpu_node(software=True).id, now=timezone.now())
+    assert not gpu_challenge_due(
+        node_id=ids.node_id(gpu_node(software=True).id), now=timezone.now()
+    )
 
 
 def test_re_enrollment_keeps_the_record_and_the_verified_figure_of_the_same_claim() -> None:

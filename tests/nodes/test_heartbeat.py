@@ -14,6 +14,7 @@ from apps.nodes.models import Event, Node
 from apps.nodes.services import node_drain, node_health_sweep
 from apps.nodes.states import NodeState
 from racon import ids
+from racon.ids import NodeId
 from racon.redis import get_redis
 from tests.factories import AccountFactory, hardware_profile
 
@@ -26,7 +27,7 @@ def enroll(client: Client, name: str = "box", machine: str | None = None) -> tup
     """Each node its own loopback port: an address and port pair belongs to one node."""
     acct = AccountFactory()
     _, token = enrollment_token_issue(
-        account_id=acct.id, label="t", now=timezone.now(), max_uses=100
+        account_id=ids.account_id(acct.id), label="t", now=timezone.now(), max_uses=100
     )
     resp = client.post(
         "/api/agent/enroll",
@@ -127,7 +128,7 @@ def test_a_mirror_lost_again_while_it_is_rebuilt_is_a_retry_not_a_revocation(
     rebuild = heartbeats._meta_from_db
 
     def rebuilt_then_lost(nid: str) -> Any:
-        got = rebuild(nid)
+        got = rebuild(NodeId(nid))
         get_redis().flushdb()  # the second flush, between the rebuild and the retry
         return got
 
@@ -230,7 +231,7 @@ def test_drained_node_without_work_stays_drained_and_node_drained_is_written_onc
 ) -> None:
     node_id, cred = enroll(client)
     beat(client, node_id, cred, state="READY")
-    node_drain(node_id=node_id, now=timezone.now())
+    node_drain(node_id=NodeId(node_id), now=timezone.now())
     assert beat(client, node_id, cred, state="READY").json()["state"] == S.DRAINED
     beat(client, node_id, cred, state="READY")
     assert Event.objects.filter(node_id=node_id, kind="NODE_DRAINED").count() == 1

@@ -18,6 +18,7 @@ from agent.protocol import HEARTBEATS_ZSET, PROTOCOL_VERSION, heartbeat_key
 from apps.nodes.enrollment import enrollment_token_issue
 from apps.nodes.models import Event, Node
 from apps.nodes.states import NodeState
+from racon import ids
 from racon.redis import get_redis
 from tests.factories import AccountFactory, hardware_profile
 
@@ -28,7 +29,9 @@ METRICS_TOKEN = "flap-metrics-token-" + "x" * 24
 
 
 def enroll(client: Client) -> tuple[str, str]:
-    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="t", now=timezone.now())
+    _, token = enrollment_token_issue(
+        account_id=ids.account_id(AccountFactory().id), label="t", now=timezone.now()
+    )
     port = next(_PORTS)
     resp = client.post(
         "/api/agent/enroll",

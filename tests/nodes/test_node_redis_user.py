@@ -27,6 +27,7 @@ from agent.protocol import (
 )
 from apps.nodes.enrollment import enrollment_token_issue
 from apps.nodes.models import Event, Node
+from racon import ids
 from racon.embedded import EmbeddedRedis, start_redis
 from tests.factories import AccountFactory, hardware_profile
 
@@ -47,7 +48,9 @@ def acl_redis(tmp_path: Path, settings: Any) -> Iterator[EmbeddedRedis]:
 
 
 def enroll(client: Client, name: str) -> dict[str, Any]:
-    _, token = enrollment_token_issue(account_id=AccountFactory().id, label="t", now=timezone.now())
+    _, token = enrollment_token_issue(
+        account_id=ids.account_id(AccountFactory().id), label="t", now=timezone.now()
+    )
     resp = client.post(
         "/api/agent/enroll",
         {

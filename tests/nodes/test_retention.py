@@ -17,6 +17,7 @@ from apps.jobs.models import Job
 from apps.jobs.states import JobState
 from apps.nodes.events import event_record
 from apps.nodes.models import Event, EventCategory
+from racon import ids
 from racon.celery import task_send
 from racon.redis import get_redis
 from tests.factories import NodeFactory, deployment_for, funded_account, job_for
@@ -42,7 +43,7 @@ def test_the_events_sweep_deletes_rows_past_the_retention_and_keeps_the_rest(
             kind=f"AGE_{age}",
             category=EventCategory.RUNTIME,
             now=now - timedelta(days=age),
-            node_id=node.pk,
+            node_id=ids.node_id(node.pk),
         )
     task_send("racon.nodes.events_prune")
     assert sorted(Event.objects.values_list("kind", flat=True)) == ["AGE_0", "AGE_29"]

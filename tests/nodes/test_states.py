@@ -10,6 +10,7 @@ from apps.nodes.heartbeats import heartbeat_target
 from apps.nodes.models import Event, Node
 from apps.nodes.services import BUSY_FLIPS_KEY, node_transition
 from apps.nodes.states import TRANSITIONS, NodeState, can_transition, health_state
+from racon import ids
 from racon.redis import get_redis
 from tests.factories import NodeFactory
 
@@ -60,7 +61,7 @@ def test_heartbeat_after_offline_returns_node_to_ready_or_draining() -> None:
 @pytest.mark.django_db
 def test_illegal_transition_is_refused_and_writes_no_event(now) -> None:  # type: ignore[no-untyped-def]
     node = NodeFactory(state=S.ERROR)
-    assert node_transition(node_id=node.id, to=S.READY, now=now) is False
+    assert node_transition(node_id=ids.node_id(node.id), to=S.READY, now=now) is False
     node.refresh_from_db()
     assert node.state == S.ERROR
     assert not Event.objects.filter(node=node).exists()
@@ -69,10 +70,13 @@ def test_illegal_transition_is_refused_and_writes_no_event(now) -> None:  # type
 @pytest.mark.django_db
 def test_stale_message_cannot_move_state_backwards(now) -> None:  # type: ignore[no-untyped-def]
     node = NodeFactory(state=S.READY)
-    assert node_transition(node_id=node.id, to=S.OFFLINE, expected=S.READY, now=now)
+    assert node_transition(node_id=ids.node_id(node.id), to=S.OFFLINE, expected=S.READY, now=now)
     # A late message that still believes the node is READY must not apply.
     assert not node_transition(
-        node_id=node.id, to=S.DEGRADED, expected=S.READY, now=now + timedelta(seconds=1)
+        node_id=ids.node_id(node.id),
+        to=S.DEGRADED,
+        expected=S.READY,
+        now=now + timedelta(seconds=1),
     )
     node.refresh_from_db()
     assert node.state == S.OFFLINE
@@ -91,7 +95,7 @@ def test_random_transition_sequences_follow_the_table_and_log_every_move(steps: 
     moves = flips = 0
     flips_before = int(get_redis().get(BUSY_FLIPS_KEY) or 0)
     for target in steps:
-        moved = node_transition(node_id=node.id, to=target, now=timezone.now())
+        moved = node_transition(node_id=ids.node_id(node.id), to=target, now=timezone.now())
         assert moved == (target != state and can_transition(state, target))
         if moved:
             if {state, target} == {S.BUSY, S.READY}:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from apps.models_repo.models import ModelFile
+from racon import ids
 from tests.factories import ModelFileFactory
 from tests.support.observability import LiveRun
 
@@ -82,7 +83,10 @@ def live_run(
         user = UserFactory()
         account = account_for_user(user=user)
         _, user_key = api_key_create(
-            name="observability", account_id=account.id, scopes=["inference"], user_id=user.pk
+            name="observability",
+            account_id=ids.account_id(account.id),
+            scopes=["inference"],
+            user_id=user.pk,
         )
         tok = ctl.post("/api/admin/tokens", {"label": "observability"}).json()
         models_dir = work / "models"

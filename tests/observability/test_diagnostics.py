@@ -28,6 +28,8 @@ from apps.nodes.enrollment import enrollment_token_issue, node_enroll
 from apps.nodes.events import event_record
 from apps.nodes.models import EnrollmentToken, EventCategory, Node
 from apps.nodes.services import node_report_fault
+from racon import ids
+from racon.ids import NodeId
 from racon.redis import get_redis
 from tests.factories import AccountFactory, NodeFactory, hardware_profile
 from tests.support.observability import make_deployment, make_job, unpack
@@ -62,7 +64,7 @@ def sick_node(settings: Any, model_file: ModelFile, now: Any, listener: int) -> 
     for name, value in PLANTED.items():
         setattr(settings, name, value)
     account = AccountFactory()
-    _, token = enrollment_token_issue(account_id=account.id, label="diag", now=now)
+    _, token = enrollment_token_issue(account_id=ids.account_id(account.id), label="diag", now=now)
     hw = hardware_profile()
     hw["extra"] = {"password": HW_PASSWORD, "notes": f"set up with {token}"}
     enrolled = node_enroll(
@@ -76,9 +78,11 @@ def sick_node(settings: Any, model_file: ModelFile, now: Any, listener: int) -> 
         now=now - timedelta(minutes=10),
     )
     node = enrolled.node
-    _, api_key = api_key_create(name="k", account_id=account.id, scopes=["inference"])
+    _, api_key = api_key_create(
+        name="k", account_id=ids.account_id(account.id), scopes=["inference"]
+    )
     node_report_fault(
-        node_id=node.id,
+        node_id=ids.node_id(node.id),
         fatal=False,
         message=f"llama.cpp crashed; last request used key {api_key}",
         now=now - timedelta(minutes=5),
@@ -87,7 +91,7 @@ def sick_node(settings: Any, model_file: ModelFile, now: Any, listener: int) -> 
         kind="COMMAND_FAILED",
         category=EventCategory.RUNTIME,
         now=now - timedelta(minutes=4),
-        node_id=node.id,
+        node_id=ids.node_id(node.id),
         message="load_primary failed",
         data={"redis_url": f"redis://:{REDIS_PASSWORD}@10.0.0.9:6379/0", "secret": "x" * 20},
     )
@@ -148,7 +152,7 @@ def test_the_bundle_holds_versions_state_events_hardware_errors_jobs_and_reachab
     sick_node: dict[str, Any], now: Any
 ) -> None:
     node: Node = sick_node["node"]
-    files = unpack(node_diagnostics_bundle(node_id=node.id, now=now))
+    files = unpack(node_diagnostics_bundle(node_id=ids.node_id(node.id), now=now))
     assert set(files) == {
         "summary.txt",
         "versions.json",
@@ -177,17 +181,17 @@ def test_the_bundle_holds_versions_state_events_hardware_errors_jobs_and_reachab
     assert json.loads(files["hardware.json"])["inventory"]["cpu"]["logical_cores"] == 8
 
     jobs = {j["id"]: j for j in json.loads(files["jobs.json"])}
-    ids = sick_node["jobs"]
+    job_ids = sick_node["jobs"]
     assert (
-        jobs[ids["during"]]["failure_phase"] == "during execution"
-        and jobs[ids["during"]]["primary"] is True
+        jobs[job_ids["during"]]["failure_phase"] == "during execution"
+        and jobs[job_ids["during"]]["primary"] is True
     )
-    assert jobs[ids["before"]]["failure_phase"] == "before execution"
-    assert jobs[ids["ok"]]["failure_phase"] is None and jobs[ids["ok"]]["failed"] is False
+    assert jobs[job_ids["before"]]["failure_phase"] == "before execution"
+    assert jobs[job_ids["ok"]]["failure_phase"] is None and jobs[job_ids["ok"]]["failed"] is False
 
     errors = json.loads(files["errors.json"])
     assert {e["kind"] for e in errors["events"]} >= {"NODE_FAULT", "COMMAND_FAILED"}
-    assert {j["id"] for j in errors["jobs"]} == {ids["during"], ids["before"]}
+    assert {j["id"] for j in errors["jobs"]} == {job_ids["during"], job_ids["before"]}
 
     reach = json.loads(files["reachability.json"])
     assert 2.5 <= reach["heartbeat_age_seconds"] <= 4
@@ -202,7 +206,7 @@ def test_the_bundle_holds_versions_state_events_hardware_errors_jobs_and_reachab
 
 def test_no_secret_appears_anywhere_in_the_bundle(sick_node: dict[str, Any], now: Any) -> None:
     node: Node = sick_node["node"]
-    data = node_diagnostics_bundle(node_id=node.id, now=now)
+    data = node_diagnostics_bundle(node_id=ids.node_id(node.id), now=now)
     files = unpack(data)
     everything = b"\n".join(files.values())
     token_hash = EnrollmentToken.objects.get().token_hash
@@ -233,7 +237,7 @@ def test_an_unreachable_rpc_port_is_reported(now: Any) -> None:
     probe = rpc_probe(host="127.0.0.1", port=port, timeout=0.5)
     assert probe["ok"] is False and "Refused" in probe["error"]
     node = NodeFactory(address="127.0.0.1", rpc_port=port, state="OFFLINE")
-    files = unpack(node_diagnostics_bundle(node_id=node.id, now=now))
+    files = unpack(node_diagnostics_bundle(node_id=ids.node_id(node.id), now=now))
     assert "UNREACHABLE" in files["summary.txt"].decode()
     assert "never seen" in files["summary.txt"].decode()
     assert json.loads(files["reachability.json"])["heartbeat_late"] is True
@@ -334,4 +338,4 @@ def test_a_malformed_node_id_is_an_unknown_node(db: None, now: Any) -> None:
     from apps.jobs.diagnostics import UnknownNode
 
     with pytest.raises(UnknownNode):
-        node_diagnostics_bundle(node_id="not-a-uuid", now=now)
+        node_diagnostics_bundle(node_id=NodeId("not-a-uuid"), now=now)

@@ -21,6 +21,8 @@ from apps.jobs.jobs import job_complete, job_create, job_fail
 from apps.jobs.models import Deployment, Job
 from apps.models_repo.models import ModelFile
 from apps.nodes.states import NodeState
+from racon import ids
+from racon.ids import JobId
 from racon.redis import get_redis
 from tests.factories import AccountFactory, NodeFactory, UserFactory
 from tests.support.observability import make_deployment, make_job
@@ -91,7 +93,10 @@ def test_an_admin_key_and_a_staff_session_may_scrape(
 def test_an_inference_key_or_a_plain_user_is_forbidden(client: Any, token: str) -> None:
     user = UserFactory()
     _, key = api_key_create(
-        name="k", account_id=account_for_user(user=user).id, scopes=["inference"], user_id=user.pk
+        name="k",
+        account_id=ids.account_id(account_for_user(user=user).id),
+        scopes=["inference"],
+        user_id=user.pk,
     )
     assert client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {key}").status_code == 403
     client.force_login(user)
@@ -194,14 +199,14 @@ def test_a_finished_job_feeds_counters_and_histograms(model_file: ModelFile, now
         dispatched_at=now - timedelta(seconds=1),
     )
     assert job_complete(
-        job_id=job.id,
+        job_id=ids.job_id(job.id),
         usage={"prompt_tokens": 5, "completion_tokens": 40, "ttft_ms": 120.0, "tokens_per_s": 33.0},
         finish_reason="stop",
         chunks=40,
         now=now,
     )
     failed = make_job(model_file, state="QUEUED", now=now)
-    job_fail(job_id=failed.id, now=now, error="no capacity", during_execution=False)
+    job_fail(job_id=ids.job_id(failed.id), now=now, error="no capacity", during_execution=False)
     got = scrape()
     m = "tiny-model"
     assert v(got, "racon_jobs", state="COMPLETED", model=m) == 1
@@ -221,7 +226,7 @@ def test_a_finished_job_feeds_counters_and_histograms(model_file: ModelFile, now
 
 def test_metrics_recording_never_breaks_a_finish() -> None:
     job_finished_observe(
-        job_id="not-a-uuid", state="COMPLETED", fields={"ttft_ms": "bad"}
+        job_id=JobId("not-a-uuid"), state="COMPLETED", fields={"ttft_ms": "bad"}
     )  # must not raise
 
 
@@ -231,12 +236,14 @@ def test_credits_minted_spent_and_burned_follow_the_ledger(
     settings.CREDITS_STARTING_GRANT = 5_000_000
     settings.CREDITS_MICRO_PER_TOKEN = 1_000
     account = account_for_user(user=UserFactory())
-    credit_adjust(account_id=account.id, amount=-1_000_000, reason="correction", now=now)
+    credit_adjust(
+        account_id=ids.account_id(account.id), amount=-1_000_000, reason="correction", now=now
+    )
 
     def hold(j: Job) -> None:
         credit_reserve(
-            account_id=j.account_id,
-            job_id=j.id,
+            account_id=ids.account_id(str(j.account_id)),
+            job_id=ids.job_id(j.id),
             max_tokens=j.max_tokens,
             model_price_permille=j.model.price_weight_permille,
             now=now,
@@ -244,7 +251,7 @@ def test_credits_minted_spent_and_burned_follow_the_ledger(
 
     job = job_create(
         model=model_file.model,
-        account_id=account.id,
+        account_id=ids.account_id(account.id),
         api_key_id=None,
         kind="chat",
         params={},
@@ -256,13 +263,13 @@ def test_credits_minted_spent_and_burned_follow_the_ledger(
     )
     Job.objects.filter(pk=job.id).update(state="RUNNING", dispatched_at=now)
     job_complete(
-        job_id=job.id,
+        job_id=ids.job_id(job.id),
         usage={"prompt_tokens": 10, "completion_tokens": 20},
         finish_reason="stop",
         chunks=20,
         now=now,
     )
-    entry = credit_settle_job(job_id=job.id, now=now)
+    entry = credit_settle_job(job_id=ids.job_id(job.id), now=now)
     got = scrape()
     assert v(got, "racon_credits_minted_total", kind="GRANT") == 5_000_000
     assert v(got, "racon_credits_minted_total", kind="STANDBY") == 0
@@ -337,15 +344,23 @@ def test_replicas_slots_queue_and_tokens_per_second_per_replica(
     make_deployment(model_file, state="STOPPED")  # not a replica any more
     Deployment.objects.filter(pk__in=[one.pk, two.pk]).update(n_parallel=4)
     t = time.time()
-    assert admission.slot_try(deployment_id=one.id, job_id="j1", cap=4, now=t)
-    assert admission.slot_try(deployment_id=one.id, job_id="j2", cap=4, now=t)
-    admission.queue_join(
-        deployment_id=two.id, job_id="w1", priority=1, model_id=model_file.model_id, now=t
+    assert admission.slot_try(
+        deployment_id=ids.deployment_id(one.id), job_id=JobId("j1"), cap=4, now=t
     )
-    admission.queue_wait_record(model_id=model_file.model_id, seconds=3.0, now=t)
+    assert admission.slot_try(
+        deployment_id=ids.deployment_id(one.id), job_id=JobId("j2"), cap=4, now=t
+    )
+    admission.queue_join(
+        deployment_id=ids.deployment_id(two.id),
+        job_id=JobId("w1"),
+        priority=1,
+        model_id=ids.model_id(model_file.model_id),
+        now=t,
+    )
+    admission.queue_wait_record(model_id=ids.model_id(model_file.model_id), seconds=3.0, now=t)
     done = make_job(model_file, state="RUNNING", now=now, deployment=one)
     job_complete(
-        job_id=done.id,
+        job_id=ids.job_id(done.id),
         usage={"completion_tokens": 120},
         finish_reason="stop",
         chunks=120,

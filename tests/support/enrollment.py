@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from agent.protocol import PROTOCOL_VERSION
 from apps.nodes.enrollment import enrollment_token_issue
+from racon import ids
 from tests.factories import AccountFactory, hardware_profile
 
 
@@ -41,7 +42,9 @@ def enroll_body(token: str, **over: Any) -> dict[str, Any]:
 
 def issue(**kw: Any) -> str:
     acct = kw.pop("account", None) or AccountFactory()
-    _, plaintext = enrollment_token_issue(account_id=acct.id, label="t", now=timezone.now(), **kw)
+    _, plaintext = enrollment_token_issue(
+        account_id=ids.account_id(acct.id), label="t", now=timezone.now(), **kw
+    )
     return plaintext
 
 

@@ -14,6 +14,7 @@ from apps.jobs.scheduler import (
     llama_layer_assignment,
 )
 from apps.models_repo.profile import ModelProfile, synthetic_profile
+from racon.ids import NodeId
 
 GiB = 1 << 30
 
@@ -38,13 +39,13 @@ TINY = synthetic_profile(
 
 
 def cpu(node_id: str, free_gib: float, gflops: float = 200.0, bw: float = 30.0) -> DeviceSnapshot:
-    return DeviceSnapshot(node_id, "CPU", "cpu", int(free_gib * GiB), gflops, bw)
+    return DeviceSnapshot(NodeId(node_id), "CPU", "cpu", int(free_gib * GiB), gflops, bw)
 
 
 def gpu(
     node_id: str, index: int, free_gib: float, gflops: float = 30_000.0, bw: float = 600.0
 ) -> DeviceSnapshot:
-    return DeviceSnapshot(node_id, f"GPU{index}", "gpu", int(free_gib * GiB), gflops, bw)
+    return DeviceSnapshot(NodeId(node_id), f"GPU{index}", "gpu", int(free_gib * GiB), gflops, bw)
 
 
 def node(
@@ -55,7 +56,7 @@ def node(
     address: str | None = None,
 ) -> NodeSnapshot:
     return NodeSnapshot(
-        node_id=node_id,
+        node_id=NodeId(node_id),
         name=node_id,
         state=state,
         address=address or f"10.0.0.{abs(hash(node_id)) % 200 + 1}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from apps.jobs.scheduler import DeviceSnapshot, NodeSnapshot
 from apps.models_repo.profile import synthetic_profile
+from racon.ids import NodeId
 
 GiB = 1 << 30
 
@@ -19,16 +20,16 @@ LLAMA_8B = synthetic_profile(
 
 
 def cpu(node: str, gib: float, gflops: float = 100.0, bw: float = 20.0) -> DeviceSnapshot:
-    return DeviceSnapshot(node, "CPU", "cpu", int(gib * GiB), gflops, bw)
+    return DeviceSnapshot(NodeId(node), "CPU", "cpu", int(gib * GiB), gflops, bw)
 
 
 def gpu(node: str, name: str, gib: float, gflops: float, bw: float) -> DeviceSnapshot:
-    return DeviceSnapshot(node, name, "gpu", int(gib * GiB), gflops, bw)
+    return DeviceSnapshot(NodeId(node), name, "gpu", int(gib * GiB), gflops, bw)
 
 
 def node(nid: str, *devices: DeviceSnapshot, may_be_primary: bool = True) -> NodeSnapshot:
     return NodeSnapshot(
-        node_id=nid,
+        node_id=NodeId(nid),
         name=f"host-{nid}",
         state="READY",
         address=f"10.0.0.{ord(nid[0]) % 200}",

@@ -10,6 +10,7 @@ from django.utils import timezone
 from apps.credits.ledger import account_for_user
 from apps.credits.models import Receipt
 from apps.credits.settlement import credit_reserve, credit_settle_job
+from racon import ids
 from tests.factories import (
     ModelFactory,
     NodeFactory,
@@ -49,7 +50,11 @@ def world(db: Any) -> World:
         job = job_for(account=acct, model=model, deployment=dep, max_tokens=32)
         job.nodes.set([staff_node, own_node])
         credit_reserve(
-            account_id=acct.pk, job_id=job.pk, max_tokens=32, model_price_permille=1000, now=now
+            account_id=ids.account_id(acct.pk),
+            job_id=ids.job_id(job.pk),
+            max_tokens=32,
+            model_price_permille=1000,
+            now=now,
         )
         job_finish(
             job,
@@ -57,7 +62,7 @@ def world(db: Any) -> World:
             completion=20,
             device_seconds={str(staff_node.pk): 1.0, str(own_node.pk): 0.5},
         )
-        credit_settle_job(job_id=job.pk, now=now)
+        credit_settle_job(job_id=ids.job_id(job.pk), now=now)
         jobs.append(job)
     return World(
         staff=staff,

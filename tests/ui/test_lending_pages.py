@@ -15,6 +15,7 @@ from apps.api.templatetags.racon_ui import credits
 from apps.credits.models import Receipt
 from apps.nodes.lending import node_lending_claim
 from apps.nodes.models import Event, Node
+from racon import ids
 from racon.redis import get_redis
 from tests.support.ui import HTMX, World
 
@@ -75,13 +76,15 @@ def test_the_agents_report_of_the_owners_policy_marks_it_adopted(
     assert contributor_client.post(f"/nodes/{node.id}/lending", GOOD).status_code == 200
     node.refresh_from_db()
     # What the agent reports once set_lending applied it (LENDING_POLICY {"lending": wire}).
-    node_lending_claim(node_id=node.id, policy=node.lending["policy"], now=timezone.now())
+    node_lending_claim(
+        node_id=ids.node_id(node.id), policy=node.lending["policy"], now=timezone.now()
+    )
     node.refresh_from_db()
     assert node.lending["source"] == "owner" and node.lending["owner"]["adopted_at"]
     page = contributor_client.get(f"/nodes/{node.id}/lending").content.decode()
     assert "adopted by the agent" in page
     # A different policy from the agent (its own flags, after the owner's) is the agent's.
-    node_lending_claim(node_id=node.id, policy={"timezone": "UTC"}, now=timezone.now())
+    node_lending_claim(node_id=ids.node_id(node.id), policy={"timezone": "UTC"}, now=timezone.now())
     node.refresh_from_db()
     assert node.lending["source"] == "agent"
 

@@ -15,6 +15,8 @@ from apps.api.ui_render import placement_bar, render_deployment_row, render_node
 from apps.nodes.links import link_record
 from apps.nodes.models import EnrollmentToken, Event, Node
 from apps.nodes.states import NodeState
+from racon import ids
+from racon.ids import JobId
 from tests.factories import NodeFactory
 from tests.support.ui import HTMX, World
 
@@ -330,28 +332,37 @@ def test_an_operator_may_look_at_another_account(staff_client: Client, world: Wo
 
 
 def test_the_node_row_for_the_websocket_is_out_of_band_and_permission_checked(world: World) -> None:
-    html = render_node_row(user=world.staff, node_id=str(world.own_node.id))
+    html = render_node_row(user=world.staff, node_id=ids.node_id(world.own_node.id))
     assert f'<tr id="node-row-{world.own_node.id}"' in html and 'hx-swap-oob="true"' in html
     assert f'id="node-badge-{world.own_node.id}"' in html and 'id="node-states"' in html
     assert 'data-append-to="node-rows"' in html
-    assert render_node_row(user=world.contributor, node_id=str(world.staff_node.id)) == ""
-    assert "carls-laptop" in render_node_row(user=world.contributor, node_id=str(world.own_node.id))
+    assert render_node_row(user=world.contributor, node_id=ids.node_id(world.staff_node.id)) == ""
+    assert "carls-laptop" in render_node_row(
+        user=world.contributor, node_id=ids.node_id(world.own_node.id)
+    )
 
 
 def test_the_deployment_row_for_the_websocket_is_out_of_band(world: World) -> None:
     other = NodeFactory(name="elsewhere")
-    html = render_deployment_row(user=world.staff, deployment_id=str(world.deployment.id))
+    html = render_deployment_row(
+        user=world.staff, deployment_id=ids.deployment_id(world.deployment.id)
+    )
     assert (
         f'<tr id="dep-row-{world.deployment.id}"' in html
         and 'hx-swap-oob="true"' in html
         and "READY" in html
     )
     # The contributor's node serves this deployment, so they see it; a stranger does not.
-    assert render_deployment_row(user=world.contributor, deployment_id=str(world.deployment.id))
+    assert render_deployment_row(
+        user=world.contributor, deployment_id=ids.deployment_id(world.deployment.id)
+    )
     from tests.factories import UserFactory
 
     stranger = UserFactory(username="sam")
-    assert render_deployment_row(user=stranger, deployment_id=str(world.deployment.id)) == ""
+    assert (
+        render_deployment_row(user=stranger, deployment_id=ids.deployment_id(world.deployment.id))
+        == ""
+    )
     assert other.name == "elsewhere"
 
 
@@ -414,9 +425,12 @@ def test_the_deployments_page_shows_replicas_slots_in_use_and_queue_depth(
     Deployment.objects.filter(pk=world.deployment.pk).update(n_parallel=8)
     dep_id = world.deployment.id
     for job in ("a", "b", "c"):
-        assert admission.slot_try(deployment_id=dep_id, job_id=job, cap=8)
+        assert admission.slot_try(deployment_id=ids.deployment_id(dep_id), job_id=JobId(job), cap=8)
     admission.queue_join(
-        deployment_id=dep_id, job_id="w", priority=1, model_id=world.deployment.model_id
+        deployment_id=ids.deployment_id(dep_id),
+        job_id=JobId("w"),
+        priority=1,
+        model_id=ids.model_id(world.deployment.model_id),
     )
     html = staff_client.get("/deployments/").content.decode()
     summary = html[html.index('id="replica-summary"') :]
@@ -433,7 +447,7 @@ def test_the_nodes_page_shows_the_link_matrix_and_htmx_gets_just_the_partial(
     now = timezone.now()
     staff, own = world.staff_node, world.own_node
     link_record(
-        node_id=staff.id,
+        node_id=ids.node_id(staff.id),
         links=[
             {
                 "node_id": str(own.id),

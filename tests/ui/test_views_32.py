@@ -20,6 +20,7 @@ from apps.jobs.rollup import rollup_write
 from apps.jobs.states import DeploymentState
 from apps.nodes.events import event_record
 from apps.nodes.models import EventCategory
+from racon import ids
 from tests.factories import NodeFactory, deployment_for, job_for
 from tests.support.ui import HTMX, World
 
@@ -51,15 +52,15 @@ def test_the_feed_sums_up_flips_and_job_events_and_names_everything(
             kind="JOB_DISPATCHED",
             category=EventCategory.EXECUTION,
             now=now,
-            job_id=job.id,
-            deployment_id=world.deployment.id,
+            job_id=ids.job_id(job.id),
+            deployment_id=ids.deployment_id(world.deployment.id),
             message=f"to deployment {world.deployment.id}",
         )
         event_record(
             kind="JOB_COMPLETED",
             category=EventCategory.EXECUTION,
             now=now,
-            job_id=job.id,
+            job_id=ids.job_id(job.id),
             message="20 tokens, stop",
         )
     body = staff_client.get("/events/").content.decode()
@@ -167,15 +168,15 @@ def test_a_nodes_page_names_the_deployments_its_events_mention(
         kind="PRIMARY_LOADED",
         category=EventCategory.RUNTIME,
         now=timezone.now(),
-        node_id=world.staff_node.id,
-        deployment_id=dep.id,
+        node_id=ids.node_id(world.staff_node.id),
+        deployment_id=ids.deployment_id(dep.id),
         message=f"deployment {dep.id} loaded (CPU: 31 layers)",
     )
     event_record(
         kind="DEPLOYMENT_READY",
         category=EventCategory.PLACEMENT,
         now=timezone.now(),
-        node_id=world.staff_node.id,
+        node_id=ids.node_id(world.staff_node.id),
         message=f"deployment {dep.id} is READY",
     )
     body = staff_client.get(f"/nodes/{world.staff_node.id}/").content.decode()
@@ -199,7 +200,7 @@ def test_a_contributors_feed_has_the_job_events_of_the_jobs_their_machine_served
         kind="JOB_COMPLETED",
         category=EventCategory.EXECUTION,
         now=now,
-        job_id=world.staff_job.id,
+        job_id=ids.job_id(world.staff_job.id),
         message="20 tokens, stop",
     )
     elsewhere = job_for(account=world.staff_job.account, model=world.staff_job.model)
@@ -208,7 +209,7 @@ def test_a_contributors_feed_has_the_job_events_of_the_jobs_their_machine_served
         kind="JOB_FAILED",
         category=EventCategory.EXECUTION,
         now=now,
-        job_id=elsewhere.id,
+        job_id=ids.job_id(elsewhere.id),
         message="boom",
     )
     body = contributor_client.get("/events/").content.decode()

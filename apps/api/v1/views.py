@@ -39,6 +39,8 @@ from apps.jobs.models import Job
 from apps.jobs.serving import Admission, pooled
 from apps.jobs.streams import StreamFailure, error_for_entry
 from apps.models_repo.models import Model
+from racon import ids
+from racon.ids import AccountId, JobId, ModelId
 from racon.logging import log_context
 
 from .. import quotas
@@ -93,8 +95,8 @@ def _credit_hold(job: Job, prompt_tokens: int) -> None:
     own transaction (none without one)."""
     if job.account_id is not None:
         credit_reserve(
-            account_id=job.account_id,
-            job_id=job.id,
+            account_id=ids.account_id(job.account_id),
+            job_id=ids.job_id(job.id),
             max_tokens=job.max_tokens,
             prompt_tokens=prompt_tokens,
             model_price_permille=job.model.price_weight_permille,
@@ -107,7 +109,7 @@ def _gate(principal: KeyPrincipal) -> serving.Gate:
     request's hold (a key without credits never pushes its prompt to a node), and the key's and
     the account's limits have room (apps.api.quotas). Returns the quota's release."""
 
-    def gate(job_id: str, model: Model, prompt_tokens: int, max_tokens: int) -> Any:
+    def gate(job_id: JobId, model: Model, prompt_tokens: int, max_tokens: int) -> Any:
         if principal.account_id is not None:
             funds_check(
                 account_id=principal.account_id,
@@ -121,7 +123,7 @@ def _gate(principal: KeyPrincipal) -> serving.Gate:
     return gate
 
 
-def funds_check(*, account_id: Any, tokens: int, price_permille: int) -> None:
+def funds_check(*, account_id: AccountId, tokens: int, price_permille: int) -> None:
     """InsufficientCredits when the account cannot cover ``tokens`` at the model's price (the
     hold itself is taken, under the account's lock, when the job is written)."""
     cost = token_cost(
@@ -137,8 +139,10 @@ def funds_check(*, account_id: Any, tokens: int, price_permille: int) -> None:
         raise InsufficientCredits(account_id=account_id, needed=cost, available=available)
 
 
-def _standing(account_id: Any) -> float:
+def _standing(account_id: AccountId | None) -> float:
     """The account's standing, read by admission only if the request has to queue."""
+    if account_id is None:
+        return 0.0
     return float(account_standing(account_ids=[account_id]).get(account_id, 0))
 
 
@@ -562,7 +566,7 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
 # --- /v1/models -----------------------------------------------------------------------------------
 
 
-def _models_payload(model_id: str | None = None) -> dict[str, Any] | None:
+def _models_payload(model_id: ModelId | None = None) -> dict[str, Any] | None:
     qs = Model.objects.filter(files__isnull=False).distinct()
     if model_id is not None:
         qs = qs.filter(name=model_id)
@@ -582,7 +586,7 @@ async def models_list(request: HttpRequest) -> HttpResponse:
 
 
 @csrf_exempt
-async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
+async def model_detail(request: HttpRequest, model_id: ModelId) -> HttpResponse:
     try:
         await sync_to_async(_principal)(request.headers.get("Authorization", ""))
     except ApiError as exc:

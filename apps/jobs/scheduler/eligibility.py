@@ -6,6 +6,7 @@ import dataclasses
 
 from apps.models_repo.profile import ModelProfile
 from apps.nodes.states import FALLBACK, PLACEABLE, SCHEDULABLE
+from racon.ids import NodeId
 
 from .inputs import ClusterSnapshot, DeviceSnapshot, NodeSnapshot, PlacementRequest
 from .plan import PlacementRefused
@@ -15,7 +16,7 @@ def _select_nodes(
     cluster: ClusterSnapshot, request: PlacementRequest
 ) -> tuple[list[NodeSnapshot], list[NodeSnapshot], list[str]]:
     """(ready nodes, degraded fallbacks, explanation lines) after pins, exclusions and states."""
-    by_id = {n.node_id: n for n in cluster.nodes}
+    by_id: dict[str, NodeSnapshot] = {n.node_id: n for n in cluster.nodes}
     notes: list[str] = []
     excluded = set(request.exclude_nodes)
     if request.pin_nodes is not None:
@@ -154,12 +155,12 @@ def pin_devices_apply(
     for n in cluster.nodes:
         by_key[n.node_id] = n
         if n.name:
-            by_key.setdefault(n.name, n)
+            by_key.setdefault(NodeId(n.name), n)
     wanted: dict[str, set[str]] = {}
     for entry in request.pin_devices:
         node_part, sep, dev = str(entry).rpartition(":")
         if sep:
-            node = by_key.get(node_part)
+            node = by_key.get(NodeId(node_part))
             if node is None:
                 raise PlacementRefused(
                     f"device pin {entry!r}: no node {node_part!r}", 0, (), code="invalid_request"

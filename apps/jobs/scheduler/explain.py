@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from racon.ids import NodeId
+
 from .plan import PlanDevice, fmt_bytes
 
 if TYPE_CHECKING:
@@ -72,7 +74,7 @@ def _explain(
     return lines
 
 
-def _slower_link(ctx: _Ctx, ev: _Eval, node_id: str, used: set[str]) -> str | None:
+def _slower_link(ctx: _Ctx, ev: _Eval, node_id: NodeId, used: set[NodeId]) -> str | None:
     """Name a left-out node's measured link to the primary when it is worse than every link the
     plan uses (multi-host issue: a node behind a slow connection is avoided, and the plan says so)."""
     primary = ev.primary.snap

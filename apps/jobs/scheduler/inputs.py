@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from racon.ids import NodeId
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -15,7 +17,7 @@ MiB = 1 << 20
 class DeviceSnapshot:
     """One memory pool a node can give to a model: its CPU (system RAM) or one GPU."""
 
-    node_id: str
+    node_id: NodeId
     device: str  # "CPU", or llama.cpp's GPU name: "CUDA0", "Vulkan0", "ROCm0", "Metal"
     kind: str  # "cpu" | "gpu"
     free_bytes: int
@@ -30,7 +32,7 @@ class DeviceSnapshot:
 class NodeSnapshot:
     """A node as the scheduler sees it at decision time."""
 
-    node_id: str
+    node_id: NodeId
     name: str
     state: str
     address: str

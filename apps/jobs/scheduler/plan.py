@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from racon.ids import NodeId
+
 from .inputs import GiB, MiB
 
 
@@ -13,7 +15,7 @@ from .inputs import GiB, MiB
 class PlanDevice:
     """One device of a plan, in llama.cpp's layer order; endpoint None means the primary itself."""
 
-    node_id: str
+    node_id: NodeId
     device: str
     kind: str
     layer_start: int

@@ -21,6 +21,7 @@ from apps.models_repo.services import (
     model_register_from_pypi,
 )
 from apps.nodes.enrollment import enrollment_token_issue
+from racon import ids
 
 
 class Command(BaseCommand):
@@ -53,7 +54,7 @@ class Command(BaseCommand):
             admin = User.objects.create_superuser("admin", "", password)
         account = account_for_user(user=admin)
         _, token = enrollment_token_issue(
-            account_id=account.id,
+            account_id=ids.account_id(account.id),
             label="local agents (make run)",
             now=timezone.now(),
             ttl_hours=2,

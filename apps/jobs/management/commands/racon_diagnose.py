@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from apps.jobs.diagnostics import UnknownNode, node_diagnostics, node_resolve
+from racon import ids
 
 
 class Command(BaseCommand):
@@ -30,7 +31,7 @@ class Command(BaseCommand):
         now = timezone.now()
         try:
             node = node_resolve(ref=opts["node"])
-            diag = node_diagnostics(node_id=node.id, now=now)
+            diag = node_diagnostics(node_id=ids.node_id(node.id), now=now)
         except UnknownNode as exc:
             raise CommandError(str(exc)) from None
         out = Path(
