@@ -115,45 +115,40 @@ def test_an_upload_over_the_cap_is_refused_and_nothing_is_stored(
 
 def test_a_restored_conversation_moves_its_ownership_and_counts_the_bytes(model: Model) -> None:
     a, b = deployment(model), deployment(model)
+    a_id, b_id = ids.deployment_id(a.id), ids.deployment_id(b.id)
     chain = held_on(model, a, 1, "hello")
-    held = kvcache.slots_held(deployment_id=ids.deployment_id(a.id))
+    held = kvcache.slots_held(deployment_id=a_id)
     assert [(h.slot, h.prefix) for h in held] == [(1, chain[-1])]
-    slot = kvcache.slot_reserve(
-        deployment_id=ids.deployment_id(b.id), n_parallel=2, transfer_id="t1", ttl=30
-    )
+    slot = kvcache.slot_reserve(deployment_id=b_id, n_parallel=2, transfer_id="t1", ttl=30)
     assert slot is not None
-    assert kvcache.conversation_moved(
-        held=held[0],
-        from_deployment_id=ids.deployment_id(a.id),
-        to_deployment_id=ids.deployment_id(b.id),
-        to_slot=slot,
-        n_bytes=12345,
-        seconds=0.5,
-        tokens_restored=100,
-    )
-    kvcache.slot_unreserve(deployment_id=ids.deployment_id(b.id), slot=slot, transfer_id="t1")
+
+    def move(n_bytes: int, seconds: float) -> bool:
+        return kvcache.conversation_moved(
+            held=held[0],
+            from_deployment_id=a_id,
+            to_deployment_id=b_id,
+            to_slot=slot,
+            n_bytes=n_bytes,
+            seconds=seconds,
+            tokens_restored=100,
+        )
+
+    assert move(12345, 0.5)
+    kvcache.slot_unreserve(deployment_id=b_id, slot=slot, transfer_id="t1")
     owner = kvcache.owner_lookup(
         kvcache.prefix_chain(
             model_id=ids.model_id(model.id), kind="chat", params=chat("hello", "hi", "more")
         )
     )
     assert owner is not None and (owner.deployment_id, owner.slot) == (str(b.id), slot)
-    assert kvcache.slots_held(deployment_id=ids.deployment_id(a.id)) == []
+    assert kvcache.slots_held(deployment_id=a_id) == []
     st = kvcache.stats()
     assert st["bytes_moved"] == 12345 and st["transfer_seconds"] == 0.5 and st["moved"] == 1
     ev = Event.objects.get(kind="KV_STATE_MOVED")
     assert ev.deployment_id == b.id and ev.data["from_deployment"] == str(a.id)
     assert ev.data["bytes"] == 12345 and ev.data["to_slot"] == slot
     # A second report of the same move finds the old slot no longer naming it: nothing recorded.
-    assert not kvcache.conversation_moved(
-        held=held[0],
-        from_deployment_id=ids.deployment_id(a.id),
-        to_deployment_id=ids.deployment_id(b.id),
-        to_slot=slot,
-        n_bytes=1,
-        seconds=0.1,
-        tokens_restored=100,
-    )
+    assert not move(1, 0.1)
 
 
 def test_a_slot_reserved_for_a_restore_is_never_given_to_a_job(model: Model) -> None:
