@@ -202,14 +202,14 @@ def _owner_verified(chain: Sequence[str], raw: Sequence[Any]) -> Owner | None:
         if not value:
             continue
         try:
-            dep, slot_s, tokens_s = str(value).split("|")
-            slot = int(slot_s)
+            dep_s, slot_s, tokens_s = str(value).split("|")
+            dep, slot = DeploymentId(dep_s), int(slot_s)
         except ValueError:
             continue
-        held = r.hget(dep_slots_key(DeploymentId(dep)), str(slot))
+        held = r.hget(dep_slots_key(dep), str(slot))
         if held and str(held).split("|")[0] == chain[depth - 1]:
             return Owner(
-                deployment_id=DeploymentId(dep),
+                deployment_id=dep,
                 slot=slot,
                 tokens=int(tokens_s),
                 prefix=chain[depth - 1],
@@ -426,16 +426,16 @@ def slot_claim(
 
 
 def _slot_view(
-    r: redis.Redis, dep: str, now: float
+    r: redis.Redis, dep: DeploymentId, now: float
 ) -> tuple[dict[Any, Any], set[str], Callable[[int], float], dict[Any, Any]]:
     """One read of the deployment's slots: the busy pins (slot → holder), the jobs whose admission
     slot is live at ``now``, each slot's last use from its ownership record (0.0 for a slot
     holding nothing, so sorting by it puts empty slots first, then the least recently used), and
     the records themselves (slot → "prefix|tokens|last use")."""
     with r.pipeline(transaction=False) as pipe:
-        pipe.hgetall(dep_busy_key(DeploymentId(dep)))
-        pipe.hgetall(dep_slots_key(DeploymentId(dep)))
-        pipe.zrangebyscore(admission.slots_key(DeploymentId(dep)), f"({now!r}", "+inf")
+        pipe.hgetall(dep_busy_key(dep))
+        pipe.hgetall(dep_slots_key(dep))
+        pipe.zrangebyscore(admission.slots_key(dep), f"({now!r}", "+inf")
         busy, held, live = pipe.execute()
 
     def last_use(slot: int) -> float:
@@ -518,10 +518,11 @@ def _forget(r: Any, prefixes: Iterable[str]) -> int:
     for p in prefixes:
         value = r.hget(OWNERS_KEY, p)
         if value:
-            dep, slot = str(value).split("|")[:2]
-            held = r.hget(dep_slots_key(DeploymentId(dep)), slot)
+            dep_s, slot = str(value).split("|")[:2]
+            dep = DeploymentId(dep_s)
+            held = r.hget(dep_slots_key(dep), slot)
             if held and str(held).split("|")[0] == p:
-                r.hdel(dep_slots_key(DeploymentId(dep)), slot)
+                r.hdel(dep_slots_key(dep), slot)
             gone += 1
         r.hdel(OWNERS_KEY, p)
         r.zrem(LRU_KEY, p)
