@@ -179,7 +179,8 @@ def admission_open(
     if model is None:
         raise ModelNotFound(model_name)
     max_tokens = int(max_tokens or settings.DEFAULT_MAX_TOKENS)
-    route = kvcache.route_request(model_id=ids.model_id(model.id), kind=kind, params=params)
+    model_id = ids.model_id(model.id)
+    route = kvcache.route_request(model_id=model_id, kind=kind, params=params)
     deployment = route.deployment
     if deployment is not None and max_tokens > deployment.n_ctx:
         raise ContextTooLong(max_tokens=max_tokens, n_ctx=deployment.n_ctx)
@@ -190,13 +191,12 @@ def admission_open(
         n_ctx=deployment.n_ctx if deployment is not None else settings.DEFAULT_N_CTX,
     )
     job_id = uuid.uuid4()
-    release = (
-        gate(ids.job_id(job_id), model, prompt_bound, max_tokens) if gate is not None else None
-    )
+    jid = ids.job_id(job_id)
+    release = gate(jid, model, prompt_bound, max_tokens) if gate is not None else None
     adm = Admission(
-        job_id=ids.job_id(job_id),
+        job_id=jid,
         model_name=model.name,
-        model_id=ids.model_id(model.id),
+        model_id=model_id,
         account_id=account_id,
         queued_ts=now.timestamp(),
         prompt_bound=prompt_bound,
@@ -206,7 +206,7 @@ def admission_open(
     )
     try:
         # Registered before the job can be dispatched: its stream is never deleted under us.
-        adm.follow_token = retention.stream_follow_begin(job_id=ids.job_id(job_id))
+        adm.follow_token = retention.stream_follow_begin(job_id=jid)
         return _admission_start(
             adm=adm,
             route=route,

@@ -43,7 +43,6 @@ from .enrollment import (
     hardware_bounds_errors,
     node_authenticate,
     node_enroll,
-    node_id_valid,
     node_reenroll_allow,
     node_revoke,
 )
@@ -400,14 +399,16 @@ async def heartbeat_handle(
         return 401, {
             "error": {"message": "missing or malformed 'Authorization: Node <id>:<credential>'"}
         }
-    node_id, credential = creds
-    if not node_id_valid(node_id):
+    try:
+        node_id = ids.node_id(creds[0])  # converted once: every use below is typed
+    except ValueError:
         return 401, {
             "error": {
                 "message": "malformed node id in 'Authorization: Node <id>:<credential>': expected a UUID",
                 "code": "invalid_credential",
             }
         }
+    credential = creds[1]
     if len(body) > settings.MAX_AGENT_BODY_BYTES:
         return 413, {
             "error": {
@@ -462,10 +463,7 @@ async def heartbeat_handle(
         }
     try:
         state = await node_heartbeat(
-            node_id=ids.node_id(node_id),
-            credential=credential,
-            payload=payload,
-            now=timezone.now(),
+            node_id=node_id, credential=credential, payload=payload, now=timezone.now()
         )
     except NodeAuthError as exc:
         return 401, {"error": {"message": str(exc), "code": exc.code}}
@@ -482,9 +480,7 @@ async def heartbeat_handle(
     }
     if payload.get("want_command_key") is True:
         # An agent enrolled before commands were signed; the credential was just checked.
-        key = node_command_key(
-            node_id=ids.node_id(node_id), credential_hash=credential_hash(credential)
-        )
+        key = node_command_key(node_id=node_id, credential_hash=credential_hash(credential))
         beat["command_key"] = key.hex()
     return 200, beat
 
