@@ -13,7 +13,9 @@ What it starts, all on loopback, all stopped on exit (also on errors and Ctrl-C)
   not SELECT a numbered database;
 - its own SQLite database file in a temporary directory (migrated here);
 - the controller (daphne + a Celery worker with beat) through tests/e2e/harness.run_controller,
-  with production heartbeat timings so background chatter is what a real deployment has;
+  with make run's server layer (SERVER_PROCESSES racon-daphne processes on one socket), its
+  in-process caches on, and production heartbeat timings, so that what is measured is what a
+  real deployment has;
 - N real `node-agent` processes sharing one models directory that holds SmolLM2. They run their
   compute/bandwidth benchmark at start (unlike the e2e tests' --no-benchmark), one after the
   other so that no benchmark shares the CPUs with another, because the scheduler's predictions
@@ -67,7 +69,14 @@ PRODUCTION_TIMINGS = {
     "HEALTH_SWEEP_SECONDS": "5",
     "HEARTBEAT_DEGRADED_AFTER": "3",
     "HEARTBEAT_OFFLINE_AFTER": "9",
+    # The e2e harness turns the in-process caches off (its controllers outlive each test's
+    # database flush); a benchmark measures them as make run has them (the settings' default).
+    "API_CACHE_SECONDS": "10",
+    "RACON_BACKGROUND_NICE": "10",  # Celery yields the CPU to the engine, as in make run
 }
+# make run's server layer (racon/launcher.py): as many daphne processes as cores, at most 2, on
+# one listening socket, no access line per request.
+SERVER_PROCESSES = min(2, os.cpu_count() or 1)
 
 Log = Callable[[str], None]
 
@@ -377,7 +386,9 @@ def local_cluster(
     try:
         with bench_environment(root) as env:
             t0 = time.monotonic()
-            with run_controller(root / "controller", **PRODUCTION_TIMINGS) as ctl:
+            with run_controller(
+                root / "controller", DAPHNE_PROCESSES=str(SERVER_PROCESSES), **PRODUCTION_TIMINGS
+            ) as ctl:
                 log(f"  controller up at {ctl.url} in {time.monotonic() - t0:.1f} s")
                 cl = Cluster(
                     env=env, ctl=ctl, workdir=root, model_path=model_path, agents=agents, log=log
@@ -436,3 +447,30 @@ def local_cluster(
             shutil.rmtree(root, ignore_errors=True)
         elif keep:
             print(f"(bench files kept in {root})", file=sys.stderr)
+
+
+class CpuMeter:
+    """user+system CPU seconds of named process trees, as deltas between two readings."""
+
+    def __init__(self, procs: dict[str, list[int]], children: set[str]) -> None:
+        import psutil
+
+        self.ps = {name: [psutil.Process(p) for p in pids] for name, pids in procs.items()}
+        self.children = children
+
+    def read(self) -> dict[str, float]:
+        import psutil
+
+        out: dict[str, float] = {}
+        for name, procs in self.ps.items():
+            total = 0.0
+            for p in procs:
+                tree = [p] + (p.children(recursive=True) if name in self.children else [])
+                for q in tree:
+                    try:
+                        t = q.cpu_times()
+                        total += t.user + t.system
+                    except psutil.Error:
+                        pass
+            out[name] = total
+        return out

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import MODEL_NAME, load_average, local_cluster  # noqa: E402
+from bench.common import MODEL_NAME, CpuMeter, load_average, local_cluster  # noqa: E402
 from tests.e2e.harness import free_port, wait_for  # noqa: E402
 
 GOAL_SINGLE = 0.95
@@ -69,6 +69,7 @@ class Turn:
     results: list[Result] = field(default_factory=list)
     wall: float = 0.0
     errors: list[str] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU-s per process group in the turn
 
     @property
     def aggregate(self) -> float:
@@ -232,6 +233,10 @@ def main() -> int:
             log_path=cl.workdir / "anchor.log",
         )
         anchor_url = base + "/v1/chat/completions"
+        meters = {
+            "racon": stack_meter(cl),
+            "llama-server": CpuMeter({"engine": [anchor.pid]}, set()),
+        }
         try:
             # Warm both (first requests page weights in and compile the template).
             run_turn(
@@ -265,17 +270,19 @@ def main() -> int:
                     url, key = (
                         (racon_url, cl.ctl.api_key) if side == "racon" else (anchor_url, "none")
                     )
-                    sides[side].append(
-                        run_turn(
-                            url,
-                            key,
-                            streams=streams,
-                            requests=n_req,
-                            max_tokens=min(args.max_tokens, 32) if args.quick else args.max_tokens,
-                            model=MODEL_NAME,
-                            offset=100 * k,
-                        )
+                    before = meters[side].read()
+                    turn = run_turn(
+                        url,
+                        key,
+                        streams=streams,
+                        requests=n_req,
+                        max_tokens=min(args.max_tokens, 32) if args.quick else args.max_tokens,
+                        model=MODEL_NAME,
+                        offset=100 * k,
                     )
+                    after = meters[side].read()
+                    turn.cpu = {g: after[g] - before[g] for g in after}
+                    sides[side].append(turn)
                 rows[streams] = sides
                 report_level(streams, sides)
             if n_agents == 2:
@@ -339,10 +346,57 @@ def report_level(streams: int, sides: dict[str, list[Turn]]) -> None:
         ),
         flush=True,
     )
+    print(cpu_line(streams, sides), flush=True)
     for side in sides:
         for t in sides[side]:
             for e in t.errors[:2]:
                 print(f"    {side} error: {e}")
+
+
+def stack_meter(cl: Any) -> CpuMeter:
+    """RACoN's processes in groups: the engine (each agent's llama-server), daphne (every
+    process of the server layer), Celery (worker, pool and beat), the agents themselves, and the
+    embedded Redis (not counted when the bench runs on a shared REDIS_URL)."""
+    import psutil
+
+    agents = [a.proc.pid for a in cl.agents]
+    engines = [
+        c.pid
+        for pid in agents
+        for c in psutil.Process(pid).children(recursive=True)
+        if c.name() == "llama-server"
+    ]
+    return CpuMeter(
+        {
+            "engine": engines,
+            "daphne": [p.pid for p in cl.ctl.procs],
+            "celery": [cl.ctl.worker.pid],
+            "agent": agents,
+            "redis": [cl.env.embedded.process.pid] if cl.env.embedded is not None else [],
+        },
+        children={"celery"},
+    )
+
+
+def cpu_line(streams: int, sides: dict[str, list[Turn]]) -> str:
+    """Where the CPU of a turn went (medians over the turns), in CPU-ms per request: the
+    engine on each side, and RACoN's own stack by process. On two cores a turn saturates the
+    machine from a few streams on, so every ms the stack takes is a ms the engine does not get.
+    Counted within each turn's wall: work the stack defers past it (Celery runs nicer) is not."""
+
+    def per_request(side: str, group: str) -> float:
+        return statistics.median(
+            1000 * t.cpu.get(group, 0.0) / max(1, len(t.results)) for t in sides[side]
+        )
+
+    groups = ("daphne", "celery", "agent", "redis")
+    stack = sum(per_request("racon", g) for g in groups)
+    return (
+        f"    CPU ms/request: llama-server alone {per_request('llama-server', 'engine'):.1f}; "
+        f"RACoN engine {per_request('racon', 'engine'):.1f} + stack {stack:.1f} ("
+        + ", ".join(f"{g} {per_request('racon', g):.1f}" for g in groups)
+        + f"); {streams} streams, medians over the turns"
+    )
 
 
 def spread(cl: Any, dep: dict[str, Any], args: argparse.Namespace) -> None:

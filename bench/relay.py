@@ -43,7 +43,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # --- the synthetic engine (kept import-light: it starts once per deployment load) ---------------
 
@@ -195,6 +195,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+if TYPE_CHECKING:  # imported in main, once the environment is set
+    from bench.common import CpuMeter
+
 GOAL_TOKENS_PER_CORE = 20_000
 GOAL_IDLE_CORE = 0.02
 MAX_SLOTS_PER_DEPLOYMENT = 64  # the deployment API's bound on n_parallel
@@ -306,33 +309,6 @@ async def run_level(
         )
     )
     return list(got), time.perf_counter() - t0
-
-
-class CpuMeter:
-    """user+system CPU seconds of named process trees, as deltas between two readings."""
-
-    def __init__(self, procs: dict[str, list[int]], children: set[str]) -> None:
-        import psutil
-
-        self.ps = {name: [psutil.Process(p) for p in pids] for name, pids in procs.items()}
-        self.children = children
-
-    def read(self) -> dict[str, float]:
-        import psutil
-
-        out: dict[str, float] = {}
-        for name, procs in self.ps.items():
-            total = 0.0
-            for p in procs:
-                tree = [p] + (p.children(recursive=True) if name in self.children else [])
-                for q in tree:
-                    try:
-                        t = q.cpu_times()
-                        total += t.user + t.system
-                    except psutil.Error:
-                        pass
-            out[name] = total
-        return out
 
 
 def start_profiles(meter: CpuMeter, workdir: Path) -> list[tuple[str, Any, Path]]:
@@ -489,7 +465,7 @@ def main() -> int:
     os.environ["DEFAULT_N_PARALLEL_MAX"] = str(slots)
     os.environ.setdefault("LOG_LEVEL", "WARNING")
 
-    from bench.common import MODEL_NAME, load_average, local_cluster
+    from bench.common import MODEL_NAME, CpuMeter, load_average, local_cluster
 
     print(
         f"== relay{' (' + args.label + ')' if args.label else ''}: synthetic engine -> agent -> "
@@ -511,9 +487,9 @@ def main() -> int:
         agent = cl.agents[0].proc.pid
         redis_pid = cl.env.embedded.process.pid
         assert cl.ctl.worker is not None
-        daphne, celery = cl.ctl.procs[0].pid, cl.ctl.worker.pid
+        daphnes, celery = [p.pid for p in cl.ctl.procs], cl.ctl.worker.pid
         meter = CpuMeter(
-            {"agent": [agent], "redis": [redis_pid], "daphne": [daphne], "celery": [celery]},
+            {"agent": [agent], "redis": [redis_pid], "daphne": daphnes, "celery": [celery]},
             children={"celery"},
         )
         key, url = cl.ctl.api_key, cl.ctl.url

@@ -7,7 +7,8 @@ import time
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import beat_init, celeryd_init, worker_ready
+from django.conf import settings
 from django.db import transaction
 
 from racon.redis import get_redis
@@ -27,6 +28,21 @@ def ping(**kwargs: object) -> None:
 
 def _mark_alive() -> None:
     get_redis().set("racon:celery:alive", time.time(), ex=300)
+
+
+@celeryd_init.connect
+@beat_init.connect
+def _lower_priority(**kwargs: object) -> None:
+    """Background work yields the CPU to the engine and the request path (RACON_BACKGROUND_NICE).
+
+    In the worker's main process before its pool forks (the pool inherits it) and in beat, so it
+    holds however Celery is started: the launcher, the test harness, an operator's own command.
+    Once per process tree: a beat embedded in a worker (``-B``) is forked already nicer.
+    """
+    if os.environ.get("RACON_BACKGROUND_NICED") == "1":
+        return
+    os.nice(settings.RACON_BACKGROUND_NICE)
+    os.environ["RACON_BACKGROUND_NICED"] = "1"  # inherited by what this process forks
 
 
 @worker_ready.connect

@@ -387,6 +387,15 @@ LENDING_MIN_WINDOW_SECONDS = envfloat("LENDING_MIN_WINDOW_SECONDS", 3600.0)
 # In-process caches of the API-key principal, the model by name and the route (racon/cache.py):
 # a change is broadcast at once; this bounds a lost broadcast. 0 turns the caches off.
 API_CACHE_SECONDS = envfloat("API_CACHE_SECONDS", 10.0)
+# Celery's workers and beat (settlement, sweeps, placement) run this much nicer than the engine
+# and the request path, so on a busy machine the kernel gives llama-server's threads the CPU
+# first and the background work fills the gaps (0-19; 0 keeps them equal).
+RACON_BACKGROUND_NICE = envint("RACON_BACKGROUND_NICE", 10)
+if not 0 <= RACON_BACKGROUND_NICE <= 19:
+    raise ImproperlyConfigured(
+        f"RACON_BACKGROUND_NICE={RACON_BACKGROUND_NICE} is out of range (0-19: how much nicer than "
+        "the engine Celery runs; raising a priority needs privileges RACoN does not ask for)"
+    )
 DEFAULT_N_CTX = envint("DEFAULT_N_CTX", 2048)
 # Slots per deployment when the request leaves n_parallel open: as many as memory allows on every
 # device of the plan (each slot's KV at n_ctx), at most this many.

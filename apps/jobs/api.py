@@ -26,11 +26,10 @@ from apps.nodes.api import (
     ReportSerializer,
     node_credentials,
 )
-from apps.nodes.enrollment import NodeAuthError, node_authenticate
+from apps.nodes.enrollment import NodeAuthError, node_authenticate_id
 from apps.nodes.errors import ReportRefused
 from apps.nodes.models import Event, Node
 from apps.nodes.states import Engine
-from racon import ids
 from racon.ids import DeploymentId, JobId, NodeId
 from racon.logging import log_context
 from racon.pagination import LimitPagination
@@ -538,7 +537,7 @@ class AgentReportsApi(APIView):
         if creds is None:
             return Response({"error": {"message": "missing node credential"}}, status=401)
         try:
-            node = node_authenticate(node_id=creds[0], credential=creds[1])
+            node_id = node_authenticate_id(node_id=creds[0], credential=creds[1])
         except (NodeAuthError, ValueError) as exc:
             return Response(
                 {
@@ -553,13 +552,13 @@ class AgentReportsApi(APIView):
         data.is_valid(raise_exception=True)
         payload = data.validated_data["payload"]
         with log_context(
-            node_id=node.id,
+            node_id=node_id,
             job_id=payload.get("job_id"),
             deployment_id=payload.get("deployment_id"),
         ):
             try:
                 result = report_accept(
-                    node_id=ids.node_id(node.id), report=data.validated_data, now=timezone.now()
+                    node_id=node_id, report=data.validated_data, now=timezone.now()
                 )
             except ReportRefused as exc:
                 # 409, not 403: the agent takes 401/403 as "my credential is gone" and stops, and an

@@ -561,6 +561,28 @@ def node_authenticate(*, node_id: str, credential: str) -> Node:
     return node
 
 
+def node_authenticate_id(*, node_id: str, credential: str) -> NodeId:
+    """node_authenticate for a caller that needs only the node's id (the agent's reports, one
+    per job): checked against the heartbeat mirror in Redis (the credential's hash, "" once
+    revoked; node_revoke drops it), so no Node row is read. A cold mirror is rebuilt from the
+    database, and the check falls back to it (same errors as node_authenticate)."""
+    if not node_id_valid(node_id):
+        raise NodeAuthError("malformed node id: expected a UUID", code="malformed_node_id")
+    nid = ids.node_id(node_id)
+    cached = get_redis().hget(_meta_key(nid), "cred")
+    if cached is None:
+        node = Node.objects.filter(pk=nid).first()
+        if node is None:
+            raise NodeAuthError("unknown node", code="unknown_node")
+        _cache_node(node)
+        cached = "" if node.revoked_at is not None else node.credential_hash
+    if not cached:
+        raise NodeAuthError("node has been revoked", code="node_revoked")
+    if not hmac.compare_digest(str(cached), credential_hash(credential)):
+        raise NodeAuthError("invalid node credential")
+    return nid
+
+
 def node_revoke(*, node_id: NodeId, now: datetime) -> None:
     """Revoke a node's credential: its heartbeats and reports get 401 from now on."""
     with transaction.atomic():

@@ -21,6 +21,7 @@ import httpx
 from httpx_sse import connect_sse
 
 from racon import ids
+from racon.serve import bind_listener, start_daphnes
 from tests.support import processes, timing
 from tests.support.processes import free_port, stop, wait_for
 
@@ -152,11 +153,17 @@ def run_controller(
     """daphne and a Celery worker, on the test database and test Redis.
 
     ``worker``: ``"beat"`` (the worker runs the beat schedule, as ``make run`` does) or ``"tasks"``
-    (no beat). A controller that outlives tests goes through ``shared`` as well.
+    (no beat). Without a ``DAPHNE_PROCESSES`` override, one plain ``daphne``; with it (N), the
+    server layer ``make run`` runs (racon/serve.py, the launcher reads the same variable): N
+    racon-daphne processes on one listening socket, with its limits and without an access line
+    per request (the benchmarks use it, to measure what users get). A controller that outlives
+    tests goes through ``shared`` as well.
     """
     if worker not in ("beat", "tasks"):
         raise ValueError(f"worker must be beat or tasks, not {worker!r}")
-    port = free_port()
+    daphnes = int(overrides.get("DAPHNE_PROCESSES") or 0)
+    sock = bind_listener("127.0.0.1", 0) if daphnes else None
+    port = sock.getsockname()[1] if sock is not None else free_port()
     url = f"http://127.0.0.1:{port}"
     workdir.mkdir(parents=True, exist_ok=True)
     env = {
@@ -179,24 +186,37 @@ def run_controller(
         # Session-wide live controllers outlive each test's database flush, which no cache hears
         # about (TRUNCATE sends no signal); tests/api/test_caches.py covers caching itself.
         "API_CACHE_SECONDS": "0",
+        # Celery yields to the request path here too, but less than make run's default (10): a
+        # test machine is often busy (make test-load runs a 1-core burner), and a worker at nice
+        # 10 there gets a tenth of a contended core, which tests waiting on a settlement or a
+        # placement would feel. tests/e2e/test_background_priority.py checks it is applied.
+        "RACON_BACKGROUND_NICE": "3",
         **overrides,
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)
     ctl = Controller(url=url, env=env, workdir=workdir, beat=worker == "beat")
     try:
-        ctl.procs.append(
-            processes.start(
-                [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port), "racon.asgi:application"],
-                log_path=workdir / "daphne.log",
-                env=env,
+        if sock is None:
+            argv = [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port)]
+            ctl.procs.append(
+                processes.start(
+                    [*argv, "racon.asgi:application"], log_path=workdir / "daphne.log", env=env
+                )
             )
-        )
+        else:
+            with open(workdir / "daphne.log", "ab") as log:
+                ctl.procs += start_daphnes(
+                    sock, daphnes, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
         ctl.worker_up()
         yield ctl
     finally:
         ctl.worker_down()
         for p in ctl.procs:
             stop(p)
+        if sock is not None:
+            sock.close()
 
 
 @dataclass
