@@ -14,7 +14,9 @@ interleaved pairs (A/B, B/A, ...), each turn running `2 x streams` requests with
 time (`--quick`: one wave of `streams` requests, 32 tokens each, so a run stays within minutes on
 a shared machine); aggregate tokens/s is completion tokens over the turn's wall time. Printed: the
 single-stream decode ratio and the aggregate ratios (the median over the pairs, with p10 and p90),
-TTFT p50 and p90 of both sides, and (with two agents) how routing by free slots spread 32 requests over
+TTFT p50 and p90 of both sides, where each turn's CPU went per request (the engine on both sides,
+RACoN's daphne, Celery, agent and Redis; a RACoN turn is followed by its settlement, counted with
+it, before the next turn starts), and (with two agents) how routing by free slots spread 32 requests over
 two replicas. Everything runs on loopback, is bounded in count and time, and is stopped at the end.
 """
 
@@ -280,6 +282,8 @@ def main() -> int:
                         model=MODEL_NAME,
                         offset=100 * k,
                     )
+                    if side == "racon":
+                        settled_wait(cl)
                     after = meters[side].read()
                     turn.cpu = {g: after[g] - before[g] for g in after}
                     sides[side].append(turn)
@@ -353,6 +357,21 @@ def report_level(streams: int, sides: dict[str, list[Turn]]) -> None:
                 print(f"    {side} error: {e}")
 
 
+def settled_wait(cl: Any, timeout: float = 15.0) -> None:
+    """Until the turn's settlement has run (apps/jobs/settle_queue.py: nothing queued, no batch on
+    its way), at most ``timeout``: work deferred past a RACoN turn is counted in its CPU, and does
+    not run in the next turn, which may be llama-server's."""
+    from apps.jobs import settle_queue
+
+    r = cl.env.redis()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not r.scard(settle_queue.PENDING_KEY) and not r.exists(settle_queue.SCHEDULED_KEY):
+            return
+        time.sleep(0.05)
+    print(f"    (settlement still running {timeout:.0f} s after the turn)", flush=True)
+
+
 def stack_meter(cl: Any) -> CpuMeter:
     """RACoN's processes in groups: the engine (each agent's llama-server), daphne (every
     process of the server layer), Celery (worker, pool and beat), the agents themselves, and the
@@ -382,7 +401,7 @@ def cpu_line(streams: int, sides: dict[str, list[Turn]]) -> str:
     """Where the CPU of a turn went (medians over the turns), in CPU-ms per request: the
     engine on each side, and RACoN's own stack by process. On two cores a turn saturates the
     machine from a few streams on, so every ms the stack takes is a ms the engine does not get.
-    Counted within each turn's wall: work the stack defers past it (Celery runs nicer) is not."""
+    Counted over each turn and, for RACoN, until its settlement has run (settled_wait)."""
 
     def per_request(side: str, group: str) -> float:
         return statistics.median(

@@ -60,6 +60,11 @@ def task_send(name: str, /, **kwargs: Any) -> None:
     app.signature(name, kwargs=kwargs).delay()
 
 
+def task_send_later(name: str, /, *, countdown: float, **kwargs: Any) -> None:
+    """``task_send``, run ``countdown`` seconds from now (inline at once when eager)."""
+    app.signature(name, kwargs=kwargs).apply_async(countdown=countdown)
+
+
 def task_send_on_commit(name: str, /, **kwargs: Any) -> None:
     """``task_send`` once the current transaction commits (Celery's ``delay_on_commit``)."""
     transaction.on_commit(lambda: task_send(name, **kwargs))

@@ -422,6 +422,13 @@ CREDITS_STANDBY_PER_GIB_HOUR = envint("CREDITS_STANDBY_PER_GIB_HOUR", 1_000)
 CREDITS_ESCROW_ENABLED = envbool("CREDITS_ESCROW_ENABLED", False)
 CREDITS_ESCROW_TRUST_THRESHOLD = envint("CREDITS_ESCROW_TRUST_THRESHOLD", 10_000_000)
 CREDITS_MICRO_PER_TOKEN = envint("CREDITS_MICRO_PER_TOKEN", 1_000)
+# A finished job is settled by a batch task that runs this long after the first end it serves;
+# the ends in that window share it (apps/jobs/settle_queue.py). 0: at once.
+CREDITS_SETTLE_BATCH_SECONDS = envfloat("CREDITS_SETTLE_BATCH_SECONDS", 0.5)
+if not 0 <= CREDITS_SETTLE_BATCH_SECONDS <= 60:
+    raise ImproperlyConfigured(
+        f"CREDITS_SETTLE_BATCH_SECONDS={CREDITS_SETTLE_BATCH_SECONDS:g} is out of range (0-60 s)"
+    )
 CREDITS_FEE_PERMILLE = envint("CREDITS_FEE_PERMILLE", 0)  # cut of each job to system:fees
 CREDITS_STANDBY_PERIOD_SECONDS = envint("CREDITS_STANDBY_PERIOD_SECONDS", 600)
 # Standby pay per node per period, at most (a node's figures are claims; 0 turns the cap off).

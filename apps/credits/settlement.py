@@ -17,6 +17,7 @@ from django.db.models import Exists, OuterRef, Q, Sum
 from apps.accounts.models import Account, AccountKind
 
 # Credits sits above jobs and nodes in the layering (docs/design/serving.md): it reads them directly.
+from apps.jobs import settle_queue
 from apps.jobs.models import Deployment, Job, JobAttempt
 from apps.jobs.states import JOB_TERMINAL
 from apps.nodes.gpu_challenges import gpu_unverified_vram
@@ -360,6 +361,36 @@ def credit_settle_pending(
             log.exception("settle sweep: job %s could not be settled", job_id)
     if entries:
         log.info("settle sweep: settled %d job(s) the settlement task had not", len(entries))
+    return entries
+
+
+SETTLE_BATCH_MAX = 1000  # jobs one batch task settles at most; the rest get a batch of their own
+
+
+def credit_settle_batch(*, now: datetime, limit: int = SETTLE_BATCH_MAX) -> list[Entry]:
+    """Settle the jobs queued by their ends (apps/jobs/settle_queue.py), each through
+    credit_settle_job, until the queue is empty; past ``limit`` jobs what waits gets a batch of
+    its own. A job that cannot be settled now is logged and left to the settlement sweep.
+    Returns the entries written or found."""
+    entries: list[Entry] = []
+    taken = 0
+    while taken < limit:
+        batch = settle_queue.settle_take(limit=min(100, limit - taken))
+        if not batch:
+            if settle_queue.settle_round_end():
+                continue
+            return entries
+        taken += len(batch)
+        for job_id in batch:
+            try:
+                entries.append(credit_settle_job(job_id=job_id, now=now))
+            except JobNotTerminal:
+                log.warning("settle batch: job %s is not terminal; not settled", job_id)
+            except Exception:
+                # One bad job must not keep the others' holds open; the sweep tries it again.
+                log.exception("settle batch: job %s could not be settled", job_id)
+    if settle_queue.settle_round_end():
+        settle_queue.settle_schedule()
     return entries
 
 

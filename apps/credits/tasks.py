@@ -13,6 +13,7 @@ from racon.ids import JobId
 
 from .settlement import (
     JobNotTerminal,
+    credit_settle_batch,
     credit_settle_job,
     credit_settle_pending,
     credit_standby_reward,
@@ -39,6 +40,13 @@ def settle_job(*, job_id: JobId, **kwargs: Any) -> int | None:
         # Enqueued on commit of the terminal transition, so this means a caller bug; retrying won't help.
         log.warning("settle_job: job %s is not terminal; not settled", job_id)
         return None
+
+
+@shared_task(name="racon.credits.settle_batch", ignore_result=True)
+def settle_batch(**kwargs: Any) -> int:
+    """Settle the jobs whose ends queued them (apps/jobs/settle_queue.py); what a lost batch
+    leaves is the sweep's."""
+    return len(credit_settle_batch(now=timezone.now()))
 
 
 @shared_task(name="racon.credits.standby_reward", acks_late=True, ignore_result=True)

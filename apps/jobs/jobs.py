@@ -26,11 +26,10 @@ from apps.nodes.models import EventCategory, Node
 from apps.nodes.services import node_drain_advance
 from apps.nodes.states import NodeState
 from racon import ids
-from racon.celery import task_send_on_commit
 from racon.ids import AccountId, ApiKeyId, DeploymentId, JobId, NodeId
 from racon.transitions import transition_guarded
 
-from . import admission, hooks, retention, selectors, streams
+from . import admission, hooks, retention, selectors, settle_queue, streams
 from .models import Deployment, Job, JobAttempt
 from .states import (
     JOB_IN_FLIGHT,
@@ -391,9 +390,8 @@ def _finish(
             admission.slot_release(
                 deployment_id=ids.deployment_id(job["deployment_id"]), job_id=job_id
             )
-        task_send_on_commit(
-            "racon.credits.settle_job", job_id=str(job_id)
-        )  # credits' task, by name
+        # Settled in a batch with the other jobs that end meanwhile (settle_queue.py).
+        transaction.on_commit(functools.partial(settle_queue.settle_request, job_id=job_id))
         _record_job_metrics(
             job_id=job_id,
             to=to,
