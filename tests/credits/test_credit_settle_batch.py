@@ -16,7 +16,7 @@ from apps.jobs.jobs import job_complete
 from apps.jobs.states import JobState
 from racon import ids
 from racon.redis import get_redis
-from tests.credits.test_credit_settle_sweep import held_job, settles
+from tests.support.credits import held_job, settles
 
 pytestmark = pytest.mark.django_db
 
