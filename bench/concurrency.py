@@ -154,6 +154,21 @@ def run_turn(
     return turn
 
 
+def level_turn(
+    url: str, key: str, args: argparse.Namespace, *, streams: int, requests: int, offset: int
+) -> Turn:
+    """One turn of a level: `--quick` caps a request at 32 tokens."""
+    return run_turn(
+        url,
+        key,
+        streams=streams,
+        requests=requests,
+        max_tokens=min(args.max_tokens, 32) if args.quick else args.max_tokens,
+        model=MODEL_NAME,
+        offset=offset,
+    )
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -273,14 +288,8 @@ def main() -> int:
                         (racon_url, cl.ctl.api_key) if side == "racon" else (anchor_url, "none")
                     )
                     before = meters[side].read()
-                    turn = run_turn(
-                        url,
-                        key,
-                        streams=streams,
-                        requests=n_req,
-                        max_tokens=min(args.max_tokens, 32) if args.quick else args.max_tokens,
-                        model=MODEL_NAME,
-                        offset=100 * k,
+                    turn = level_turn(
+                        url, key, args, streams=streams, requests=n_req, offset=100 * k
                     )
                     if side == "racon":
                         settled_wait(cl)

@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import MODEL_NAME, load_average, local_cluster  # noqa: E402
-from bench.concurrency import Turn, pct, run_turn  # noqa: E402
+from bench.concurrency import Turn, level_turn, pct, run_turn  # noqa: E402
 from tests.e2e.harness import free_port, wait_for  # noqa: E402
 
 MODEL_DIR = (
@@ -57,15 +57,7 @@ def measure(
         n_req = (
             (streams if streams > 1 else 3) if args.quick else (2 * streams if streams > 1 else 6)
         )
-        turn = run_turn(
-            url,
-            key,
-            streams=streams,
-            requests=n_req,
-            max_tokens=min(args.max_tokens, 32) if args.quick else args.max_tokens,
-            model=MODEL_NAME,
-            offset=100 * streams,
-        )
+        turn = level_turn(url, key, args, streams=streams, requests=n_req, offset=100 * streams)
         out[streams] = turn
         ttft = pct([r.ttft_ms for r in turn.results], 0.5)
         errs = f", {len(turn.errors)} errors: {turn.errors[:1]}" if turn.errors else ""
