@@ -370,12 +370,11 @@ def settled_wait(cl: Any, timeout: float = 15.0) -> None:
     """Until the turn's settlement has run (apps/jobs/settle_queue.py: nothing queued, no batch on
     its way), at most ``timeout``: work deferred past a RACoN turn is counted in its CPU, and does
     not run in the next turn, which may be llama-server's."""
-    from apps.jobs import settle_queue
+    from apps.jobs.settle_queue import settle_idle
 
-    r = cl.env.redis()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not r.scard(settle_queue.PENDING_KEY) and not r.exists(settle_queue.SCHEDULED_KEY):
+        if settle_idle():
             return
         time.sleep(0.05)
     print(f"    (settlement still running {timeout:.0f} s after the turn)", flush=True)

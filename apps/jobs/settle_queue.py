@@ -60,3 +60,12 @@ def settle_round_end() -> bool:
     r = get_redis()
     r.delete(SCHEDULED_KEY)
     return bool(r.scard(PENDING_KEY))
+
+
+def settle_idle() -> bool:
+    """Nothing queued for settlement and no batch on its way (benchmarks and tests wait on it)."""
+    with get_redis().pipeline(transaction=False) as pipe:
+        pipe.scard(PENDING_KEY)
+        pipe.exists(SCHEDULED_KEY)
+        pending, scheduled = pipe.execute()
+    return not pending and not scheduled

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
+from apps.jobs.settle_queue import settle_idle
 from tests.desktop import tray
 from tests.desktop.headless import Desktop, desktop
 from tests.e2e.harness import (
@@ -143,7 +144,11 @@ def _the_node_its_pay_and_the_tray(
             if earned():
                 break
 
-        rows = wait_for(earned, 120, "the two jobs settled on /api/credits/earnings")
+        wait_for(earned, 120, "the two jobs settled on /api/credits/earnings")
+        # Settlement runs in batches (apps/jobs/settle_queue.py): a job sent before the two were
+        # counted may still be settling. Read the rows once nothing is queued for settlement.
+        wait_for(settle_idle, 60, "the settlement queue to drain")
+        rows = earned() or []
 
         # The app, started by WebKitWebDriver inside the headless display.
         wd = d.start_app("--state-dir", str(agent.state_dir))
