@@ -28,7 +28,7 @@ from .commands import node_command_key
 from .events import event_record
 from .gpu_challenges import gpu_challenge_kept
 from .models import EnrollmentToken, EventCategory, Node
-from .services import _cache_node, _meta_key, node_transition
+from .services import _cache_node, _meta_key, _stored_hash, node_transition
 from .states import Engine, NodeState
 
 S = NodeState
@@ -546,18 +546,30 @@ def node_id_valid(node_id: object) -> bool:
     return True
 
 
+def _node_id_checked(node_id: str) -> NodeId:
+    """The id an agent sent, parsed once; a malformed one is refused before any lookup."""
+    try:
+        return ids.node_id(node_id)
+    except ValueError:
+        raise NodeAuthError(
+            "malformed node id: expected a UUID", code="malformed_node_id"
+        ) from None
+
+
+def _credential_check(stored: str, credential: str) -> None:
+    if not stored:
+        raise NodeAuthError("node has been revoked", code="node_revoked")
+    if not hmac.compare_digest(stored, credential_hash(credential)):
+        raise NodeAuthError("invalid node credential")
+
+
 def node_authenticate(*, node_id: str, credential: str) -> Node:
     """Check a node credential (the id and credential the agent sent, as text) against the
     database (slow path; heartbeats use Redis)."""
-    if not node_id_valid(node_id):
-        raise NodeAuthError("malformed node id: expected a UUID", code="malformed_node_id")
-    node = Node.objects.filter(pk=node_id).first()
+    node = Node.objects.filter(pk=_node_id_checked(node_id)).first()
     if node is None:
         raise NodeAuthError("unknown node", code="unknown_node")
-    if node.revoked_at is not None:
-        raise NodeAuthError("node has been revoked", code="node_revoked")
-    if not hmac.compare_digest(node.credential_hash, credential_hash(credential)):
-        raise NodeAuthError("invalid node credential")
+    _credential_check(_stored_hash(node), credential)
     return node
 
 
@@ -565,21 +577,16 @@ def node_authenticate_id(*, node_id: str, credential: str) -> NodeId:
     """node_authenticate for a caller that needs only the node's id (the agent's reports, one
     per job): checked against the heartbeat mirror in Redis (the credential's hash, "" once
     revoked; node_revoke drops it), so no Node row is read. A cold mirror is rebuilt from the
-    database, and the check falls back to it (same errors as node_authenticate)."""
-    if not node_id_valid(node_id):
-        raise NodeAuthError("malformed node id: expected a UUID", code="malformed_node_id")
-    nid = ids.node_id(node_id)
+    database first (same errors as node_authenticate)."""
+    nid = _node_id_checked(node_id)
     cached = get_redis().hget(_meta_key(nid), "cred")
     if cached is None:
         node = Node.objects.filter(pk=nid).first()
         if node is None:
             raise NodeAuthError("unknown node", code="unknown_node")
         _cache_node(node)
-        cached = "" if node.revoked_at is not None else node.credential_hash
-    if not cached:
-        raise NodeAuthError("node has been revoked", code="node_revoked")
-    if not hmac.compare_digest(str(cached), credential_hash(credential)):
-        raise NodeAuthError("invalid node credential")
+        cached = _stored_hash(node)
+    _credential_check(str(cached), credential)
     return nid
 
 

@@ -51,12 +51,17 @@ def _meta_key(node_id: NodeId) -> str:
     return f"racon:node:{node_id}:meta"
 
 
+def _stored_hash(node: Node) -> str:
+    """What a credential is checked against: its hash, "" once the node is revoked."""
+    return "" if node.revoked_at is not None else node.credential_hash
+
+
 def _cache_node(node: Node) -> None:
     """Mirror what a heartbeat needs (credential hash, state, drain request) into Redis."""
     get_redis().hset(
         _meta_key(ids.node_id(node.id)),
         mapping={
-            "cred": "" if node.revoked_at else node.credential_hash,
+            "cred": _stored_hash(node),
             "state": node.state,
             "drain": int(node.drain_requested),
         },
