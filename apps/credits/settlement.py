@@ -352,15 +352,23 @@ def credit_settle_pending(
         .order_by("created_at", "id")
         .values_list("job_id", flat=True)[:limit]
     )
+    entries = _settle_each([ids.job_id(j) for j in job_ids], now=now, who="settle sweep")
+    if entries:
+        log.info("settle sweep: settled %d job(s) the settlement task had not", len(entries))
+    return entries
+
+
+def _settle_each(job_ids: list[JobId], *, now: datetime, who: str) -> list[Entry]:
+    """credit_settle_job for each job; one that cannot be settled now is logged and left to the
+    next sweep, so that it does not keep the others' holds open."""
     entries: list[Entry] = []
     for job_id in job_ids:
         try:
-            entries.append(credit_settle_job(job_id=ids.job_id(job_id), now=now))
+            entries.append(credit_settle_job(job_id=job_id, now=now))
+        except JobNotTerminal:
+            log.warning("%s: job %s is not terminal; not settled", who, job_id)
         except Exception:
-            # One bad job must not keep the others' holds open; it is tried again next sweep.
-            log.exception("settle sweep: job %s could not be settled", job_id)
-    if entries:
-        log.info("settle sweep: settled %d job(s) the settlement task had not", len(entries))
+            log.exception("%s: job %s could not be settled", who, job_id)
     return entries
 
 
@@ -381,14 +389,7 @@ def credit_settle_batch(*, now: datetime, limit: int = SETTLE_BATCH_MAX) -> list
                 continue
             return entries
         taken += len(batch)
-        for job_id in batch:
-            try:
-                entries.append(credit_settle_job(job_id=job_id, now=now))
-            except JobNotTerminal:
-                log.warning("settle batch: job %s is not terminal; not settled", job_id)
-            except Exception:
-                # One bad job must not keep the others' holds open; the sweep tries it again.
-                log.exception("settle batch: job %s could not be settled", job_id)
+        entries += _settle_each(batch, now=now, who="settle batch")
     if settle_queue.settle_round_end():
         settle_queue.settle_schedule()
     return entries
