@@ -366,6 +366,7 @@ class Agent:
             self.set_state(AgentState.DRAINING, "shutting down")
         finished_before = self.registry.counters["jobs_finished_total"]
         cancelled = lifecycle.drain(self.config, self.registry, self.commands, wait=not revoked)
+        self.commands.finished.stop()  # the reports still held go to the outbox, flushed below
         self.dispatcher.shutdown()
         self.commands.stop_rpc_worker()
         if self.identity is not None and not revoked:

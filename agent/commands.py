@@ -24,6 +24,7 @@ import redis
 
 from agent.client import ControllerClient
 from agent.config import AgentConfig
+from agent.finished import FinishedReports
 from agent.hardware import HardwareSource
 from agent.hardware.benchmark import speed_challenge_digest
 from agent.lending import LendingPolicy, PolicyError, owner_policy_save, policy_from_wire
@@ -144,6 +145,13 @@ class Commands:
         self.on_rpc_worker_started = on_rpc_worker_started
         self.log_dir = config.state_dir / "logs"
         self.rpc_worker: RpcWorkerHandle | None = None
+        # A completed job's report goes only when the controller did not record its end
+        # (agent/finished.py); the rest go to the outbox at once.
+        self.finished = FinishedReports(
+            send=lambda payload: outbox.report("job_finished", dict(payload)),
+            client=lambda: redis_link.client,
+            node_id=node_id,
+        )
         self.gpu_challenges = GpuChallengeSteps(
             max_side=GPU_CHALLENGE_MAX_SIDE,
             max_k=GPU_CHALLENGE_MAX_K,
@@ -396,7 +404,7 @@ class Commands:
             payload.get("completion_tokens"),
             f", {payload['error']}" if payload.get("error") else "",
         )
-        self.outbox.report("job_finished", dict(payload))
+        self.finished.submit(payload)
 
     def fail_job(
         self, job_id: str, reason: str, *, cancelled: bool = False, code: str = "", attempt: int = 1

@@ -597,6 +597,10 @@ class ServerPrimary:
         else:
             writer.done(finish, usage)
             status = "cancelled" if finish == "cancelled" else "completed"
+            if writer.error:
+                # The end never reached the stream, so no follower can record it: the report
+                # says so, and goes at once (agent/finished.py holds only completed ones).
+                error, status = _RequestError(writer.error), "failed"
         payload = JobFinishedPayload(
             job_id=job_id,
             status=status,  # type: ignore[typeddict-item]  # one of the three literals, by the branches above
