@@ -7,10 +7,12 @@ costs the generator a queue put and the cancel check rides along with writes tha
 A write that fails on the connection (Redis restarting) is retried with capped backoff for
 WRITE_RETRY_SECONDS, past the ~17 s the controller's clients retry (racon/redis.py), so a restart
 costs the job a pause, not its stream. Retries never duplicate an entry or change the order: a
-batch goes in one MULTI/EXEC, one round trip, on a client that never re-sends on its own
-(no_retry_client: all of it lands or none), and before each retry the stream is read
-back to drop what did land (a reply lost after EXEC ran). Only the missing tail is sent again,
-before any later entry.
+batch goes in one round trip, on a client that never re-sends on its own (no_retry_client), and
+Redis runs its commands in order, so what lands of it is a prefix (all of it or none for the
+batches that set the TTL, the first and the last, which go in MULTI/EXEC so the TTL lands with
+their entries; the others skip MULTI/EXEC's three extra replies per token). Before each retry the
+stream is read back to drop what did land (a reply lost after the commands ran). Only the missing
+tail is sent again, before any later entry.
 """
 
 from __future__ import annotations
@@ -258,14 +260,16 @@ class StreamWriter:
             self.cancel.set()
 
     def _send(self, entries: list[StreamEntry], final: bool) -> bool:
-        """One batch in one transaction, one round trip; returns whether the cancel key is set.
+        """One batch in one round trip; returns whether the cancel key is set.
 
         Sent on a client that never retries by itself (``no_retry_client``): a lost connection
-        raises, and _write's own retry reads back what landed before sending the rest."""
-        with no_retry_client(self.r).pipeline(transaction=True) as pipe:
+        raises, and _write's own retry reads back what landed before sending the rest. Only a
+        batch that sets the TTL is a transaction (the module's docstring says why)."""
+        expire = not self._expire_set or final
+        with no_retry_client(self.r).pipeline(transaction=expire) as pipe:
             for e in entries:
                 pipe.xadd(self.key, e, maxlen=STREAM_MAXLEN, approximate=True)
-            if not self._expire_set or final:
+            if expire:
                 # TTL from the first entry, renewed at the end so readers get the full window.
                 pipe.expire(self.key, self.ttl)
             pipe.exists(self.cancel_key)
@@ -274,8 +278,8 @@ class StreamWriter:
         return bool(results[-1])
 
     def _not_landed(self, entries: list[StreamEntry]) -> list[StreamEntry]:
-        """The entries of a batch that are not in the stream: a transaction lands whole, so all
-        of them or none, told by the newest entry of this attempt."""
+        """The entries of a batch that are not in the stream: what lands is a prefix (a
+        transaction all of it or none), told by the newest entry of this attempt."""
         rows = self.r.xrevrange(self.key, count=len(entries) + _READ_BACK_SLACK)
         for _id, fields in rows:
             if (_field(fields, "attempt") or "1") == str(self.attempt):

@@ -407,19 +407,26 @@ async def _sse_body(
     done: dict[str, str] | None = None
     finish = pooled(serving.admission_finish)
     relay = _Relay(adm, kind, created, include_usage, shaping)
-    try:
-        if kind == "chat":
-            yield shape.sse(
-                shape.chat_chunk(
-                    adm, created, {"role": "assistant", "content": ""}, None, None, include_usage
-                )
+    # What is ready at once goes to the client in one write (one ASGI message, one socket
+    # write): the role chunk with the first token's, and the end's chunks with [DONE].
+    head = (
+        shape.sse(
+            shape.chat_chunk(
+                adm, created, {"role": "assistant", "content": ""}, None, None, include_usage
             )
+        )
+        if kind == "chat"
+        else b""
+    )
+    try:
         entry: dict[str, str] | None = first
         while entry is not None:
             etype = entry.get("type")
+            out = b"".join(relay.chunk(entry)) if etype == "chunk" else b""
+            if head or out:
+                yield head + out
+                head = b""
             if etype == "chunk":
-                for out in relay.chunk(entry):
-                    yield out
                 if not marked_running:
                     # Recorded after the first token is on the wire, not in front of it.
                     marked_running = True
@@ -431,20 +438,19 @@ async def _sse_body(
                     yield shape.sse_error("The request was cancelled.", "cancelled")
                     yield shape.DONE
                     return
-                for out in relay.end():
-                    yield out
+                tail = relay.end()
                 shown = "tool_calls" if relay.calls else fr
-                yield shape.sse(shape.finish_chunk(adm, kind, created, shown, include_usage))
+                tail.append(shape.sse(shape.finish_chunk(adm, kind, created, shown, include_usage)))
                 if include_usage:
                     usage = shape.usage_body(
                         serving.admission_usage(adm=adm, entry=entry, check=False)
                     )
-                    yield shape.sse(shape.usage_chunk(adm, kind, created, usage))
+                    tail.append(shape.sse(shape.usage_chunk(adm, kind, created, usage)))
                 # The client has everything: send [DONE] first, then record the job (settlement
                 # and metrics) before the response closes, so a client that reads to the end
                 # still finds the job COMPLETED. One that leaves at [DONE] is recorded below.
                 done = entry
-                yield shape.DONE
+                yield b"".join([*tail, shape.DONE])
                 await finish(adm=adm, outcome="completed", entry=entry, finish_reason=fr)
                 return
             elif etype == "error":
