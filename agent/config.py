@@ -25,6 +25,29 @@ class ConfigError(ValueError):
     """A configuration value is wrong. Its message is one line meant for the operator."""
 
 
+# The relay's coalescing window (agent/runtime/stream.py, docs/design/serving.md): the longest a
+# fast stream's token waits in the agent for others. Read from the environment only.
+COALESCE_ENV = "RACON_STREAM_COALESCE_SECONDS"
+DEFAULT_COALESCE_SECONDS = 0.02
+MAX_COALESCE_SECONDS = 1.0
+
+
+def stream_coalesce_seconds(raw: str | None) -> float:
+    """RACON_STREAM_COALESCE_SECONDS's value as seconds ('' or unset: 0.02); ConfigError naming
+    the variable for anything but a number from 0 to 1."""
+    if not raw:
+        return DEFAULT_COALESCE_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{COALESCE_ENV} must be a number of seconds, got {raw!r}") from None
+    if not 0 <= value <= MAX_COALESCE_SECONDS:  # NaN fails this too
+        raise ConfigError(
+            f"{COALESCE_ENV} must be between 0 and {MAX_COALESCE_SECONDS:g} seconds, got {raw!r}"
+        )
+    return value
+
+
 @dataclass
 class AgentConfig:
     controller_url: str
@@ -298,6 +321,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     redis_url = _pick(args, env, "redis_url")
     if redis_url and urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"--redis-url must be a redis:// URL, got {redis_url!r}")
+
+    stream_coalesce_seconds(env.get(COALESCE_ENV))  # refused here, at start, naming it
 
     level = (_pick(args, env, "log_level") or "INFO").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -32,6 +32,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from agent.config import (
+    COALESCE_ENV,
+    DEFAULT_COALESCE_SECONDS,
+    ConfigError,
+    stream_coalesce_seconds,
+)
 from agent.protocol import (
     STREAM_MAXLEN,
     STREAM_TTL_SECONDS,
@@ -298,12 +304,12 @@ class StreamWriter:
 
 
 def _coalesce_seconds() -> float:
-    raw = os.environ.get("RACON_STREAM_COALESCE_SECONDS", "")
     try:
-        return max(0.0, float(raw)) if raw else 0.02
-    except ValueError:
-        log.warning("RACON_STREAM_COALESCE_SECONDS=%r is not a number; using 0.02", raw)
-        return 0.02
+        return stream_coalesce_seconds(os.environ.get(COALESCE_ENV))
+    except ConfigError:
+        # The agent refuses such a value at start (agent/config.py names it); anything else that
+        # imports this module keeps the default.
+        return DEFAULT_COALESCE_SECONDS
 
 
 # The relay's coalescing (docs/design/serving.md, "The stream protocol"): the longest a token

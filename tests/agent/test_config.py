@@ -151,3 +151,18 @@ def test_a_loopback_or_link_local_advertise_is_refused_for_a_remote_controller(
         {},
     )  # fmt: skip
     assert ok.advertise_address == address
+
+
+@pytest.mark.parametrize("raw", ["abc", "-0.1", "2", "nan", "inf"])
+def test_a_bad_stream_coalescing_window_is_refused_naming_it(raw: str, tmp_path: Path) -> None:
+    env = {"RACON_STREAM_COALESCE_SECONDS": raw}
+    with pytest.raises(ConfigError, match="RACON_STREAM_COALESCE_SECONDS") as exc:
+        parse_run_args([*BASE, "--state-dir", str(tmp_path)], env)
+    assert repr(raw) in str(exc.value)
+
+
+@pytest.mark.parametrize(("raw", "seconds"), [("", 0.02), ("0", 0.0), ("0.05", 0.05), ("1", 1.0)])
+def test_a_stream_coalescing_window_in_range_is_taken(raw: str, seconds: float) -> None:
+    from agent.config import stream_coalesce_seconds
+
+    assert stream_coalesce_seconds(raw) == seconds
