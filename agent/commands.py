@@ -151,6 +151,7 @@ class Commands:
             send=lambda payload: outbox.report("job_finished", dict(payload)),
             client=lambda: redis_link.client,
             node_id=node_id,
+            on_skipped=registry.count_reports_skipped,
         )
         self.gpu_challenges = GpuChallengeSteps(
             max_side=GPU_CHALLENGE_MAX_SIDE,

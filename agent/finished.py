@@ -39,7 +39,8 @@ class FinishedReports:
     """job_finished reports of completed jobs, held for GRACE_SECONDS and sent only if needed.
 
     ``send``: hands a report to the outbox; ``client``: the node's Redis client (None while not
-    connected: the report is sent); ``node_id``: this node's id, whose prefix the streams are in.
+    connected: the report is sent); ``node_id``: this node's id, whose prefix the streams are in;
+    ``on_skipped``: told how many reports were not needed (the agent's metrics count them).
     """
 
     def __init__(
@@ -50,7 +51,9 @@ class FinishedReports:
         node_id: Callable[[], str],
         grace: float = GRACE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        on_skipped: Callable[[int], None] | None = None,
     ) -> None:
+        self.on_skipped = on_skipped
         self.send = send
         self.client = client
         self.node_id = node_id
@@ -125,5 +128,8 @@ class FinishedReports:
             )
             return payloads
         needed = [p for p, n in zip(payloads, there, strict=True) if n]
-        self.dropped += len(payloads) - len(needed)
+        skipped = len(payloads) - len(needed)
+        self.dropped += skipped
+        if skipped and self.on_skipped is not None:
+            self.on_skipped(skipped)
         return needed

@@ -202,6 +202,12 @@ def families(snapshot: dict[str, Any], memory: dict[str, int]) -> Iterator[Metri
             "completion_tokens_total",
             "Completion tokens this node generated.",
         ),
+        (
+            "racon_agent_job_reports_skipped_total",
+            "job_reports_skipped_total",
+            "Completed jobs whose job_finished report was not sent: the controller had recorded "
+            "the end from the stream and released it.",
+        ),
     ):
         counter = CounterMetricFamily(name, doc, labels=[])
         counter.add_metric([], _number(snapshot.get(key, 0)))

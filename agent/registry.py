@@ -44,6 +44,8 @@ class DeploymentRegistry:
             "commands_total": 0,
             "jobs_finished_total": 0,
             "completion_tokens_total": 0,
+            # Completed jobs whose job_finished report was not needed (agent/finished.py).
+            "job_reports_skipped_total": 0,
         }
 
     # --- deployments ----------------------------------------------------------------------------
@@ -148,6 +150,10 @@ class DeploymentRegistry:
     def last_job(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._last_job)
+
+    def count_reports_skipped(self, n: int) -> None:
+        with self._lock:
+            self.counters["job_reports_skipped_total"] += n
 
     def count_command(self) -> None:
         with self._lock:

@@ -147,3 +147,20 @@ def test_many_due_together_are_looked_at_in_one_pass(redis_client: Any, job_id: 
     assert sorted(sent.ids()) == sorted(kept)
     assert fr.dropped == 10
     fr.stop()
+
+
+def test_skipped_reports_are_counted_for_the_agents_metrics(redis_client: Any, job_id: str) -> None:
+    counted: list[int] = []
+    fr = FinishedReports(
+        send=Sent(), client=lambda: redis_client, node_id=lambda: NODE, grace=GRACE,
+        on_skipped=counted.append,
+    )  # fmt: skip
+    for i in range(3):
+        key = stream(redis_client, f"{job_id}-{i}")
+        redis_client.delete(key)
+        fr.submit(payload(f"{job_id}-{i}"))
+    deadline = time.monotonic() + 10
+    while sum(counted) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum(counted) == 3
+    fr.stop()

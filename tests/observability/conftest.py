@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -147,7 +148,15 @@ def live_run(
             auth = {"Authorization": f"Bearer {METRICS_TOKEN}"}
             before = httpx.get(ctl.url + "/metrics", headers=auth, timeout=10)
             assert before.status_code == 200, before.text
-            agent_metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+
+            def agent_skipped_the_report() -> str | None:
+                # The follower recorded the job's end and released its stream, so the agent
+                # drops the job_finished report after its grace (agent/finished.py, 2 s).
+                text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+                found = re.search(r"^racon_agent_job_reports_skipped_total (\S+)$", text, re.M)
+                return text if found and float(found.group(1)) >= 1 else None
+
+            agent_metrics = wait_for(agent_skipped_the_report, 20, "the agent to skip the report")
             drained = ctl.post(f"/api/admin/nodes/{node['id']}/drain")
             assert drained.status_code == 200, drained.text
             wait_for(

@@ -105,6 +105,8 @@ def test_the_agent_metrics_port_serves_the_nodes_runtime_figures(live_run: LiveR
     assert value(text, "racon_agent_rpc_worker_up") == 1
     assert value(text, "racon_agent_models_loaded") == 1
     assert value(text, "racon_agent_jobs_finished_total") == 1
+    # Its end was recorded from the stream: the job_finished report was not needed.
+    assert value(text, "racon_agent_job_reports_skipped_total") == 1
     assert value(text, "racon_agent_completion_tokens_total") == live_run.completion_tokens
     assert value(text, "racon_agent_process_memory_bytes") > 0
     assert value(text, "racon_agent_memory_used_bytes") > 0
