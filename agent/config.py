@@ -29,21 +29,27 @@ class ConfigError(ValueError):
 # fast stream's token waits in the agent for others. Read from the environment only.
 COALESCE_ENV = "RACON_STREAM_COALESCE_SECONDS"
 DEFAULT_COALESCE_SECONDS = 0.02
+# The same while the engine is busy (STREAM_COALESCE_BUSY_STREAMS jobs or more on one primary):
+# then every entry's CPU in the agent, Redis and the controller is taken from the engine.
+COALESCE_BUSY_ENV = "RACON_STREAM_COALESCE_BUSY_SECONDS"
+DEFAULT_COALESCE_BUSY_SECONDS = 0.1
 MAX_COALESCE_SECONDS = 1.0
 
 
-def stream_coalesce_seconds(raw: str | None) -> float:
-    """RACON_STREAM_COALESCE_SECONDS's value as seconds ('' or unset: 0.02); ConfigError naming
-    the variable for anything but a number from 0 to 1."""
+def stream_coalesce_seconds(raw: str | None, *, name: str = COALESCE_ENV) -> float:
+    """A coalescing window's value as seconds ('' or unset: its default); ConfigError naming the
+    variable for anything but a number from 0 to 1."""
     if not raw:
-        return DEFAULT_COALESCE_SECONDS
+        return (
+            DEFAULT_COALESCE_BUSY_SECONDS if name == COALESCE_BUSY_ENV else DEFAULT_COALESCE_SECONDS
+        )
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{COALESCE_ENV} must be a number of seconds, got {raw!r}") from None
+        raise ConfigError(f"{name} must be a number of seconds, got {raw!r}") from None
     if not 0 <= value <= MAX_COALESCE_SECONDS:  # NaN fails this too
         raise ConfigError(
-            f"{COALESCE_ENV} must be between 0 and {MAX_COALESCE_SECONDS:g} seconds, got {raw!r}"
+            f"{name} must be between 0 and {MAX_COALESCE_SECONDS:g} seconds, got {raw!r}"
         )
     return value
 
@@ -322,7 +328,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     if redis_url and urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"--redis-url must be a redis:// URL, got {redis_url!r}")
 
-    stream_coalesce_seconds(env.get(COALESCE_ENV))  # refused here, at start, naming it
+    for name in (COALESCE_ENV, COALESCE_BUSY_ENV):  # refused here, at start, naming them
+        stream_coalesce_seconds(env.get(name), name=name)
 
     level = (_pick(args, env, "log_level") or "INFO").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -56,6 +56,9 @@ from agent.runtime.primary import (
 )
 from agent.runtime.prompting import template_request, token_probs
 from agent.runtime.stream import (
+    STREAM_COALESCE_BUSY_SECONDS,
+    STREAM_COALESCE_BUSY_STREAMS,
+    STREAM_COALESCE_SECONDS,
     DirectStreamWriter,
     EngineError,
     EventReader,
@@ -652,6 +655,12 @@ class ServerPrimary:
             log.info("deployment %s: local template refused a job (%s)", self.deployment_id, exc)
             return None
 
+    def _coalesce_window(self) -> float:
+        """The relay's coalescing window for this primary's streams, asked at each batch: the
+        busy one while it runs STREAM_COALESCE_BUSY_STREAMS jobs or more (agent/runtime/stream.py)."""
+        busy = len(self._jobs) >= STREAM_COALESCE_BUSY_STREAMS
+        return STREAM_COALESCE_BUSY_SECONDS if busy else STREAM_COALESCE_SECONDS
+
     def _connect(self, j: _Job) -> http.client.HTTPConnection:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=None)
         conn.connect()
@@ -683,7 +692,7 @@ class ServerPrimary:
             resp = conn.getresponse()
             if resp.status != 200:
                 raise _error_from(resp.status, resp.read())
-            reader = EventReader(resp)
+            reader = EventReader(resp, window=self._coalesce_window)
             while True:
                 try:
                     events = reader.batch()

@@ -26,6 +26,7 @@ import select
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Literal
 
 import redis
@@ -33,7 +34,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from agent.config import (
+    COALESCE_BUSY_ENV,
     COALESCE_ENV,
+    DEFAULT_COALESCE_BUSY_SECONDS,
     DEFAULT_COALESCE_SECONDS,
     ConfigError,
     stream_coalesce_seconds,
@@ -303,20 +306,27 @@ class StreamWriter:
         self.cancel.set()
 
 
-def _coalesce_seconds() -> float:
+def _coalesce_seconds(name: str, default: float) -> float:
     try:
-        return stream_coalesce_seconds(os.environ.get(COALESCE_ENV))
+        return stream_coalesce_seconds(os.environ.get(name), name=name)
     except ConfigError:
         # The agent refuses such a value at start (agent/config.py names it); anything else that
         # imports this module keeps the default.
-        return DEFAULT_COALESCE_SECONDS
+        return default
 
 
 # The relay's coalescing (docs/design/serving.md, "The stream protocol"): the longest a token
 # waits in the agent for others, and the most tokens in one entry. Only a fast stream's tokens
 # wait (one that came at more than one token per window); a slow stream's are written at once.
-STREAM_COALESCE_SECONDS = _coalesce_seconds()
+STREAM_COALESCE_SECONDS = _coalesce_seconds(COALESCE_ENV, DEFAULT_COALESCE_SECONDS)
 STREAM_COALESCE_MAX_EVENTS = 256
+# While a primary runs this many jobs or more, its streams use the busy window: the engine keeps
+# the cores busy, and every entry's CPU on the way (agent, Redis, daphne) is taken from it, about
+# twice over (llama.cpp's threads run in lockstep: docs/design/serving.md, "A core taken from the
+# engine costs it twice"). A stream slower than one token per busy window still gets each token
+# at once.
+STREAM_COALESCE_BUSY_SECONDS = _coalesce_seconds(COALESCE_BUSY_ENV, DEFAULT_COALESCE_BUSY_SECONDS)
+STREAM_COALESCE_BUSY_STREAMS = 8
 
 
 class EngineError(Exception):
@@ -330,7 +340,8 @@ class EventReader:
     is readable at once, for at most ``window`` seconds or ``max_events`` events: under load one
     recv, one parse pass and one Redis entry carry many tokens. A fast stream's batch (the last
     one came at more than one event per window) stays open for the window; a slow stream's token
-    is returned at once.
+    is returned at once. ``window`` may be a callable, asked at each batch (the primary's: longer
+    while it is busy, STREAM_COALESCE_BUSY_SECONDS).
     Chunked transfer coding (cpp-httplib's, one chunk per event) is decoded here, and a ``data:``
     line split across chunks or reads is joined. Returns None at the end of the body.
     """
@@ -339,7 +350,7 @@ class EventReader:
         self,
         resp: http.client.HTTPResponse,
         *,
-        window: float = STREAM_COALESCE_SECONDS,
+        window: float | Callable[[], float] = STREAM_COALESCE_SECONDS,
         max_events: int = STREAM_COALESCE_MAX_EVENTS,
     ) -> None:
         self.fp = resp.fp  # headers were read through it: what it buffered is the body's start
@@ -362,6 +373,7 @@ class EventReader:
         A stream's first batch, a slow stream's and its last event are never held."""
         events: list[dict[str, Any]] = []
         first = 0.0
+        window = self.window() if callable(self.window) else self.window
         while not self.eof:
             data = self.fp.read1(1 << 16)  # what is buffered, else one recv (blocking)
             if not data:
@@ -372,18 +384,18 @@ class EventReader:
             if not events:
                 continue
             if events[-1].get("stop") or len(events) >= self.max_events:
-                return self._handed(events)
+                return self._handed(events, window)
             now = time.monotonic()
             first = first or now
-            left = first + self.window - now if self._fast else 0.0
+            left = first + window - now if self._fast else 0.0
             if left <= 0 or not self._poll.poll(left * 1000):
-                return self._handed(events)
-        return self._handed(events) if events else None
+                return self._handed(events, window)
+        return self._handed(events, window) if events else None
 
-    def _handed(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _handed(self, events: list[dict[str, Any]], window: float) -> list[dict[str, Any]]:
         now = time.monotonic()
         if self._returned_at is not None:
-            self._fast = (now - self._returned_at) / len(events) < self.window
+            self._fast = (now - self._returned_at) / len(events) < window
         self._returned_at = now
         return events
 

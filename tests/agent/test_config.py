@@ -153,10 +153,15 @@ def test_a_loopback_or_link_local_advertise_is_refused_for_a_remote_controller(
     assert ok.advertise_address == address
 
 
+@pytest.mark.parametrize(
+    "name", ["RACON_STREAM_COALESCE_SECONDS", "RACON_STREAM_COALESCE_BUSY_SECONDS"]
+)
 @pytest.mark.parametrize("raw", ["abc", "-0.1", "2", "nan", "inf"])
-def test_a_bad_stream_coalescing_window_is_refused_naming_it(raw: str, tmp_path: Path) -> None:
-    env = {"RACON_STREAM_COALESCE_SECONDS": raw}
-    with pytest.raises(ConfigError, match="RACON_STREAM_COALESCE_SECONDS") as exc:
+def test_a_bad_stream_coalescing_window_is_refused_naming_it(
+    name: str, raw: str, tmp_path: Path
+) -> None:
+    env = {name: raw}
+    with pytest.raises(ConfigError, match=name) as exc:
         parse_run_args([*BASE, "--state-dir", str(tmp_path)], env)
     assert repr(raw) in str(exc.value)
 
@@ -166,3 +171,5 @@ def test_a_stream_coalescing_window_in_range_is_taken(raw: str, seconds: float) 
     from agent.config import stream_coalesce_seconds
 
     assert stream_coalesce_seconds(raw) == seconds
+    busy = "RACON_STREAM_COALESCE_BUSY_SECONDS"
+    assert stream_coalesce_seconds(raw, name=busy) == (seconds if raw else 0.1)

@@ -138,3 +138,55 @@ def test_lines_split_across_chunks_and_reads_are_joined() -> None:
     with engine(body) as resp:
         got = batches(resp)
     assert [t for b in got for t in b] == [0, 1, 2]
+
+
+def test_a_callable_window_is_asked_at_each_batch() -> None:
+    """The primary's window (longer while it is busy) is asked per batch: the same stream at 25
+    events a second goes one event a batch with a 0.01 s window, and together once it is 0.2 s."""
+    asked: list[float] = []
+    current = [0.01]
+
+    def window() -> float:
+        asked.append(current[0])
+        return current[0]
+
+    def body(conn: socket.socket) -> None:
+        for i in range(40):
+            if i == 15:
+                current[0] = 0.2  # the primary got busy
+            conn.sendall(frame(event(i, stop=i == 39) + b"\n\n"))
+            time.sleep(0.04)
+
+    with engine(body) as resp:
+        reader = EventReader(resp, window=window)
+        got: list[list[int]] = []
+        while (b := reader.batch()) is not None:
+            got.append([e["tokens"][0] for e in b])
+            if b[-1].get("stop"):
+                break
+    assert [t for b in got for t in b] == list(range(40))
+    assert len(asked) == len(got)  # once a batch
+    early = [b for b in got if b[-1] < 14]
+    late = [b for b in got if b[0] > 20]
+    assert all(len(b) == 1 for b in early), got  # 0.04 s apart: slower than one per 0.01 s
+    assert max(len(b) for b in late) >= 3, got  # 0.04 s apart: several per 0.2 s
+
+
+def test_the_primary_uses_the_busy_window_from_its_busy_streams_count() -> None:
+    from types import SimpleNamespace
+
+    from agent.runtime.server import ServerPrimary
+    from agent.runtime.stream import (
+        STREAM_COALESCE_BUSY_SECONDS,
+        STREAM_COALESCE_BUSY_STREAMS,
+        STREAM_COALESCE_SECONDS,
+    )
+
+    def window(n: int) -> float:
+        fake = SimpleNamespace(_jobs={str(i): object() for i in range(n)})
+        return ServerPrimary._coalesce_window(fake)  # type: ignore[arg-type]
+
+    assert window(1) == STREAM_COALESCE_SECONDS
+    assert window(STREAM_COALESCE_BUSY_STREAMS - 1) == STREAM_COALESCE_SECONDS
+    assert window(STREAM_COALESCE_BUSY_STREAMS) == STREAM_COALESCE_BUSY_SECONDS
+    assert STREAM_COALESCE_BUSY_SECONDS > STREAM_COALESCE_SECONDS
