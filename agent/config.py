@@ -28,21 +28,18 @@ class ConfigError(ValueError):
 # The relay's coalescing window (agent/runtime/stream.py, docs/design/serving.md): the longest a
 # fast stream's token waits in the agent for others. Read from the environment only.
 COALESCE_ENV = "RACON_STREAM_COALESCE_SECONDS"
-DEFAULT_COALESCE_SECONDS = 0.02
 # The same while the engine is busy (STREAM_COALESCE_BUSY_STREAMS jobs or more on one primary):
 # then every entry's CPU in the agent, Redis and the controller is taken from the engine.
 COALESCE_BUSY_ENV = "RACON_STREAM_COALESCE_BUSY_SECONDS"
-DEFAULT_COALESCE_BUSY_SECONDS = 0.1
+COALESCE_DEFAULTS = {COALESCE_ENV: 0.02, COALESCE_BUSY_ENV: 0.1}  # seconds
 MAX_COALESCE_SECONDS = 1.0
 
 
 def stream_coalesce_seconds(raw: str | None, *, name: str = COALESCE_ENV) -> float:
-    """A coalescing window's value as seconds ('' or unset: its default); ConfigError naming the
-    variable for anything but a number from 0 to 1."""
+    """A coalescing window's value as seconds ('' or unset: its default, COALESCE_DEFAULTS);
+    ConfigError naming the variable for anything but a number from 0 to 1."""
     if not raw:
-        return (
-            DEFAULT_COALESCE_BUSY_SECONDS if name == COALESCE_BUSY_ENV else DEFAULT_COALESCE_SECONDS
-        )
+        return COALESCE_DEFAULTS[name]
     try:
         value = float(raw)
     except ValueError:
@@ -328,7 +325,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     if redis_url and urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"--redis-url must be a redis:// URL, got {redis_url!r}")
 
-    for name in (COALESCE_ENV, COALESCE_BUSY_ENV):  # refused here, at start, naming them
+    for name in COALESCE_DEFAULTS:  # refused here, at start, naming them
         stream_coalesce_seconds(env.get(name), name=name)
 
     level = (_pick(args, env, "log_level") or "INFO").upper()

@@ -53,12 +53,12 @@ class FinishedReports:
         clock: Callable[[], float] = time.monotonic,
         on_skipped: Callable[[int], None] | None = None,
     ) -> None:
-        self.on_skipped = on_skipped
         self.send = send
         self.client = client
         self.node_id = node_id
         self.grace = grace
         self.clock = clock
+        self.on_skipped = on_skipped
         self.dropped = 0  # reports not needed: the controller had released the stream
         self._due: deque[tuple[float, JobFinishedPayload]] = deque()
         self._cv = threading.Condition()

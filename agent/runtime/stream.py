@@ -35,9 +35,8 @@ from redis.retry import Retry
 
 from agent.config import (
     COALESCE_BUSY_ENV,
+    COALESCE_DEFAULTS,
     COALESCE_ENV,
-    DEFAULT_COALESCE_BUSY_SECONDS,
-    DEFAULT_COALESCE_SECONDS,
     ConfigError,
     stream_coalesce_seconds,
 )
@@ -306,26 +305,26 @@ class StreamWriter:
         self.cancel.set()
 
 
-def _coalesce_seconds(name: str, default: float) -> float:
+def _coalesce_seconds(name: str) -> float:
     try:
         return stream_coalesce_seconds(os.environ.get(name), name=name)
     except ConfigError:
         # The agent refuses such a value at start (agent/config.py names it); anything else that
         # imports this module keeps the default.
-        return default
+        return COALESCE_DEFAULTS[name]
 
 
 # The relay's coalescing (docs/design/serving.md, "The stream protocol"): the longest a token
 # waits in the agent for others, and the most tokens in one entry. Only a fast stream's tokens
 # wait (one that came at more than one token per window); a slow stream's are written at once.
-STREAM_COALESCE_SECONDS = _coalesce_seconds(COALESCE_ENV, DEFAULT_COALESCE_SECONDS)
+STREAM_COALESCE_SECONDS = _coalesce_seconds(COALESCE_ENV)
 STREAM_COALESCE_MAX_EVENTS = 256
 # While a primary runs this many jobs or more, its streams use the busy window: the engine keeps
 # the cores busy, and every entry's CPU on the way (agent, Redis, daphne) is taken from it, about
 # twice over (llama.cpp's threads run in lockstep: docs/design/serving.md, "A core taken from the
 # engine costs it twice"). A stream slower than one token per busy window still gets each token
 # at once.
-STREAM_COALESCE_BUSY_SECONDS = _coalesce_seconds(COALESCE_BUSY_ENV, DEFAULT_COALESCE_BUSY_SECONDS)
+STREAM_COALESCE_BUSY_SECONDS = _coalesce_seconds(COALESCE_BUSY_ENV)
 STREAM_COALESCE_BUSY_STREAMS = 8
 
 
