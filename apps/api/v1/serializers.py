@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from rest_framework import serializers
@@ -293,9 +294,7 @@ def _neutral(name: str, value: Any) -> bool:
     return name == "best_of" and value == 1
 
 
-def refuse_unsupported(
-    *, kind: str, body: dict[str, Any], fields: frozenset[str] | set[str]
-) -> None:
+def refuse_unsupported(*, kind: str, body: dict[str, Any], fields: AbstractSet[str]) -> None:
     """ApiError 400 naming the first parameter RACoN would otherwise silently ignore."""
     for name, value in body.items():
         reason = REFUSED[kind].get(name)
